@@ -1,0 +1,354 @@
+"""Frozen model configs built from (and written back to) Hugging Face `config.json` dicts.
+
+Configs are hashable: they live inside Flax NNX graph definitions, which `jax.jit` treats as
+static, so every field is an immutable scalar or tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a model we support."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `rope_type` is "default" or "yarn"."""
+
+    theta: float = 1_000_000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "yarn"):
+            raise ConfigError(
+                f"unsupported rope_type {self.rope_type!r}: only 'default' and 'yarn' are implemented"
+            )
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise ConfigError("yarn RoPE needs original_max_position_embeddings")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> RopeConfig:
+        """Reads `rope_parameters` (transformers >= 5) or the older `rope_theta`/`rope_scaling`."""
+        params = dict(d.get("rope_parameters") or {})
+        legacy = dict(d.get("rope_scaling") or {})
+        if "rope_theta" not in params:
+            params["rope_theta"] = d.get("rope_theta", 10_000.0)
+        for key, value in legacy.items():
+            params.setdefault("rope_type" if key == "type" else key, value)
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type == "yarn":
+            max_pos = d.get("max_position_embeddings")
+            original = params.get("original_max_position_embeddings")
+            factor = params.get("factor")
+            if factor is None:
+                if not (max_pos and original):
+                    raise ConfigError("yarn RoPE needs factor or both max/original positions")
+                factor = max_pos / original
+            return cls(
+                theta=float(params["rope_theta"]),
+                rope_type="yarn",
+                factor=float(factor),
+                original_max_position_embeddings=int(original) if original else None,
+                beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0),
+                attention_factor=params.get("attention_factor"),
+                mscale=params.get("mscale"),
+                mscale_all_dim=params.get("mscale_all_dim"),
+                truncate=bool(params.get("truncate", True)),
+            )
+        return cls(theta=float(params["rope_theta"]), rope_type=rope_type)
+
+    def to_hf(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rope_theta": self.theta, "rope_type": self.rope_type}
+        if self.rope_type == "yarn":
+            out.update(
+                factor=self.factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+                beta_fast=self.beta_fast,
+                beta_slow=self.beta_slow,
+            )
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(self, key) is not None:
+                    out[key] = getattr(self, key)
+            if not self.truncate:
+                out["truncate"] = False
+        return out
+
+    def attention_scaling(self) -> float:
+        """The factor transformers multiplies into cos/sin (1 for default RoPE)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        return mscale(self.factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """A Qwen3 decoder: the target model, and the shape of the drafter's backbone."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40_960
+    eos_token_id: int | tuple[int, ...] | None = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {DTYPES}")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> Qwen3Config:
+        model_type = d.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise ConfigError(f"model_type {model_type!r} is not a Qwen3 model")
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if k not in d
+        ]
+        if missing:
+            raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
+        heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        dtype = str(d.get("dtype") or d.get("torch_dtype") or "bfloat16")
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(d),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 40_960)),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            dtype=dtype.replace("torch.", ""),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": None,
+            "dtype": self.dtype,
+            "eos_token_id": eos,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": 28,
+            "model_type": "qwen3",
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "pad_token_id": None,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": self.rope.to_hf(),
+            "sliding_window": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": self.vocab_size,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DSpark (or DFlash: markov_rank 0, no confidence head) drafter.
+
+    `model` is the drafter backbone's shape (num_hidden_layers = drafter layers); the rest are
+    the DeepSpec fields. `num_target_layers` is the target's depth, used to reject taps of its
+    final layer (transformers stores that one after the final norm).
+    """
+
+    model: Qwen3Config
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    num_anchors: int = 512
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(
+                f"unknown markov_head_type {self.markov_head_type!r}; "
+                f"expected one of {', '.join(MARKOV_HEAD_TYPES)}"
+            )
+        for layer_id in self.target_layer_ids:
+            if layer_id == self.num_target_layers - 1:
+                raise ConfigError(
+                    f"target_layer_ids contains {layer_id}, the target's final decoder layer: "
+                    "transformers stores that hidden state after the final norm, so it is not a "
+                    f"usable tap (valid ids: -1..{self.num_target_layers - 2})"
+                )
+            if not -1 <= layer_id < self.num_target_layers - 1:
+                raise ConfigError(
+                    f"target_layer_id {layer_id} is outside -1..{self.num_target_layers - 2} "
+                    f"for a {self.num_target_layers}-layer target"
+                )
+        if not 0 <= self.mask_token_id < self.model.vocab_size:
+            raise ConfigError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"(vocab_size {self.model.vocab_size})"
+            )
+        if self.markov_rank < 0:
+            raise ConfigError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if (
+            self.enable_confidence_head
+            and self.confidence_head_with_markov
+            and self.markov_rank == 0
+        ):
+            raise ConfigError(
+                "confidence_head_with_markov needs a Markov head (markov_rank > 0); "
+                "set confidence_head_with_markov to false for a rank-0 drafter"
+            )
+
+    @property
+    def has_markov_head(self) -> bool:
+        return self.markov_rank > 0
+
+    @property
+    def num_context_features(self) -> int:
+        return len(self.target_layer_ids) * self.model.hidden_size
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> DrafterConfig:
+        # DFlash exports keep their drafter fields under `dflash_config`.
+        extra = dict(d.get("dflash_config") or {})
+        fields = {**extra, **{k: v for k, v in d.items() if k != "dflash_config"}}
+        missing = [k for k in ("block_size", "mask_token_id", "target_layer_ids") if k not in fields]
+        if missing:
+            raise ConfigError(f"drafter config.json lacks: {', '.join(missing)}")
+        is_dflash = "dflash_config" in d or "markov_rank" not in fields
+        target_layer_ids = tuple(int(i) for i in fields["target_layer_ids"])
+        num_target_layers = fields.get("num_target_layers")
+        if num_target_layers is None:
+            raise ConfigError(
+                "drafter config.json lacks num_target_layers (the target's depth); add it or "
+                "convert together with the target so it can be filled in"
+            )
+        return cls(
+            model=Qwen3Config.from_hf(fields),
+            block_size=int(fields["block_size"]),
+            mask_token_id=int(fields["mask_token_id"]),
+            target_layer_ids=target_layer_ids,
+            num_target_layers=int(num_target_layers),
+            markov_rank=int(fields.get("markov_rank", 0)),
+            markov_head_type=str(fields.get("markov_head_type", "vanilla")),
+            enable_confidence_head=bool(fields.get("enable_confidence_head", not is_dflash)),
+            confidence_head_with_markov=bool(
+                fields.get("confidence_head_with_markov", not is_dflash)
+            ),
+            num_anchors=int(fields.get("num_anchors", 512)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        out = self.model.to_hf()
+        out.update(
+            architectures=["Qwen3DSparkModel"],
+            block_size=self.block_size,
+            confidence_head_with_markov=self.confidence_head_with_markov,
+            enable_confidence_head=self.enable_confidence_head,
+            markov_head_type=self.markov_head_type,
+            markov_rank=self.markov_rank,
+            mask_token_id=self.mask_token_id,
+            num_anchors=self.num_anchors,
+            num_target_layers=self.num_target_layers,
+            target_layer_ids=list(self.target_layer_ids),
+        )
+        return dict(sorted(out.items()))
+
+    def check_target(self, target: Qwen3Config) -> None:
+        """Raises ConfigError when this drafter cannot run on `target`."""
+        problems = []
+        if target.hidden_size != self.model.hidden_size:
+            problems.append(
+                f"hidden_size: drafter {self.model.hidden_size}, target {target.hidden_size}"
+            )
+        if target.vocab_size != self.model.vocab_size:
+            problems.append(f"vocab_size: drafter {self.model.vocab_size}, target {target.vocab_size}")
+        if target.num_hidden_layers != self.num_target_layers:
+            problems.append(
+                f"layer count: drafter expects a {self.num_target_layers}-layer target, "
+                f"target has {target.num_hidden_layers}"
+            )
+        if problems:
+            raise ConfigError("drafter and target disagree on " + "; ".join(problems))
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e

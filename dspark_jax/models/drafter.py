@@ -1,0 +1,168 @@
+"""The DSpark drafter: a DFlash-style parallel backbone with KV injection plus sequential heads.
+
+One block is [anchor, MASK x (gamma-1)] at positions start..start+gamma-1; output k predicts the
+token at start+k+1. Every layer's keys/values are [k/v_proj(context) ; k/v_proj(block)], where the
+context is hidden_norm(fc(target taps)) at absolute positions 0..start-1. Context K/V depend only
+on the context features, so inference caches them (`KVCache`) and appends new ones each round.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig
+from dspark_jax.models.heads import ConfidenceHead, MarkovHead
+from dspark_jax.models.layers import Embed, KVCache, Linear, RMSNorm, attention, write_rows
+from dspark_jax.models.qwen3 import DecoderLayer
+from dspark_jax.sampling import SamplingConfig, sample_tokens
+
+
+class DrafterLayer(DecoderLayer):
+    """A Qwen3 layer whose block queries attend to injected context K/V and the whole block."""
+
+    def __call__(self, x_btd, positions_bt, ctx_k_bshd, ctx_v_bshd, mask_bts):
+        h = self.input_layernorm(x_btd)
+        q = self.self_attn.query(h, positions_bt)
+        k, v = self.self_attn.key_value(h, positions_bt)
+        k = jnp.concatenate([ctx_k_bshd.astype(k.dtype), k], axis=1)
+        v = jnp.concatenate([ctx_v_bshd.astype(v.dtype), v], axis=1)
+        o = attention(q, k, v, mask_bts, self.self_attn.scale)
+        x_btd = x_btd + self.self_attn.output(o)
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+
+
+class DraftBlock(NamedTuple):
+    tokens_bk: jax.Array  # sampled draft tokens
+    logits_bkv: jax.Array  # Markov-corrected logits each token was sampled from (float32)
+    conf_logits_bk: jax.Array | None  # pre-sigmoid confidence, None without a confidence head
+
+
+class DSparkDrafter(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, param_dtype=None):
+        m = cfg.model
+        param_dtype = jnp.dtype(param_dtype or m.dtype)
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.cfg = cfg
+        self.embed_tokens = Embed(m.vocab_size, m.hidden_size, **kw)
+        self.layers = nnx.List([DrafterLayer(m, **kw) for _ in range(m.num_hidden_layers)])
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps, param_dtype=param_dtype)
+        self.fc = Linear(cfg.num_context_features, m.hidden_size, axes=("context", "embed"), **kw)
+        self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = Embed(m.vocab_size, m.hidden_size, **kw)
+        self.markov_head = (
+            MarkovHead(cfg.markov_head_type, m.vocab_size, cfg.markov_rank, m.hidden_size, **kw)
+            if cfg.has_markov_head
+            else None
+        )
+        self.confidence_head = (
+            ConfidenceHead(
+                m.hidden_size, cfg.markov_rank if cfg.confidence_head_with_markov else 0, **kw
+            )
+            if cfg.enable_confidence_head
+            else None
+        )
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.model.dtype)
+
+    # -- context ---------------------------------------------------------------------------
+    def context_kv(self, features_bsf, positions_bs):
+        """Per-layer (k, v) of projected target features at their absolute positions."""
+        ctx = self.hidden_norm(self.fc(features_bsf.astype(self.dtype)))
+        return [layer.self_attn.key_value(ctx, positions_bs) for layer in self.layers]
+
+    def init_context_cache(self, batch: int, max_len: int) -> KVCache:
+        m = self.cfg.model
+        return KVCache.init(m.num_hidden_layers, batch, max_len, m.num_key_value_heads,
+                            m.head_dim, self.dtype)
+
+    def append_context(self, cache: KVCache, features_btf, num_new_b) -> KVCache:
+        """Appends the first num_new_b[b] feature rows of each request at positions lengths+t."""
+        t = features_btf.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        kvs = self.context_kv(features_btf, positions)
+        return cache.replace(
+            k=tuple(write_rows(ck, k, cache.lengths) for ck, (k, _) in zip(cache.k, kvs)),
+            v=tuple(write_rows(cv, v, cache.lengths) for cv, (_, v) in zip(cache.v, kvs)),
+            lengths=cache.lengths + num_new_b.astype(jnp.int32),
+        )
+
+    # -- backbone --------------------------------------------------------------------------
+    def backbone(self, tokens_bt, positions_bt, ctx_k, ctx_v, mask_bts):
+        """Block hidden states (after the final norm). `mask_bts` covers [context ; block] keys."""
+        x = self.embed_tokens(tokens_bt, self.dtype)
+        for layer, k, v in zip(self.layers, ctx_k, ctx_v):
+            x = layer(x, positions_bt, k, v, mask_bts)
+        return self.norm(x)
+
+    def block_tokens(self, anchor_b):
+        gamma = self.cfg.block_size
+        masks = jnp.full((anchor_b.shape[0], gamma - 1), self.cfg.mask_token_id, jnp.int32)
+        return jnp.concatenate([anchor_b[:, None].astype(jnp.int32), masks], axis=1)
+
+    def draft_hidden(self, anchor_b, cache: KVCache):
+        """Backbone over one block per request, starting at position cache.lengths[b]."""
+        gamma = self.cfg.block_size
+        b = anchor_b.shape[0]
+        positions = cache.lengths[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None, :]
+        ctx_mask = jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None]
+        mask = jnp.concatenate(
+            [jnp.broadcast_to(ctx_mask, (b, gamma, cache.max_len)),
+             jnp.ones((b, gamma, gamma), bool)],
+            axis=-1,
+        )
+        return self.backbone(self.block_tokens(anchor_b), positions, cache.k, cache.v, mask)
+
+    def base_logits(self, h_xd):
+        return self.lm_head.attend(h_xd)
+
+    # -- heads -----------------------------------------------------------------------------
+    def _prev_emb(self, prev_tokens):
+        if self.markov_head is None:
+            return None
+        return self.markov_head.embed_prev(prev_tokens, self.dtype)
+
+    def confidence_logits(self, h_bkd, prev_bk):
+        if self.confidence_head is None:
+            return None
+        prev_emb = self._prev_emb(prev_bk) if self.cfg.confidence_head_with_markov else None
+        return self.confidence_head(h_bkd, prev_emb)
+
+    def sample_block(self, h_bkd, anchor_b, keys_bk, sampling: SamplingConfig) -> DraftBlock:
+        """Left-to-right sampling with the Markov bias (`lax.scan` over block positions).
+
+        keys_bk[:, k] is the key of draft slot k of each request (unused when greedy).
+        """
+        base_bkv = self.base_logits(h_bkd)
+        b = anchor_b.shape[0]
+        head = self.markov_head
+        state0 = head.init_state((b,), self.dtype) if head is not None else jnp.zeros((b, 0))
+
+        def body(carry, xs):
+            prev_b, state = carry
+            base_bv, h_bd, keys_b = xs
+            logits_bv = base_bv
+            if head is not None:
+                bias_bv, state = head.step(head.embed_prev(prev_b, self.dtype), h_bd, state)
+                logits_bv = base_bv + bias_bv
+            token_b = sample_tokens(keys_b, logits_bv, sampling)
+            return (token_b, state), (token_b, logits_bv)
+
+        xs = (jnp.swapaxes(base_bkv, 0, 1), jnp.swapaxes(h_bkd, 0, 1), jnp.swapaxes(keys_bk, 0, 1))
+        _, (tokens_kb, logits_kbv) = jax.lax.scan(body, (anchor_b.astype(jnp.int32), state0), xs)
+        tokens_bk = jnp.swapaxes(tokens_kb, 0, 1)
+        prev_bk = jnp.concatenate([anchor_b[:, None].astype(jnp.int32), tokens_bk[:, :-1]], axis=1)
+        return DraftBlock(tokens_bk, jnp.swapaxes(logits_kbv, 0, 1),
+                          self.confidence_logits(h_bkd, prev_bk))
+
+    def teacher_forced(self, h_bkd, prev_bk):
+        """(corrected logits, confidence logits) with the true previous tokens (training)."""
+        logits = self.base_logits(h_bkd)
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.teacher_forced(self._prev_emb(prev_bk), h_bkd)
+        return logits, self.confidence_logits(h_bkd, prev_bk)

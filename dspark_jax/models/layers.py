@@ -1,0 +1,229 @@
+"""Building blocks shared by the Qwen3 target and the DSpark drafter.
+
+Parameters carry `logical_axes` metadata (one name per dimension); `dspark_jax.sharding` maps
+those names to mesh axes with a single rules table. Kernels are stored [in, out] (PyTorch's
+Linear weights are [out, in]; conversion transposes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.config import Qwen3Config, RopeConfig
+
+# Large negative instead of -inf: a fully masked row (padding) must stay finite, not NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Qwen3's RMSNorm: normalise in float32, cast back, then scale (matches transformers)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32, axis: str = "norm"):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis,))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias), kernel [in, out]."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str, str],
+        rngs: nnx.Rngs,
+        use_bias: bool = False,
+        param_dtype=jnp.float32,
+    ):
+        self.kernel = nnx.Param(
+            _normal(rngs, (in_features, out_features), param_dtype), logical_axes=axes
+        )
+        self.bias = (
+            nnx.Param(jnp.zeros((out_features,), param_dtype), logical_axes=(axes[1],))
+            if use_bias
+            else None
+        )
+
+    def __call__(self, x):
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """A [vocab, dim] table, usable as a lookup and (tied or not) as an output projection."""
+
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 axes: tuple[str, str] = ("vocab", "embed")):
+        self.embedding = nnx.Param(_normal(rngs, (vocab, dim), param_dtype), logical_axes=axes)
+
+    def __call__(self, ids, dtype):
+        return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)
+
+    def attend(self, h):
+        return jnp.einsum("...d,vd->...v", h, self.embedding[...].astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, computed as transformers does."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    pos_freqs = np.float32(rope.theta) ** exponents
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if rope.rope_type == "default":
+        return inv_freq
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * np.log(rope.original_max_position_embeddings / (rotations * 2 * np.pi))) / (
+            2 * np.log(rope.theta)
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
+    return (interpolation * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Static RoPE tables: hashable, so modules holding one stay jit-static."""
+
+    inv_freq: tuple[float, ...]
+    scaling: float
+
+    @classmethod
+    def from_config(cls, cfg: Qwen3Config) -> Rope:
+        inv = rope_inv_freq(cfg.rope, cfg.head_dim)
+        return cls(tuple(float(f) for f in inv), cfg.rope.attention_scaling())
+
+    def __call__(self, x_bthd, positions_bt):
+        """Rotates the halves of the head dim (transformers' rotate_half convention)."""
+        inv_freq = jnp.asarray(np.asarray(self.inv_freq, np.float32))
+        freqs = positions_bt[..., None].astype(jnp.float32) * inv_freq
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        cos = (jnp.cos(emb) * self.scaling).astype(x_bthd.dtype)[:, :, None, :]
+        sin = (jnp.sin(emb) * self.scaling).astype(x_bthd.dtype)[:, :, None, :]
+        x1, x2 = jnp.split(x_bthd, 2, axis=-1)
+        rotated = jnp.concatenate([-x2, x1], axis=-1)
+        return x_bthd * cos + rotated * sin
+
+
+def attention(q_bthd, k_bshd, v_bshd, mask_bts, scale: float):
+    """Grouped-query attention; scores and softmax in float32, masked keys get ~-inf."""
+    b, t, h, d = q_bthd.shape
+    kv_heads = k_bshd.shape[2]
+    q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_bts[:, None, None], scores * scale, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bshd.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bshd)
+    return out.reshape(b, t, h, d)
+
+
+class Attention(nnx.Module):
+    """Qwen3 attention projections: q/k per-head RMSNorm before RoPE, no biases."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+        )
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.q_proj = Linear(d, self.num_heads * hd, axes=("embed", "q_heads"), **kw)
+        self.k_proj = Linear(d, self.num_kv_heads * hd, axes=("embed", "kv_heads"), **kw)
+        self.v_proj = Linear(d, self.num_kv_heads * hd, axes=("embed", "kv_heads"), **kw)
+        self.o_proj = Linear(self.num_heads * hd, d, axes=("q_heads", "embed"), **kw)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype, axis="head_dim")
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype, axis="head_dim")
+        self.rope = Rope.from_config(cfg)
+        self.scale = hd**-0.5
+
+    def query(self, x_btd, positions_bt):
+        b, t, _ = x_btd.shape
+        q = self.q_norm(self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim))
+        return self.rope(q, positions_bt)
+
+    def key_value(self, x_bsd, positions_bs):
+        b, s, _ = x_bsd.shape
+        k = self.k_norm(self.k_proj(x_bsd).reshape(b, s, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x_bsd).reshape(b, s, self.num_kv_heads, self.head_dim)
+        return self.rope(k, positions_bs), v
+
+    def output(self, o_bthd):
+        b, t = o_bthd.shape[:2]
+        return self.o_proj(o_bthd.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.gate_proj = Linear(d, f, axes=("embed", "mlp"), **kw)
+        self.up_proj = Linear(d, f, axes=("embed", "mlp"), **kw)
+        self.down_proj = Linear(f, d, axes=("mlp", "embed"), **kw)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer keys/values [batch, max_len, kv_heads, head_dim] and per-row lengths.
+
+    Row b holds valid entries at positions < lengths[b]; anything beyond is stale and masked.
+    Rolling back a rejected draft is therefore just lowering `lengths` (no copies).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+             dtype) -> KVCache:
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def replace(self, **changes) -> KVCache:
+        return dataclasses.replace(self, **changes)
+
+
+def write_rows(cache_bshd, new_bthd, start_b):
+    """Writes new_bthd[b] at positions start_b[b]..; writes past the end are dropped."""
+    b, t = new_bthd.shape[:2]
+    rows = jnp.arange(b)[:, None]
+    cols = start_b[:, None] + jnp.arange(t)[None, :]
+    return cache_bshd.at[rows, cols].set(new_bthd.astype(cache_bshd.dtype), mode="drop")

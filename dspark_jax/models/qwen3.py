@@ -1,0 +1,112 @@
+"""The Qwen3 target: causal decoder with a KV cache and hidden-state taps for the drafter."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import Qwen3Config
+from dspark_jax.models.layers import MLP, Attention, Embed, KVCache, RMSNorm, attention, write_rows
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.self_attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype
+        )
+
+    def __call__(self, x_btd, positions_bt, mask_fn, cache_kv):
+        """`cache_kv` is (k_bshd, v_bshd, start_b) or None for a cache-free causal forward."""
+        h = self.input_layernorm(x_btd)
+        q = self.self_attn.query(h, positions_bt)
+        k, v = self.self_attn.key_value(h, positions_bt)
+        if cache_kv is not None:
+            k_cache, v_cache, start_b = cache_kv
+            k_cache, v_cache = write_rows(k_cache, k, start_b), write_rows(v_cache, v, start_b)
+            k, v = k_cache, v_cache
+            cache_kv = (k_cache, v_cache)
+        o = attention(q, k, v, mask_fn(k.shape[1]), self.self_attn.scale)
+        x_btd = x_btd + self.self_attn.output(o)
+        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+        return x_btd, cache_kv
+
+
+class TargetOutput(NamedTuple):
+    hidden_btd: jax.Array  # final hidden state after the final norm (what lm_head reads)
+    taps_btf: jax.Array | None  # concatenated hidden states of the tapped layers
+    cache: KVCache | None
+
+
+class Qwen3(nnx.Module):
+    """Qwen3ForCausalLM. Call it on tokens (with or without a cache); `logits` maps hidden states."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, param_dtype=None):
+        param_dtype = jnp.dtype(param_dtype or cfg.dtype)
+        self.cfg = cfg
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs,
+                                  param_dtype=param_dtype)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, rngs=rngs, param_dtype=param_dtype)
+             for _ in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, param_dtype=param_dtype)
+        )
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache.init(c.num_hidden_layers, batch, max_len, c.num_key_value_heads,
+                            c.head_dim, self.dtype)
+
+    def __call__(self, tokens_bt, cache: KVCache | None = None,
+                 tap_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        """Runs the decoder over `tokens_bt`.
+
+        Without a cache: positions 0..T-1 with a causal mask (training, parity checks). With a
+        cache: row b's tokens sit at positions cache.lengths[b] + t, are written into the cache
+        and attend to everything before them; the returned cache has lengths + T (callers that
+        padded or later reject tokens set `lengths` themselves). `tap_layer_ids` follow the
+        transformers `hidden_states` convention shifted by one: -1 is the embedding output and
+        i the output of layer i.
+        """
+        b, t = tokens_bt.shape
+        start_b = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
+        positions_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+        def mask_fn(num_keys):
+            return jnp.arange(num_keys)[None, None, :] <= positions_bt[:, :, None]
+
+        x = self.embed_tokens(tokens_bt, self.dtype)
+        taps = {-1: x}
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache.k[i], cache.v[i], start_b)
+            x, layer_cache = layer(x, positions_bt, mask_fn, layer_cache)
+            if layer_cache is not None:
+                new_k.append(layer_cache[0])
+                new_v.append(layer_cache[1])
+            taps[i] = x
+        hidden = self.norm(x)
+        taps_btf = (
+            jnp.concatenate([taps[i] for i in tap_layer_ids], axis=-1) if tap_layer_ids else None
+        )
+        if cache is not None:
+            cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=start_b + t)
+        return TargetOutput(hidden, taps_btf, cache)
+
+    def logits(self, hidden_xd):
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.attend(hidden_xd).astype(jnp.float32)
