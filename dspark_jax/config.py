@@ -286,6 +286,8 @@ class DrafterConfig:
         if missing:
             raise ConfigError(f"drafter config.json lacks: {', '.join(missing)}")
         is_dflash = "dflash_config" in d or "markov_rank" not in fields
+        markov_rank = int(fields.get("markov_rank", 0))
+        confidence = bool(fields.get("enable_confidence_head", not is_dflash))
         target_layer_ids = tuple(int(i) for i in fields["target_layer_ids"])
         num_target_layers = fields.get("num_target_layers")
         if num_target_layers is None:
@@ -299,11 +301,12 @@ class DrafterConfig:
             mask_token_id=int(fields["mask_token_id"]),
             target_layer_ids=target_layer_ids,
             num_target_layers=int(num_target_layers),
-            markov_rank=int(fields.get("markov_rank", 0)),
+            markov_rank=markov_rank,
             markov_head_type=str(fields.get("markov_head_type", "vanilla")),
-            enable_confidence_head=bool(fields.get("enable_confidence_head", not is_dflash)),
+            enable_confidence_head=confidence,
+            # Files of rank-0 drafters often omit this flag; it can only hold with a Markov head.
             confidence_head_with_markov=bool(
-                fields.get("confidence_head_with_markov", not is_dflash)
+                fields.get("confidence_head_with_markov", confidence and markov_rank > 0)
             ),
             num_anchors=int(fields.get("num_anchors", 512)),
         )
