@@ -1,0 +1,410 @@
+"""Sequential Temperature Scaling (STS) of the confidence head (paper Section 3.2.1).
+
+Each record is one drafted block: confidence logits z_1..z_gamma, the verified length l
+(0..gamma draft tokens sent to the target) and the accepted count n (0..l). Two events are read
+off a record:
+
+- prefix survival at position k: "n >= k", observed only when k <= l (a token that was not
+  verified has no outcome). The scheduler consumes a_k = prod_{i<=k} c_i as the probability of
+  this event, so STS calibrates a_k against it.
+- conditional acceptance at k: "n >= k" given "n >= k-1", observed when n >= k-1 and l >= k.
+  This is what a single c_k models; its ranking (AUC) is what temperature scaling preserves.
+
+Records from a scheduled run are usable only if the verified length was chosen without looking
+at the outcomes (true of Algorithm 1 with early stop, fixed lengths, or thresholds); verifying the
+full block (l = gamma) gives the most observations per position.
+
+`fit_sts` chooses T_1..T_gamma left to right, each by a 1-D grid search minimising the ECE of
+a_k = prod_{i<=k} sigmoid(z_i / T_i) with T_1..T_{k-1} already fixed. `apply_sts` is the
+jittable runtime side; `calibrate` splits by block, fits and reports metrics in a `StsArtifact`
+that is tied to one drafter checkpoint and one sampling temperature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.calibration import metrics
+
+ARTIFACT_FORMAT = "dspark-jax/sts/v1"
+
+
+def default_grid() -> np.ndarray:
+    """241 log-spaced temperatures on [0.05, 20]; the middle point is exactly T = 1."""
+    return np.geomspace(0.05, 20.0, 241)
+
+
+class CalibrationInputError(ValueError):
+    """Raised for malformed calibration records or fitting arguments."""
+
+
+class StsArtifactMismatchError(ValueError):
+    """Raised when an STS artifact belongs to another drafter or sampling temperature."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationRecords:
+    """Per-block confidence logits [N, gamma], verified lengths [N] and accepted counts [N]."""
+
+    conf_logits_nk: np.ndarray
+    verified_n: np.ndarray
+    accepted_n: np.ndarray
+
+    def __post_init__(self) -> None:
+        z = np.asarray(self.conf_logits_nk, dtype=np.float64)
+        l_n = np.asarray(self.verified_n)
+        n_n = np.asarray(self.accepted_n)
+        if z.ndim != 2 or z.shape[1] < 1:
+            raise CalibrationInputError(f"conf_logits_nk must be [N, gamma], got {z.shape}")
+        if l_n.shape != (z.shape[0],) or n_n.shape != (z.shape[0],):
+            raise CalibrationInputError(
+                f"verified_n {l_n.shape} and accepted_n {n_n.shape} must be [{z.shape[0]}]"
+            )
+        for name, arr in (("verified_n", l_n), ("accepted_n", n_n)):
+            if arr.size and not np.all(arr == np.round(arr)):
+                raise CalibrationInputError(f"{name} must hold integers")
+        l_n = l_n.astype(np.int32)
+        n_n = n_n.astype(np.int32)
+        if not np.all(np.isfinite(z)):
+            raise CalibrationInputError("conf_logits_nk contains non-finite values")
+        if np.any((l_n < 0) | (l_n > z.shape[1])):
+            raise CalibrationInputError(f"verified_n must lie in 0..{z.shape[1]}")
+        if np.any((n_n < 0) | (n_n > l_n)):
+            raise CalibrationInputError("accepted_n must lie in 0..verified_n")
+        object.__setattr__(self, "conf_logits_nk", z)
+        object.__setattr__(self, "verified_n", l_n)
+        object.__setattr__(self, "accepted_n", n_n)
+
+    @property
+    def gamma(self) -> int:
+        return int(self.conf_logits_nk.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.conf_logits_nk.shape[0])
+
+    def subset(self, index: np.ndarray) -> CalibrationRecords:
+        """The records at `index` (integer indices or a boolean mask over blocks)."""
+        return CalibrationRecords(
+            self.conf_logits_nk[index], self.verified_n[index], self.accepted_n[index]
+        )
+
+    def save(self, path: str | Path) -> None:
+        np.savez(
+            path,
+            conf_logits_nk=self.conf_logits_nk,
+            verified_n=self.verified_n,
+            accepted_n=self.accepted_n,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> CalibrationRecords:
+        with np.load(path) as data:
+            missing = {"conf_logits_nk", "verified_n", "accepted_n"} - set(data.files)
+            if missing:
+                raise CalibrationInputError(f"{path} lacks arrays {sorted(missing)}")
+            return cls(data["conf_logits_nk"], data["verified_n"], data["accepted_n"])
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[CalibrationRecords]) -> CalibrationRecords:
+        """Stack records from several runs; all must share gamma."""
+        if not parts:
+            raise CalibrationInputError("nothing to concatenate")
+        gammas = {p.gamma for p in parts}
+        if len(gammas) != 1:
+            raise CalibrationInputError(f"records have different gamma: {sorted(gammas)}")
+        return cls(
+            np.concatenate([p.conf_logits_nk for p in parts]),
+            np.concatenate([p.verified_n for p in parts]),
+            np.concatenate([p.accepted_n for p in parts]),
+        )
+
+
+def survival_events(records: CalibrationRecords) -> tuple[np.ndarray, np.ndarray]:
+    """(observed_nk, survived_nk) for prefix survival "n >= k", k = 1..gamma."""
+    k = np.arange(1, records.gamma + 1)[None, :]
+    observed = records.verified_n[:, None] >= k
+    survived = records.accepted_n[:, None] >= k
+    return observed, survived
+
+
+def conditional_events(records: CalibrationRecords) -> tuple[np.ndarray, np.ndarray]:
+    """(observed_nk, accepted_nk) for "accepted at k given k-1 accepted", k = 1..gamma."""
+    k = np.arange(1, records.gamma + 1)[None, :]
+    observed = (records.accepted_n[:, None] >= k - 1) & (records.verified_n[:, None] >= k)
+    accepted = records.accepted_n[:, None] >= k
+    return observed, accepted
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # tanh form does not overflow for large |x|.
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def survival_product(conf_logits_nk: np.ndarray, temps: np.ndarray) -> np.ndarray:
+    """Host-side a_k = prod_{i<=k} sigmoid(z_i / T_i) in float64."""
+    return np.cumprod(_sigmoid(np.asarray(conf_logits_nk, np.float64) / temps[None, :]), axis=1)
+
+
+def _check_temps(temps: np.ndarray, gamma: int) -> np.ndarray:
+    t = np.asarray(temps, dtype=np.float64)
+    if t.shape != (gamma,):
+        raise CalibrationInputError(f"temperatures must have shape ({gamma},), got {t.shape}")
+    if not np.all(np.isfinite(t) & (t > 0)):
+        raise CalibrationInputError("temperatures must be finite and positive")
+    return t
+
+
+def fit_sts(
+    records: CalibrationRecords, grid: np.ndarray | None = None, n_bins: int = 15
+) -> np.ndarray:
+    """Per-position temperatures [gamma], fitted left to right by grid search on ECE.
+
+    A position with no observed survival outcome keeps T = 1; among equally good grid points the
+    smallest temperature wins."""
+    grid_g = default_grid() if grid is None else np.asarray(grid, dtype=np.float64)
+    if grid_g.ndim != 1 or grid_g.size == 0 or not np.all(np.isfinite(grid_g) & (grid_g > 0)):
+        raise CalibrationInputError("grid must be a non-empty 1-D array of positive temperatures")
+    if len(records) == 0:
+        raise CalibrationInputError("no calibration records")
+    observed_nk, survived_nk = survival_events(records)
+    temps = np.ones(records.gamma)
+    prev_n = np.ones(len(records))
+    # Bound the [grid chunk, N] working set to ~8M float64 values.
+    chunk = max(1, 8_000_000 // max(1, len(records)))
+    for k in range(records.gamma):
+        z_k = records.conf_logits_nk[:, k]
+        rows = observed_nk[:, k]
+        if rows.any():
+            labels = survived_nk[rows, k].astype(np.float64)
+            errs = np.concatenate(
+                [
+                    metrics.ece_rows(
+                        prev_n[rows][None, :] * _sigmoid(z_k[rows][None, :] / g[:, None]),
+                        labels,
+                        n_bins,
+                    )
+                    for g in np.array_split(grid_g, math.ceil(grid_g.size / chunk))
+                ]
+            )
+            temps[k] = grid_g[int(np.argmin(errs))]
+        prev_n = prev_n * _sigmoid(z_k / temps[k])
+    return temps
+
+
+def apply_sts(conf_logits: jax.Array, temps: jax.Array) -> jax.Array:
+    """Calibrated per-position confidences c_k = sigmoid(z_k / T_k); jittable, any leading dims."""
+    if conf_logits.shape[-1] != temps.shape[-1]:
+        raise CalibrationInputError(
+            f"conf_logits has {conf_logits.shape[-1]} positions but temps has {temps.shape[-1]}"
+        )
+    return jax.nn.sigmoid(conf_logits / temps.astype(conf_logits.dtype))
+
+
+def _nan_to_none(x: float) -> float | None:
+    return None if math.isnan(x) else float(x)
+
+
+def position_metrics(
+    records: CalibrationRecords, temps: np.ndarray, n_bins: int = 15
+) -> dict[str, list[float | None]]:
+    """Per-position lists: survival-product ECE / AUC / Brier before (T = 1) and after STS,
+    observation counts and survival rate, and the conditional-event AUC of c_k (identical before
+    and after, since temperature scaling preserves each position's ranking). NaN -> None."""
+    temps = _check_temps(temps, records.gamma)
+    observed_nk, survived_nk = survival_events(records)
+    cond_obs_nk, cond_acc_nk = conditional_events(records)
+    before_nk = survival_product(records.conf_logits_nk, np.ones(records.gamma))
+    after_nk = survival_product(records.conf_logits_nk, temps)
+    keys = (
+        "n_survival",
+        "survival_rate",
+        "ece_before",
+        "ece_after",
+        "auc_before",
+        "auc_after",
+        "brier_before",
+        "brier_after",
+        "n_conditional",
+        "conditional_auc",
+    )
+    out: dict[str, list[float | None]] = {key: [] for key in keys}
+    for k in range(records.gamma):
+        rows = observed_nk[:, k]
+        y = survived_nk[rows, k]
+        out["n_survival"].append(int(rows.sum()))
+        cond_rows = cond_obs_nk[:, k]
+        out["n_conditional"].append(int(cond_rows.sum()))
+        out["conditional_auc"].append(
+            _nan_to_none(
+                metrics.roc_auc(records.conf_logits_nk[cond_rows, k], cond_acc_nk[cond_rows, k])
+            )
+            if cond_rows.any()
+            else None
+        )
+        if not rows.any():
+            for key in keys[1:8]:
+                out[key].append(None)
+            continue
+        out["survival_rate"].append(float(y.mean()))
+        for tag, a_nk in (("before", before_nk), ("after", after_nk)):
+            p = a_nk[rows, k]
+            out[f"ece_{tag}"].append(metrics.ece(p, y, n_bins))
+            out[f"auc_{tag}"].append(_nan_to_none(metrics.roc_auc(p, y)))
+            out[f"brier_{tag}"].append(metrics.brier(p, y))
+    return out
+
+
+def reliability_series(
+    records: CalibrationRecords, temps: np.ndarray
+) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Per position {"raw": (a_k, survived), "STS": (a_k, survived)} for
+    `metrics.reliability_diagram`."""
+    temps = _check_temps(temps, records.gamma)
+    observed_nk, survived_nk = survival_events(records)
+    before_nk = survival_product(records.conf_logits_nk, np.ones(records.gamma))
+    after_nk = survival_product(records.conf_logits_nk, temps)
+    series = []
+    for k in range(records.gamma):
+        rows = observed_nk[:, k]
+        y = survived_nk[rows, k]
+        series.append({"raw": (before_nk[rows, k], y), "STS": (after_nk[rows, k], y)})
+    return series
+
+
+@dataclasses.dataclass(frozen=True)
+class StsArtifact:
+    """Fitted STS temperatures plus the provenance that decides where they may be used."""
+
+    temperatures: tuple[float, ...]
+    drafter_fingerprint: str
+    sampling_temperature: float
+    n_records: int
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        temps = tuple(float(t) for t in self.temperatures)
+        if not temps:
+            raise CalibrationInputError("an STS artifact needs at least one temperature")
+        _check_temps(np.asarray(temps), len(temps))
+        if not self.drafter_fingerprint:
+            raise CalibrationInputError("drafter_fingerprint must be a non-empty string")
+        if not (math.isfinite(self.sampling_temperature) and self.sampling_temperature >= 0):
+            raise CalibrationInputError(
+                f"sampling_temperature must be >= 0, got {self.sampling_temperature}"
+            )
+        object.__setattr__(self, "temperatures", temps)
+        object.__setattr__(self, "sampling_temperature", float(self.sampling_temperature))
+
+    @property
+    def gamma(self) -> int:
+        return len(self.temperatures)
+
+    def temps(self) -> jax.Array:
+        """Temperatures as a float32 [gamma] array for `apply_sts`."""
+        return jnp.asarray(self.temperatures, dtype=jnp.float32)
+
+    def save(self, path: str | Path) -> None:
+        body = {
+            "format": ARTIFACT_FORMAT,
+            "temperatures": list(self.temperatures),
+            "gamma": self.gamma,
+            "drafter_fingerprint": self.drafter_fingerprint,
+            "sampling_temperature": self.sampling_temperature,
+            "n_records": self.n_records,
+            "metrics": self.metrics,
+        }
+        Path(path).write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        expected_fingerprint: str | None = None,
+        expected_temperature: float | None = None,
+    ) -> StsArtifact:
+        """Read an artifact; refuse it if it was fitted for another drafter or temperature."""
+        body = json.loads(Path(path).read_text())
+        if body.get("format") != ARTIFACT_FORMAT:
+            raise CalibrationInputError(
+                f"{path}: format {body.get('format')!r}, expected {ARTIFACT_FORMAT!r}"
+            )
+        if body["gamma"] != len(body["temperatures"]):
+            raise CalibrationInputError(
+                f"{path}: gamma {body['gamma']} but {len(body['temperatures'])} temperatures"
+            )
+        art = cls(
+            temperatures=tuple(body["temperatures"]),
+            drafter_fingerprint=body["drafter_fingerprint"],
+            sampling_temperature=body["sampling_temperature"],
+            n_records=body["n_records"],
+            metrics=body["metrics"],
+        )
+        if expected_fingerprint is not None and art.drafter_fingerprint != expected_fingerprint:
+            raise StsArtifactMismatchError(
+                f"{path} was calibrated for drafter {art.drafter_fingerprint!r}, "
+                f"not {expected_fingerprint!r}; recalibrate for this checkpoint"
+            )
+        if expected_temperature is not None and not math.isclose(
+            art.sampling_temperature, expected_temperature, rel_tol=1e-6, abs_tol=1e-9
+        ):
+            raise StsArtifactMismatchError(
+                f"{path} was calibrated at sampling temperature {art.sampling_temperature}, "
+                f"not {expected_temperature}; recalibrate for this temperature"
+            )
+        return art
+
+
+def split_by_block(
+    n_blocks: int, holdout_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic (fit_index, holdout_index) over blocks; both non-empty."""
+    if not 0.0 < holdout_fraction < 1.0:
+        raise CalibrationInputError(f"holdout_fraction must be in (0, 1), got {holdout_fraction}")
+    n_hold = int(round(holdout_fraction * n_blocks))
+    if n_hold < 1 or n_hold > n_blocks - 1:
+        raise CalibrationInputError(
+            f"{n_blocks} blocks cannot be split with holdout_fraction {holdout_fraction}"
+        )
+    perm = np.random.default_rng(seed).permutation(n_blocks)
+    return np.sort(perm[n_hold:]), np.sort(perm[:n_hold])
+
+
+def calibrate(
+    records: CalibrationRecords,
+    holdout_fraction: float = 0.3,
+    seed: int = 0,
+    *,
+    drafter_fingerprint: str,
+    sampling_temperature: float,
+    grid: np.ndarray | None = None,
+    n_bins: int = 15,
+) -> tuple[StsArtifact, dict[str, Any]]:
+    """Split blocks into fit / held-out, fit STS on the fit part, and report per-position
+    metrics on both parts. Returns (artifact, metrics); the artifact carries the same metrics."""
+    fit_idx, hold_idx = split_by_block(len(records), holdout_fraction, seed)
+    fit, hold = records.subset(fit_idx), records.subset(hold_idx)
+    temps = fit_sts(fit, grid=grid, n_bins=n_bins)
+    report = {
+        "n_bins": n_bins,
+        "holdout_fraction": holdout_fraction,
+        "seed": seed,
+        "fit": position_metrics(fit, temps, n_bins),
+        "holdout": position_metrics(hold, temps, n_bins),
+    }
+    artifact = StsArtifact(
+        temperatures=tuple(temps.tolist()),
+        drafter_fingerprint=drafter_fingerprint,
+        sampling_temperature=sampling_temperature,
+        n_records=len(records),
+        metrics=report,
+    )
+    return artifact, report
