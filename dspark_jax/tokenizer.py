@@ -1,0 +1,224 @@
+"""Tokenizer glue: the byte tokenizer of the tiny test models, Hugging Face loading, chat encoding.
+
+Two kinds of tokenizer are supported, both through the same functions:
+
+- `ByteTokenizer` for our tiny byte-level models (ids 0-255 are UTF-8 bytes, 256 EOS, 257 mask).
+  These models know no chat format, so a conversation is the plain concatenation of the message
+  contents; a conversation that ends with an assistant message is closed by EOS, the only stop
+  token the byte models produce.
+- Any Hugging Face tokenizer with a chat template (Qwen3 and friends), loaded from local files.
+
+`encode_conversation` derives the assistant loss mask of a Hugging Face chat template by rendering
+growing prefixes of the conversation and diffing the token ids. That assumes the template is
+prefix-stable: rendering messages[:i] (with the generation prompt when message i is the
+assistant's) yields a token prefix of rendering messages[:i + 1]. Templates that rewrite earlier
+turns depending on what follows (the real Qwen3 template drops the empty think block of assistant
+turns that precede a later user message) break that assumption for multi-turn conversations, and
+`ChatTemplateError` is raised rather than a silently wrong mask.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Message = Mapping[str, Any]
+
+_HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+)
+
+
+class TokenizerNotFoundError(ValueError):
+    """A model folder holds neither tokenizer files nor a byte-model config."""
+
+
+class ChatTemplateError(ValueError):
+    """A conversation cannot be rendered, or the chat template is not prefix-stable."""
+
+
+class ByteTokenizer:
+    """Tokenizer of the tiny byte-level test models.
+
+    Ids 0-255 are raw UTF-8 bytes, 256 is EOS, 257 is the drafter's mask token; the vocabulary is
+    padded to 288 (258-287 unused).
+    """
+
+    vocab_size = 288
+    eos_token_id = 256
+    mask_token_id = 257
+    pad_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes of `text` as token ids."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of the byte ids; special ids (>= 256) are skipped, invalid UTF-8 is replaced."""
+        ids = [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ValueError(f"negative token id in {ids}")
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        """The plain concatenation of the message contents (the byte models know no chat format)."""
+        return "".join(_content(m, i) for i, m in enumerate(messages))
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=288, eos=256, mask=257)"
+
+
+if TYPE_CHECKING:
+    Tokenizer = ByteTokenizer | PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a model folder.
+
+    A Hugging Face tokenizer (local files only) when the folder has tokenizer files; else
+    `ByteTokenizer` when its config.json describes one of our byte models (vocab_size 288, eos 256).
+    """
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise TokenizerNotFoundError(f"model folder {model_dir!r} does not exist")
+    if any(os.path.isfile(os.path.join(model_dir, f)) for f in _HF_TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    config_path = os.path.join(model_dir, "config.json")
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        eos = config.get("eos_token_id")
+        if config.get("vocab_size") == ByteTokenizer.vocab_size and eos in (256, [256]):
+            return ByteTokenizer()
+    raise TokenizerNotFoundError(
+        f"no tokenizer in {model_dir!r}: expected one of {', '.join(_HF_TOKENIZER_FILES)}, or a "
+        "config.json of a byte model (vocab_size 288, eos_token_id 256)"
+    )
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    add_generation_prompt: bool = True,
+    enable_thinking: bool = False,
+) -> list[int]:
+    """Token ids of a prompt conversation, ready for generation."""
+    _check_messages(messages)
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(tokenizer.render_chat(messages))
+    return _render_ids(tokenizer, messages, add_generation_prompt, enable_thinking)
+
+
+def encode_conversation(
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    enable_thinking: bool = False,
+) -> tuple[list[int], list[int]]:
+    """Token ids of a whole conversation and a loss mask, 1 exactly on assistant-produced tokens.
+
+    Assistant-produced means the assistant content and its end-of-turn token (the tokenizer's EOS,
+    `<|im_end|>` for Qwen3); role headers, generation-prompt tokens (such as Qwen3's empty think
+    block in non-thinking mode), and whatever the template writes after the end-of-turn token are 0.
+    """
+    _check_messages(messages)
+    if isinstance(tokenizer, ByteTokenizer):
+        return _encode_conversation_bytes(tokenizer, messages)
+    return _encode_conversation_hf(tokenizer, messages, enable_thinking)
+
+
+def _content(message: Message, index: int) -> str:
+    content = message.get("content")
+    if not isinstance(content, str):
+        raise ChatTemplateError(f"message {index} has no string 'content': {message!r}")
+    return content
+
+
+def _check_messages(messages: Sequence[Message]) -> None:
+    if not messages:
+        raise ChatTemplateError("empty conversation")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"message {i} is not a {{'role', 'content'}} mapping: {m!r}")
+        _content(m, i)
+
+
+def _encode_conversation_bytes(
+    tokenizer: ByteTokenizer, messages: Sequence[Message]
+) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, m in enumerate(messages):
+        piece = tokenizer.encode(_content(m, i))
+        ids += piece
+        mask += [int(m["role"] == "assistant")] * len(piece)
+    if messages[-1]["role"] == "assistant":
+        ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+    return ids, mask
+
+
+def _render_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    add_generation_prompt: bool,
+    enable_thinking: bool,
+) -> list[int]:
+    if tokenizer.chat_template is None:
+        raise ChatTemplateError(f"tokenizer {type(tokenizer).__name__} has no chat_template")
+    # enable_thinking travels as a template variable: templates that ignore it still render.
+    ids = tokenizer.apply_chat_template(
+        list(messages),
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
+        enable_thinking=enable_thinking,
+    )
+    return [int(i) for i in ids]
+
+
+def _encode_conversation_hf(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], enable_thinking: bool
+) -> tuple[list[int], list[int]]:
+    eos_id = tokenizer.eos_token_id
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, m in enumerate(messages):
+        rendered = _render_ids(tokenizer, messages[: i + 1], False, enable_thinking)
+        if m["role"] == "assistant":
+            if i == 0:
+                raise ChatTemplateError(
+                    "a conversation cannot start with an assistant message: the assistant span is "
+                    "found after the generation prompt of the preceding messages"
+                )
+            header = _render_ids(tokenizer, messages[:i], True, enable_thinking)
+            _require_prefix(ids, header, i, "the generation prompt before it")
+            _require_prefix(header, rendered, i, "its generation prompt")
+            mask += [0] * (len(header) - len(ids))
+            span = rendered[len(header) :]
+            produced = span.index(eos_id) + 1 if eos_id in span else len(span)
+            mask += [1] * produced + [0] * (len(span) - produced)
+        else:
+            _require_prefix(ids, rendered, i, "the conversation before it")
+            mask += [0] * (len(rendered) - len(ids))
+        ids = rendered
+    return ids, mask
+
+
+def _require_prefix(prefix: list[int], ids: list[int], index: int, what: str) -> None:
+    if ids[: len(prefix)] != prefix:
+        raise ChatTemplateError(
+            f"chat template is not prefix-stable at message {index}: the tokens of {what} are not "
+            "a prefix of the tokens rendered with message "
+            f"{index} (the template rewrites earlier turns, or tokens merge across the boundary), "
+            "so the assistant loss mask cannot be derived"
+        )

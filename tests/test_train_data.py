@@ -1,0 +1,216 @@
+"""The grain input pipeline on temporary JSONL files."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+from _chat_tokenizer import QWEN3_HISTORY_TEMPLATE, build_chat_tokenizer
+
+from dspark_jax.tokenizer import ByteTokenizer, ChatTemplateError, encode_conversation
+from train.data import (
+    DataConfig,
+    DataError,
+    JsonlConversationSource,
+    make_iterator,
+    resolve_pad_id,
+    tokenize_example,
+)
+
+BYTES = ByteTokenizer()
+
+
+def record(i: int) -> dict:
+    """Conversation i, alternating the two formats; every assistant reply is unique."""
+    if i % 2:
+        return {"turns": [f"question {i}", f"answer {i}.", f"more {i}", f"done {i}!"]}
+    return {
+        "messages": [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": f"answer {i}."},
+        ]
+    }
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.fixture
+def dataset_path(tmp_path):
+    return write_jsonl(tmp_path / "conv.jsonl", [json.dumps(record(i)) for i in range(12)])
+
+
+def answers(ex_tokens, ex_mask, tokenizer=BYTES):
+    """The decoded assistant tokens of one example (identifies the conversation)."""
+    return tokenizer.decode(ex_tokens[ex_mask.astype(bool)].tolist())
+
+
+def take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def examples(batches, tokenizer=BYTES):
+    return [
+        answers(t, m, tokenizer)
+        for b in batches
+        for t, m in zip(b["tokens"], b["loss_mask"], strict=True)
+    ]
+
+
+def test_tokenize_example_pads_truncates_and_masks():
+    messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
+    ex = tokenize_example({"messages": messages}, BYTES, seq_len=8, pad_id=256)
+    np.testing.assert_array_equal(ex["tokens"], [97, 98, 99, 100, 256, 256, 256, 256])
+    np.testing.assert_array_equal(ex["loss_mask"], [0, 0, 1, 1, 1, 0, 0, 0])
+    assert ex["length"] == 5 and ex["tokens"].dtype == np.int32 and ex["loss_mask"].dtype == bool
+    short = tokenize_example({"messages": messages}, BYTES, seq_len=3, pad_id=0)
+    np.testing.assert_array_equal(short["tokens"], [97, 98, 99])
+    np.testing.assert_array_equal(short["loss_mask"], [0, 0, 1])
+    assert short["length"] == 3
+
+
+@pytest.mark.parametrize("use_hf", [False, True])
+def test_batches_mask_exactly_assistant_tokens(dataset_path, use_hf):
+    tok = build_chat_tokenizer() if use_hf else BYTES
+    config = DataConfig(paths=(dataset_path,), seq_len=160, batch_size=4, num_epochs=1)
+    batches = list(make_iterator(config, tok, process_index=0, process_count=1))
+    assert len(batches) == 3
+    for b in batches:
+        assert b["tokens"].shape == b["loss_mask"].shape == (4, 160)
+        assert b["tokens"].dtype == np.int32 and b["length"].shape == (4,)
+        for tokens, mask, length in zip(b["tokens"], b["loss_mask"], b["length"], strict=True):
+            assert not mask[length:].any()
+            assert (tokens[length:] == resolve_pad_id(tok, None)).all()
+    by_text = {}
+    for i in range(12):
+        ids, mask = encode_conversation(tok, JsonlConversationSource([dataset_path])[i]["messages"])
+        by_text[answers(np.array(ids), np.array(mask), tok)] = (ids, mask)
+    end = "<|im_end|>" if use_hf else ""
+    want = set()
+    for i in range(12):
+        want.add(f"answer {i}.{end}done {i}!{end}" if i % 2 else f"answer {i}.{end}")
+    assert set(examples(batches, tok)) == set(by_text) == want
+    for b in batches:
+        for tokens, mask, length in zip(b["tokens"], b["loss_mask"], b["length"], strict=True):
+            ids, m = by_text[answers(tokens, mask, tok)]
+            assert tokens[:length].tolist() == ids and mask[:length].astype(int).tolist() == m
+
+
+def test_deterministic_given_seed_and_reshuffled_each_epoch(dataset_path):
+    config = DataConfig(paths=(dataset_path,), seq_len=64, batch_size=3, seed=5)
+    first = examples(take(make_iterator(config, BYTES, 0, 1), 8))
+    again = examples(take(make_iterator(config, BYTES, 0, 1), 8))
+    assert first == again
+    other = examples(take(make_iterator(DataConfig(**{**vars(config), "seed": 6}), BYTES, 0, 1), 8))
+    assert other != first
+    epochs = [first[:12], first[12:24]]
+    assert sorted(epochs[0]) == sorted(epochs[1]) and len(set(epochs[0])) == 12
+    assert epochs[0] != epochs[1]
+
+
+@pytest.mark.parametrize("num_records", [12, 13])
+def test_processes_see_disjoint_examples_covering_the_set(tmp_path, num_records):
+    path = write_jsonl(tmp_path / "c.jsonl", [json.dumps(record(i)) for i in range(num_records)])
+    config = DataConfig(paths=(path,), seq_len=64, batch_size=2, num_epochs=1, seed=3)
+    seen = [examples(make_iterator(config, BYTES, p, 2)) for p in range(2)]
+    assert len(seen[0]) == len(seen[1]) == 6
+    assert not set(seen[0]) & set(seen[1])
+    # With 13 records one example of the shuffled epoch is dropped so that both processes get 6.
+    assert len(set(seen[0]) | set(seen[1])) == 12
+
+
+def test_resume_from_iterator_state(dataset_path):
+    config = DataConfig(paths=(dataset_path,), seq_len=64, batch_size=5, seed=11)
+    it = make_iterator(config, BYTES, 0, 1)
+    take(it, 5)
+    state = it.get_state()
+    want = take(it, 3)  # crosses the epoch boundary: 12 examples, batches of 5
+    resumed = make_iterator(config, BYTES, 0, 1)
+    resumed.set_state(json.loads(json.dumps(state)))
+    got = take(resumed, 3)
+    for a, b in zip(want, got, strict=True):
+        for key in ("tokens", "loss_mask", "length"):
+            np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_malformed_lines_name_file_and_line(tmp_path):
+    good = json.dumps(record(0))
+    no_assistant = "record has no assistant content"
+    cases = {
+        "{not json": "malformed JSON",
+        json.dumps({"turns": ["only a question"]}): no_assistant,
+        json.dumps({"messages": [{"role": "user", "content": "q"}]}): no_assistant,
+        json.dumps({"turns": ["q", ""]}): no_assistant,
+        json.dumps({"messages": [{"role": "user"}]}): "messages\\[0\\]",
+        json.dumps({"text": "hi"}): "record has neither 'messages' nor 'turns'",
+        json.dumps([1, 2]): "record is a list, not an object",
+    }
+    for n, (bad, reason) in enumerate(cases.items()):
+        path = write_jsonl(tmp_path / f"bad{n}.jsonl", [good, "", bad, good])
+        with pytest.raises(DataError, match=f"bad{n}\\.jsonl:3: {reason}"):
+            JsonlConversationSource([path])
+    path = write_jsonl(tmp_path / "mixed.jsonl", [good, *cases, good])
+    source = JsonlConversationSource([path], skip_bad_records=True)
+    assert len(source) == 2 and source.num_skipped == len(cases)
+    assert source[1]["where"].endswith("mixed.jsonl:9")
+    config = DataConfig(paths=(path,), seq_len=32, batch_size=2, skip_bad_records=True)
+    assert next(make_iterator(config, BYTES, 0, 1))["tokens"].shape == (2, 32)
+
+
+def test_several_files_and_config_errors(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [json.dumps(record(i)) for i in range(3)])
+    b = write_jsonl(tmp_path / "b.jsonl", [json.dumps(record(i)) for i in range(3, 5)])
+    source = JsonlConversationSource([a, b])
+    assert len(source) == 5 and source[4]["where"].endswith("b.jsonl:2")
+    with pytest.raises(DataError, match="no such file"):
+        JsonlConversationSource([str(tmp_path / "missing.jsonl")])
+    with pytest.raises(DataError, match="do not fill one batch"):
+        make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=4, num_epochs=1), BYTES, 0, 1)
+    with pytest.raises(DataError, match="seq_len"):
+        DataConfig(paths=(a,), seq_len=1, batch_size=1)
+    with pytest.raises(DataError, match="process_index"):
+        make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=1), BYTES, 2, 2)
+
+
+class CountingByteTokenizer(ByteTokenizer):
+    calls = 0
+
+    def encode(self, text):
+        type(self).calls += 1
+        return super().encode(text)
+
+
+def test_large_file_is_tokenised_lazily(tmp_path):
+    path = tmp_path / "big.jsonl"
+    line = json.dumps({"turns": ["q", "a"]}) + "\n"
+    path.write_text(line * 100_000)
+    tok = CountingByteTokenizer()
+    config = DataConfig(paths=(str(path),), seq_len=8, batch_size=4, prefetch_buffer_size=16)
+    it = make_iterator(config, tok, 0, 1)
+    assert next(it)["tokens"].shape == (4, 8)
+    # Two encode calls per conversation; only the prefetch window has been tokenised.
+    assert tok.calls <= 2 * (16 + 4 + config.num_threads)
+
+
+def test_default_pad_id():
+    assert resolve_pad_id(BYTES, None) == 256
+    assert resolve_pad_id(BYTES, 0) == 0
+    tok = build_chat_tokenizer()
+    assert resolve_pad_id(tok, None) == tok.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_template_error_names_the_record(dataset_path):
+    tok = build_chat_tokenizer(QWEN3_HISTORY_TEMPLATE)
+    config = DataConfig(paths=(dataset_path,), seq_len=160, batch_size=12, num_epochs=1)
+    with pytest.raises(ChatTemplateError, match=r"conv\.jsonl:\d+: chat template is not prefix"):
+        next(make_iterator(config, tok, 0, 1))
+
+
+def test_source_survives_pickling(dataset_path):
+    source = JsonlConversationSource([dataset_path])
+    first = source[3]
+    copy = pickle.loads(pickle.dumps(source))
+    assert copy[3] == first and len(copy) == len(source) == 12

@@ -1,0 +1,286 @@
+"""Training input pipeline: JSONL conversations -> padded token batches with an assistant loss mask.
+
+Each JSONL line is one conversation, either `{"messages": [{"role", "content"}, ...]}` or
+`{"turns": [user, assistant, user, assistant, ...]}`. Opening the files indexes byte offsets of the
+lines once and checks every record (so a bad line is reported before training starts, by file and
+line); tokenisation happens lazily, per example, inside the grain map, so nothing tokenised is held
+in memory up front.
+
+The grain pipeline is a random-access `MapDataset`:
+
+    source -> shuffle(seed) -> this process's slice -> map(tokenise) -> repeat -> batch
+
+Shuffling before slicing reshuffles the whole dataset every epoch and then deals it out
+round-robin, so within an epoch the processes see disjoint examples. Every process gets the same
+number of examples per epoch: the last `len % process_count` examples of each shuffled epoch are
+dropped. Conversations are never packed together (the target forward then needs no segment ids);
+each is truncated to `seq_len` and right-padded.
+
+Batches are dicts of NumPy arrays: `tokens` int32 [B, seq_len], `loss_mask` bool [B, seq_len]
+(1 on assistant-produced tokens, 0 on padding), `length` int32 [B].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grain
+import numpy as np
+
+from dspark_jax.tokenizer import ChatTemplateError, encode_conversation
+
+if TYPE_CHECKING:
+    from dspark_jax.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A training record is malformed or the dataset cannot produce batches."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Settings of the training input pipeline.
+
+    `batch_size` is per process. `num_epochs` None repeats forever. `pad_id` None pads with the
+    tokenizer's pad token, or EOS when it has none. `skip_bad_records` skips malformed lines and
+    records without assistant content (logging the count) instead of raising.
+    """
+
+    paths: tuple[str, ...]
+    seq_len: int
+    batch_size: int
+    seed: int = 0
+    num_epochs: int | None = None
+    pad_id: int | None = None
+    enable_thinking: bool = False
+    skip_bad_records: bool = False
+    num_threads: int = 4
+    prefetch_buffer_size: int = 64
+
+    def __post_init__(self):
+        if isinstance(self.paths, str | os.PathLike):
+            object.__setattr__(self, "paths", (os.fspath(self.paths),))
+        else:
+            object.__setattr__(self, "paths", tuple(os.fspath(p) for p in self.paths))
+        if not self.paths:
+            raise DataError("DataConfig.paths is empty")
+        if self.seq_len < 2:
+            raise DataError(f"seq_len must be at least 2, got {self.seq_len}")
+        if self.batch_size < 1:
+            raise DataError(f"batch_size must be positive, got {self.batch_size}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise DataError(f"num_epochs must be positive or None, got {self.num_epochs}")
+        if not 0 <= self.seed < 2**32:
+            raise DataError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
+def parse_record(record: Any) -> list[dict[str, str]]:
+    """The messages of one JSON record (`messages` or alternating user/assistant `turns`)."""
+    if not isinstance(record, Mapping):
+        raise DataError(f"record is a {type(record).__name__}, not an object")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataError("'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, Mapping)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise DataError(f"messages[{i}] needs string 'role' and 'content': {m!r:.200}")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    elif "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise DataError("'turns' must be a non-empty list of strings")
+        roles = ("user", "assistant")
+        messages = [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+    else:
+        raise DataError(f"record has neither 'messages' nor 'turns' (keys: {sorted(record)})")
+    if not any(m["role"] == "assistant" and m["content"] for m in messages):
+        raise DataError("record has no assistant content to train on")
+    return messages
+
+
+class JsonlConversationSource:
+    """Random-access grain source over the conversations of JSONL files.
+
+    Indexes and validates every line once; elements are `{"messages": [...], "where": "file:line"}`
+    read back from disk on access. Blank lines are ignored.
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike], skip_bad_records: bool = False):
+        self._paths = [os.fspath(p) for p in paths]
+        starts, ends, files, lines = [], [], [], []
+        self.num_skipped = 0
+        for file_index, path in enumerate(self._paths):
+            if not os.path.isfile(path):
+                raise DataError(f"{path}: no such file")
+            offset = 0
+            with open(path, "rb") as f:
+                for line_no, raw in enumerate(f, start=1):
+                    start, offset = offset, offset + len(raw)
+                    if not raw.strip():
+                        continue
+                    try:
+                        parse_record(_loads(raw))
+                    except DataError as e:
+                        if not skip_bad_records:
+                            raise DataError(f"{path}:{line_no}: {e}") from None
+                        self.num_skipped += 1
+                        continue
+                    starts.append(start)
+                    ends.append(offset)
+                    files.append(file_index)
+                    lines.append(line_no)
+        if self.num_skipped:
+            logger.warning("skipped %d bad records in %s", self.num_skipped, self._paths)
+        self._starts = np.asarray(starts, np.int64)
+        self._ends = np.asarray(ends, np.int64)
+        self._files = np.asarray(files, np.int32)
+        self._lines = np.asarray(lines, np.int64)
+        self._fds: dict[int, int] = {}
+        self._fd_pid = os.getpid()
+        self._fd_lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        file_index = int(self._files[index])
+        start = int(self._starts[index])
+        raw = os.pread(self._fd(file_index), int(self._ends[index]) - start, start)
+        where = f"{self._paths[file_index]}:{int(self._lines[index])}"
+        try:
+            messages = parse_record(_loads(raw))
+        except DataError as e:
+            raise DataError(f"{where}: {e} (was the file modified after indexing?)") from None
+        return {"messages": messages, "where": where}
+
+    def _fd(self, file_index: int) -> int:
+        # pread on one descriptor per file is safe across grain's reader threads; a forked or
+        # unpickled copy opens its own.
+        with self._fd_lock:
+            if self._fd_pid != os.getpid():
+                self._fds, self._fd_pid = {}, os.getpid()
+            if file_index not in self._fds:
+                self._fds[file_index] = os.open(self._paths[file_index], os.O_RDONLY)
+            return self._fds[file_index]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_fds"] = {}
+        del state["_fd_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._fd_lock = threading.Lock()
+
+    def __del__(self):
+        if getattr(self, "_fd_pid", None) == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+
+    def __repr__(self) -> str:
+        return f"JsonlConversationSource({self._paths}, {len(self)} conversations)"
+
+
+def _loads(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"malformed JSON ({e})") from None
+
+
+def resolve_pad_id(tokenizer: Tokenizer, pad_id: int | None) -> int:
+    """`pad_id`, else the tokenizer's pad token, else its EOS."""
+    for candidate in (pad_id, tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    raise DataError("no pad_id given and the tokenizer has neither a pad nor an EOS token")
+
+
+def tokenize_example(
+    example: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    pad_id: int,
+    enable_thinking: bool = False,
+) -> dict[str, np.ndarray]:
+    """One conversation -> `tokens`, `loss_mask` (truncated to seq_len, right-padded), `length`."""
+    try:
+        ids, mask = encode_conversation(tokenizer, example["messages"], enable_thinking)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"{example.get('where', '<conversation>')}: {e}") from None
+    length = min(len(ids), seq_len)
+    tokens = np.full(seq_len, pad_id, np.int32)
+    tokens[:length] = ids[:length]
+    loss_mask = np.zeros(seq_len, bool)
+    loss_mask[:length] = np.asarray(mask[:length], bool)
+    return {"tokens": tokens, "loss_mask": loss_mask, "length": np.int32(length)}
+
+
+def make_dataset(
+    source: Sequence[Any],
+    tokenizer: Tokenizer,
+    config: DataConfig,
+    process_index: int,
+    process_count: int,
+) -> grain.MapDataset:
+    """The batched, sharded, shuffled, repeated grain MapDataset of one process."""
+    if not 0 <= process_index < process_count:
+        raise DataError(f"process_index {process_index} not in [0, {process_count})")
+    per_process = len(source) // process_count
+    if per_process == 0:
+        raise DataError(
+            f"{len(source)} conversations cannot be shared by {process_count} processes"
+        )
+    epochs = config.num_epochs
+    if epochs is not None and per_process * epochs < config.batch_size:
+        raise DataError(
+            f"{per_process} conversations per process x {epochs} epochs do not fill one batch of "
+            f"{config.batch_size}"
+        )
+    pad_id = resolve_pad_id(tokenizer, config.pad_id)
+
+    def tokenize(example: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return tokenize_example(example, tokenizer, config.seq_len, pad_id, config.enable_thinking)
+
+    ds = grain.MapDataset.source(source).shuffle(seed=config.seed)
+    ds = ds[process_index : per_process * process_count : process_count]
+    ds = ds.map(tokenize).repeat(epochs)
+    return ds.batch(config.batch_size, drop_remainder=True)
+
+
+def make_iterator(
+    config: DataConfig,
+    tokenizer: Tokenizer,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.DatasetIterator:
+    """A checkpointable iterator of this process's batches.
+
+    `get_state()` / `set_state()` resume exactly. The process defaults to jax's; pass both
+    explicitly to simulate several processes.
+    """
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    source = JsonlConversationSource(config.paths, config.skip_bad_records)
+    ds = make_dataset(source, tokenizer, config, process_index, process_count)
+    options = grain.ReadOptions(
+        num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size
+    )
+    return iter(ds.to_iter_dataset(options))
