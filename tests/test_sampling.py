@@ -1,0 +1,199 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from dspark_jax.sampling import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_RESIDUAL,
+    SamplingConfig,
+    filtered_logprobs,
+    position_keys,
+    request_keys,
+    sample_tokens,
+)
+
+# Probabilities 0.5, 0.3, 0.15, 0.05 placed at shuffled vocabulary ids.
+PROBS_V = np.array([0.15, 0.5, 0.05, 0.3])
+LOGITS_1V = jnp.log(jnp.asarray(PROBS_V, jnp.float32))[None]
+
+
+def kept(cfg: SamplingConfig, logits_xv=LOGITS_1V) -> np.ndarray:
+    return np.asarray(jnp.isfinite(filtered_logprobs(logits_xv, cfg)))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"top_k": -1},
+        {"top_k": 2.0},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_p": float("nan")},
+    ],
+)
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingConfig(**kwargs)
+
+
+def test_config_is_frozen_hashable_and_static():
+    cfg = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
+    assert not cfg.greedy and SamplingConfig().greedy
+    assert hash(cfg) == hash(SamplingConfig(0.7, 5, 0.9))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.top_k = 3
+    fn = jax.jit(filtered_logprobs, static_argnames="cfg")
+    np.testing.assert_allclose(fn(LOGITS_1V, cfg=SamplingConfig(1.0)), jnp.log(PROBS_V[None]), 1e-6)
+
+
+def test_greedy_is_first_argmax_one_hot():
+    logits_2v = jnp.array([[1.0, 3.0, 3.0, 0.0], [0.0, -1.0, 2.0, 2.0]])
+    logp_2v = np.asarray(filtered_logprobs(logits_2v, SamplingConfig()))
+    expected = np.full((2, 4), -np.inf, np.float32)
+    expected[0, 1] = expected[1, 2] = 0.0
+    np.testing.assert_array_equal(logp_2v, expected)
+    tokens = sample_tokens(request_keys(0, jnp.arange(2)), logits_2v, SamplingConfig())
+    np.testing.assert_array_equal(tokens, [1, 2])
+    assert tokens.dtype == jnp.int32
+
+
+def test_temperature_scales_logits_in_float32():
+    logits_v = jnp.array([[0.5, -1.0, 2.0, 0.0]], jnp.bfloat16)
+    logp = filtered_logprobs(logits_v, SamplingConfig(temperature=0.5))
+    assert logp.dtype == jnp.float32
+    np.testing.assert_allclose(logp, jax.nn.log_softmax(logits_v.astype(jnp.float32) * 2), 1e-6)
+
+
+def test_top_k_keeps_k_largest():
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_k=2)), [[0, 1, 0, 1]])
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_k=1)), [[0, 1, 0, 0]])
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_k=4)), [[1, 1, 1, 1]])
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_k=9)), [[1, 1, 1, 1]])
+    logp = filtered_logprobs(LOGITS_1V, SamplingConfig(1.0, top_k=2))
+    np.testing.assert_allclose(jnp.exp(logp), [[0, 0.5 / 0.8, 0, 0.3 / 0.8]], atol=1e-6)
+
+
+def test_filters_keep_ties_with_the_last_kept_value():
+    logits_1v = jnp.array([[2.0, 1.0, 1.0, 0.0]])
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_k=2), logits_1v), [[1, 1, 1, 0]])
+    # Sorted mass before each token: 0, 0.58, 0.79, 1.0 -- equal with or without top-k.
+    for top_k in (0, 2):
+        cfg = SamplingConfig(1.0, top_k=top_k, top_p=0.7)
+        np.testing.assert_array_equal(kept(cfg, logits_1v), [[1, 1, 1, 0]])
+        cfg = SamplingConfig(1.0, top_k=top_k, top_p=0.5)
+        np.testing.assert_array_equal(kept(cfg, logits_1v), [[1, 0, 0, 0]])
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    # Sorted mass before each token: 0, 0.5, 0.8, 0.95.
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_p=0.3)), [[0, 1, 0, 0]])
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_p=0.7)), [[0, 1, 0, 1]])
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_p=0.9)), [[1, 1, 0, 1]])
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_p=0.99)), [[1, 1, 1, 1]])
+    # The most likely token survives any top_p.
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, top_p=1e-6)), [[0, 1, 0, 0]])
+    logp = filtered_logprobs(LOGITS_1V, SamplingConfig(1.0, top_p=0.9))
+    np.testing.assert_allclose(jnp.exp(logp), [[0.15 / 0.95, 0.5 / 0.95, 0, 0.3 / 0.95]], 1e-6)
+
+
+def test_top_p_is_applied_after_top_k_and_temperature():
+    logits_1v = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1]]))
+    # top-k 3 renormalises to 0.44, 0.33, 0.22, so top_p 0.75 is reached after two tokens; the
+    # reverse order would keep three.
+    np.testing.assert_array_equal(kept(SamplingConfig(1.0, 3, 0.75), logits_1v), [[1, 1, 0, 0]])
+    # Temperature 0.5 squares and renormalises: 0.533, 0.3, 0.133, 0.033.
+    np.testing.assert_array_equal(kept(SamplingConfig(0.5, 0, 0.8), logits_1v), [[1, 1, 0, 0]])
+    np.testing.assert_array_equal(kept(SamplingConfig(2.0, 0, 0.8), logits_1v), [[1, 1, 1, 0]])
+
+
+def reference_filter(logits_v: np.ndarray, cfg: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+    """float64 numpy top-k then top-p: (kept mask, probability mass sorted before each token)."""
+    x = logits_v.astype(np.float64) / cfg.temperature
+    order = np.argsort(-x, kind="stable")
+    keep = np.ones_like(x, bool)
+    if cfg.top_k:
+        keep[order[cfg.top_k :]] = False
+    p = np.where(keep, np.exp(x - x.max()), 0.0)
+    p /= p.sum()
+    mass_before = np.empty_like(p)
+    mass_before[order] = np.cumsum(p[order]) - p[order]
+    return keep & (mass_before < cfg.top_p), mass_before
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(0.8, 0, 0.9), SamplingConfig(1.3, 500, 0.7)])
+def test_filters_match_numpy_reference_at_full_vocab_size(cfg):
+    vocab = 151_936
+    logits_2v = np.random.default_rng(0).normal(scale=3.0, size=(2, vocab)).astype(np.float32)
+    mask_2v = np.asarray(jnp.isfinite(jax.jit(filtered_logprobs, static_argnums=1)(logits_2v, cfg)))
+    for row in range(2):
+        expected, mass_before = reference_filter(logits_2v[row], cfg)
+        assert 1 < expected.sum() < vocab
+        # float32 and float64 cumulative sums may disagree only on a token at the boundary.
+        differ = mask_2v[row] != expected
+        assert differ.sum() <= 1
+        assert np.all(np.abs(mass_before[differ] - cfg.top_p) < 1e-4)
+
+
+def test_sample_tokens_matches_filtered_distribution():
+    """Chi-square goodness of fit, 20,000 draws, significance 1e-3."""
+    cfg = SamplingConfig(temperature=1.5, top_k=3)
+    n = 20_000
+    keys = position_keys(request_keys(3, jnp.zeros(n, jnp.int32)), jnp.arange(n), STREAM_DRAFT)
+    tokens = sample_tokens(keys, jnp.broadcast_to(LOGITS_1V, (n, 4)), cfg)
+    counts = np.bincount(np.asarray(tokens), minlength=4)
+    probs = np.asarray(jnp.exp(filtered_logprobs(LOGITS_1V, cfg)), np.float64)[0]
+    assert counts[probs == 0].sum() == 0
+    pvalue = stats.chisquare(counts[probs > 0], n * probs[probs > 0] / probs.sum()).pvalue
+    assert pvalue > 1e-3
+
+
+def test_sample_tokens_row_uses_only_its_own_key():
+    cfg = SamplingConfig(temperature=1.0, top_p=0.95)
+    rng = np.random.default_rng(1)
+    logits_bv = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
+    keys_b = request_keys(7, jnp.arange(6))
+    batched = sample_tokens(keys_b, logits_bv, cfg)
+    for b in range(6):
+        alone = sample_tokens(keys_b[b : b + 1], logits_bv[b : b + 1], cfg)
+        assert int(alone[0]) == int(batched[b])
+    legacy_b = jax.vmap(jax.random.PRNGKey)(jnp.arange(6))
+    assert sample_tokens(legacy_b, logits_bv, cfg).shape == (6,)
+
+
+def test_keys_depend_only_on_seed_request_position_stream():
+    def key_data(seed, request_ids, positions, stream):
+        keys = position_keys(request_keys(seed, jnp.asarray(request_ids)), positions, stream)
+        return np.asarray(jax.random.key_data(keys))
+
+    one = key_data(0, [7], jnp.array([12]), STREAM_ACCEPT)[0]
+    many = key_data(0, [3, 7, 9], jnp.array([4, 12, 0]), STREAM_ACCEPT)
+    np.testing.assert_array_equal(one, many[1])
+    variants = [
+        key_data(1, [7], jnp.array([12]), STREAM_ACCEPT)[0],
+        key_data(0, [8], jnp.array([12]), STREAM_ACCEPT)[0],
+        key_data(0, [7], jnp.array([13]), STREAM_ACCEPT)[0],
+        key_data(0, [7], jnp.array([12]), STREAM_RESIDUAL)[0],
+        key_data(0, [7], jnp.array([12]), STREAM_DRAFT)[0],
+    ]
+    for other in variants:
+        assert not np.array_equal(one, other)
+    grid = key_data(0, [3, 7], jnp.array([[4, 5, 6], [10, 11, 12]]), STREAM_ACCEPT)
+    assert grid.shape == (2, 3, 2)
+    np.testing.assert_array_equal(grid[1, 2], one)
+
+
+def test_position_keys_accepts_legacy_keys():
+    legacy_b = jax.vmap(jax.random.PRNGKey)(jnp.arange(3))
+    typed_b = jax.random.wrap_key_data(legacy_b)
+    positions_bk = jnp.arange(6).reshape(3, 2)
+    legacy = position_keys(legacy_b, positions_bk, STREAM_DRAFT)
+    typed = position_keys(typed_b, positions_bk, STREAM_DRAFT)
+    assert legacy.shape == (3, 2, 2)
+    np.testing.assert_array_equal(legacy, jax.random.key_data(typed))
