@@ -231,7 +231,7 @@ def _spec_round(target: Qwen3, drafter: DSparkDrafter, sampling: SamplingConfig,
         target, verify_in, state.target_cache, drafter.cfg.target_layer_ids, verify_buckets,
         gamma + 1, bucket_idx,
     )
-    result = verify(block.tokens_bk, block.logits_bkv, logits_bjv, lengths_b, state.keys_b,
+    result = verify(block.tokens_bk, block.logprobs_bkv, logits_bjv, lengths_b, state.keys_b,
                     start_b + 1, sampling, stop_tokens_s)
 
     # Commit: the cache keeps the anchor and the accepted drafts; the rest is rolled back by

@@ -18,7 +18,7 @@ from dspark_jax.config import DrafterConfig
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
 from dspark_jax.models.layers import Embed, KVCache, Linear, RMSNorm, attention, write_rows
 from dspark_jax.models.qwen3 import DecoderLayer
-from dspark_jax.sampling import SamplingConfig, sample_tokens
+from dspark_jax.sampling import SamplingConfig, categorical, filtered_logprobs
 
 
 class DrafterLayer(DecoderLayer):
@@ -37,7 +37,8 @@ class DrafterLayer(DecoderLayer):
 
 class DraftBlock(NamedTuple):
     tokens_bk: jax.Array  # sampled draft tokens
-    logits_bkv: jax.Array  # Markov-corrected logits each token was sampled from (float32)
+    logits_bkv: jax.Array  # Markov-corrected logits (float32)
+    logprobs_bkv: jax.Array  # the filtered distribution each token was drawn from (float32)
     conf_logits_bk: jax.Array | None  # pre-sigmoid confidence, None without a confidence head
 
 
@@ -150,15 +151,19 @@ class DSparkDrafter(nnx.Module):
             if head is not None:
                 bias_bv, state = head.step(head.embed_prev(prev_b, self.dtype), h_bd, state)
                 logits_bv = base_bv + bias_bv
-            token_b = sample_tokens(keys_b, logits_bv, sampling)
-            return (token_b, state), (token_b, logits_bv)
+            logprobs_bv = filtered_logprobs(logits_bv, sampling)
+            token_b = (jnp.argmax(logits_bv, axis=-1).astype(jnp.int32) if sampling.greedy
+                       else categorical(keys_b, logprobs_bv))
+            return (token_b, state), (token_b, logits_bv, logprobs_bv)
 
         xs = (jnp.swapaxes(base_bkv, 0, 1), jnp.swapaxes(h_bkd, 0, 1), jnp.swapaxes(keys_bk, 0, 1))
-        _, (tokens_kb, logits_kbv) = jax.lax.scan(body, (anchor_b.astype(jnp.int32), state0), xs)
+        _, (tokens_kb, logits_kbv, logprobs_kbv) = jax.lax.scan(
+            body, (anchor_b.astype(jnp.int32), state0), xs
+        )
         tokens_bk = jnp.swapaxes(tokens_kb, 0, 1)
         prev_bk = jnp.concatenate([anchor_b[:, None].astype(jnp.int32), tokens_bk[:, :-1]], axis=1)
         return DraftBlock(tokens_bk, jnp.swapaxes(logits_kbv, 0, 1),
-                          self.confidence_logits(h_bkd, prev_bk))
+                          jnp.swapaxes(logprobs_kbv, 0, 1), self.confidence_logits(h_bkd, prev_bk))
 
     def teacher_forced(self, h_bkd, prev_bk):
         """(corrected logits, confidence logits) with the true previous tokens (training)."""
