@@ -1,0 +1,527 @@
+"""Our converted checkpoint layout, its loaders, and export back to the PyTorch layout.
+
+A converted folder O holds
+
+    O/dspark_jax.json          format name and version, what was converted, sources, fingerprint
+    O/draft/config.json        the drafter's original config.json (num_target_layers filled in
+                               from the target when it lacked it)
+    O/draft/params/            Orbax StandardCheckpointer of nnx.state(model).to_pure_dict()
+    O/target/config.json       the target's original config.json
+    O/target/params/           same, for the target
+    O/target/tokenizer*, generation_config.json, ...   copied from the target folder
+
+Either part may be absent. Loaders also take a Hugging Face / DeepSpec safetensors folder or a
+hub id, so every program can point at whichever form the user has.
+
+A loaded model computes in the dtype its parameters are stored in, unless a `dtype` is asked for,
+in which case the parameters are cast and the config's compute dtype follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from dspark_jax.checkpoints.convert import drafter_from_torch, export_to_torch, target_from_torch
+from dspark_jax.checkpoints.safetensors_io import (
+    SINGLE_FILE,
+    CheckpointError,
+    SafetensorsFolder,
+    atomic_output_dir,
+    resolve_model_dir,
+    save_safetensors,
+)
+from dspark_jax.config import DTYPES, ConfigError, DrafterConfig, Qwen3Config, read_config_json
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.qwen3 import Qwen3
+
+FORMAT_NAME = "dspark-jax"
+FORMAT_VERSION = 1
+MANIFEST = "dspark_jax.json"
+PARAMS = "params"
+DRAFT, TARGET = "draft", "target"
+CONVERT_DTYPES = ("keep", "float32", "bfloat16")
+# Files a serving program needs next to the target weights (tokenizer, chat template, stops).
+SUPPORT_FILES = (
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+)
+
+
+# -- fingerprints ------------------------------------------------------------------------------
+def fingerprint_tensors(tensors: Mapping[str, np.ndarray]) -> str:
+    """sha256 hex digest over sorted (key, dtype, shape, raw bytes) of PyTorch-layout tensors.
+
+    Equal for a safetensors file, our conversion of it (dtype "keep") and its export.
+    """
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        array = np.ascontiguousarray(tensors[key])
+        digest.update(json.dumps([key, array.dtype.name, list(array.shape)]).encode())
+        digest.update(array.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def drafter_fingerprint(model: DSparkDrafter) -> str:
+    """The fingerprint of a drafter's parameters (see `fingerprint_tensors`)."""
+    return fingerprint_tensors(export_to_torch(model, ""))
+
+
+# -- small helpers -----------------------------------------------------------------------------
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(np.dtype(dtype), jnp.floating)
+
+
+def _dtype_name(dtype) -> str:
+    """Canonical name of a floating dtype we can compute in ("float32", "bfloat16", ...)."""
+    try:
+        name = np.dtype(jnp.dtype(dtype)).name
+    except TypeError as e:
+        raise ValueError(f"unknown dtype {dtype!r}") from e
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return name
+
+
+def _first_float_dtype(dtypes, where: Path) -> str:
+    for dtype in dtypes:
+        if _is_float(dtype):
+            return _dtype_name(dtype)
+    raise CheckpointError(f"{where}: holds no floating-point parameters")
+
+
+def _with_dtype(cfg, dtype: str):
+    if isinstance(cfg, DrafterConfig):
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+    return dataclasses.replace(cfg, dtype=dtype)
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _check_no_overlap(out: Path, sources: list[Path]) -> None:
+    """Refuses an output that is, contains or sits inside a source: --overwrite would delete it."""
+    out = out.resolve()
+    for source in sources:
+        source = source.resolve()
+        if out == source or out in source.parents or source in out.parents:
+            raise ValueError(f"output {out} overlaps the input {source}; choose another folder")
+
+
+@contextlib.contextmanager
+def _on_host() -> Iterator[None]:
+    """Places arrays in host memory: converting a 14B target must not need accelerator memory."""
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        cpu = None
+    with jax.default_device(cpu) if cpu is not None else contextlib.nullcontext():
+        yield
+
+
+class _ReadSource:
+    """A SafetensorsFolder seen through an optional floating cast, ticking a progress bar."""
+
+    def __init__(self, folder: SafetensorsFolder, cast: str | None, bar: tqdm):
+        self._folder, self._bar = folder, bar
+        self._cast = None if cast is None else np.dtype(jnp.dtype(cast))
+
+    def keys(self):
+        return self._folder.keys()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._folder.shape(key)
+
+    def dtype(self, key: str) -> np.dtype:
+        stored = self._folder.dtype(key)
+        return self._cast if self._cast is not None and _is_float(stored) else stored
+
+    def get(self, key: str) -> np.ndarray:
+        array = self._folder.get(key)
+        if self._cast is not None and _is_float(array.dtype):
+            array = array.astype(self._cast)
+        self._bar.update(1)
+        return array
+
+
+def _from_torch_folder(folder: SafetensorsFolder, cfg, dtype: str | None, progress: bool):
+    """(cfg with its compute dtype set, model) from a PyTorch-layout folder."""
+    dtype = dtype or _first_float_dtype((folder.dtype(k) for k in folder.keys()), folder.path)
+    cfg = _with_dtype(cfg, dtype)
+    build = drafter_from_torch if isinstance(cfg, DrafterConfig) else target_from_torch
+    bar = tqdm(
+        total=len(folder),
+        desc=f"reading {folder.path.name}",
+        unit="tensor",
+        leave=False,
+        disable=None if progress else True,
+    )
+    with bar:
+        return cfg, build(cfg, _ReadSource(folder, dtype, bar))
+
+
+def _new_model(cfg, param_dtype: str):
+    """An abstract (unallocated) model for `cfg`."""
+    if isinstance(cfg, DrafterConfig):
+        return nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+    return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+
+
+def _path_key(key_path) -> tuple[str, ...]:
+    """A tree path as strings: Orbax metadata spells list indices "0", our pure dicts 0."""
+    return tuple(str(getattr(k, "key", k)) for k in key_path)
+
+
+def _flat(tree) -> dict[tuple[str, ...], Any]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path_key(path): leaf for path, leaf in leaves}
+
+
+def _read_orbax_metadata(params_dir: Path) -> dict[tuple[str, ...], Any]:
+    if not params_dir.is_dir():
+        raise CheckpointError(f"{params_dir}: parameter folder does not exist")
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            return _flat(ckpt.metadata(params_dir.resolve()).item_metadata)
+    except Exception as e:
+        raise CheckpointError(
+            f"{params_dir}: cannot read the Orbax checkpoint ({type(e).__name__}: {e})"
+        ) from e
+
+
+def _restore(params_dir: Path, abstract: nnx.Module, stored: dict, dtype: str | None):
+    """Restores `abstract`'s parameters from `params_dir`, checking keys and shapes first.
+
+    The restore target is the abstract model's pure dict, so list indices stay int keys. Each
+    leaf is read in its stored dtype, or cast to `dtype` by Orbax while reading.
+    """
+    graphdef, state = nnx.split(abstract)
+    wanted = nnx.to_pure_dict(state)
+    wanted_flat = _flat(wanted)
+    missing = sorted(".".join(p) for p in set(wanted_flat) - set(stored))
+    unexpected = sorted(".".join(p) for p in set(stored) - set(wanted_flat))
+    mismatched = [
+        f"{'.'.join(p)}: expected {list(leaf.shape)}, found {list(stored[p].shape)}"
+        for p, leaf in sorted(wanted_flat.items())
+        if p in stored and tuple(stored[p].shape) != tuple(leaf.shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches ({len(mismatched)}): {'; '.join(mismatched)}")
+    if problems:
+        raise CheckpointError(
+            f"{params_dir}: parameters do not match config.json: " + " | ".join(problems)
+        )
+
+    # An explicit device: the sharding recorded at save time names the converting machine's.
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def leaf_target(key_path, leaf):
+        meta = stored[_path_key(key_path)]
+        cast = dtype is not None and _is_float(meta.dtype)
+        return jax.ShapeDtypeStruct(leaf.shape, dtype if cast else meta.dtype, sharding=sharding)
+
+    target = jax.tree_util.tree_map_with_path(leaf_target, wanted)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            restored = ckpt.restore(params_dir.resolve(), target)
+    except Exception as e:
+        raise CheckpointError(
+            f"{params_dir}: cannot read the Orbax checkpoint ({type(e).__name__}: {e})"
+        ) from e
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)
+
+
+def _from_jax_folder(part_dir: Path, cfg, dtype: str | None):
+    """(cfg with its compute dtype set, model) from one part of a converted folder."""
+    params_dir = part_dir / PARAMS
+    stored = _read_orbax_metadata(params_dir)
+    compute = dtype or _first_float_dtype((m.dtype for m in stored.values()), params_dir)
+    cfg = _with_dtype(cfg, compute)
+    return cfg, _restore(params_dir, _new_model(cfg, compute), stored, dtype)
+
+
+def _cast_model(cfg, model, dtype: str):
+    """`model` with floating parameters cast to `dtype` and compute dtype `dtype`."""
+    cfg = _with_dtype(cfg, dtype)
+    graphdef, state = nnx.split(_new_model(cfg, dtype))
+    pure = nnx.to_pure_dict(nnx.state(model))
+    nnx.replace_by_pure_dict(
+        state, jax.tree.map(lambda a: a.astype(dtype) if _is_float(a.dtype) else a, pure)
+    )
+    return cfg, nnx.merge(graphdef, state)
+
+
+# -- locating checkpoints ----------------------------------------------------------------------
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the manifest ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path}: not a {FORMAT_NAME} manifest")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {version!r} is not supported (this build reads "
+            f"1..{FORMAT_VERSION}); upgrade dspark-jax"
+        )
+    return manifest
+
+
+def _locate(path: str | os.PathLike, part: str) -> tuple[Path, dict[str, Any] | None]:
+    """(folder holding config.json, manifest entry or None); the entry is None for PyTorch folders.
+
+    Accepts a converted folder, one of its parts, a safetensors folder or a hub id.
+    """
+    root = resolve_model_dir(str(path))
+    if (root / MANIFEST).is_file():
+        manifest = _read_manifest(root / MANIFEST)
+        if part not in manifest.get("converted", []):
+            raise CheckpointError(
+                f"{root}: this converted folder holds no {part} "
+                f"(converted: {', '.join(manifest.get('converted', [])) or 'nothing'})"
+            )
+        return root / part, manifest.get(part, {})
+    if (root / PARAMS).is_dir():
+        parent = root.parent / MANIFEST
+        entry = _read_manifest(parent).get(root.name, {}) if parent.is_file() else {}
+        return root, entry
+    return root, None
+
+
+def _read_drafter(path, dtype: str | None, progress: bool):
+    """(original config dict, cfg, model, fingerprint of the stored parameters)."""
+    part_dir, entry = _locate(path, DRAFT)
+    raw = read_config_json(part_dir)
+    cfg = DrafterConfig.from_hf(raw)
+    if entry is None:
+        cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, None, progress)
+    else:
+        cfg, model = _from_jax_folder(part_dir, cfg, None)
+    fingerprint = drafter_fingerprint(model)
+    recorded = (entry or {}).get("fingerprint")
+    if recorded is not None and recorded != fingerprint:
+        raise CheckpointError(
+            f"{part_dir}: parameters do not match the fingerprint recorded at conversion "
+            f"({recorded[:12]}..., found {fingerprint[:12]}...): the folder was modified or damaged"
+        )
+    if dtype is not None:
+        cfg, model = _cast_model(cfg, model, _dtype_name(dtype))
+    return raw, cfg, model, fingerprint
+
+
+# -- public loaders ----------------------------------------------------------------------------
+def load_target(
+    path: str | os.PathLike, dtype=None, *, progress: bool = True
+) -> tuple[Qwen3Config, Qwen3, Path]:
+    """(config, Qwen3 target, folder with its tokenizer files) from any supported form.
+
+    `path`: a converted folder, its `target/`, a Hugging Face safetensors folder or a hub id.
+    `dtype` (e.g. "bfloat16") casts the parameters and sets the compute dtype for serving.
+    `progress` shows a bar while safetensors are read, on a terminal only.
+    """
+    part_dir, entry = _locate(path, TARGET)
+    cfg = Qwen3Config.from_hf(read_config_json(part_dir))
+    dtype = None if dtype is None else _dtype_name(dtype)
+    if entry is None:
+        cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, dtype, progress)
+    else:
+        cfg, model = _from_jax_folder(part_dir, cfg, dtype)
+    return cfg, model, part_dir
+
+
+def load_drafter(
+    path: str | os.PathLike, dtype=None, *, progress: bool = True
+) -> tuple[DrafterConfig, DSparkDrafter, str]:
+    """(config, drafter, fingerprint) from any supported form (see `load_target`).
+
+    The fingerprint is that of the stored parameters (before any `dtype` cast); loading a
+    converted folder checks it against the one recorded at conversion.
+    """
+    _, cfg, model, fingerprint = _read_drafter(path, dtype, progress)
+    return cfg, model, fingerprint
+
+
+# -- conversion --------------------------------------------------------------------------------
+def _save_params(model: nnx.Module, params_dir: Path) -> None:
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(params_dir.resolve(), nnx.to_pure_dict(nnx.state(model)))
+
+
+def _copy_support_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for item in sorted(src.iterdir()):
+        if item.is_file() and any(fnmatch.fnmatch(item.name, p) for p in SUPPORT_FILES):
+            shutil.copy2(item, dst / item.name)
+            copied.append(item.name)
+    return copied
+
+
+def _num_params(model: nnx.Module) -> int:
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(model)))
+
+
+def convert_checkpoints(
+    out: str | os.PathLike,
+    draft: str | os.PathLike | None = None,
+    target: str | os.PathLike | None = None,
+    *,
+    dtype: str = "keep",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Converts PyTorch-layout drafter and/or target folders into our layout; returns the manifest.
+
+    Both configs are read and, with both parts, checked against each other before anything is
+    written. Output is atomic: on any error (or Ctrl-C) `out` is not created or changed.
+    """
+    if draft is None and target is None:
+        raise ValueError("nothing to convert: give a drafter, a target or both")
+    if dtype not in CONVERT_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(CONVERT_DTYPES)}")
+    cast = None if dtype == "keep" else dtype
+    out = Path(out)
+    sources = {
+        part: resolve_model_dir(str(src))
+        for part, src in ((DRAFT, draft), (TARGET, target))
+        if src is not None
+    }
+    _check_no_overlap(out, list(sources.values()))
+
+    raws: dict[str, dict[str, Any]] = {}
+    cfgs: dict[str, Any] = {}
+    filled: list[str] = []
+    if TARGET in sources:
+        raws[TARGET] = read_config_json(sources[TARGET])
+        cfgs[TARGET] = Qwen3Config.from_hf(raws[TARGET])
+    if DRAFT in sources:
+        raw = dict(read_config_json(sources[DRAFT]))
+        nested = raw.get("dflash_config") or {}
+        if "num_target_layers" not in raw and "num_target_layers" not in nested and TARGET in cfgs:
+            raw["num_target_layers"] = cfgs[TARGET].num_hidden_layers
+            filled.append("num_target_layers")
+        raws[DRAFT] = raw
+        cfgs[DRAFT] = DrafterConfig.from_hf(raw)
+        if TARGET in cfgs:
+            cfgs[DRAFT].check_target(cfgs[TARGET])
+    folders = {part: SafetensorsFolder(src) for part, src in sources.items()}
+
+    manifest: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "converted": [p for p in (DRAFT, TARGET) if p in sources],
+        "dtype": dtype,
+    }
+    with _on_host(), atomic_output_dir(out, overwrite=overwrite) as tmp:
+        for part in manifest["converted"]:
+            part_dir = tmp / part
+            part_dir.mkdir()
+            _, model = _from_torch_folder(folders[part], cfgs[part], cast, progress)
+            _save_params(model, part_dir / PARAMS)
+            _write_json(part_dir / "config.json", raws[part])
+            floats = [a.dtype for a in jax.tree.leaves(nnx.state(model)) if _is_float(a.dtype)]
+            entry: dict[str, Any] = {
+                "source": str(draft if part == DRAFT else target),
+                "resolved_source": str(sources[part].resolve()),
+                "param_dtype": _dtype_name(floats[0]),
+                "num_params": _num_params(model),
+            }
+            if part == DRAFT:
+                entry["fingerprint"] = drafter_fingerprint(model)
+                if filled:
+                    entry["filled_config_fields"] = filled
+            else:
+                entry["copied_files"] = _copy_support_files(sources[part], part_dir)
+            manifest[part] = entry
+            del model  # frees the drafter before the (much larger) target is read
+        _write_json(tmp / MANIFEST, manifest)
+    return manifest
+
+
+# -- export ------------------------------------------------------------------------------------
+def _config_diffs(written: DrafterConfig, model: DrafterConfig) -> list[str]:
+    """Fields on which two drafter configs disagree, the compute dtype aside."""
+    pairs = [
+        (f.name, getattr(written, f.name), getattr(model, f.name))
+        for f in dataclasses.fields(DrafterConfig)
+        if f.name != "model"
+    ]
+    pairs += [
+        (f.name, getattr(written.model, f.name), getattr(model.model, f.name))
+        for f in dataclasses.fields(Qwen3Config)
+        if f.name != "dtype"
+    ]
+    return [f"{name}: config {a!r}, model {b!r}" for name, a, b in pairs if a != b]
+
+
+def write_drafter_torch(
+    model: DSparkDrafter,
+    hf_config: Mapping[str, Any] | None,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Writes `model` as a PyTorch (DeepSpec) drafter folder: config.json + model.safetensors.
+
+    `hf_config` is the config.json dict to write (the original one for a converted drafter);
+    None writes `model.cfg.to_hf()`. Its `dtype`/`torch_dtype` is set to the parameters' dtype
+    when they disagree. Atomic, like conversion.
+    """
+    config = dict(model.cfg.to_hf() if hf_config is None else hf_config)
+    diffs = _config_diffs(DrafterConfig.from_hf(config), model.cfg)
+    if diffs:
+        raise ConfigError(
+            "hf_config describes a different drafter than the model: " + "; ".join(diffs)
+        )
+    tensors = export_to_torch(model, "")
+    float_names = {a.dtype.name for a in tensors.values() if _is_float(a.dtype)}
+    if len(float_names) == 1:
+        (name,) = float_names
+        for key in ("dtype", "torch_dtype"):
+            if key in config and str(config[key]).removeprefix("torch.") != name:
+                config[key] = name
+    out = Path(out)
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        save_safetensors(tensors, tmp / SINGLE_FILE, metadata={"format": "pt"})
+        _write_json(tmp / "config.json", config)
+    return out
+
+
+def export_drafter(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Exports a converted drafter (or any loadable one) to a PyTorch-layout folder at `out`."""
+    part_dir, _ = _locate(src, DRAFT)
+    protected = [part_dir]
+    if (part_dir.parent / MANIFEST).is_file():
+        protected.append(part_dir.parent)
+    _check_no_overlap(Path(out), protected)
+    raw, _, model, _ = _read_drafter(part_dir, None, progress=False)
+    return write_drafter_torch(model, raw, out, overwrite=overwrite)

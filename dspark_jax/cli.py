@@ -1,0 +1,59 @@
+"""The `dspark-jax` console script: one argparse subcommand per module in `COMMANDS`.
+
+A command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are imported
+only when their command runs, so `dspark-jax --help` does not pay for importing JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). Adding a command is one line here plus its module.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("dspark_jax.commands.convert", "convert PyTorch drafter/target checkpoints to JAX"),
+    "export": ("dspark_jax.commands.export", "export a JAX drafter to the PyTorch layout"),
+    "train": ("train.cli", "train a DSpark/DFlash drafter with the frozen target run online"),
+}
+
+# Errors that mean bad input, not a bug: reported in one line without a traceback.
+# ConfigError and CheckpointError are ValueError subclasses.
+USER_ERRORS = (ValueError, FileExistsError)
+
+
+def _parser(selected: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dspark-jax",
+        description="DSpark speculative decoding in JAX: convert, export and more.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == selected:
+            importlib.import_module(module).add_arguments(command_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one subcommand; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        args = _parser(selected if selected in COMMANDS else None).parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return module.run(args)
+    except USER_ERRORS as e:
+        print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dspark-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

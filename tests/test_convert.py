@@ -1,0 +1,404 @@
+"""Checkpoint conversion: the `dspark-jax convert` / `export` CLI and the loaders behind it."""
+
+import functools
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from fixture_models import VARIANTS, fixture_dir
+from flax import nnx
+from safetensors.torch import load_file, save_file
+
+from dspark_jax.checkpoints import jax_format
+from dspark_jax.checkpoints.jax_format import (
+    fingerprint_tensors,
+    load_drafter,
+    load_target,
+    write_drafter_torch,
+)
+from dspark_jax.checkpoints.safetensors_io import (
+    CheckpointError,
+    SafetensorsFolder,
+    save_safetensors,
+)
+from dspark_jax.cli import main
+from dspark_jax.config import ConfigError
+from dspark_jax.sampling import SamplingConfig
+
+REPO = Path(__file__).parents[1]
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def _tensors(folder: Path) -> dict[str, np.ndarray]:
+    source = SafetensorsFolder(folder)
+    return {k: source.get(k) for k in source.keys()}
+
+
+def _assert_same_tensors(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for key, array in want.items():
+        assert got[key].dtype == array.dtype and got[key].shape == array.shape, key
+        assert got[key].tobytes() == array.tobytes(), key
+
+
+def _assert_nothing_written(tmp_path: Path, name: str = "out") -> None:
+    assert not (tmp_path / name).exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{name}.")]
+
+
+def _copy_fixture(tmp_path: Path, variant: str) -> tuple[Path, Path]:
+    root = tmp_path / f"src-{variant}"
+    shutil.copytree(fixture_dir(variant), root, ignore=shutil.ignore_patterns("reference.*"))
+    return root / "draft", root / "target"
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _target_logits_jit(graphdef, state):
+    target = nnx.merge(graphdef, state)
+    tokens = jnp.asarray([[3, 17, 101, 255, 40, 7, 99, 256, 12, 64]], jnp.int32)
+    return target.logits(target(tokens).hidden_btd)
+
+
+def _target_logits(target) -> np.ndarray:
+    return np.asarray(_target_logits_jit(*nnx.split(target)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _draft_block_jit(graphdef, state):
+    drafter = nnx.merge(graphdef, state)
+    cfg = drafter.cfg
+    features = jax.random.normal(jax.random.key(1), (2, 9, cfg.num_context_features))
+    cache = drafter.init_context_cache(2, 16)
+    cache = drafter.append_context(cache, features, jnp.array([9, 6]))
+    anchor = jnp.array([65, 10], jnp.int32)
+    keys = jax.random.split(jax.random.key(0), (2, cfg.block_size))
+    h = drafter.draft_hidden(anchor, cache)
+    return drafter.sample_block(h, anchor, keys, SamplingConfig(temperature=0.0))
+
+
+def _draft_outputs(drafter) -> list[np.ndarray]:
+    """Tokens, corrected logits and confidence logits of one greedy block on fixed features."""
+    return [np.asarray(a) for a in _draft_block_jit(*nnx.split(drafter))]
+
+
+def _assert_exact(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_convert_then_load_matches_original(tmp_path, capsys, variant):
+    src = fixture_dir(variant)
+    out = tmp_path / "out"
+    code, err = _cli(
+        capsys, "convert", "--draft", src / "draft", "--target", src / "target", "--out", out
+    )
+    assert code == 0, err
+    manifest = json.loads((out / "dspark_jax.json").read_text())
+    assert manifest["format"] == "dspark-jax" and manifest["format_version"] == 1
+    assert manifest["converted"] == ["draft", "target"]
+    assert json.loads((out / "draft" / "config.json").read_text()) == json.loads(
+        (src / "draft" / "config.json").read_text()
+    )
+    assert (out / "target" / "generation_config.json").read_bytes() == (
+        src / "target" / "generation_config.json"
+    ).read_bytes()
+
+    ref_cfg, ref_target, _ = load_target(src / "target")
+    want_logits = _target_logits(ref_target)
+    for path in (out, out / "target"):
+        cfg, target, model_dir = load_target(path)
+        assert cfg == ref_cfg and model_dir == out / "target"
+        assert (target.lm_head is None) == (variant == "vanilla")  # vanilla's target is tied
+        np.testing.assert_array_equal(_target_logits(target), want_logits)
+
+    ref_dcfg, ref_drafter, ref_fp = load_drafter(src / "draft")
+    assert ref_fp == fingerprint_tensors(_tensors(src / "draft"))
+    assert ref_fp == manifest["draft"]["fingerprint"]
+    want_draft = _draft_outputs(ref_drafter)
+    for path in (out, out / "draft"):
+        dcfg, drafter, fp = load_drafter(path)
+        assert dcfg == ref_dcfg and fp == ref_fp
+        _assert_exact(_draft_outputs(drafter), want_draft)
+
+
+def test_serving_dtype_cast_agrees_across_sources(tmp_path, capsys):
+    src = fixture_dir("gated")
+    out = tmp_path / "out"
+    assert _cli(capsys, "convert", "--target", src / "target", "--out", out)[0] == 0
+    cfg, target, _ = load_target(out, dtype="bfloat16")
+    assert cfg.dtype == "bfloat16"
+    assert {a.dtype for a in jax.tree.leaves(target)} == {jnp.dtype(jnp.bfloat16)}
+    _, ref_target, _ = load_target(src / "target", dtype="bfloat16")
+    np.testing.assert_array_equal(_target_logits(target), _target_logits(ref_target))
+    with pytest.raises(CheckpointError, match="holds no draft"):
+        load_drafter(out)
+
+
+def _export_round_trip(tmp_path, capsys, draft: Path, *convert_args) -> Path:
+    out, exported = tmp_path / "out", tmp_path / "exported"
+    code, err = _cli(capsys, "convert", "--draft", draft, "--out", out, *convert_args)
+    assert code == 0, err
+    code, err = _cli(capsys, "export", "--draft", out, "--out", exported)
+    assert code == 0, err
+    assert SafetensorsFolder(exported).metadata == {"format": "pt"}
+    return exported
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_convert_export_round_trip_is_bit_exact(tmp_path, capsys, variant):
+    draft = fixture_dir(variant) / "draft"
+    exported = _export_round_trip(tmp_path, capsys, draft)
+    _assert_same_tensors(_tensors(exported), _tensors(draft))
+    assert (exported / "config.json").read_bytes() == (draft / "config.json").read_bytes()
+
+
+def test_bf16_drafter_round_trip_is_bit_exact(tmp_path, capsys):
+    fixture = fixture_dir("vanilla") / "draft"
+    draft = tmp_path / "bf16-draft"
+    draft.mkdir()
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(fixture / "model.safetensors").items()}
+    save_file(state, draft / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(fixture / "config.json", draft / "config.json")
+    _edit_config(draft, dtype="bfloat16")
+    exported = _export_round_trip(tmp_path, capsys, draft)
+    _assert_same_tensors(_tensors(exported), _tensors(draft))
+    assert json.loads((exported / "config.json").read_text()) == json.loads(
+        (draft / "config.json").read_text()
+    )
+    cfg, drafter, _ = load_drafter(tmp_path / "out")
+    assert cfg.model.dtype == "bfloat16"
+    assert {a.dtype for a in jax.tree.leaves(drafter)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_convert_dtype_bfloat16_casts_stored_params(tmp_path, capsys):
+    draft = fixture_dir("gated") / "draft"
+    exported = _export_round_trip(tmp_path, capsys, draft, "--dtype", "bfloat16")
+    want = {k: v.astype(ml_dtypes.bfloat16) for k, v in _tensors(draft).items()}
+    _assert_same_tensors(_tensors(exported), want)
+    config = json.loads((exported / "config.json").read_text())
+    original = json.loads((draft / "config.json").read_text())
+    assert config == {**original, "dtype": "bfloat16"}
+
+
+def test_write_drafter_torch_for_a_drafter_trained_here(tmp_path):
+    cfg, drafter, fp = load_drafter(fixture_dir("vanilla") / "draft")
+    write_drafter_torch(drafter, None, tmp_path / "trained")
+    assert json.loads((tmp_path / "trained" / "config.json").read_text()) == cfg.to_hf()
+    cfg2, _, fp2 = load_drafter(tmp_path / "trained")
+    assert cfg2 == cfg and fp2 == fp
+    wrong = {**cfg.to_hf(), "block_size": cfg.block_size + 1}
+    with pytest.raises(ConfigError, match="block_size"):
+        write_drafter_torch(drafter, wrong, tmp_path / "wrong")
+    _assert_nothing_written(tmp_path, "wrong")
+
+
+def test_sharded_target_converts(tmp_path, capsys):
+    src = fixture_dir("gated") / "target"
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    tensors = _tensors(src)
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
+    for shard, keys in shards.items():
+        save_safetensors({k: tensors[k] for k in keys}, sharded / shard)
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(src / name, sharded / name)
+
+    code, err = _cli(capsys, "convert", "--target", sharded, "--out", tmp_path / "out")
+    assert code == 0, err
+    _, target, _ = load_target(tmp_path / "out")
+    _, ref_target, _ = load_target(src)
+    np.testing.assert_array_equal(_target_logits(target), _target_logits(ref_target))
+
+
+def _drop_and_add_keys(draft: Path, target: Path) -> None:
+    tensors = _tensors(draft)
+    del tensors["markov_head.markov_w2.weight"]
+    tensors["extra_head.weight"] = np.zeros((2, 2), np.float32)
+    save_safetensors(tensors, draft / "model.safetensors")
+
+
+def _reshape_norm(draft: Path, target: Path) -> None:
+    tensors = _tensors(draft)
+    tensors["hidden_norm.weight"] = tensors["hidden_norm.weight"][:95]
+    save_safetensors(tensors, draft / "model.safetensors")
+
+
+def _truncate(draft: Path, target: Path) -> None:
+    path = draft / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _corrupt_header(draft: Path, target: Path) -> None:
+    path = draft / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    data[8 + header_len // 2 : 8 + header_len // 2 + 6] = b'\x00{]\xff"}'
+    path.write_bytes(bytes(data))
+
+
+BAD_INPUTS = {
+    "missing_and_unexpected_keys": (
+        _drop_and_add_keys,
+        [
+            "missing keys (1): markov_head.markov_w2.weight",
+            "unexpected keys (1): extra_head.weight",
+        ],
+    ),
+    "shape_mismatch": (_reshape_norm, ["hidden_norm.weight: expected [96], found [95]"]),
+    "unknown_markov_head_type": (
+        lambda d, t: _edit_config(d, markov_head_type="lstm"),
+        ["unknown markov_head_type 'lstm'"],
+    ),
+    "hidden_size": (
+        lambda d, t: _edit_config(t, hidden_size=120),
+        ["hidden_size: drafter 96, target 120"],
+    ),
+    "vocab": (
+        lambda d, t: _edit_config(t, vocab_size=300),
+        ["vocab_size: drafter 288, target 300"],
+    ),
+    "layer_count": (
+        lambda d, t: _edit_config(t, num_hidden_layers=5),
+        ["layer count: drafter expects a 4-layer target, target has 5"],
+    ),
+    "final_layer_tap": (
+        lambda d, t: _edit_config(d, target_layer_ids=[0, 3]),
+        ["target_layer_ids contains 3, the target's final decoder layer"],
+    ),
+    "truncated": (_truncate, ["truncated: expected", "model.safetensors"]),
+    "corrupt_header": (_corrupt_header, ["header is not valid JSON", "model.safetensors"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_reported_and_writes_nothing(tmp_path, capsys, case):
+    breaker, expected = BAD_INPUTS[case]
+    draft, target = _copy_fixture(tmp_path, "vanilla")
+    breaker(draft, target)
+    code, err = _cli(
+        capsys, "convert", "--draft", draft, "--target", target, "--out", tmp_path / "out"
+    )
+    assert code == 2
+    assert err.startswith("dspark-jax convert: error: ") and "Traceback" not in err
+    for text in expected:
+        assert text in err
+    _assert_nothing_written(tmp_path)
+
+
+def test_existing_output_needs_overwrite(tmp_path, capsys):
+    draft = fixture_dir("vanilla") / "draft"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err = _cli(capsys, "convert", "--draft", draft, "--out", out)
+    assert code == 2 and "output directory exists" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+    assert _cli(capsys, "convert", "--draft", draft, "--out", out, "--overwrite")[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["draft", "dspark_jax.json"]
+    code, err = _cli(capsys, "export", "--draft", out, "--out", out / "draft")
+    assert code == 2 and "overlaps the input" in err
+
+
+def test_usage_errors(tmp_path, capsys):
+    code, err = _cli(capsys, "convert", "--out", tmp_path / "out")
+    assert code == 2 and "give --draft, --target or both" in err
+    code, err = _cli(
+        capsys,
+        "convert",
+        "--draft",
+        fixture_dir("vanilla") / "draft",
+        "--out",
+        fixture_dir("vanilla"),
+        "--overwrite",
+    )
+    assert code == 2 and "overlaps the input" in err
+    assert (fixture_dir("vanilla") / "draft" / "model.safetensors").is_file()
+    # A drafter without num_target_layers needs the target to fill it in.
+    draft, target = _copy_fixture(tmp_path, "gated")
+    config = json.loads((draft / "config.json").read_text())
+    del config["num_target_layers"]
+    (draft / "config.json").write_text(json.dumps(config))
+    code, err = _cli(capsys, "convert", "--draft", draft, "--out", tmp_path / "out")
+    assert code == 2 and "lacks num_target_layers" in err
+    _assert_nothing_written(tmp_path)
+    assert (
+        _cli(capsys, "convert", "--draft", draft, "--target", target, "--out", tmp_path / "out")[0]
+        == 0
+    )
+    assert json.loads((tmp_path / "out" / "draft" / "config.json").read_text()) == {
+        **config,
+        "num_target_layers": 4,
+    }
+
+
+def test_interrupt_leaves_no_output(tmp_path, capsys, monkeypatch):
+    save = jax_format._save_params
+
+    def save_then_interrupt(model, params_dir):
+        save(model, params_dir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jax_format, "_save_params", save_then_interrupt)
+    code, err = _cli(
+        capsys, "convert", "--draft", fixture_dir("vanilla") / "draft", "--out", tmp_path / "out"
+    )
+    assert code == 130 and "interrupted" in err
+    _assert_nothing_written(tmp_path)
+
+
+def test_tampered_fingerprint_is_detected(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert (
+        _cli(capsys, "convert", "--draft", fixture_dir("vanilla") / "draft", "--out", out)[0] == 0
+    )
+    manifest = json.loads((out / "dspark_jax.json").read_text())
+    manifest["draft"]["fingerprint"] = "0" * 64
+    (out / "dspark_jax.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="fingerprint recorded at conversion"):
+        load_drafter(out / "draft")
+
+
+def test_help_does_not_import_jax():
+    code = (
+        "import sys; from dspark_jax.cli import main; rc = main(['--help']); "
+        "assert rc == 0 and 'jax' not in sys.modules, sorted(sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "convert" in done.stdout and "export" in done.stdout
