@@ -15,7 +15,10 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("dspark_jax.commands.convert", "convert PyTorch drafter/target checkpoints to JAX"),
     "export": ("dspark_jax.commands.export", "export a JAX drafter to the PyTorch layout"),
+    "calibrate": ("dspark_jax.commands.calibrate", "fit STS temperatures to calibration records"),
+    "profile": ("dspark_jax.commands.profile", "measure the target's verification steps/s (SPS)"),
     "train": ("train.cli", "train a DSpark/DFlash drafter with the frozen target run online"),
+    "serve": ("dspark_jax.commands.serve", "serve batched speculative generation over HTTP"),
 }
 
 # Errors that mean bad input, not a bug: reported in one line without a traceback.
