@@ -105,3 +105,19 @@ def test_rejected_tokens_roll_back_by_length():
     cache = ours(jnp.asarray(wrong), cache).cache.replace(lengths=jnp.array([12]))
     out = ours(jnp.asarray(ids[:, 12:20]), cache)
     assert max_rel_err(ours.logits(out.hidden_btd), full[:, 12:20]) < TOL
+
+
+def test_prefill_key_window_is_exact():
+    """A prefill that attends only to its own T keys equals one that scans the whole cache.
+
+    Masked keys contribute exact zeros, but the softmax sums over a different number of terms,
+    so agreement is to float rounding, not bitwise.
+    """
+    hf_cfg, model = _hf_model("tied-gqa")
+    ours = _ours(hf_cfg, model)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, hf_cfg.vocab_size, (2, 12)), jnp.int32)
+    whole = ours(ids, ours.init_cache(2, 48))
+    window = ours(ids, ours.init_cache(2, 48), key_window=12)
+    assert max_rel_err(window.hidden_btd, whole.hidden_btd) < TOL
+    for a, b in zip(window.cache.k, whole.cache.k):
+        assert max_rel_err(a, b) < TOL

@@ -21,15 +21,18 @@ class DecoderLayer(nnx.Module):
             cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype
         )
 
-    def __call__(self, x_btd, positions_bt, mask_fn, cache_kv):
-        """`cache_kv` is (k_bshd, v_bshd, start_b) or None for a cache-free causal forward."""
+    def __call__(self, x_btd, positions_bt, mask_fn, cache_kv, key_window=None):
+        """`cache_kv` is (k_bshd, v_bshd, start_b) or None for a cache-free causal forward.
+
+        `key_window` (static) limits attention to the first cache positions.
+        """
         h = self.input_layernorm(x_btd)
         q = self.self_attn.query(h, positions_bt)
         k, v = self.self_attn.key_value(h, positions_bt)
         if cache_kv is not None:
             k_cache, v_cache, start_b = cache_kv
             k_cache, v_cache = write_rows(k_cache, k, start_b), write_rows(v_cache, v, start_b)
-            k, v = k_cache, v_cache
+            k, v = k_cache[:, :key_window], v_cache[:, :key_window]
             cache_kv = (k_cache, v_cache)
         o = attention(q, k, v, mask_fn(k.shape[1]), self.self_attn.scale)
         x_btd = x_btd + self.self_attn.output(o)
@@ -72,15 +75,17 @@ class Qwen3(nnx.Module):
                             c.head_dim, self.dtype)
 
     def __call__(self, tokens_bt, cache: KVCache | None = None,
-                 tap_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+                 tap_layer_ids: tuple[int, ...] = (), key_window: int | None = None
+                 ) -> TargetOutput:
         """Runs the decoder over `tokens_bt`.
 
         Without a cache: positions 0..T-1 with a causal mask (training, parity checks). With a
         cache: row b's tokens sit at positions cache.lengths[b] + t, are written into the cache
         and attend to everything before them; the returned cache has lengths + T (callers that
-        padded or later reject tokens set `lengths` themselves). `tap_layer_ids` follow the
-        transformers `hidden_states` convention shifted by one: -1 is the embedding output and
-        i the output of layer i.
+        padded or later reject tokens set `lengths` themselves). A prefill into an empty cache
+        can pass `key_window=T` so attention reads T keys instead of the whole cache.
+        `tap_layer_ids` follow the transformers `hidden_states` convention shifted by one: -1 is
+        the embedding output and i the output of layer i.
         """
         b, t = tokens_bt.shape
         start_b = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
@@ -94,7 +99,7 @@ class Qwen3(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i], start_b)
-            x, layer_cache = layer(x, positions_bt, mask_fn, layer_cache)
+            x, layer_cache = layer(x, positions_bt, mask_fn, layer_cache, key_window)
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])
