@@ -1,0 +1,240 @@
+"""Train-step throughput on the devices present: tokens/s, and MFU on GPU/TPU.
+
+Random weights and random tokens (speed does not depend on their values) at the shapes of a named
+target + drafter pair; the step is the real one (`train.step.make_train_step`): frozen target
+forward, packed anchor blocks, chunked loss with remat, AdamW update.
+
+    python benchmarks/train_throughput.py                        # tiny fixture shapes (CPU)
+    python benchmarks/train_throughput.py --target qwen3-4b --drafter dspark-qwen3-4b \
+        --batch 8 --seq-len 4096 --anchors 512 --chunk 64 --dtype bfloat16
+
+Prints a table and writes JSON (--json). Model FLOPs count one target forward (over the whole
+sequence, attention as executed: dense) and the drafter's forward plus a backward of twice its
+forward cost (the frozen lm_head only needs the input gradient); remat recomputation is not
+counted, so MFU is model FLOPs utilisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import configs
+from dspark_jax.config import DrafterConfig, Qwen3Config
+from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
+from train import step as S
+
+# Dense bf16 peak FLOP/s per device, by substring of jax's device_kind.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v4": 275e12,
+    "TPU v6": 918e12,
+}
+
+
+def _linear_params(cfg: Qwen3Config) -> int:
+    """Weights of the decoder layers' matmuls (no embedding, no norms)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attn = d * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    mlp = 3 * d * cfg.intermediate_size
+    return cfg.num_hidden_layers * (attn + mlp)
+
+
+def _attention_flops(cfg: Qwen3Config, queries: int, keys: int) -> float:
+    """QK^T and PV, as executed (dense), per sequence."""
+    return 4.0 * queries * keys * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+
+
+def model_flops(
+    target: Qwen3Config, drafter: DrafterConfig, batch: int, seq_len: int, chunk: int
+) -> dict[str, float]:
+    """Model FLOPs of one train step (see the module docstring)."""
+    m = drafter.model
+    n, k = drafter.num_anchors, drafter.block_size
+    slots = n * k
+    target_fwd = 2.0 * _linear_params(target) * seq_len + _attention_flops(target, seq_len, seq_len)
+    target_fwd += 2.0 * target.hidden_size * target.vocab_size * slots  # p_t on the block slots
+    kv_width = 2 * m.num_key_value_heads * m.head_dim * m.num_hidden_layers
+    context = (
+        2.0 * seq_len * (drafter.num_context_features * m.hidden_size + m.hidden_size * kv_width)
+    )
+    blocks = 2.0 * _linear_params(m) * slots + _attention_flops(m, slots, seq_len + chunk * k)
+    heads = 2.0 * slots * m.vocab_size * (m.hidden_size + 2 * drafter.markov_rank)
+    lm_head = 2.0 * slots * m.vocab_size * m.hidden_size
+    drafter_fwd = context + blocks + heads
+    drafter_train = 3.0 * drafter_fwd - lm_head  # no weight gradient for the frozen lm_head
+    return {
+        "target_forward": batch * target_fwd,
+        "drafter_train": batch * drafter_train,
+        "total": batch * (target_fwd + drafter_train),
+    }
+
+
+def _peak_flops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops
+    return None
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _batch(batch: int, seq_len: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """Random tokens; the first eighth of each sequence is prompt, the rest assistant."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, min(vocab, 256), (batch, seq_len)).astype(np.int32)
+    loss_mask = np.broadcast_to(np.arange(seq_len) >= seq_len // 8, (batch, seq_len)).copy()
+    return {
+        "tokens": tokens,
+        "loss_mask": loss_mask,
+        "length": np.full((batch,), seq_len, np.int32),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    target_cfg = configs.get(args.target)
+    drafter_cfg = configs.get(args.drafter)
+    if not isinstance(target_cfg, Qwen3Config) or not isinstance(drafter_cfg, DrafterConfig):
+        raise SystemExit(f"{args.target} must name a target and {args.drafter} a drafter config")
+    target_cfg = dataclasses.replace(target_cfg, dtype=args.dtype)
+    drafter_cfg = dataclasses.replace(
+        drafter_cfg,
+        model=dataclasses.replace(drafter_cfg.model, dtype=args.dtype),
+        num_anchors=args.anchors,
+    )
+    mesh = make_mesh(MeshConfig(*args.mesh))
+    # Random weights, created directly with their shardings.
+    abstract = nnx.eval_shape(lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype))
+    target_gd, target_abstract = nnx.split(abstract)
+    target_state = jax.jit(
+        lambda: jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), target_abstract),
+        out_shardings=state_shardings(target_abstract, mesh),
+    )()
+    target = nnx.merge(target_gd, target_state)
+    drafter = S.new_drafter(drafter_cfg, target, seed=0)
+    drafter_gd, params, frozen_drafter = S.split_drafter(drafter)
+    models = S.Models(target_gd, drafter_gd, drafter_cfg)
+    cfg = S.StepConfig(args.anchors, args.chunk, args.microbatches)
+    tx, schedule = S.make_optimizer(1e-4, 1000, 10, 0.0, 1.0)
+    state = shard_state(S.init_train_state(params, tx, 0), mesh)
+    frozen = shard_state(S.FrozenParams(target_state, frozen_drafter), mesh)
+    step = S.make_train_step(
+        models, cfg, tx, schedule, mesh, state, frozen, args.batch, args.seq_len
+    )
+    batch = _batch(args.batch, args.seq_len, target_cfg.vocab_size, 0)
+
+    t0 = time.perf_counter()
+    state, metrics = step(state, frozen, batch)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        state, metrics = step(state, frozen, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, frozen, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    flops = model_flops(target_cfg, drafter_cfg, args.batch, args.seq_len, args.chunk)
+    peak = _peak_flops(jax.devices()[0])
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "platform": jax.default_backend(),
+        "host": platform.node(),
+        "target": args.target,
+        "drafter": args.drafter,
+        "dtype": args.dtype,
+        "mesh": dict(mesh.shape),
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "anchors": args.anchors,
+        "chunk": args.chunk,
+        "microbatches": args.microbatches,
+        "compile_s": compile_s,
+        "step_s_median": step_s,
+        "step_s_min": min(times),
+        "step_s_max": max(times),
+        "seq_tokens_per_s": args.batch * args.seq_len / step_s,
+        "block_tokens_per_s": args.batch * args.anchors * drafter_cfg.block_size / step_s,
+        "model_tflop_per_step": flops["total"] / 1e12,
+        "achieved_tflops": flops["total"] / step_s / 1e12,
+        "mfu": None if peak is None else flops["total"] / step_s / (peak * jax.device_count()),
+        "loss": float(metrics["loss"]),
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="tiny-vanilla-target")
+    parser.add_argument("--drafter", default="tiny-vanilla-dspark")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--anchors", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument(
+        "--mesh", type=lambda s: tuple(int(v) for v in s.split(",")), default=(-1, 1, 1)
+    )
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", default="train_throughput.json", help="where to write results")
+    args = parser.parse_args()
+    result = run(args)
+    rows = [
+        ("device", result["device"]),
+        ("shapes", f"{args.target} + {args.drafter}, {args.dtype}"),
+        ("batch x seq_len", f"{args.batch} x {args.seq_len}"),
+        ("anchors / chunk", f"{args.anchors} / {args.chunk}"),
+        ("mesh", str(result["mesh"])),
+        ("compile (s)", f"{result['compile_s']:.1f}"),
+        ("step median (ms)", f"{1e3 * result['step_s_median']:.1f}"),
+        ("seq tokens/s", f"{result['seq_tokens_per_s']:,.0f}"),
+        ("block tokens/s", f"{result['block_tokens_per_s']:,.0f}"),
+        ("model TFLOP/step", f"{result['model_tflop_per_step']:.4f}"),
+        ("achieved TFLOP/s", f"{result['achieved_tflops']:.3f}"),
+        ("MFU", "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

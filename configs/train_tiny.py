@@ -1,0 +1,68 @@
+"""Tiny training runs for the fixture target: a DSpark and a DFlash drafter trained on CPU in
+minutes on the Python standard library's own source (the text the target was trained on).
+
+    dspark-jax train --config tiny-dspark
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from configs.recipes import TrainRecipe
+from configs.tiny import TINY_VANILLA_DSPARK
+from train.trainer import TrainConfig
+
+# The fixture target (tests/fixtures/deepspec-tiny-vanilla/target), shipped as package data.
+TINY_TARGET = str(Path(__file__).parents[1] / "dspark_jax" / "assets" / "tiny-vanilla" / "target")
+
+TINY_RECIPE = TrainRecipe(
+    block_size=7,
+    num_draft_layers=2,
+    num_anchors=32,
+    learning_rate=3e-3,
+    warmup_ratio=0.04,
+    weight_decay=0.0,
+    dtype="float32",
+    global_batch_size=8,
+    num_epochs=1,
+    max_grad_norm=1.0,
+    max_length=256,
+    loss_decay_gamma=4.0,
+    ce_weight=0.1,
+    l1_weight=0.9,
+    confidence_weight=1.0,
+    seed=0,
+)
+TINY_DFLASH_RECIPE = dataclasses.replace(
+    TINY_RECIPE, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0
+)
+
+TINY_DSPARK_DRAFTER = dataclasses.replace(TINY_VANILLA_DSPARK, num_anchors=TINY_RECIPE.num_anchors)
+TINY_DFLASH_DRAFTER = dataclasses.replace(
+    TINY_DSPARK_DRAFTER,
+    markov_rank=0,
+    enable_confidence_head=False,
+    confidence_head_with_markov=False,
+)
+
+_COMMON = dict(
+    target=TINY_TARGET,
+    data=("builtin:python-stdlib",),
+    eval_data=("builtin:python-stdlib-eval",),
+    num_steps=400,
+    anchors_per_chunk=16,
+    log_every=20,
+    eval_batches=4,
+    save_every=200,
+    keep_checkpoints=2,
+)
+
+TRAIN_CONFIGS = {
+    "tiny-dspark": TrainConfig(
+        name="tiny-dspark", drafter=TINY_DSPARK_DRAFTER, recipe=TINY_RECIPE, **_COMMON
+    ),
+    "tiny-dflash": TrainConfig(
+        name="tiny-dflash", drafter=TINY_DFLASH_DRAFTER, recipe=TINY_DFLASH_RECIPE, **_COMMON
+    ),
+}

@@ -1,0 +1,212 @@
+"""Device meshes, the logical-axis rules table, and sharding of NNX states.
+
+Every parameter carries `logical_axes` metadata (one name per dimension, see
+`dspark_jax.models.layers`); activations are named at the call sites that constrain them. One
+rules table, `LOGICAL_RULES`, maps each logical name to mesh axes of the (data, fsdp, tensor)
+mesh:
+
+- data:   pure data parallelism (parameters replicated, batch split);
+- fsdp:   batch split too, and parameters sharded along their `embed`-like dimension (ZeRO-3;
+          XLA gathers them where a matmul needs them);
+- tensor: Megatron-style splitting of heads, MLP width and vocabulary.
+
+A dimension is only split when its size divides evenly by the mesh axes it maps to, and a mesh
+axis is used at most once per array (the first dimension that claims it wins), so every rule is
+safe on every mesh shape and nothing assumes a device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+MeshAxes = str | tuple[str, ...] | None
+
+# logical name -> mesh axes. Parameter names come from the models; activation names from the
+# train step (`batch`, `length`, `features`, `block`).
+LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("block", None),
+    ("features", None),
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("context", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("markov", None),
+    ("head_dim", None),
+    ("norm", None),
+    ("scalar", None),
+)
+
+
+class ShardingError(ValueError):
+    """A mesh that does not fit the devices, or a logical axis the rules do not know."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; at most one may be -1, meaning "all remaining devices"."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ShardingError(f"mesh axis sizes must be positive or -1, got {sizes}")
+        if sizes.count(-1) > 1:
+            raise ShardingError(f"at most one mesh axis may be -1, got {sizes}")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """The (data, fsdp, tensor) sizes for `num_devices` devices."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        named = dict(zip(MESH_AXES, sizes, strict=True))
+        fixed = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % fixed:
+                raise ShardingError(
+                    f"{num_devices} devices cannot be split into a mesh with fixed axes "
+                    f"{named} (product {fixed} does not divide it)"
+                )
+            sizes[sizes.index(-1)] = num_devices // fixed
+        elif fixed != num_devices:
+            raise ShardingError(
+                f"mesh {named} has {fixed} devices but {num_devices} "
+                "are present; use -1 for one axis to absorb the rest"
+            )
+        return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = config.shape(len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    shape: Sequence[int],
+    mesh: Mesh,
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
+) -> PartitionSpec:
+    """The PartitionSpec of an array of `shape` whose dimensions have `logical_axes`.
+
+    `None` names an unsharded dimension. A dimension keeps only the mesh axes not already used by
+    an earlier dimension, and none at all when its size does not divide evenly by them.
+    """
+    if len(logical_axes) != len(shape):
+        raise ShardingError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(logical_axes, shape, strict=True):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ShardingError(
+                f"logical axis {name!r} has no rule; known: {', '.join(sorted(table))}"
+            )
+        target = table[name]
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+        if axes and size % math.prod(mesh.shape[a] for a in axes):
+            axes = ()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def logical_sharding(
+    logical_axes: Sequence[str | None],
+    shape: Sequence[int],
+    mesh: Mesh,
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
+) -> NamedSharding:
+    """`logical_to_spec` as a NamedSharding on `mesh`."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(tree, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES):
+    """NamedShardings for a pytree of NNX Variables and arrays, with the same structure.
+
+    Variables with `logical_axes` metadata (parameters, and optimizer moments, which optax builds
+    as copies of them) get their rule-based sharding inside a Variable of the same type, so the
+    result matches `tree` as a jit in/out sharding or a `device_put` target; everything else
+    (step counters, PRNG keys, scalars) is replicated.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(x):
+        if _is_variable(x):
+            axes = x.get_metadata().get("logical_axes")
+            shape = x.shape
+            sharding = replicated if axes is None else logical_sharding(axes, shape, mesh, rules)
+            return x.replace(sharding)
+        return replicated
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def shard_state(tree, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES):
+    """`tree` placed on `mesh` with `state_shardings`."""
+    return jax.device_put(tree, state_shardings(tree, mesh, rules))
+
+
+def constrain(
+    x: jax.Array,
+    logical_axes: Sequence[str | None],
+    mesh: Mesh | None,
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
+) -> jax.Array:
+    """Sharding constraint on an activation inside jit (identity without a mesh)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_sharding(logical_axes, x.shape, mesh, rules))
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto_detect: bool = False,
+) -> bool:
+    """Starts `jax.distributed` for multi-host runs; returns whether it is (now) initialized.
+
+    With no arguments and `auto_detect` False this is a no-op, so single-process runs never touch
+    the coordination service. `auto_detect` lets JAX find the cluster itself (TPU pods, SLURM,
+    Open MPI). Must run before anything queries devices.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
+        raise ShardingError(
+            "give coordinator_address, num_processes and process_id together (or none of them "
+            "with auto_detect=True)"
+        )
+    if all(v is None for v in explicit) and not auto_detect:
+        return False
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    return True

@@ -1,0 +1,143 @@
+"""`dspark-jax train`: train a DSpark / DFlash drafter from a named config or a config file.
+
+    dspark-jax train --config tiny-dspark
+    dspark-jax train --config dspark-qwen3-4b --data answers.jsonl --output runs/dspark-4b
+    dspark-jax train --config my_run.py          # a Python file defining CONFIG = TrainConfig(...)
+
+Running again with the same --output resumes from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+from pathlib import Path
+
+# Modules whose TRAIN_CONFIGS dicts make up the named configs.
+CONFIG_MODULES = ("configs.train_tiny", "configs.train_qwen3")
+
+
+def _named_configs() -> dict:
+    named = {}
+    for module in CONFIG_MODULES:
+        named.update(importlib.import_module(module).TRAIN_CONFIGS)
+    return named
+
+
+def train_config_names() -> tuple[str, ...]:
+    """Every named train config, sorted."""
+    return tuple(sorted(_named_configs()))
+
+
+def load_train_config(name_or_path: str):
+    """A TrainConfig by name, or the `CONFIG` of a Python file (path ending in .py)."""
+    from dspark_jax.config import ConfigError
+    from train.trainer import TrainConfig
+
+    if name_or_path.endswith(".py"):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        spec = importlib.util.spec_from_file_location(f"_train_config_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        config = getattr(module, "CONFIG", None)
+        if not isinstance(config, TrainConfig):
+            raise ConfigError(f"{path} must define CONFIG = TrainConfig(...)")
+        return config
+    named = _named_configs()
+    if name_or_path not in named:
+        raise ConfigError(
+            f"unknown train config {name_or_path!r}; known: {', '.join(sorted(named))} "
+            "(or give a path to a .py file defining CONFIG)"
+        )
+    return named[name_or_path]
+
+
+def _mesh(text: str):
+    from dspark_jax.sharding import MeshConfig
+
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--mesh wants three integers like -1,1,1: {text!r}"
+        ) from None
+    if len(sizes) != 3:
+        raise argparse.ArgumentTypeError(f"--mesh wants data,fsdp,tensor sizes, got {text!r}")
+    return MeshConfig(*sizes)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="named config (tiny-dspark, tiny-dflash, dspark-qwen3-4b, ...) or a .py file "
+        "defining CONFIG",
+    )
+    parser.add_argument("--output", help="run folder (default: runs/<config name>)")
+    parser.add_argument("--target", help="target model folder or hub id (overrides the config)")
+    parser.add_argument("--data", nargs="+", help="training JSONL files (override the config)")
+    parser.add_argument("--eval-data", nargs="*", help="held-out JSONL files (override)")
+    parser.add_argument("--steps", type=int, help="total optimizer steps (override)")
+    parser.add_argument("--mesh", type=_mesh, help="data,fsdp,tensor sizes; -1 = the rest")
+    parser.add_argument("--per-device-batch-size", type=int, help="micro-batch per device")
+    parser.add_argument("--anchors-per-chunk", type=int, help="anchors per loss chunk")
+    parser.add_argument(
+        "--stop-after", type=int, help="stop (with a checkpoint) after this many total steps"
+    )
+    parser.add_argument("--no-export", action="store_true", help="skip the final export")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: jax.distributed.initialize (cluster auto-detected unless the next "
+        "three flags are given)",
+    )
+    parser.add_argument("--coordinator-address")
+    parser.add_argument("--num-processes", type=int)
+    parser.add_argument("--process-id", type=int)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dspark_jax.sharding import initialize_distributed
+
+    if args.distributed:
+        initialize_distributed(
+            args.coordinator_address, args.num_processes, args.process_id, auto_detect=True
+        )
+    from train.trainer import train
+
+    config = load_train_config(args.config)
+    overrides = {
+        "target": args.target,
+        "data": tuple(args.data) if args.data else None,
+        "eval_data": tuple(args.eval_data) if args.eval_data is not None else None,
+        "num_steps": args.steps,
+        "mesh": args.mesh,
+        "per_device_batch_size": args.per_device_batch_size,
+        "anchors_per_chunk": args.anchors_per_chunk,
+    }
+    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    output = Path(args.output or Path("runs") / config.name)
+    result = train(
+        config,
+        output,
+        stop_after=args.stop_after,
+        progress=not args.no_progress,
+        export=not args.no_export,
+    )
+    summary = {
+        "output": str(result.output_dir),
+        "step": result.final_step,
+        "resumed_from": result.resumed_from,
+        "export": None if result.export_dir is None else str(result.export_dir),
+    }
+    for label, ev in (("eval_start", result.eval_start), ("eval_end", result.eval_end)):
+        if ev is not None:
+            summary[label] = {k: ev[k] for k in ("loss", "tau", "accept_rate_k")}
+    print(json.dumps(summary, indent=2))
+    return 0
