@@ -60,6 +60,12 @@ class TrainRecipe:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {DTYPES}")
 
 
+def dflash_recipe(recipe: TrainRecipe) -> TrainRecipe:
+    """DeepSpec's DFlash variant of `recipe`: the same run with cross-entropy only (the drafter
+    has no Markov or confidence head to train)."""
+    return dataclasses.replace(recipe, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+
+
 # DeepSpec config/dspark/dspark_qwen3_4b*.py, the recipe of the released drafters.
 DSPARK_RECIPE = TrainRecipe(
     block_size=7,

@@ -11,16 +11,11 @@ batch is gradient accumulation, so the same config runs on any number of devices
 
 from __future__ import annotations
 
-import dataclasses
-
 from configs import qwen3
-from configs.recipes import DSPARK_RECIPE
+from configs.recipes import DSPARK_RECIPE, dflash_recipe
 from train.trainer import TrainConfig
 
-# DeepSpec's DFlash recipe: the same run, cross-entropy only (no Markov or confidence head).
-DFLASH_RECIPE = dataclasses.replace(
-    DSPARK_RECIPE, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0
-)
+DFLASH_RECIPE = dflash_recipe(DSPARK_RECIPE)
 
 _TARGETS = {"4b": "Qwen/Qwen3-4B", "8b": "Qwen/Qwen3-8B", "14b": "Qwen/Qwen3-14B"}
 _DRAFTERS = {

@@ -7,14 +7,12 @@ minutes on the Python standard library's own source (the text the target was tra
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-from configs.recipes import TrainRecipe
-from configs.tiny import TINY_VANILLA_DSPARK
+from configs.recipes import TrainRecipe, dflash_recipe
+from configs.tiny import TINY_VANILLA_DIR, TINY_VANILLA_DSPARK
 from train.trainer import TrainConfig
 
-# The fixture target (tests/fixtures/deepspec-tiny-vanilla/target), shipped as package data.
-TINY_TARGET = str(Path(__file__).parents[1] / "dspark_jax" / "assets" / "tiny-vanilla" / "target")
+TINY_TARGET = str(TINY_VANILLA_DIR / "target")
 
 TINY_RECIPE = TrainRecipe(
     block_size=7,
@@ -34,9 +32,7 @@ TINY_RECIPE = TrainRecipe(
     confidence_weight=1.0,
     seed=0,
 )
-TINY_DFLASH_RECIPE = dataclasses.replace(
-    TINY_RECIPE, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0
-)
+TINY_DFLASH_RECIPE = dflash_recipe(TINY_RECIPE)
 
 TINY_DSPARK_DRAFTER = dataclasses.replace(TINY_VANILLA_DSPARK, num_anchors=TINY_RECIPE.num_anchors)
 TINY_DFLASH_DRAFTER = dataclasses.replace(

@@ -12,12 +12,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dspark_jax.errors import UserError
+
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
-    """A config.json that cannot describe a model we support."""
+class ConfigError(UserError):
+    """A model or run config (config.json, a named config, a setting) that we cannot use."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +40,8 @@ class RopeConfig:
     def __post_init__(self):
         if self.rope_type not in ("default", "yarn"):
             raise ConfigError(
-                f"unsupported rope_type {self.rope_type!r}: only 'default' and 'yarn' are implemented"
+                f"unsupported rope_type {self.rope_type!r}: only 'default' and 'yarn' are "
+                "implemented"
             )
         if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
             raise ConfigError("yarn RoPE needs original_max_position_embeddings")
@@ -135,11 +138,16 @@ class Qwen3Config:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
+        """`eos_token_id` as a tuple (empty when the config names none)."""
         if self.eos_token_id is None:
             return ()
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
+
+    def with_dtype(self, dtype: str) -> Qwen3Config:
+        """This config computing in `dtype`."""
+        return dataclasses.replace(self, dtype=dtype)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> Qwen3Config:
@@ -277,12 +285,18 @@ class DrafterConfig:
     def num_context_features(self) -> int:
         return len(self.target_layer_ids) * self.model.hidden_size
 
+    def with_dtype(self, dtype: str) -> DrafterConfig:
+        """This config with its backbone computing in `dtype`."""
+        return dataclasses.replace(self, model=self.model.with_dtype(dtype))
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> DrafterConfig:
         # DFlash exports keep their drafter fields under `dflash_config`.
         extra = dict(d.get("dflash_config") or {})
         fields = {**extra, **{k: v for k, v in d.items() if k != "dflash_config"}}
-        missing = [k for k in ("block_size", "mask_token_id", "target_layer_ids") if k not in fields]
+        missing = [
+            k for k in ("block_size", "mask_token_id", "target_layer_ids") if k not in fields
+        ]
         if missing:
             raise ConfigError(f"drafter config.json lacks: {', '.join(missing)}")
         is_dflash = "dflash_config" in d or "markov_rank" not in fields
@@ -335,7 +349,9 @@ class DrafterConfig:
                 f"hidden_size: drafter {self.model.hidden_size}, target {target.hidden_size}"
             )
         if target.vocab_size != self.model.vocab_size:
-            problems.append(f"vocab_size: drafter {self.model.vocab_size}, target {target.vocab_size}")
+            problems.append(
+                f"vocab_size: drafter {self.model.vocab_size}, target {target.vocab_size}"
+            )
         if target.num_hidden_layers != self.num_target_layers:
             problems.append(
                 f"layer count: drafter expects a {self.num_target_layers}-layer target, "
@@ -346,12 +362,16 @@ class DrafterConfig:
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object in `path`, or in `path`/config.json when `path` is a folder."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
         raise ConfigError(f"{path} does not exist")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    return config

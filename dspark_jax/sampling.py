@@ -16,12 +16,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.errors import UserError
+
 STREAM_DRAFT = 0
 STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
 
 
-class SamplingConfigError(ValueError):
+class SamplingConfigError(UserError):
     """A sampling parameter is out of range."""
 
 

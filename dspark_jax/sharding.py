@@ -25,6 +25,8 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from dspark_jax.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 MeshAxes = str | tuple[str, ...] | None
@@ -51,7 +53,7 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
 )
 
 
-class ShardingError(ValueError):
+class ShardingError(UserError):
     """A mesh that does not fit the devices, or a logical axis the rules do not know."""
 
 

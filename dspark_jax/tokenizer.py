@@ -19,10 +19,12 @@ turns that precede a later user message) break that assumption for multi-turn co
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from dspark_jax.config import read_config_json
+from dspark_jax.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,11 +39,11 @@ _HF_TOKENIZER_FILES = (
 )
 
 
-class TokenizerNotFoundError(ValueError):
+class TokenizerNotFoundError(UserError):
     """A model folder holds neither tokenizer files nor a byte-model config."""
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError):
     """A conversation cannot be rendered, or the chat template is not prefix-stable."""
 
 
@@ -93,10 +95,8 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    config_path = os.path.join(model_dir, "config.json")
-    if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
+    if os.path.isfile(os.path.join(model_dir, "config.json")):
+        config = read_config_json(model_dir)
         eos = config.get("eos_token_id")
         if config.get("vocab_size") == ByteTokenizer.vocab_size and eos in (256, [256]):
             return ByteTokenizer()
@@ -134,6 +134,33 @@ def encode_conversation(
     if isinstance(tokenizer, ByteTokenizer):
         return _encode_conversation_bytes(tokenizer, messages)
     return _encode_conversation_hf(tokenizer, messages, enable_thinking)
+
+
+def decode_text(tokenizer: Tokenizer, ids: Sequence[int], stop_tokens: Sequence[int] = ()) -> str:
+    """Text of generated ids, without `stop_tokens` and without special tokens (EOS included)."""
+    stops = set(stop_tokens)
+    ids = [i for i in ids if i not in stops]
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.decode(ids)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def stop_token_ids(
+    model_dir: str | os.PathLike, eos_token_ids: Sequence[int], tokenizer: Tokenizer
+) -> tuple[int, ...]:
+    """The ids that end generation, in order and without repeats: the config's EOS ids, those
+    of the folder's generation_config.json, then the tokenizer's EOS.
+
+    Qwen3's config.json names only <|im_end|>; generation_config.json adds <|endoftext|>.
+    """
+    ids = list(eos_token_ids)
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        gen_eos = read_config_json(gen_path).get("eos_token_id")
+        ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or ())
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def _content(message: Message, index: int) -> str:

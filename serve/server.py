@@ -40,20 +40,20 @@ import time
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
+from configs.tiny import TINY_VANILLA_DIR
 from dspark_jax.checkpoints.jax_format import load_drafter, load_target
-from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
 from dspark_jax.decoding.generate import Request, Result, generate
+from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import SamplingConfig
-from dspark_jax.tokenizer import ByteTokenizer, encode_chat, load_tokenizer
+from dspark_jax.tokenizer import decode_text, encode_chat, load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "dspark_jax" / "assets" / "tiny-vanilla"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 _FIELDS = frozenset(
     {
@@ -72,7 +72,7 @@ _FIELDS = frozenset(
 )
 
 
-class RequestError(ValueError):
+class RequestError(UserError):
     """A request body the server cannot accept (answered with 400)."""
 
 
@@ -96,13 +96,13 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+            raise UserError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_engines < 1:
-            raise ValueError(f"max_engines must be >= 1, got {self.max_engines}")
+            raise UserError(f"max_engines must be >= 1, got {self.max_engines}")
         if self.max_wait_s < 0:
-            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+            raise UserError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
         if self.batch_buckets is not None and max(self.batch_buckets) < self.batch_size:
-            raise ValueError(
+            raise UserError(
                 f"the largest batch bucket {max(self.batch_buckets)} is below batch_size "
                 f"{self.batch_size}"
             )
@@ -143,9 +143,9 @@ def load_served_model(
     A target without a draft serves plain decoding only. A draft needs its target.
     """
     if target is None and draft is None:
-        target, draft = DEFAULT_MODEL_DIR / "target", DEFAULT_MODEL_DIR / "draft"
+        target, draft = TINY_VANILLA_DIR / "target", TINY_VANILLA_DIR / "draft"
     if target is None:
-        raise ValueError("a drafter needs its target: give --target too")
+        raise UserError("a drafter needs its target: give --target too")
     target_cfg, target_model, model_dir = load_target(target, dtype)
     drafter, fingerprint = None, None
     if draft is not None:
@@ -164,23 +164,9 @@ def load_served_model(
         target_model,
         drafter,
         tokenizer,
-        stop_tokens(model_dir, target_cfg.eos_token_ids, tokenizer),
+        stop_token_ids(model_dir, target_cfg.eos_token_ids, tokenizer),
         info,
     )
-
-
-def stop_tokens(
-    model_dir: str | os.PathLike, eos_token_ids: Sequence[int], tokenizer: Any
-) -> tuple[int, ...]:
-    """The config's EOS ids, those of generation_config.json and the tokenizer's EOS, in order."""
-    ids = list(eos_token_ids)
-    gen_path = Path(model_dir) / "generation_config.json"
-    if gen_path.is_file():
-        gen_eos = json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")
-        ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or ())
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 # -- request parsing ---------------------------------------------------------------------------
@@ -248,13 +234,6 @@ def parse_generate(body: Any, model: ServedModel, cfg: ServerConfig) -> Generate
         raise RequestError('this server has no drafter: send "speculative": false')
     stream = _get(body, "stream", (bool,), False)
     return GenerateParams(prompt_ids, max_new, seed, sampling, speculative, stream)
-
-
-def decode_text(tokenizer: Any, ids: Sequence[int]) -> str:
-    """Text of generated ids, special tokens (EOS included) left out."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.decode(ids)
-    return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 def result_json(result: Result, tokenizer: Any) -> dict[str, Any]:
@@ -415,7 +394,7 @@ class BatchWorker:
             try:
                 engine.check_fits(len(job.request.prompt_ids), job.request.max_new_tokens)
                 ready.append(job)
-            except ValueError as e:
+            except EngineError as e:
                 job.events.put(("error", RequestError(str(e))))
         if not ready:
             return
@@ -488,11 +467,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._send_error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(e))
             return
-        except ValueError as e:
+        except UserError as e:
             self._send_error(HTTPStatus.BAD_REQUEST, str(e))
             return
         except ServerClosedError as e:
             self._send_error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - the client still gets an answer
+            log.exception("request failed before it was queued")
+            self._send_error(HTTPStatus.INTERNAL_SERVER_ERROR, _message(e))
             return
         if params.stream:
             self._stream(job)
@@ -566,7 +549,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _send_exception(self, e: BaseException) -> None:
-        if isinstance(e, ValueError):
+        if isinstance(e, UserError):
             status = HTTPStatus.BAD_REQUEST
         elif isinstance(e, ServerClosedError):
             status = HTTPStatus.SERVICE_UNAVAILABLE

@@ -32,7 +32,9 @@ def _prefill_and_draft(variant, prompt_ids):
 def test_one_block_matches_reference(variant):
     ref = reference_arrays(variant)
     target, drafter = load_pair(variant)
-    out, logits, taps, features, anchor, h, block = _prefill_and_draft(variant, ref["prompt_ids"][0])
+    out, logits, taps, features, anchor, h, block = _prefill_and_draft(
+        variant, ref["prompt_ids"][0]
+    )
 
     assert max_rel_err(logits, ref["target_logits"]) < TOL
     hidden_states = ref["target_hidden_states"]

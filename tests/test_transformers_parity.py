@@ -18,9 +18,15 @@ CASES = {
     "untied-gqa": dict(tie_word_embeddings=False, num_attention_heads=6, num_key_value_heads=2),
     "untied-mha": dict(tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=4),
     "yarn": dict(
-        tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=2,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 32},
+        tie_word_embeddings=False,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     ),
 }
 
@@ -28,8 +34,14 @@ CASES = {
 def _hf_model(case: str):
     torch.manual_seed(0)
     kwargs = dict(
-        vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=3, head_dim=16,
-        max_position_embeddings=256, rms_norm_eps=1e-6, attn_implementation="eager",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=3,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        attn_implementation="eager",
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     kwargs.update(CASES[case])
@@ -119,5 +131,5 @@ def test_prefill_key_window_is_exact():
     whole = ours(ids, ours.init_cache(2, 48))
     window = ours(ids, ours.init_cache(2, 48), key_window=12)
     assert max_rel_err(window.hidden_btd, whole.hidden_btd) < TOL
-    for a, b in zip(window.cache.k, whole.cache.k):
+    for a, b in zip(window.cache.k, whole.cache.k, strict=True):
         assert max_rel_err(a, b) < TOL

@@ -22,6 +22,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from dspark_jax.errors import UserError
 from train.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 STATE, DATA, META = "state", "data", "meta"
 
 
-class TrainCheckpointError(ValueError):
+class TrainCheckpointError(UserError):
     """A checkpoint that cannot be restored into this run."""
 
 

@@ -34,6 +34,7 @@ def train_config_names() -> tuple[str, ...]:
 
 def load_train_config(name_or_path: str):
     """A TrainConfig by name, or the `CONFIG` of a Python file (path ending in .py)."""
+    from configs import UnknownConfigError
     from dspark_jax.config import ConfigError
     from train.trainer import TrainConfig
 
@@ -50,7 +51,7 @@ def load_train_config(name_or_path: str):
         return config
     named = _named_configs()
     if name_or_path not in named:
-        raise ConfigError(
+        raise UnknownConfigError(
             f"unknown train config {name_or_path!r}; known: {', '.join(sorted(named))} "
             "(or give a path to a .py file defining CONFIG)"
         )

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import grain
 import numpy as np
 
+from dspark_jax.errors import UserError
 from dspark_jax.tokenizer import ChatTemplateError, encode_conversation
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A training record is malformed or the dataset cannot produce batches."""
 
 

@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.config import DrafterConfig
+from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sharding import constrain, logical_sharding, state_shardings
@@ -60,7 +61,7 @@ FROZEN_DRAFTER_PARAMS = nnx.All(
 Batch = dict[str, jax.Array]
 
 
-class StepConfigError(ValueError):
+class StepConfigError(UserError):
     """Train-step settings that do not fit together."""
 
 

@@ -404,7 +404,7 @@ def train(
     eval_end = run_eval(step) if evaluate is not None and done else None
     export_dir = None
     if done and export:
-        export_dir = export_drafter(
+        export_dir = export_trained_drafter(
             models, state.params, frozen.drafter, output_dir / "drafter" if is_main else None
         )
     return TrainResult(output_dir, step, history, eval_start, eval_end, export_dir, resumed_from)
@@ -425,9 +425,7 @@ def _setup_models(config: TrainConfig, mesh, progress: bool):
     target_state = shard_state(target_state, mesh)
     target = nnx.merge(target_gd, target_state)
 
-    drafter_cfg = dataclasses.replace(
-        config.drafter, model=dataclasses.replace(config.drafter.model, dtype=recipe.dtype)
-    )
+    drafter_cfg = config.drafter.with_dtype(recipe.dtype)
     drafter_cfg.check_target(target_cfg)
     if config.init_drafter is None:
         drafter = new_drafter(drafter_cfg, target, seed=recipe.seed)
@@ -459,7 +457,7 @@ def _eval_batches(
     return [_global_batch(next(iterator), shardings) for _ in range(config.eval_batches)]
 
 
-def export_drafter(
+def export_trained_drafter(
     models: Models, params: nnx.State, frozen_drafter: nnx.State, out: Path | None
 ) -> Path | None:
     """Writes the trained drafter (in its compute dtype) as a PyTorch-layout folder.

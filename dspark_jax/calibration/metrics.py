@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
+from dspark_jax.errors import UserError
 
-class MetricInputError(ValueError):
+
+class MetricInputError(UserError):
     """Raised when a metric receives arrays it cannot score."""
 
 

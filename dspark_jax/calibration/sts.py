@@ -34,8 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration import metrics
+from dspark_jax.errors import UserError
 
 ARTIFACT_FORMAT = "dspark-jax/sts/v1"
+_ARTIFACT_FIELDS = (
+    "temperatures",
+    "gamma",
+    "drafter_fingerprint",
+    "sampling_temperature",
+    "n_records",
+    "metrics",
+)
 
 
 def default_grid() -> np.ndarray:
@@ -43,11 +52,11 @@ def default_grid() -> np.ndarray:
     return np.geomspace(0.05, 20.0, 241)
 
 
-class CalibrationInputError(ValueError):
+class CalibrationInputError(UserError):
     """Raised for malformed calibration records or fitting arguments."""
 
 
-class StsArtifactMismatchError(ValueError):
+class StsArtifactMismatchError(UserError):
     """Raised when an STS artifact belongs to another drafter or sampling temperature."""
 
 
@@ -332,11 +341,16 @@ class StsArtifact:
         expected_temperature: float | None = None,
     ) -> StsArtifact:
         """Read an artifact; refuse it if it was fitted for another drafter or temperature."""
-        body = json.loads(Path(path).read_text())
-        if body.get("format") != ARTIFACT_FORMAT:
-            raise CalibrationInputError(
-                f"{path}: format {body.get('format')!r}, expected {ARTIFACT_FORMAT!r}"
-            )
+        try:
+            body = json.loads(Path(path).read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CalibrationInputError(f"{path}: not an STS artifact ({e})") from e
+        if not isinstance(body, dict) or body.get("format") != ARTIFACT_FORMAT:
+            found = body.get("format") if isinstance(body, dict) else None
+            raise CalibrationInputError(f"{path}: format {found!r}, expected {ARTIFACT_FORMAT!r}")
+        missing = sorted(set(_ARTIFACT_FIELDS) - set(body))
+        if missing:
+            raise CalibrationInputError(f"{path}: lacks {missing}")
         if body["gamma"] != len(body["temperatures"]):
             raise CalibrationInputError(
                 f"{path}: gamma {body['gamma']} but {len(body['temperatures'])} temperatures"

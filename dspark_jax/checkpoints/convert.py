@@ -7,7 +7,7 @@ dots is the PyTorch key, with `kernel` <-> `weight` transposed ([in, out] vs [ou
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import jax
@@ -47,53 +47,27 @@ class DictSource:
         return self._tensors[key]
 
 
-def _torch_key(path: tuple, prefix: str) -> tuple[str, bool]:
-    """(PyTorch key, whether the array is transposed) for an NNX parameter path."""
-    *module, leaf = (str(p) for p in path)
-    transpose = leaf == "kernel"
-    name = ".".join(module + ["bias" if leaf == "bias" else "weight"])
-    if prefix and module[0] != "lm_head":
-        name = prefix + name
-    return name, transpose
+def key_path_names(key_path) -> tuple[str, ...]:
+    """A pytree key path as strings, whatever the key kinds (dict keys, list indices, attributes).
 
-
-def _path_tuple(key_path) -> tuple:
-    out = []
-    for k in key_path:
-        out.append(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-    return tuple(out)
-
-
-def load_from_torch(model_ctor, source: TensorSource, prefix: str, *, ignore=()) -> nnx.Module:
-    """Builds a model whose parameters come from `source`, checking every key and shape first.
-
-    `model_ctor(param_dtype)` makes the module; it is evaluated abstractly (no allocation), and
-    each parameter takes the dtype stored in the checkpoint so the round trip is bit exact.
+    List indices and the int keys of pure dicts both become "0", as Orbax metadata spells them.
     """
-    abstract = nnx.eval_shape(lambda: model_ctor(None))
-    graphdef, state = nnx.split(abstract)
-    flat = {
-        _path_tuple(p): v
-        for p, v in jax.tree_util.tree_flatten_with_path(
-            state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-        )[0]
-    }
-    expected = {}
-    for path, var in flat.items():
-        key, transpose = _torch_key(path, prefix)
-        expected[key] = (path, transpose, var)
-    available = set(source.keys())
-    missing = sorted(set(expected) - available)
-    unexpected = sorted(available - set(expected) - set(ignore))
-    mismatched = []
-    for key, (_, transpose, var) in expected.items():
-        if key not in available:
-            continue
-        want = tuple(var.shape)
-        want = want[::-1] if transpose else want
-        found = tuple(source.shape(key))
-        if found != want:
-            mismatched.append(f"{key}: expected {list(want)}, found {list(found)}")
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in key_path)
+
+
+def shape_problems(
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[int, ...]],
+    ignore: Iterable[str] = (),
+) -> list[str]:
+    """Missing keys, unexpected keys (less `ignore`) and shape mismatches, one line per kind."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected) - set(ignore))
+    mismatched = [
+        f"{key}: expected {list(want)}, found {list(found[key])}"
+        for key, want in sorted(expected.items())
+        if key in found and tuple(found[key]) != tuple(want)
+    ]
     problems = []
     if missing:
         problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
@@ -101,6 +75,46 @@ def load_from_torch(model_ctor, source: TensorSource, prefix: str, *, ignore=())
         problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatches ({len(mismatched)}): {'; '.join(mismatched)}")
+    return problems
+
+
+def is_float_dtype(dtype) -> bool:
+    """Whether `dtype` is floating, bfloat16 and the other ml_dtypes floats included."""
+    return jnp.issubdtype(np.dtype(dtype), jnp.floating)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _torch_key(names: tuple[str, ...], prefix: str) -> tuple[str, bool]:
+    """(PyTorch key, whether the array is transposed) for an NNX parameter path."""
+    *module, leaf = names
+    name = ".".join(module + ["bias" if leaf == "bias" else "weight"])
+    if prefix and module[0] != "lm_head":
+        name = prefix + name
+    return name, leaf == "kernel"
+
+
+def load_from_torch(
+    model_ctor: Callable[[], nnx.Module], source: TensorSource, prefix: str, *, ignore=()
+) -> nnx.Module:
+    """Builds a model whose parameters come from `source`, checking every key and shape first.
+
+    `model_ctor()` makes the module; it is evaluated abstractly (no allocation), so the arrays
+    held afterwards are exactly those read from `source`.
+    """
+    graphdef, state = nnx.split(nnx.eval_shape(model_ctor))
+    expected = {}  # torch key -> (parameter path, transposed, expected torch shape)
+    for key_path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]:
+        path = key_path_names(key_path)
+        key, transpose = _torch_key(path, prefix)
+        expected[key] = (path, transpose, tuple(var.shape)[::-1] if transpose else var.shape)
+    problems = shape_problems(
+        {key: shape for key, (_, _, shape) in expected.items()},
+        {key: tuple(source.shape(key)) for key in source.keys()},
+        ignore,
+    )
     if problems:
         raise CheckpointError("checkpoint does not match the model config: " + " | ".join(problems))
 
@@ -110,48 +124,42 @@ def load_from_torch(model_ctor, source: TensorSource, prefix: str, *, ignore=())
         values[path] = jnp.asarray(array.T if transpose else array)
 
     def fill(key_path, var):
-        return var.replace(values[_path_tuple(key_path)])
+        return var.replace(values[key_path_names(key_path)])
 
-    filled = jax.tree_util.tree_map_with_path(
-        fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-    return nnx.merge(graphdef, filled)
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state, is_leaf=_is_variable))
 
 
 def export_to_torch(model: nnx.Module, prefix: str) -> dict[str, np.ndarray]:
     """The model's parameters as PyTorch-layout numpy arrays keyed like the reference."""
     _, state = nnx.split(model)
     out = {}
-    for key_path, var in jax.tree_util.tree_flatten_with_path(
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )[0]:
-        key, transpose = _torch_key(_path_tuple(key_path), prefix)
+    for key_path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]:
+        key, transpose = _torch_key(key_path_names(key_path), prefix)
         array = np.asarray(jax.device_get(var[...]))
         out[key] = np.ascontiguousarray(array.T if transpose else array)
     return out
 
 
 def target_from_torch(cfg: Qwen3Config, source: TensorSource) -> Qwen3:
-    """A Qwen3 target from Hugging Face `Qwen3ForCausalLM` weights."""
+    """A Qwen3 target from Hugging Face `Qwen3ForCausalLM` weights, in the checkpoint's dtype."""
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    dtype = _source_dtype(source)
     return load_from_torch(
-        lambda dt: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=_source_dtype(source)),
-        source, "model.", ignore=ignore,
+        lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=dtype), source, "model.", ignore=ignore
     )
 
 
 def drafter_from_torch(cfg: DrafterConfig, source: TensorSource) -> DSparkDrafter:
-    """A drafter from DeepSpec / released `dspark_*` / `dflash_*` weights."""
+    """A drafter from DeepSpec / released `dspark_*` / `dflash_*` weights, in their dtype."""
+    dtype = _source_dtype(source)
     return load_from_torch(
-        lambda dt: DSparkDrafter(cfg, rngs=nnx.Rngs(0), param_dtype=_source_dtype(source)),
-        source, "",
+        lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0), param_dtype=dtype), source, ""
     )
 
 
 def _source_dtype(source: TensorSource):
-    """The floating dtype of the checkpoint (its first floating tensor)."""
+    """The dtype of the checkpoint's first floating tensor; models load in it (bit exact)."""
     for key in source.keys():
-        dtype = np.dtype(source.dtype(key))
-        if dtype.kind == "f" or dtype.name == "bfloat16":
-            return jnp.dtype(dtype)
+        if is_float_dtype(source.dtype(key)):
+            return jnp.dtype(source.dtype(key))
     raise CheckpointError("checkpoint holds no floating-point tensors")

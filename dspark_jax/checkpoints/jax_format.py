@@ -37,7 +37,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from dspark_jax.checkpoints.convert import drafter_from_torch, export_to_torch, target_from_torch
+from dspark_jax.checkpoints.convert import (
+    drafter_from_torch,
+    export_to_torch,
+    is_float_dtype,
+    key_path_names,
+    shape_problems,
+    target_from_torch,
+)
 from dspark_jax.checkpoints.safetensors_io import (
     SINGLE_FILE,
     CheckpointError,
@@ -47,6 +54,7 @@ from dspark_jax.checkpoints.safetensors_io import (
     save_safetensors,
 )
 from dspark_jax.config import DTYPES, ConfigError, DrafterConfig, Qwen3Config, read_config_json
+from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 
@@ -90,32 +98,22 @@ def drafter_fingerprint(model: DSparkDrafter) -> str:
 
 
 # -- small helpers -----------------------------------------------------------------------------
-def _is_float(dtype) -> bool:
-    return jnp.issubdtype(np.dtype(dtype), jnp.floating)
-
-
 def _dtype_name(dtype) -> str:
     """Canonical name of a floating dtype we can compute in ("float32", "bfloat16", ...)."""
     try:
         name = np.dtype(jnp.dtype(dtype)).name
     except TypeError as e:
-        raise ValueError(f"unknown dtype {dtype!r}") from e
+        raise ConfigError(f"unknown dtype {dtype!r}") from e
     if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
     return name
 
 
 def _first_float_dtype(dtypes, where: Path) -> str:
     for dtype in dtypes:
-        if _is_float(dtype):
+        if is_float_dtype(dtype):
             return _dtype_name(dtype)
     raise CheckpointError(f"{where}: holds no floating-point parameters")
-
-
-def _with_dtype(cfg, dtype: str):
-    if isinstance(cfg, DrafterConfig):
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
-    return dataclasses.replace(cfg, dtype=dtype)
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
@@ -128,7 +126,7 @@ def _check_no_overlap(out: Path, sources: list[Path]) -> None:
     for source in sources:
         source = source.resolve()
         if out == source or out in source.parents or source in out.parents:
-            raise ValueError(f"output {out} overlaps the input {source}; choose another folder")
+            raise UserError(f"output {out} overlaps the input {source}; choose another folder")
 
 
 @contextlib.contextmanager
@@ -157,11 +155,11 @@ class _ReadSource:
 
     def dtype(self, key: str) -> np.dtype:
         stored = self._folder.dtype(key)
-        return self._cast if self._cast is not None and _is_float(stored) else stored
+        return self._cast if self._cast is not None and is_float_dtype(stored) else stored
 
     def get(self, key: str) -> np.ndarray:
         array = self._folder.get(key)
-        if self._cast is not None and _is_float(array.dtype):
+        if self._cast is not None and is_float_dtype(array.dtype):
             array = array.astype(self._cast)
         self._bar.update(1)
         return array
@@ -170,7 +168,7 @@ class _ReadSource:
 def _from_torch_folder(folder: SafetensorsFolder, cfg, dtype: str | None, progress: bool):
     """(cfg with its compute dtype set, model) from a PyTorch-layout folder."""
     dtype = dtype or _first_float_dtype((folder.dtype(k) for k in folder.keys()), folder.path)
-    cfg = _with_dtype(cfg, dtype)
+    cfg = cfg.with_dtype(dtype)
     build = drafter_from_torch if isinstance(cfg, DrafterConfig) else target_from_torch
     bar = tqdm(
         total=len(folder),
@@ -190,17 +188,13 @@ def _new_model(cfg, param_dtype: str):
     return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype))
 
 
-def _path_key(key_path) -> tuple[str, ...]:
-    """A tree path as strings: Orbax metadata spells list indices "0", our pure dicts 0."""
-    return tuple(str(getattr(k, "key", k)) for k in key_path)
-
-
-def _flat(tree) -> dict[tuple[str, ...], Any]:
+def _flat(tree) -> dict[str, Any]:
+    """Leaves by dotted path; Orbax metadata spells list indices "0", our pure dicts 0."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_path_key(path): leaf for path, leaf in leaves}
+    return {".".join(key_path_names(path)): leaf for path, leaf in leaves}
 
 
-def _read_orbax_metadata(params_dir: Path) -> dict[tuple[str, ...], Any]:
+def _read_orbax_metadata(params_dir: Path) -> dict[str, Any]:
     if not params_dir.is_dir():
         raise CheckpointError(f"{params_dir}: parameter folder does not exist")
     try:
@@ -212,7 +206,7 @@ def _read_orbax_metadata(params_dir: Path) -> dict[tuple[str, ...], Any]:
         ) from e
 
 
-def _restore(params_dir: Path, abstract: nnx.Module, stored: dict, dtype: str | None):
+def _restore(params_dir: Path, abstract: nnx.Module, stored: dict[str, Any], dtype: str | None):
     """Restores `abstract`'s parameters from `params_dir`, checking keys and shapes first.
 
     The restore target is the abstract model's pure dict, so list indices stay int keys. Each
@@ -220,21 +214,10 @@ def _restore(params_dir: Path, abstract: nnx.Module, stored: dict, dtype: str | 
     """
     graphdef, state = nnx.split(abstract)
     wanted = nnx.to_pure_dict(state)
-    wanted_flat = _flat(wanted)
-    missing = sorted(".".join(p) for p in set(wanted_flat) - set(stored))
-    unexpected = sorted(".".join(p) for p in set(stored) - set(wanted_flat))
-    mismatched = [
-        f"{'.'.join(p)}: expected {list(leaf.shape)}, found {list(stored[p].shape)}"
-        for p, leaf in sorted(wanted_flat.items())
-        if p in stored and tuple(stored[p].shape) != tuple(leaf.shape)
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {'; '.join(mismatched)}")
+    problems = shape_problems(
+        {key: tuple(leaf.shape) for key, leaf in _flat(wanted).items()},
+        {key: tuple(meta.shape) for key, meta in stored.items()},
+    )
     if problems:
         raise CheckpointError(
             f"{params_dir}: parameters do not match config.json: " + " | ".join(problems)
@@ -244,8 +227,8 @@ def _restore(params_dir: Path, abstract: nnx.Module, stored: dict, dtype: str | 
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def leaf_target(key_path, leaf):
-        meta = stored[_path_key(key_path)]
-        cast = dtype is not None and _is_float(meta.dtype)
+        meta = stored[".".join(key_path_names(key_path))]
+        cast = dtype is not None and is_float_dtype(meta.dtype)
         return jax.ShapeDtypeStruct(leaf.shape, dtype if cast else meta.dtype, sharding=sharding)
 
     target = jax.tree_util.tree_map_with_path(leaf_target, wanted)
@@ -265,17 +248,17 @@ def _from_jax_folder(part_dir: Path, cfg, dtype: str | None):
     params_dir = part_dir / PARAMS
     stored = _read_orbax_metadata(params_dir)
     compute = dtype or _first_float_dtype((m.dtype for m in stored.values()), params_dir)
-    cfg = _with_dtype(cfg, compute)
+    cfg = cfg.with_dtype(compute)
     return cfg, _restore(params_dir, _new_model(cfg, compute), stored, dtype)
 
 
 def _cast_model(cfg, model, dtype: str):
     """`model` with floating parameters cast to `dtype` and compute dtype `dtype`."""
-    cfg = _with_dtype(cfg, dtype)
+    cfg = cfg.with_dtype(dtype)
     graphdef, state = nnx.split(_new_model(cfg, dtype))
     pure = nnx.to_pure_dict(nnx.state(model))
     nnx.replace_by_pure_dict(
-        state, jax.tree.map(lambda a: a.astype(dtype) if _is_float(a.dtype) else a, pure)
+        state, jax.tree.map(lambda a: a.astype(dtype) if is_float_dtype(a.dtype) else a, pure)
     )
     return cfg, nnx.merge(graphdef, state)
 
@@ -405,9 +388,9 @@ def convert_checkpoints(
     written. Output is atomic: on any error (or Ctrl-C) `out` is not created or changed.
     """
     if draft is None and target is None:
-        raise ValueError("nothing to convert: give a drafter, a target or both")
+        raise UserError("nothing to convert: give a drafter, a target or both")
     if dtype not in CONVERT_DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(CONVERT_DTYPES)}")
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(CONVERT_DTYPES)}")
     cast = None if dtype == "keep" else dtype
     out = Path(out)
     sources = {
@@ -448,7 +431,7 @@ def convert_checkpoints(
             _, model = _from_torch_folder(folders[part], cfgs[part], cast, progress)
             _save_params(model, part_dir / PARAMS)
             _write_json(part_dir / "config.json", raws[part])
-            floats = [a.dtype for a in jax.tree.leaves(nnx.state(model)) if _is_float(a.dtype)]
+            floats = [a.dtype for a in jax.tree.leaves(nnx.state(model)) if is_float_dtype(a.dtype)]
             entry: dict[str, Any] = {
                 "source": str(draft if part == DRAFT else target),
                 "resolved_source": str(sources[part].resolve()),
@@ -503,7 +486,7 @@ def write_drafter_torch(
             "hf_config describes a different drafter than the model: " + "; ".join(diffs)
         )
     tensors = export_to_torch(model, "")
-    float_names = {a.dtype.name for a in tensors.values() if _is_float(a.dtype)}
+    float_names = {a.dtype.name for a in tensors.values() if is_float_dtype(a.dtype)}
     if len(float_names) == 1:
         (name,) = float_names
         for key in ("dtype", "torch_dtype"):

@@ -24,6 +24,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from dspark_jax.errors import UserError
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -59,7 +61,7 @@ _HUB_PATTERNS = [
 ]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """Malformed or missing checkpoint input; the message names the file and the problem."""
 
 

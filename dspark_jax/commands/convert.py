@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dspark_jax.errors import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="drafter folder (config.json + safetensors) or hub id")
@@ -22,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.checkpoints.jax_format import convert_checkpoints
 
     if args.draft is None and args.target is None:
-        raise ValueError("give --draft, --target or both")
+        raise UserError("give --draft, --target or both")
     manifest = convert_checkpoints(
         args.out, draft=args.draft, target=args.target, dtype=args.dtype, overwrite=args.overwrite
     )

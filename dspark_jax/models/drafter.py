@@ -43,6 +43,8 @@ class DraftBlock(NamedTuple):
 
 
 class DSparkDrafter(nnx.Module):
+    """The drafter: backbone (`draft_hidden`), context cache, Markov and confidence heads."""
+
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, param_dtype=None):
         m = cfg.model
         param_dtype = jnp.dtype(param_dtype or m.dtype)
@@ -78,26 +80,25 @@ class DSparkDrafter(nnx.Module):
         return [layer.self_attn.key_value(ctx, positions_bs) for layer in self.layers]
 
     def init_context_cache(self, batch: int, max_len: int) -> KVCache:
-        m = self.cfg.model
-        return KVCache.init(m.num_hidden_layers, batch, max_len, m.num_key_value_heads,
-                            m.head_dim, self.dtype)
+        return KVCache.init(self.cfg.model, batch, max_len)
 
     def append_context(self, cache: KVCache, features_btf, num_new_b) -> KVCache:
         """Appends the first num_new_b[b] feature rows of each request at positions lengths+t."""
         t = features_btf.shape[1]
-        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        kvs = self.context_kv(features_btf, positions)
+        positions_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        new_k, new_v = zip(*self.context_kv(features_btf, positions_bt), strict=True)
+        start_b = cache.lengths
         return cache.replace(
-            k=tuple(write_rows(ck, k, cache.lengths) for ck, (k, _) in zip(cache.k, kvs)),
-            v=tuple(write_rows(cv, v, cache.lengths) for cv, (_, v) in zip(cache.v, kvs)),
-            lengths=cache.lengths + num_new_b.astype(jnp.int32),
+            k=tuple(write_rows(c, k, start_b) for c, k in zip(cache.k, new_k, strict=True)),
+            v=tuple(write_rows(c, v, start_b) for c, v in zip(cache.v, new_v, strict=True)),
+            lengths=start_b + num_new_b.astype(jnp.int32),
         )
 
     # -- backbone --------------------------------------------------------------------------
     def backbone(self, tokens_bt, positions_bt, ctx_k, ctx_v, mask_bts):
         """Block hidden states (after the final norm). `mask_bts` covers [context ; block] keys."""
         x = self.embed_tokens(tokens_bt, self.dtype)
-        for layer, k, v in zip(self.layers, ctx_k, ctx_v):
+        for layer, k, v in zip(self.layers, ctx_k, ctx_v, strict=True):
             x = layer(x, positions_bt, k, v, mask_bts)
         return self.norm(x)
 
@@ -110,14 +111,17 @@ class DSparkDrafter(nnx.Module):
         """Backbone over one block per request, starting at position cache.lengths[b]."""
         gamma = self.cfg.block_size
         b = anchor_b.shape[0]
-        positions = cache.lengths[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None, :]
-        ctx_mask = jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None]
-        mask = jnp.concatenate(
-            [jnp.broadcast_to(ctx_mask, (b, gamma, cache.max_len)),
-             jnp.ones((b, gamma, gamma), bool)],
+        positions_bk = cache.lengths[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None, :]
+        ctx_mask_b1s = jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None]
+        mask_bks = jnp.concatenate(
+            [
+                jnp.broadcast_to(ctx_mask_b1s, (b, gamma, cache.max_len)),
+                jnp.ones((b, gamma, gamma), bool),
+            ],
             axis=-1,
         )
-        return self.backbone(self.block_tokens(anchor_b), positions, cache.k, cache.v, mask)
+        tokens_bk = self.block_tokens(anchor_b)
+        return self.backbone(tokens_bk, positions_bk, cache.k, cache.v, mask_bks)
 
     def base_logits(self, h_xd):
         return self.lm_head.attend(h_xd)
@@ -152,8 +156,11 @@ class DSparkDrafter(nnx.Module):
                 bias_bv, state = head.step(head.embed_prev(prev_b, self.dtype), h_bd, state)
                 logits_bv = base_bv + bias_bv
             logprobs_bv = filtered_logprobs(logits_bv, sampling)
-            token_b = (jnp.argmax(logits_bv, axis=-1).astype(jnp.int32) if sampling.greedy
-                       else categorical(keys_b, logprobs_bv))
+            token_b = (
+                jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+                if sampling.greedy
+                else categorical(keys_b, logprobs_bv)
+            )
             return (token_b, state), (token_b, logits_bv, logprobs_bv)
 
         xs = (jnp.swapaxes(base_bkv, 0, 1), jnp.swapaxes(h_bkd, 0, 1), jnp.swapaxes(keys_bk, 0, 1))
@@ -162,8 +169,12 @@ class DSparkDrafter(nnx.Module):
         )
         tokens_bk = jnp.swapaxes(tokens_kb, 0, 1)
         prev_bk = jnp.concatenate([anchor_b[:, None].astype(jnp.int32), tokens_bk[:, :-1]], axis=1)
-        return DraftBlock(tokens_bk, jnp.swapaxes(logits_kbv, 0, 1),
-                          jnp.swapaxes(logprobs_kbv, 0, 1), self.confidence_logits(h_bkd, prev_bk))
+        return DraftBlock(
+            tokens_bk,
+            jnp.swapaxes(logits_kbv, 0, 1),
+            jnp.swapaxes(logprobs_kbv, 0, 1),
+            self.confidence_logits(h_bkd, prev_bk),
+        )
 
     def teacher_forced(self, h_bkd, prev_bk):
         """(corrected logits, confidence logits) with the true previous tokens (training)."""

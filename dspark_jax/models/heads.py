@@ -17,19 +17,29 @@ class MarkovHead(nnx.Module):
     W2 tanh(output). e = W1[prev]. W2 is stored [vocab, rank] like the reference's Linear weight.
     """
 
-    def __init__(self, kind: str, vocab: int, rank: int, hidden: int, *, rngs: nnx.Rngs,
-                 param_dtype=jnp.float32):
+    def __init__(
+        self,
+        kind: str,
+        vocab: int,
+        rank: int,
+        hidden: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+    ):
         self.kind = kind
         self.rank = rank
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.markov_w1 = Embed(vocab, rank, axes=("vocab", "markov"), **kw)
         self.markov_w2 = Embed(vocab, rank, axes=("vocab", "markov"), **kw)
         if kind == "gated":
-            self.gate_proj = Linear(hidden + rank, rank, axes=("embed", "markov"), use_bias=True,
-                                    **kw)
+            self.gate_proj = Linear(
+                hidden + rank, rank, axes=("embed", "markov"), use_bias=True, **kw
+            )
         elif kind == "rnn":
-            self.joint_proj = Linear(2 * rank + hidden, 3 * rank, axes=("embed", "markov"),
-                                     use_bias=True, **kw)
+            self.joint_proj = Linear(
+                2 * rank + hidden, 3 * rank, axes=("embed", "markov"), use_bias=True, **kw
+            )
 
     def embed_prev(self, prev_tokens, dtype):
         return self.markov_w1(prev_tokens, dtype)
@@ -71,8 +81,14 @@ class ConfidenceHead(nnx.Module):
     """c_k = sigmoid(proj([h_k; W1[x_{k-1}]])), or proj(h_k) without the Markov feature."""
 
     def __init__(self, hidden: int, markov_rank: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        self.proj = Linear(hidden + markov_rank, 1, axes=("embed", "scalar"), use_bias=True,
-                           rngs=rngs, param_dtype=param_dtype)
+        self.proj = Linear(
+            hidden + markov_rank,
+            1,
+            axes=("embed", "scalar"),
+            use_bias=True,
+            rngs=rngs,
+            param_dtype=param_dtype,
+        )
 
     def __call__(self, h_xd, prev_emb_xr=None):
         feats = h_xd if prev_emb_xr is None else jnp.concatenate([h_xd, prev_emb_xr], axis=-1)

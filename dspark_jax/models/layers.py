@@ -69,16 +69,27 @@ class Linear(nnx.Module):
 class Embed(nnx.Module):
     """A [vocab, dim] table, usable as a lookup and (tied or not) as an output projection."""
 
-    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
-                 axes: tuple[str, str] = ("vocab", "embed")):
+    def __init__(
+        self,
+        vocab: int,
+        dim: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+        axes: tuple[str, str] = ("vocab", "embed"),
+    ):
         self.embedding = nnx.Param(_normal(rngs, (vocab, dim), param_dtype), logical_axes=axes)
 
     def __call__(self, ids, dtype):
         return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)
 
     def attend(self, h):
-        return jnp.einsum("...d,vd->...v", h, self.embedding[...].astype(h.dtype),
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "...d,vd->...v",
+            h,
+            self.embedding[...].astype(h.dtype),
+            preferred_element_type=jnp.float32,
+        )
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -90,9 +101,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         return inv_freq
 
     def correction_dim(rotations: float) -> float:
-        return (head_dim * np.log(rope.original_max_position_embeddings / (rotations * 2 * np.pi))) / (
-            2 * np.log(rope.theta)
-        )
+        return (
+            head_dim * np.log(rope.original_max_position_embeddings / (rotations * 2 * np.pi))
+        ) / (2 * np.log(rope.theta))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -179,6 +190,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         d, f = cfg.hidden_size, cfg.intermediate_size
         kw = dict(rngs=rngs, param_dtype=param_dtype)
@@ -204,12 +217,13 @@ class KVCache:
     lengths: jax.Array
 
     @classmethod
-    def init(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-             dtype) -> KVCache:
-        shape = (batch, max_len, num_kv_heads, head_dim)
+    def init(cls, cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
+        """An empty cache for the layers of `cfg`, in its compute dtype."""
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = jnp.dtype(cfg.dtype)
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 

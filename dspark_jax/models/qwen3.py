@@ -13,6 +13,8 @@ from dspark_jax.models.layers import MLP, Attention, Embed, KVCache, RMSNorm, at
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm attention and SwiGLU MLP blocks, each with a residual connection."""
+
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.self_attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype)
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype)
@@ -47,16 +49,19 @@ class TargetOutput(NamedTuple):
 
 
 class Qwen3(nnx.Module):
-    """Qwen3ForCausalLM. Call it on tokens (with or without a cache); `logits` maps hidden states."""
+    """Qwen3ForCausalLM; call it on tokens (with or without a cache), `logits` on hidden states."""
 
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, param_dtype=None):
         param_dtype = jnp.dtype(param_dtype or cfg.dtype)
         self.cfg = cfg
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs,
-                                  param_dtype=param_dtype)
+        self.embed_tokens = Embed(
+            cfg.vocab_size, cfg.hidden_size, rngs=rngs, param_dtype=param_dtype
+        )
         self.layers = nnx.List(
-            [DecoderLayer(cfg, rngs=rngs, param_dtype=param_dtype)
-             for _ in range(cfg.num_hidden_layers)]
+            [
+                DecoderLayer(cfg, rngs=rngs, param_dtype=param_dtype)
+                for _ in range(cfg.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = (
@@ -70,13 +75,15 @@ class Qwen3(nnx.Module):
         return jnp.dtype(self.cfg.dtype)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        c = self.cfg
-        return KVCache.init(c.num_hidden_layers, batch, max_len, c.num_key_value_heads,
-                            c.head_dim, self.dtype)
+        return KVCache.init(self.cfg, batch, max_len)
 
-    def __call__(self, tokens_bt, cache: KVCache | None = None,
-                 tap_layer_ids: tuple[int, ...] = (), key_window: int | None = None
-                 ) -> TargetOutput:
+    def __call__(
+        self,
+        tokens_bt,
+        cache: KVCache | None = None,
+        tap_layer_ids: tuple[int, ...] = (),
+        key_window: int | None = None,
+    ) -> TargetOutput:
         """Runs the decoder over `tokens_bt`.
 
         Without a cache: positions 0..T-1 with a causal mask (training, parity checks). With a
@@ -94,23 +101,24 @@ class Qwen3(nnx.Module):
         def mask_fn(num_keys):
             return jnp.arange(num_keys)[None, None, :] <= positions_bt[:, :, None]
 
-        x = self.embed_tokens(tokens_bt, self.dtype)
-        taps = {-1: x}
+        x_btd = self.embed_tokens(tokens_bt, self.dtype)
+        layer_out_btd = {-1: x_btd}
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i], start_b)
-            x, layer_cache = layer(x, positions_bt, mask_fn, layer_cache, key_window)
+            x_btd, layer_cache = layer(x_btd, positions_bt, mask_fn, layer_cache, key_window)
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])
-            taps[i] = x
-        hidden = self.norm(x)
+            layer_out_btd[i] = x_btd
         taps_btf = (
-            jnp.concatenate([taps[i] for i in tap_layer_ids], axis=-1) if tap_layer_ids else None
+            jnp.concatenate([layer_out_btd[i] for i in tap_layer_ids], axis=-1)
+            if tap_layer_ids
+            else None
         )
         if cache is not None:
             cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=start_b + t)
-        return TargetOutput(hidden, taps_btf, cache)
+        return TargetOutput(self.norm(x_btd), taps_btf, cache)
 
     def logits(self, hidden_xd):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
