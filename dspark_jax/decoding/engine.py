@@ -10,19 +10,33 @@ set of compiled programs is small and known after warm-up:
 
 Buffers (KV caches, output tokens, statistics) live in `DecodeState` and are donated to each
 call, so XLA updates them in place.
+
+How many drafts each request verifies is decided by a policy (`dspark_jax.decoding.policies`)
+inside the round, from the drafter's confidence logits divided by the temperatures of an
+optional STS artifact; a policy's carry (e.g. the Section 5.2 history) lives in `DecodeState`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.calibration.sts import StsArtifact, StsArtifactMismatchError
+from dspark_jax.decoding.policies import (
+    FixedPolicy,
+    LengthPolicy,
+    Policy,
+    SpsProfile,
+    as_policy,
+)
 from dspark_jax.decoding.verify import verify
+from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.qwen3 import Qwen3
@@ -37,19 +51,15 @@ from dspark_jax.sampling import (
 
 PAD = -1
 
-# A length policy maps (confidence logits [B, gamma] or None, active rows [B]) to the number of
-# drafts each request verifies (0..gamma). Fixed gamma is the default; the scheduler plugs in here.
-LengthPolicy = Callable[[jax.Array | None, jax.Array], jax.Array]
+GREEDY = SamplingConfig()
 
 
-def fixed_length_policy(gamma: int) -> LengthPolicy:
-    def policy(conf_logits_bk, active_b):
-        return jnp.where(active_b, gamma, 0).astype(jnp.int32)
-
-    return policy
+def fixed_length_policy(gamma: int) -> Policy:
+    """Every active request verifies `gamma` drafts (the engine's default policy)."""
+    return FixedPolicy(gamma)
 
 
-class EngineError(ValueError):
+class EngineError(UserError):
     """A request the engine cannot serve as configured (e.g. a prompt that does not fit)."""
 
 
@@ -97,14 +107,21 @@ class DecodeState:
     verified_bn: jax.Array  # per round: drafts verified
     accepted_bn: jax.Array  # per round: drafts accepted (before stop truncation)
     committed_bn: jax.Array  # per round: tokens committed (bonus included)
-    conf_logits_bnk: jax.Array  # per round: confidence logits of the drafted block
+    conf_logits_bnk: jax.Array  # per round: confidence logits of the drafted block (before STS)
+    policy_carry: Any = ()  # the length policy's own state, reset at prefill
 
     def replace(self, **changes) -> DecodeState:
         return dataclasses.replace(self, **changes)
 
 
-def _init_state(target: Qwen3, drafter: DSparkDrafter | None, cfg: EngineConfig, batch: int,
-                gamma: int) -> DecodeState:
+def _init_state(
+    target: Qwen3,
+    drafter: DSparkDrafter | None,
+    cfg: EngineConfig,
+    batch: int,
+    gamma: int,
+    policy: Policy,
+) -> DecodeState:
     cap = cfg.max_new_tokens + gamma + 1
     rounds = cfg.max_new_tokens + 1
     return DecodeState(
@@ -121,6 +138,7 @@ def _init_state(target: Qwen3, drafter: DSparkDrafter | None, cfg: EngineConfig,
         accepted_bn=jnp.zeros((batch, rounds), jnp.int32),
         committed_bn=jnp.zeros((batch, rounds), jnp.int32),
         conf_logits_bnk=jnp.zeros((batch, rounds, max(gamma, 1)), jnp.float32),
+        policy_carry=policy.init_carry(batch, gamma),
     )
 
 
@@ -128,17 +146,26 @@ def _is_stop(tokens, stop_tokens_s):
     return jnp.any(tokens[..., None] == stop_tokens_s, axis=-1)
 
 
-def _prefill(target: Qwen3, drafter: DSparkDrafter | None, sampling: SamplingConfig,
-             state: DecodeState, prompts_bp, prompt_len_b, max_new_b, seeds_b, active_b,
-             stop_tokens_s) -> DecodeState:
+def _prefill(
+    target: Qwen3,
+    drafter: DSparkDrafter | None,
+    sampling: SamplingConfig,
+    policy: Policy,
+    state: DecodeState,
+    prompts_bp,
+    prompt_len_b,
+    max_new_b,
+    seeds_b,
+    active_b,
+    stop_tokens_s,
+) -> DecodeState:
     """Runs the prompts (right-padded to one bucket) and samples each request's first token."""
     batch = prompts_bp.shape[0]
     target_cache = state.target_cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
     taps = () if drafter is None else drafter.cfg.target_layer_ids
     out = target(prompts_bp, target_cache, tap_layer_ids=taps)
-    last_hidden_bd = jnp.take_along_axis(
-        out.hidden_btd, (prompt_len_b - 1)[:, None, None], axis=1
-    )[:, 0]
+    last_b11 = (prompt_len_b - 1)[:, None, None]
+    last_hidden_bd = jnp.take_along_axis(out.hidden_btd, last_b11, axis=1)[:, 0]
     keys_b = jax.vmap(lambda seed: jax.random.key(seed))(seeds_b)
     first_keys = position_keys(keys_b, prompt_len_b, STREAM_RESIDUAL)
     first_b = sample_tokens(first_keys, target.logits(last_hidden_bd), sampling)
@@ -164,6 +191,7 @@ def _prefill(target: Qwen3, drafter: DSparkDrafter | None, sampling: SamplingCon
         accepted_bn=zeros_bn,
         committed_bn=zeros_bn,
         conf_logits_bnk=jnp.zeros_like(state.conf_logits_bnk),
+        policy_carry=policy.init_carry(batch, state.conf_logits_bnk.shape[2]),
     )
 
 
@@ -173,8 +201,15 @@ def _record(buffer_bn, rounds_b, values_b, active_b):
     return buffer_bn.at[rows, cols].set(values_b.astype(buffer_bn.dtype), mode="drop")
 
 
-def _commit(state: DecodeState, tokens_bj, num_committed_b, stopped_b, active_b,
-            max_len: int, lookahead: int) -> DecodeState:
+def _commit(
+    state: DecodeState,
+    tokens_bj,
+    num_committed_b,
+    stopped_b,
+    active_b,
+    max_len: int,
+    lookahead: int,
+) -> DecodeState:
     """Appends committed tokens to the output and updates the per-request counters."""
     rows = jnp.arange(tokens_bj.shape[0])[:, None]
     cols = state.num_generated_b[:, None] + jnp.arange(tokens_bj.shape[1])[None, :]
@@ -184,8 +219,12 @@ def _commit(state: DecodeState, tokens_bj, num_committed_b, stopped_b, active_b,
     # A request also ends when its next round could run past the preallocated cache.
     full_b = state.target_cache.lengths + lookahead >= max_len
     done_b = state.done_b | (active_b & (stopped_b | (num_generated_b >= state.max_new_b) | full_b))
-    return state.replace(tokens_bn=tokens_bn, num_generated_b=num_generated_b, done_b=done_b,
-                         rounds_b=state.rounds_b + active_b.astype(jnp.int32))
+    return state.replace(
+        tokens_bn=tokens_bn,
+        num_generated_b=num_generated_b,
+        done_b=done_b,
+        rounds_b=state.rounds_b + active_b.astype(jnp.int32),
+    )
 
 
 def _verify_forward(target: Qwen3, tokens_bt, cache: KVCache, taps, buckets, n_rows, bucket_idx):
@@ -210,29 +249,57 @@ def _verify_forward(target: Qwen3, tokens_bt, cache: KVCache, taps, buckets, n_r
     return jax.lax.switch(bucket_idx, [branch(w) for w in buckets], cache)
 
 
-def _spec_round(target: Qwen3, drafter: DSparkDrafter, sampling: SamplingConfig,
-                policy: LengthPolicy, verify_buckets: tuple[int, ...], max_len: int,
-                stop_tokens_s, state: DecodeState) -> DecodeState:
+def _spec_round(
+    target: Qwen3,
+    drafter: DSparkDrafter,
+    sampling: SamplingConfig,
+    policy: Policy,
+    sts_temps_k: jax.Array | None,
+    verify_buckets: tuple[int, ...],
+    max_len: int,
+    stop_tokens_s,
+    state: DecodeState,
+) -> DecodeState:
     gamma = drafter.cfg.block_size
     active_b = ~state.done_b
     start_b = state.target_cache.lengths  # position of the anchor
 
     h_bkd = drafter.draft_hidden(state.anchor_b, state.draft_cache)
     slot_positions_bk = start_b[:, None] + 1 + jnp.arange(gamma)[None, :]
-    draft_keys_bk = position_keys(state.keys_b, slot_positions_bk, STREAM_DRAFT)
+    # Drafts past a rejection are drafted again next round at the same positions. Fresh noise per
+    # round keeps a policy carry that holds earlier rounds' confidences (hence their drafts)
+    # independent of this round's drafts, which losslessness of history-based policies needs.
+    round_keys_b = jax.vmap(jax.random.fold_in)(state.keys_b, state.rounds_b)
+    draft_keys_bk = position_keys(round_keys_b, slot_positions_bk, STREAM_DRAFT)
     block = drafter.sample_block(h_bkd, state.anchor_b, draft_keys_bk, sampling)
-    lengths_b = jnp.minimum(policy(block.conf_logits_bk, active_b), gamma)
-    lengths_b = jnp.where(active_b, lengths_b, 0).astype(jnp.int32)
+    policy_logits_bk = block.conf_logits_bk
+    if sts_temps_k is not None:
+        policy_logits_bk = block.conf_logits_bk.astype(jnp.float32) / sts_temps_k
+    lengths_b, policy_carry = policy.step(policy_logits_bk, active_b, state.policy_carry)
+    lengths_b = jnp.where(active_b, jnp.clip(lengths_b, 0, gamma), 0).astype(jnp.int32)
 
     need = jnp.max(lengths_b) + 1
     bucket_idx = jnp.sum(jnp.asarray(verify_buckets) < need)
     verify_in = jnp.concatenate([state.anchor_b[:, None], block.tokens_bk], axis=1)
     logits_bjv, taps_bjf, target_cache = _verify_forward(
-        target, verify_in, state.target_cache, drafter.cfg.target_layer_ids, verify_buckets,
-        gamma + 1, bucket_idx,
+        target,
+        verify_in,
+        state.target_cache,
+        drafter.cfg.target_layer_ids,
+        verify_buckets,
+        gamma + 1,
+        bucket_idx,
     )
-    result = verify(block.tokens_bk, block.logprobs_bkv, logits_bjv, lengths_b, state.keys_b,
-                    start_b + 1, sampling, stop_tokens_s)
+    result = verify(
+        block.tokens_bk,
+        block.logprobs_bkv,
+        logits_bjv,
+        lengths_b,
+        state.keys_b,
+        start_b + 1,
+        sampling,
+        stop_tokens_s,
+    )
 
     # Commit: the cache keeps the anchor and the accepted drafts; the rest is rolled back by
     # length alone. Their target features become the drafter's new context.
@@ -240,8 +307,11 @@ def _spec_round(target: Qwen3, drafter: DSparkDrafter, sampling: SamplingConfig,
     draft_cache = drafter.append_context(
         state.draft_cache, taps_bjf, jnp.where(active_b, 1 + result.num_accepted_b, 0)
     )
-    conf_bk = (block.conf_logits_bk if block.conf_logits_bk is not None
-               else jnp.zeros((state.anchor_b.shape[0], gamma), jnp.float32))
+    conf_bk = (
+        block.conf_logits_bk
+        if block.conf_logits_bk is not None
+        else jnp.zeros((state.anchor_b.shape[0], gamma), jnp.float32)
+    )
     state = state.replace(
         target_cache=target_cache.replace(lengths=new_len_b),
         draft_cache=draft_cache,
@@ -250,9 +320,17 @@ def _spec_round(target: Qwen3, drafter: DSparkDrafter, sampling: SamplingConfig,
         accepted_bn=_record(state.accepted_bn, state.rounds_b, result.num_accepted_b, active_b),
         committed_bn=_record(state.committed_bn, state.rounds_b, result.num_committed_b, active_b),
         conf_logits_bnk=_record_rows(state.conf_logits_bnk, state.rounds_b, conf_bk, active_b),
+        policy_carry=policy_carry,
     )
-    return _commit(state, result.tokens_bj, result.num_committed_b, result.stopped_b, active_b,
-                   max_len, lookahead=gamma + 1)
+    return _commit(
+        state,
+        result.tokens_bj,
+        result.num_committed_b,
+        result.stopped_b,
+        active_b,
+        max_len,
+        lookahead=gamma + 1,
+    )
 
 
 def _record_rows(buffer_bnk, rounds_b, values_bk, active_b):
@@ -261,8 +339,9 @@ def _record_rows(buffer_bnk, rounds_b, values_bk, active_b):
     return buffer_bnk.at[rows, cols].set(values_bk, mode="drop")
 
 
-def _plain_round(target: Qwen3, sampling: SamplingConfig, max_len: int, stop_tokens_s,
-                 state: DecodeState) -> DecodeState:
+def _plain_round(
+    target: Qwen3, sampling: SamplingConfig, max_len: int, stop_tokens_s, state: DecodeState
+) -> DecodeState:
     """One target step per round: the baseline speculative decoding is measured against."""
     active_b = ~state.done_b
     start_b = state.target_cache.lengths
@@ -291,16 +370,79 @@ def _run_chunk(round_fn, rounds_per_chunk: int, state: DecodeState) -> DecodeSta
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
+def _check_sts(
+    sts: StsArtifact,
+    drafter: DSparkDrafter | None,
+    fingerprint: str | None,
+    sampling: SamplingConfig,
+) -> None:
+    """Refuses an STS artifact fitted for another drafter, block size or sampling temperature."""
+    if drafter is None:
+        raise EngineError("an STS artifact needs a drafter; plain decoding has no confidences")
+    if drafter.confidence_head is None:
+        raise EngineError("an STS artifact needs a drafter with a confidence head")
+    if fingerprint is None:
+        raise EngineError(
+            "pass drafter_fingerprint (as returned by load_drafter) with an STS artifact, so the "
+            "engine can check that the artifact belongs to this drafter"
+        )
+    if sts.drafter_fingerprint != fingerprint:
+        raise StsArtifactMismatchError(
+            f"the STS artifact was calibrated for drafter {sts.drafter_fingerprint[:16]}..., "
+            f"not for this drafter {fingerprint[:16]}...; run dspark-jax calibrate for it"
+        )
+    if sts.gamma != drafter.cfg.block_size:
+        raise StsArtifactMismatchError(
+            f"the STS artifact has {sts.gamma} temperatures but the drafter's block size is "
+            f"{drafter.cfg.block_size}"
+        )
+    if not math.isclose(sts.sampling_temperature, sampling.temperature, rel_tol=1e-6, abs_tol=1e-9):
+        raise StsArtifactMismatchError(
+            f"the STS artifact was calibrated at sampling temperature "
+            f"{sts.sampling_temperature}, but the engine samples at {sampling.temperature}; "
+            "calibrate at this temperature"
+        )
+
+
+def _engine_verify_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, ...]:
+    """The engine's verify buckets; a policy with a measured SPS profile must use its buckets,
+    since its SPS values describe exactly those widths."""
+    profile = getattr(policy, "sps", None)
+    if isinstance(profile, SpsProfile):
+        if cfg.verify_buckets is not None and tuple(sorted(cfg.verify_buckets)) != profile.buckets:
+            raise EngineError(
+                f"verify_buckets {tuple(sorted(cfg.verify_buckets))} differ from the SPS "
+                f"profile's buckets {profile.buckets}; use the profile's (or leave them unset)"
+            )
+        buckets = profile.buckets
+    else:
+        buckets = tuple(sorted(cfg.verify_buckets or (gamma + 1,)))
+    if buckets[-1] < gamma + 1:
+        raise EngineError(f"largest verify bucket {buckets[-1]} < gamma + 1 = {gamma + 1}")
+    return buckets
+
+
 class Engine:
     """Jitted prefill and decode chunks over a target (and optionally a drafter).
 
     The models are split into (graphdef, state) once; the jitted functions are pure functions of
-    the parameter states and a donated `DecodeState`.
+    the parameter states and a donated `DecodeState`. `policy` (a `Policy` or a `LengthPolicy`
+    function, default fixed gamma) chooses the verified lengths; `sts` (an `StsArtifact`,
+    checked against `drafter_fingerprint` and the sampling temperature) calibrates the
+    confidence logits the policy sees.
     """
 
-    def __init__(self, target: Qwen3, drafter: DSparkDrafter | None, cfg: EngineConfig,
-                 sampling: SamplingConfig = SamplingConfig(),
-                 policy: LengthPolicy | None = None, stop_tokens: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        target: Qwen3,
+        drafter: DSparkDrafter | None,
+        cfg: EngineConfig,
+        sampling: SamplingConfig = GREEDY,
+        policy: Policy | LengthPolicy | None = None,
+        stop_tokens: tuple[int, ...] = (),
+        sts: StsArtifact | None = None,
+        drafter_fingerprint: str | None = None,
+    ):
         self.cfg = cfg
         self.sampling = sampling
         self.target_cfg = target.cfg
@@ -308,16 +450,24 @@ class Engine:
         self.gamma = drafter.cfg.block_size if drafter is not None else 0
         if drafter is not None:
             drafter.cfg.check_target(target.cfg)
+        if sts is not None:
+            _check_sts(sts, drafter, drafter_fingerprint, sampling)
+        self.sts = sts
+        gamma = self.gamma
+        policy = as_policy(policy if policy is not None else fixed_length_policy(gamma))
+        if drafter is not None and policy.needs_confidence and drafter.confidence_head is None:
+            raise EngineError(
+                f"{type(policy).__name__} needs confidences; this drafter has no confidence head"
+            )
+        self.policy = policy
         self.stop_tokens = tuple(stop_tokens) or target.cfg.eos_token_ids
         self._target_graph, self.target_params = nnx.split(target)
         self._drafter_graph, self.drafter_params = (
             nnx.split(drafter) if drafter is not None else (None, None)
         )
-        gamma = self.gamma
-        verify_buckets = tuple(sorted(cfg.verify_buckets or (gamma + 1,)))
-        if self.speculative and verify_buckets[-1] < gamma + 1:
-            raise EngineError(f"largest verify bucket {verify_buckets[-1]} < gamma + 1 = {gamma + 1}")
-        policy = policy or fixed_length_policy(gamma)
+        verify_buckets = _engine_verify_buckets(cfg, policy, gamma) if self.speculative else ()
+        self.verify_buckets = verify_buckets
+        sts_temps_k = None if sts is None else sts.temps()
         stop_s = jnp.asarray(self.stop_tokens or (-2,), jnp.int32)
         tg, dg = self._target_graph, self._drafter_graph
 
@@ -326,19 +476,47 @@ class Engine:
             d = nnx.merge(dg, drafter_params) if dg is not None else None
             return t, d
 
-        def prefill(target_params, drafter_params, state, prompts_bp, prompt_len_b, max_new_b,
-                    seeds_b, active_b):
+        def prefill(
+            target_params,
+            drafter_params,
+            state,
+            prompts_bp,
+            prompt_len_b,
+            max_new_b,
+            seeds_b,
+            active_b,
+        ):
             t, d = merge(target_params, drafter_params)
-            return _prefill(t, d, sampling, state, prompts_bp, prompt_len_b, max_new_b, seeds_b,
-                            active_b, stop_s)
+            return _prefill(
+                t,
+                d,
+                sampling,
+                policy,
+                state,
+                prompts_bp,
+                prompt_len_b,
+                max_new_b,
+                seeds_b,
+                active_b,
+                stop_s,
+            )
 
         def decode(target_params, drafter_params, state):
             t, d = merge(target_params, drafter_params)
             if d is None:
                 round_fn = functools.partial(_plain_round, t, sampling, cfg.max_len, stop_s)
             else:
-                round_fn = functools.partial(_spec_round, t, d, sampling, policy, verify_buckets,
-                                             cfg.max_len, stop_s)
+                round_fn = functools.partial(
+                    _spec_round,
+                    t,
+                    d,
+                    sampling,
+                    policy,
+                    sts_temps_k,
+                    verify_buckets,
+                    cfg.max_len,
+                    stop_s,
+                )
             return _run_chunk(round_fn, cfg.rounds_per_chunk, state)
 
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
@@ -351,7 +529,10 @@ class Engine:
                 lambda tp, dp: _init_state(
                     nnx.merge(self._target_graph, tp),
                     nnx.merge(self._drafter_graph, dp) if self._drafter_graph else None,
-                    self.cfg, batch, self.gamma,
+                    self.cfg,
+                    batch,
+                    self.gamma,
+                    self.policy,
                 )
             )
         return self._init[batch](self.target_params, self.drafter_params)
@@ -371,10 +552,19 @@ class Engine:
                 f"{self.cfg.max_len}"
             )
 
-    def prefill(self, state: DecodeState, prompts_bp, prompt_len_b, max_new_b, seeds_b,
-                active_b) -> DecodeState:
-        return self._prefill(self.target_params, self.drafter_params, state, prompts_bp,
-                             prompt_len_b, max_new_b, seeds_b, active_b)
+    def prefill(
+        self, state: DecodeState, prompts_bp, prompt_len_b, max_new_b, seeds_b, active_b
+    ) -> DecodeState:
+        return self._prefill(
+            self.target_params,
+            self.drafter_params,
+            state,
+            prompts_bp,
+            prompt_len_b,
+            max_new_b,
+            seeds_b,
+            active_b,
+        )
 
     def decode_chunk(self, state: DecodeState) -> DecodeState:
         return self._decode(self.target_params, self.drafter_params, state)

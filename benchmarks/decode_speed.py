@@ -1,0 +1,358 @@
+"""Decode speed of plain and speculative decoding through the engine, against the bandwidth floor.
+
+Real-size shapes with random weights (speed does not depend on weight values): by default the
+Qwen3-4B target and the released 4B DSpark drafter config, in bf16, at batch 1, 8 and 32.
+
+    PYTHONPATH=. python benchmarks/decode_speed.py                  # Qwen3-4B + DSpark drafter
+    PYTHONPATH=. python benchmarks/decode_speed.py --config tiny    # fixture-sized, for CPU
+
+Each batch size gets a prompt of --context random tokens per request, then `--rounds` decode
+rounds run in one compiled chunk (the engine's on-device while_loop); a cell is the median over
+--repeats timed chunks of chunk time / rounds. Reported:
+
+- plain step: one target step of autoregressive decoding (one token per request).
+- spec round: one speculative round (draft a block of gamma tokens, verify gamma + 1 in one
+  target forward, accept, commit) at fixed gamma = the block size. Random weights accept almost
+  nothing, so throughput is projected for the acceptance lengths tau the paper reports
+  (tau tokens per round per request): tok/s = batch * tau / round time, speedup over plain =
+  tau * step time / round time.
+- floor: (weight bytes read + KV-cache bytes read) / HBM bandwidth for one target step. Weight
+  bytes exclude lookup-only tables (an untied input embedding); KV bytes are the whole
+  preallocated cache (max_len positions), which the engine's attention reads.
+- programs: XLA compilations during warm-up (prefill, decode chunk and state init per batch);
+  the timed chunks must compile nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import configs
+from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sampling import SamplingConfig
+
+CONFIGS = {
+    "qwen3-4b": ("qwen3-4b", "dspark-qwen3-4b"),
+    "qwen3-8b": ("qwen3-8b", "dspark-qwen3-8b"),
+    "qwen3-14b": ("qwen3-14b", "dspark-qwen3-14b"),
+    "tiny": ("tiny-vanilla-target", "tiny-vanilla-dspark"),
+}
+# HBM bandwidth in GB/s by substring of jax's device_kind (first match wins).
+BANDWIDTH_GBS = (
+    ("H200", 4800.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),  # SXM
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100", 1555.0),
+    ("TPU v5p", 2765.0),
+    ("TPU v5 lite", 819.0),
+    ("TPU v6 lite", 1640.0),
+    ("TPU v4", 1200.0),
+)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Parameters read by row lookups only, so a decode step touches a few rows, not the table.
+LOOKUP_ONLY = {"target": ("embed_tokens",), "drafter": ("embed_tokens", "markov_w1")}
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def default_bandwidth_gbs(device_kind: str) -> float | None:
+    for key, gbs in BANDWIDTH_GBS:
+        if key in device_kind:
+            return gbs
+    return None
+
+
+# Random values are drawn in blocks of at most this many elements, so the PRNG's 32-bit
+# temporaries stay small even for a 150k x 5k embedding table.
+RANDOM_BLOCK = 1 << 22
+
+
+def _block_rows(rows: int, row_size: int) -> int:
+    """The largest divisor of `rows` whose block fits RANDOM_BLOCK elements (at least 1)."""
+    limit = max(1, RANDOM_BLOCK // max(row_size, 1))
+    return max(d for d in range(1, min(rows, limit) + 1) if rows % d == 0)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_normalish(key, shape, dtype):
+    """Uniform values with standard deviation 0.02, filled block by block along axis 0."""
+    bound = 0.02 * 3**0.5
+    rows = _block_rows(shape[0], int(np.prod(shape[1:])))
+
+    def fill(i, out):
+        block = jax.random.uniform(
+            jax.random.fold_in(key, i), (rows, *shape[1:]), dtype, -bound, bound
+        )
+        return jax.lax.dynamic_update_slice_in_dim(out, block, i * rows, axis=0)
+
+    return jax.lax.fori_loop(0, shape[0] // rows, fill, jnp.zeros(shape, dtype))
+
+
+def random_model(constructor, seed: int):
+    """A model with random weights, each leaf created directly in its dtype on the device.
+
+    `nnx.eval_shape` gives the abstract parameters without allocating; each leaf is then filled
+    by its own small jitted program, so no float32 copy of the model ever exists.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(constructor))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    key = jax.random.key(seed)
+    filled = []
+    for i, (path, leaf) in enumerate(leaves):
+        name = str(getattr(path[-1], "key", path[-1]))
+        shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
+        if len(shape) > 1:
+            filled.append(_random_normalish(jax.random.fold_in(key, i), shape, dtype))
+        else:  # biases 0, norm scales 1
+            filled.append(jnp.zeros(shape, dtype) if name == "bias" else jnp.ones(shape, dtype))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, filled))
+
+
+def bytes_read_per_step(model, lookup_only: tuple[str, ...], tied: bool = False) -> int:
+    """Parameter bytes a decode step reads; lookup tables count only when tied to the head."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]:
+        names = {str(getattr(p, "key", p)) for p in path}
+        if not tied and names & set(lookup_only):
+            continue
+        total += leaf.size * leaf.dtype.itemsize
+    return total
+
+
+def cache_bytes(init_cache) -> int:
+    """Bytes of the K/V arrays of a cache built by `init_cache()` (shapes only, no allocation)."""
+    cache = jax.eval_shape(init_cache)
+    return sum(a.size * a.dtype.itemsize for a in (*cache.k, *cache.v))
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while installed."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event: str, *args, **kwargs) -> None:
+        if event == COMPILE_EVENT:
+            self.count += 1
+
+
+def time_chunks(engine: Engine, batch: int, context: int, max_new: int, repeats: int, seed: int):
+    """(median seconds per round, committed tokens per request-round, warm-up compiles,
+    compiles while timing)."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.target_cfg.vocab_size
+    prompts = rng.integers(0, vocab, (batch, context)).astype(np.int32)
+    prompt_len = np.full((batch,), context, np.int32)
+    max_new_b = np.full((batch,), max_new, np.int32)
+    active = np.ones((batch,), bool)
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        state = engine.init_state(batch)
+        seeds = np.arange(batch, dtype=np.uint32)
+        state = engine.prefill(state, prompts, prompt_len, max_new_b, seeds, active)
+        state = engine.decode_chunk(state)
+        jax.block_until_ready(state)
+        warm_compiles, counter.count = counter.count, 0
+        per_round, tokens = [], []
+        for rep in range(repeats):
+            seeds = np.arange(batch, dtype=np.uint32) + np.uint32((rep + 1) * batch)
+            state = engine.prefill(state, prompts, prompt_len, max_new_b, seeds, active)
+            jax.block_until_ready(state)
+            start = time.perf_counter()
+            state = engine.decode_chunk(state)
+            jax.block_until_ready(state)
+            elapsed = time.perf_counter() - start
+            rounds = int(np.max(np.asarray(state.rounds_b)))
+            generated = np.asarray(state.num_generated_b) - 1
+            per_round.append(elapsed / rounds)
+            tokens.append(float(np.sum(generated)) / (rounds * batch))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    return statistics.median(per_round), statistics.median(tokens), warm_compiles, counter.count
+
+
+def run(args: argparse.Namespace) -> dict:
+    target_name, drafter_name = CONFIGS[args.config]
+    target_cfg = dataclasses.replace(configs.get(target_name), dtype=args.dtype)
+    drafter_cfg = configs.get(drafter_name)
+    drafter_cfg = dataclasses.replace(
+        drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=args.dtype)
+    )
+    context = args.context or (128 if args.config == "tiny" else 1024)
+    gamma = drafter_cfg.block_size
+    max_new = args.rounds * (gamma + 1) + 1  # no request reaches its length inside a chunk
+    max_len = -(-(context + max_new + gamma + 1) // 128) * 128
+    device = jax.devices()[0]
+    bandwidth = args.bandwidth_gbs or default_bandwidth_gbs(device.device_kind)
+
+    target = random_model(
+        lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed
+    )
+    drafter = random_model(
+        lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed + 1
+    )
+    target_weights = bytes_read_per_step(
+        target, LOOKUP_ONLY["target"], tied=target_cfg.tie_word_embeddings
+    )
+    drafter_weights = bytes_read_per_step(drafter, LOOKUP_ONLY["drafter"])
+    cfg = EngineConfig(
+        max_len=max_len,
+        max_new_tokens=max_new,
+        batch_buckets=tuple(sorted(set(args.batch_sizes))),
+        prompt_buckets=(context,),
+        rounds_per_chunk=args.rounds,
+    )
+    sampling = SamplingConfig(temperature=args.temperature)
+    engines = {
+        "plain": Engine(target, None, cfg, sampling=sampling),
+        "spec": Engine(target, drafter, cfg, sampling=sampling),
+    }
+
+    rows = []
+    for batch in args.batch_sizes:
+        row: dict = {"batch": batch}
+        for mode, engine in engines.items():
+            seconds, tokens, compiles, late = time_chunks(
+                engine, batch, context, max_new, args.repeats, args.seed
+            )
+            row[f"{mode}_ms"] = seconds * 1e3
+            row[f"{mode}_tokens_per_round"] = tokens
+            row[f"{mode}_programs"] = compiles
+            row[f"{mode}_compiles_while_timing"] = late
+        kv = cache_bytes(lambda b=batch: target.init_cache(b, max_len))
+        draft_kv = cache_bytes(lambda b=batch: drafter.init_context_cache(b, max_len))
+        row["target_step_bytes"] = target_weights + kv
+        row["spec_round_bytes"] = target_weights + kv + drafter_weights + draft_kv
+        row["floor_ms"] = row["target_step_bytes"] / (bandwidth * 1e9) * 1e3 if bandwidth else None
+        row["plain_tokens_per_s"] = batch / (row["plain_ms"] / 1e3)
+        row["round_over_step"] = row["spec_ms"] / row["plain_ms"]
+        row["projected"] = {
+            f"{tau:g}": {
+                "tokens_per_s": batch * tau / (row["spec_ms"] / 1e3),
+                "speedup": tau * row["plain_ms"] / row["spec_ms"],
+            }
+            for tau in args.taus
+        }
+        rows.append(row)
+        print(f"batch {batch} done", flush=True)
+
+    return {
+        "benchmark": "decode_speed",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "config": args.config,
+        "target": target_name,
+        "drafter": drafter_name,
+        "dtype": args.dtype,
+        "gamma": gamma,
+        "context": context,
+        "max_len": max_len,
+        "rounds_per_chunk": args.rounds,
+        "repeats": args.repeats,
+        "temperature": args.temperature,
+        "bandwidth_gbs": bandwidth,
+        "target_weight_bytes": target_weights,
+        "drafter_weight_bytes": drafter_weights,
+        "rows": rows,
+    }
+
+
+def format_table(result: dict) -> str:
+    taus = list(result["rows"][0]["projected"]) if result["rows"] else []
+
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    head = (
+        f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'step/floor':>10} {'plain tok/s':>11} "
+        f"{'round ms':>9} {'round/step':>10} "
+        + " ".join(f"{'tok/s@' + t:>11}" for t in taus)
+        + " "
+        + " ".join(f"{'x@' + t:>6}" for t in taus)
+        + f" {'programs':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        ratio = r["plain_ms"] / r["floor_ms"] if r["floor_ms"] else None
+        lines.append(
+            f"{r['batch']:>5} {r['plain_ms']:>9.3f} {fmt(r['floor_ms'], '.3f'):>9} "
+            f"{fmt(ratio, '.2f'):>10} {r['plain_tokens_per_s']:>11.1f} {r['spec_ms']:>9.3f} "
+            f"{r['round_over_step']:>10.2f} "
+            + " ".join(f"{r['projected'][t]['tokens_per_s']:>11.1f}" for t in taus)
+            + " "
+            + " ".join(f"{r['projected'][t]['speedup']:>6.2f}" for t in taus)
+            + f" {r['plain_programs'] + r['spec_programs']:>8}"
+        )
+    bandwidth = result["bandwidth_gbs"]
+    late = sum(
+        r["plain_compiles_while_timing"] + r["spec_compiles_while_timing"] for r in result["rows"]
+    )
+    lines.append(f"compilations while timing: {late}")
+    lines.append(
+        f"{result['device']} ({result['platform']}), {result['target']} + {result['drafter']}, "
+        f"{result['dtype']}, gamma {result['gamma']}, context {result['context']}, max_len "
+        f"{result['max_len']}, bandwidth {fmt(bandwidth, '.0f')} GB/s, commit "
+        f"{result['commit']}, {result['date']}"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="qwen3-4b")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, help="prompt tokens (default 1024; tiny 128)")
+    parser.add_argument("--rounds", type=int, default=16, help="rounds per timed chunk")
+    parser.add_argument("--repeats", type=int, default=5, help="timed chunks per cell (median)")
+    parser.add_argument("--taus", type=float, nargs="+", default=[3.0, 5.0, 6.0])
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        help="HBM bandwidth for the floor (default: known devices; n/a on CPU)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="decode_speed.json", help="output JSON path")
+    args = parser.parse_args()
+    if min(args.batch_sizes) < 1 or args.rounds < 1 or args.repeats < 1:
+        parser.error("--batch-sizes, --rounds and --repeats must be >= 1")
+    result = run(args)
+    print(format_table(result))
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

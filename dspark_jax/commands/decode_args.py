@@ -1,0 +1,163 @@
+"""Options and loading shared by the commands that decode (`generate`, `eval`).
+
+Both default to the tiny byte-level model embedded in the package (`dspark_jax/assets`), so they
+run offline on a laptop; `--target` / `--draft` take any form `load_target` / `load_drafter` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dspark_jax.commands.policy_args import add_policy_arguments, build_policy, load_sts
+from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.errors import UserError
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from dspark_jax.tokenizer import Tokenizer
+
+EMBEDDED_MODEL = "tiny-vanilla"
+
+
+def embedded_model_dir(part: str) -> Path:
+    """The folder of the embedded tiny model's `target` or `draft` (PyTorch safetensors)."""
+    return Path(str(resources.files("dspark_jax").joinpath("assets", EMBEDDED_MODEL, part)))
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = True) -> None:
+    group = parser.add_argument_group("models")
+    group.add_argument(
+        "--target",
+        default=None,
+        help=f"target: converted folder, safetensors folder or hub id (default: the embedded "
+        f"{EMBEDDED_MODEL} model)",
+    )
+    group.add_argument(
+        "--draft",
+        default=None,
+        help=f"drafter, same forms (default: the embedded {EMBEDDED_MODEL} drafter)",
+    )
+    if allow_no_draft:
+        group.add_argument(
+            "--no-draft",
+            action="store_true",
+            help="plain autoregressive decoding with the target alone",
+        )
+    group.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="compute / parameter dtype (default: as stored)",
+    )
+    add_policy_arguments(parser)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="0 = greedy (default 1.0, as in the paper's evaluation)",
+    )
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0 = off)")
+    group.add_argument("--seed", type=int, default=0, help="base seed of the requests (default 0)")
+    group.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default 256)")
+    group.add_argument("--batch-size", type=int, default=8, help="requests per batch (default 8)")
+    group.add_argument(
+        "--thinking",
+        action="store_true",
+        help="render prompts with enable_thinking (off by default, as the drafters were trained)",
+    )
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {args.seed}")
+
+
+def batch_buckets(batch_size: int) -> tuple[int, ...]:
+    """Powers of two below `batch_size`, and `batch_size` itself (for a last, partial batch)."""
+    buckets = {batch_size}
+    size = 1
+    while size < batch_size:
+        buckets.add(size)
+        size *= 2
+    return tuple(sorted(buckets))
+
+
+@dataclasses.dataclass
+class Models:
+    """What a decoding command loads: target, optional drafter, tokenizer and stop tokens."""
+
+    target: Qwen3
+    model_dir: Path
+    drafter: DSparkDrafter | None
+    drafter_path: str | None
+    drafter_fingerprint: str | None
+    tokenizer: Tokenizer
+    stop_tokens: tuple[int, ...]
+
+    @property
+    def gamma(self) -> int:
+        return 0 if self.drafter is None else self.drafter.cfg.block_size
+
+
+def load_models(args: argparse.Namespace, with_drafter: bool = True) -> Models:
+    """Target, tokenizer, stop tokens and (unless `with_drafter` is false) the drafter."""
+    from dspark_jax.checkpoints.jax_format import load_drafter, load_target
+    from dspark_jax.tokenizer import load_tokenizer, stop_token_ids
+
+    target_cfg, target, model_dir = load_target(
+        args.target or embedded_model_dir("target"), dtype=args.dtype
+    )
+    drafter = fingerprint = draft_path = None
+    if with_drafter:
+        draft_path = str(args.draft or embedded_model_dir("draft"))
+        _, drafter, fingerprint = load_drafter(draft_path, dtype=args.dtype)
+    tokenizer = load_tokenizer(model_dir)
+    return Models(
+        target=target,
+        model_dir=Path(model_dir),
+        drafter=drafter,
+        drafter_path=draft_path,
+        drafter_fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        stop_tokens=stop_token_ids(model_dir, target_cfg.eos_token_ids, tokenizer),
+    )
+
+
+def build_engine(
+    models: Models,
+    args: argparse.Namespace,
+    cfg: EngineConfig,
+    sampling: SamplingConfig,
+    speculative: bool = True,
+) -> Engine:
+    """The speculative engine (policy and STS from the command line) or the plain one."""
+    if not speculative or models.drafter is None:
+        return Engine(models.target, None, cfg, sampling=sampling, stop_tokens=models.stop_tokens)
+    return Engine(
+        models.target,
+        models.drafter,
+        cfg,
+        sampling=sampling,
+        policy=build_policy(args, models.gamma),
+        stop_tokens=models.stop_tokens,
+        sts=load_sts(args, models.drafter_fingerprint, sampling.temperature),
+        drafter_fingerprint=models.drafter_fingerprint,
+    )

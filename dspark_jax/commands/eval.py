@@ -1,0 +1,175 @@
+"""`dspark-jax eval`: acceptance length and speedup of a drafter over prompt datasets.
+
+Each dataset is a JSONL file of `{"turns": [...]}` conversations, answered turn by turn by
+speculative decoding; plain decoding then runs the same prompts as the baseline. Writes to --out:
+eval.json (settings and per-dataset statistics), eval.png (acceptance curves, tau and speedup)
+and calibration_records.npz (one record per speculative round, for `dspark-jax calibrate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from dspark_jax.errors import UserError
+
+JSON_NAME = "eval.json"
+PLOT_NAME = "eval.png"
+RECORDS_NAME = "calibration_records.npz"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from dspark_jax.commands.decode_args import add_model_arguments, add_sampling_arguments
+
+    group = parser.add_argument_group("datasets")
+    group.add_argument("files", nargs="*", help='JSONL files of {"turns": [...]} lines')
+    group.add_argument(
+        "--datasets-dir", help="every *.jsonl in this folder (e.g. ../shared/eval_datasets)"
+    )
+    group.add_argument(
+        "--datasets", nargs="+", metavar="NAME", help="only these datasets (file stems)"
+    )
+    group.add_argument("--limit", type=int, help="conversations per dataset (default: all)")
+    add_model_arguments(parser, allow_no_draft=False)
+    add_sampling_arguments(parser)
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        default=4096,
+        help="cache length per request; turns that do not fit are skipped and counted (4096)",
+    )
+    parser.add_argument(
+        "--no-plain", action="store_true", help="skip the plain-decoding baseline (no speedup)"
+    )
+    parser.add_argument("--out", default="eval_results", help="output folder (eval_results)")
+
+
+def _dataset_files(args: argparse.Namespace) -> list[Path]:
+    files = [Path(f) for f in args.files]
+    if args.datasets_dir:
+        folder = Path(args.datasets_dir)
+        if not folder.is_dir():
+            raise UserError(f"--datasets-dir {folder}: not a folder")
+        found = sorted(folder.glob("*.jsonl"))
+        if not found:
+            raise UserError(f"--datasets-dir {folder}: holds no *.jsonl files")
+        files += found
+    if args.datasets:
+        unknown = set(args.datasets) - {f.stem for f in files}
+        if unknown:
+            raise UserError(
+                f"--datasets {', '.join(sorted(unknown))} not among "
+                f"{', '.join(f.stem for f in files) or 'no files'}"
+            )
+        files = [f for f in files if f.stem in args.datasets]
+    if not files:
+        raise UserError("no datasets: give JSONL files or --datasets-dir")
+    stems = [f.stem for f in files]
+    if len(set(stems)) != len(stems):
+        raise UserError(f"two datasets share a name: {', '.join(stems)}")
+    return files
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+
+    from dspark_jax.calibration.records import records_from_results
+    from dspark_jax.commands.decode_args import (
+        batch_buckets,
+        build_engine,
+        check_sizes,
+        load_models,
+        sampling_from_args,
+    )
+    from dspark_jax.decoding.engine import EngineConfig
+    from dspark_jax.decoding.evaluate import (
+        WarmEngine,
+        evaluate_dataset,
+        format_table,
+        load_conversations,
+        plot_reports,
+    )
+
+    check_sizes(args)
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    files = _dataset_files(args)
+    datasets = {f.stem: load_conversations(f, args.limit) for f in files}
+    sampling = sampling_from_args(args)
+    models = load_models(args)
+    cfg = EngineConfig(
+        max_len=args.max_len,
+        max_new_tokens=args.max_new_tokens,
+        batch_buckets=batch_buckets(args.batch_size),
+    )
+    spec = WarmEngine(build_engine(models, args, cfg, sampling))
+    plain = None if args.no_plain else WarmEngine(build_engine(models, args, cfg, sampling, False))
+
+    reports, results = [], []
+    for name, conversations in datasets.items():
+        print(f"{name}: {len(conversations)} conversations", file=sys.stderr)
+        report, run_ = evaluate_dataset(
+            name,
+            conversations,
+            spec,
+            plain,
+            models.tokenizer,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            enable_thinking=args.thinking,
+            progress=True,
+        )
+        for reason in report.skipped:
+            print(f"{name}: skipped {reason}", file=sys.stderr)
+        reports.append(report)
+        results += run_.results()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(format_table(reports))
+    written = [out / JSON_NAME, out / PLOT_NAME]
+    records_path = None
+    if models.drafter.confidence_head is not None and any(r.rounds for r in results):
+        records_path = out / RECORDS_NAME
+        records_from_results(results).save(records_path)
+        written.append(records_path)
+    settings = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": jax.devices()[0].device_kind,
+        "target": str(models.model_dir),
+        "draft": models.drafter_path,
+        "drafter_fingerprint": models.drafter_fingerprint,
+        "block_size": models.gamma,
+        "policy": args.policy,
+        "sts": args.sts,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "max_len": args.max_len,
+        "limit": args.limit,
+        "seed": args.seed,
+        "thinking": args.thinking,
+        "files": [str(f) for f in files],
+        "calibration_records": None if records_path is None else str(records_path),
+    }
+    (out / JSON_NAME).write_text(
+        json.dumps(
+            {"settings": settings, "datasets": {r.name: r.to_json() for r in reports}}, indent=1
+        )
+        + "\n"
+    )
+    plot_reports(reports, out / PLOT_NAME)
+    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    if records_path is not None:
+        print(
+            f"fit STS with: dspark-jax calibrate --records {records_path} --drafter "
+            f"{models.drafter_path} --temperature {sampling.temperature:g} --out sts.json",
+            file=sys.stderr,
+        )
+    return 0

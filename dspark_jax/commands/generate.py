@@ -1,0 +1,300 @@
+"""`dspark-jax generate`: speculative (or plain) decoding of text or token-id prompts.
+
+Text prompts are rendered with the target's chat template (raw bytes for the byte-level tiny
+models); JSONL `{"turns": [...]}` prompts are answered turn by turn, each answer going into the
+next turn's context. One prompt streams its text as chunks of rounds finish; several print each
+answer when it is done, with a progress bar on stderr. A summary (tau, decode tokens/s, rounds,
+per-position acceptance) goes to stderr, so stdout carries only the generated text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from dspark_jax.errors import UserError
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+# Room the template adds around each turn when sizing the cache for multi-turn prompts.
+TURN_OVERHEAD_TOKENS = 32
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from dspark_jax.commands.decode_args import add_model_arguments, add_sampling_arguments
+
+    group = parser.add_argument_group("prompts (default: one built-in prompt)")
+    group.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    group.add_argument(
+        "--prompts-file",
+        help='one prompt per line, or JSON lines {"turns": [...]} answered turn by turn',
+    )
+    group.add_argument(
+        "--token-ids",
+        action="append",
+        default=[],
+        metavar="IDS",
+        help="a raw prompt of comma- or space-separated token ids (repeatable; no template)",
+    )
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        help="cache length per request (default: what the prompts need)",
+    )
+    parser.add_argument("--json", metavar="OUT", help="write prompts, outputs and stats here")
+
+
+def _parse_ids(text: str) -> list[int]:
+    parts = text.replace(",", " ").split()
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise UserError(f"--token-ids {text!r}: expected integers separated by commas") from None
+    if not ids or min(ids) < 0:
+        raise UserError(f"--token-ids {text!r}: expected one or more non-negative ids")
+    return ids
+
+
+def _read_prompts_file(path: str) -> list[list[str]]:
+    if not Path(path).is_file():
+        raise UserError(f"--prompts-file {path}: no such file")
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    conversations = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{number}: not JSON ({e.msg})") from None
+            turns = entry.get("turns") if isinstance(entry, dict) else None
+            if not turns or not all(isinstance(t, str) for t in turns):
+                raise UserError(f'{path}:{number}: expected {{"turns": [str, ...]}}')
+            conversations.append(list(turns))
+        else:
+            conversations.append([line])
+    if not conversations:
+        raise UserError(f"{path}: holds no prompts")
+    return conversations
+
+
+class _Stream:
+    """Prints the text of one answer as tokens arrive, holding back incomplete characters."""
+
+    def __init__(self, tokenizer, stop_tokens):
+        self.tokenizer, self.stop_tokens, self.out = tokenizer, stop_tokens, sys.stdout
+        self.key = None
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, conversation: int, turn: int, new_tokens: list[int]) -> None:
+        from dspark_jax.tokenizer import decode_text
+
+        if (conversation, turn) != self.key:
+            if self.key is not None:
+                self.out.write(f"\n\n--- turn {turn + 1} ---\n")
+            self.key, self.tokens, self.printed = (conversation, turn), [], ""
+        self.tokens += new_tokens
+        text = decode_text(self.tokenizer, self.tokens, self.stop_tokens)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            self.out.write(text[len(self.printed) :])
+            self.out.flush()
+            self.printed = text
+
+
+def _print_answer(label: str, prompt: str, text: str) -> None:
+    preview = prompt if len(prompt) <= 70 else prompt[:67] + "..."
+    print(f"=== {label}: {preview!r}")
+    print(text)
+
+
+def _summary(results, timing, stats) -> list[str]:
+    tokens = sum(len(r.tokens) for r in results)
+    lines = [
+        f"requests {len(results)}, generated {tokens} tokens ({timing.decoded_tokens} in decode "
+        f"rounds), {sum(r.rounds for r in results)} request rounds, {timing.rounds} device rounds",
+        f"prefill {timing.prefill_s:.3f} s, decode {timing.decode_s:.3f} s: "
+        f"{timing.decode_tokens_per_s:.1f} decode tokens/s",
+    ]
+    if stats is None:
+        lines.append("plain decoding: tau 1 (one token per target step)")
+        return lines
+    lines.append(
+        f"tau {stats.tau:.3f} tokens per round (bonus included), "
+        f"{stats.mean_verified:.2f} drafts verified per round"
+    )
+    cells = " ".join(
+        f"{k}:{'-' if math.isnan(v) else f'{v:.2f}'}" for k, v in enumerate(stats.conditional, 1)
+    )
+    lines.append(f"conditional acceptance by draft position  {cells}")
+    return lines
+
+
+def _max_len(args, models, conversations, id_prompts) -> int:
+    from dspark_jax.tokenizer import encode_chat
+
+    if args.max_len is not None:
+        return args.max_len
+    if id_prompts:
+        longest = max(len(ids) for ids in id_prompts)
+    else:
+        # Every turn's prompt plus every earlier answer; rounding keeps the size tidy.
+        longest = max(
+            sum(
+                len(
+                    encode_chat(
+                        models.tokenizer,
+                        [{"role": "user", "content": turn}],
+                        enable_thinking=args.thinking,
+                    )
+                )
+                + TURN_OVERHEAD_TOKENS * (len(turns) > 1)
+                for turn in turns
+            )
+            + args.max_new_tokens * (len(turns) - 1)
+            for turns in conversations
+        )
+    need = longest + args.max_new_tokens + models.gamma + 1
+    return -(-need // 64) * 64
+
+
+def run(args: argparse.Namespace) -> int:
+    from dspark_jax.commands.decode_args import (
+        batch_buckets,
+        build_engine,
+        check_sizes,
+        load_models,
+        sampling_from_args,
+    )
+    from dspark_jax.decoding.engine import EngineConfig
+    from dspark_jax.decoding.evaluate import WarmEngine, acceptance_stats, answer_conversations
+    from dspark_jax.decoding.generate import Request, generate
+    from dspark_jax.tokenizer import decode_text
+
+    check_sizes(args)
+    sampling = sampling_from_args(args)
+    id_prompts = [_parse_ids(t) for t in args.token_ids]
+    conversations = [[p] for p in args.prompt]
+    if args.prompts_file:
+        conversations += _read_prompts_file(args.prompts_file)
+    if id_prompts and conversations:
+        raise UserError("give either text prompts (--prompt, --prompts-file) or --token-ids")
+    if not id_prompts and not conversations:
+        conversations = [[DEFAULT_PROMPT]]
+
+    models = load_models(args, with_drafter=not args.no_draft)
+    cfg = EngineConfig(
+        max_len=_max_len(args, models, conversations, id_prompts),
+        max_new_tokens=args.max_new_tokens,
+        batch_buckets=batch_buckets(args.batch_size),
+    )
+    engine = WarmEngine(build_engine(models, args, cfg, sampling))
+    single = len(id_prompts or conversations) == 1
+    stream = _Stream(models.tokenizer, models.stop_tokens) if single else None
+    records = []
+
+    if id_prompts:
+        requests = [
+            Request(ids, args.max_new_tokens, seed=args.seed + i)
+            for i, ids in enumerate(id_prompts)
+        ]
+        engine.ensure(len(requests), args.batch_size)
+        results, timing = generate(
+            engine.engine,
+            requests,
+            batch_size=args.batch_size,
+            on_tokens=(lambda i, new: stream(i, 0, new)) if single else None,
+            progress=not single,
+        )
+        for i, (ids, result) in enumerate(zip(id_prompts, results, strict=True)):
+            text = decode_text(models.tokenizer, result.tokens, models.stop_tokens)
+            if not single:
+                _print_answer(f"[{i + 1}]", " ".join(map(str, ids)), text)
+            records.append({"prompt_ids": ids, "turn": 0, "text": text, **_result_json(result)})
+    else:
+
+        def on_turn(t) -> None:
+            turns = conversations[t.conversation]
+            label = f"[{t.conversation + 1}]" + (f" turn {t.turn + 1}" if len(turns) > 1 else "")
+            _print_answer(label, turns[t.turn], t.text)
+
+        run_ = answer_conversations(
+            engine,
+            models.tokenizer,
+            conversations,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            enable_thinking=args.thinking,
+            on_tokens=stream,
+            on_turn=None if single else on_turn,
+            progress=not single,
+        )
+        results, timing = run_.results(), run_.timing
+        for t in run_.turns:
+            records.append(
+                {
+                    "prompt": conversations[t.conversation][t.turn],
+                    "conversation": t.conversation,
+                    "turn": t.turn,
+                    "prompt_ids": list(t.request.prompt_ids),
+                    "text": t.text,
+                    **_result_json(t.result),
+                }
+            )
+    if single:
+        print(flush=True)
+    stats = acceptance_stats(results, engine.engine.gamma) if engine.engine.gamma else None
+    print("\n".join(_summary(results, timing, stats)), file=sys.stderr)
+    if args.json:
+        _write_json(args, sampling, cfg, models, records, timing, stats)
+    return 0
+
+
+def _result_json(result) -> dict:
+    return {
+        "tokens": result.tokens,
+        "finish_reason": result.finish_reason,
+        "tau": result.tau,
+        "rounds": result.rounds,
+        "verified": result.verified.tolist(),
+        "accepted": result.accepted.tolist(),
+        "committed": result.committed.tolist(),
+    }
+
+
+def _write_json(args, sampling, cfg, models, records, timing, stats) -> None:
+    out = {
+        "settings": {
+            "target": str(models.model_dir),
+            "draft": models.drafter_path,
+            "drafter_fingerprint": models.drafter_fingerprint,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "max_new_tokens": args.max_new_tokens,
+            "batch_size": args.batch_size,
+            "max_len": cfg.max_len,
+            "seed": args.seed,
+            "thinking": args.thinking,
+            "stop_tokens": list(models.stop_tokens),
+        },
+        "timing": {
+            "prefill_s": timing.prefill_s,
+            "decode_s": timing.decode_s,
+            "decoded_tokens": timing.decoded_tokens,
+            "device_rounds": timing.rounds,
+            "decode_tokens_per_s": timing.decode_tokens_per_s,
+        },
+        "acceptance": None if stats is None else stats.to_json(),
+        "results": records,
+    }
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)

@@ -1,0 +1,150 @@
+"""`dspark-jax calibrate` and `dspark-jax profile` end to end, and the shared policy options."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+from fixture_models import fixture_dir
+
+from dspark_jax import cli
+from dspark_jax.calibration.sts import CalibrationRecords, StsArtifact, StsArtifactMismatchError
+from dspark_jax.checkpoints.jax_format import load_drafter
+from dspark_jax.commands import policy_args
+from dspark_jax.decoding import policies
+
+DRAFTER = fixture_dir("vanilla") / "draft"
+
+
+def _overconfident_records(n, seed):
+    """Blocks of 7 whose true conditional acceptance is sigmoid(z / 3): logits 3x too sharp."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(1.5, 2.5, size=(n, 7))
+    success = rng.uniform(size=(n, 7)) < 1.0 / (1.0 + np.exp(-z / 3.0))
+    accepted = np.sum(np.cumprod(success, axis=1), axis=1)
+    return CalibrationRecords(z, np.full(n, 7), accepted)
+
+
+def test_calibrate_one_file_and_two_files(tmp_path, capsys):
+    _overconfident_records(3000, 0).save(tmp_path / "a.npz")
+    _overconfident_records(1500, 1).save(tmp_path / "b.npz")
+    _, _, fingerprint = load_drafter(DRAFTER, progress=False)
+    for records in (["a.npz"], ["a.npz", "b.npz"]):
+        out, plot = tmp_path / "sts.json", tmp_path / "rel.png"
+        argv = [
+            "calibrate",
+            "--records",
+            *[str(tmp_path / r) for r in records],
+            "--drafter",
+            str(DRAFTER),
+            "--temperature",
+            "0.7",
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+        assert cli.main(argv) == 0
+        printed = capsys.readouterr().out
+        assert "held-out split" in printed and "mean ECE over positions" in printed
+        artifact = StsArtifact.load(out, expected_fingerprint=fingerprint, expected_temperature=0.7)
+        # The fitted temperatures undo the 3x sharpening at the first position.
+        assert 2.0 < artifact.temperatures[0] < 4.5
+        held = artifact.metrics["holdout"]
+        assert np.mean(held["ece_after"]) < 0.5 * np.mean(held["ece_before"])
+        assert plot.stat().st_size > 0
+        with pytest.raises(StsArtifactMismatchError):
+            StsArtifact.load(out, expected_fingerprint="0" * 64)
+
+
+def test_calibrate_refuses_records_of_another_block_size(tmp_path, capsys):
+    CalibrationRecords(np.zeros((10, 5)), np.full(10, 5), np.zeros(10)).save(tmp_path / "r.npz")
+    argv = [
+        "calibrate",
+        "--records",
+        str(tmp_path / "r.npz"),
+        "--drafter",
+        str(DRAFTER),
+        "--temperature",
+        "0",
+        "--out",
+        str(tmp_path / "sts.json"),
+    ]
+    assert cli.main(argv) == 2
+    assert "block size is 7" in capsys.readouterr().err
+
+
+def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
+    out, plot = tmp_path / "sps.json", tmp_path / "sps.png"
+    argv = [
+        "profile",
+        "--config",
+        "tiny",
+        "--batch-sizes",
+        "1,4",
+        "--buckets",
+        "1,8",
+        "--context-len",
+        "16",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+        "--plot",
+        str(plot),
+    ]
+    assert cli.main(argv) == 0
+    body = json.loads(out.read_text())
+    assert {"device", "date", "buckets", "sps", "batch_sizes", "context_len"} <= set(body)
+    profile = policies.SpsProfile.load(out)
+    assert profile.batch_sizes == (1, 4) and profile.buckets == (1, 8)
+    assert np.all(profile.sps_bw > 0)
+    assert plot.stat().st_size > 0
+
+    parser = argparse.ArgumentParser()
+    policy_args.add_policy_arguments(parser)
+    args = parser.parse_args(["--policy", "async-scheduler", "--sps-table", str(out)])
+    policy = policy_args.build_policy(args, block_size=7)
+    assert isinstance(policy, policies.AsyncSchedulePolicy)
+    assert policy.sps.buckets == (1, 8)
+    assert policy_args.load_sts(args, "fingerprint", 0.0) is None
+    args = parser.parse_args(["--gamma", "9"])
+    with pytest.raises(ValueError, match="--gamma"):
+        policy_args.build_policy(args, block_size=7)
+
+    argv = [
+        "profile",
+        "--config",
+        "tiny",
+        "--mode",
+        "round",
+        "--temperature",
+        "1",
+        "--batch-sizes",
+        "2",
+        "--buckets",
+        "1,8",
+        "--context-len",
+        "16",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    profile = policies.SpsProfile.load(out)
+    assert profile.meta["mode"] == "round" and profile.sps_bw.shape == (1, 2)
+    assert (
+        cli.main(
+            ["profile", "--config", "tiny", "--mode", "round", "--buckets", "16", "--out", str(out)]
+        )
+        == 2
+    )
+    assert "block size + 1" in capsys.readouterr().err
+
+    assert cli.main(["profile", "--config", "no-such-model", "--out", str(out)]) == 2
+    assert "unknown config" in capsys.readouterr().err

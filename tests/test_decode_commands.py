@@ -1,0 +1,166 @@
+"""`dspark-jax generate` and `dspark-jax eval` on the embedded tiny model, run in-process."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_jax.calibration.sts import CalibrationRecords
+from dspark_jax.cli import main
+from dspark_jax.decoding.evaluate import acceptance_stats
+from dspark_jax.decoding.generate import Result
+
+PROMPT = "def parse_args(argv=None):\n    parser = argparse."
+
+
+def _generate(capsys, tmp_path, name, *args):
+    out = tmp_path / f"{name}.json"
+    assert main(["generate", *args, "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    return json.loads(out.read_text()), captured.out, captured.err
+
+
+def test_greedy_speculative_equals_plain_and_streams(capsys, tmp_path):
+    common = ["--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "60"]
+    spec, spec_out, spec_err = _generate(capsys, tmp_path, "spec", *common)
+    plain, plain_out, _ = _generate(capsys, tmp_path, "plain", *common, "--no-draft")
+    (s,), (p,) = spec["results"], plain["results"]
+    assert s["tokens"] == p["tokens"]
+    assert len(s["tokens"]) == 60 or s["finish_reason"] == "stop"
+    # One prompt streams exactly its text to stdout, nothing else.
+    assert spec_out == s["text"] + "\n" == plain_out
+    assert s["text"] == bytes(t for t in s["tokens"] if t < 256).decode("utf-8", "replace")
+
+    committed = np.array(s["committed"])
+    assert s["rounds"] == len(committed) > 0
+    assert s["tau"] == pytest.approx(committed.mean())
+    assert spec["acceptance"]["tau"] == pytest.approx(committed.mean())
+    # Each round commits its accepted drafts plus one target token; the first comes from prefill.
+    assert committed.tolist() == [a + 1 for a in s["accepted"]]
+    assert 1 + committed[:-1].sum() < len(s["tokens"]) <= 1 + committed.sum()
+    assert f"tau {committed.mean():.3f}" in spec_err
+    assert "conditional acceptance by draft position" in spec_err
+    assert set(p["committed"]) == {1} and plain["acceptance"] is None
+    assert spec["timing"]["decode_tokens_per_s"] > 0
+
+
+def test_several_prompts_and_turn_by_turn_context(capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "import os\n" + json.dumps({"turns": ["class Foo:\n", "    def bar(self):\n"]}) + "\n"
+    )
+    args = ["--prompts-file", str(prompts), "--prompt", "x = ", "--max-new-tokens", "12"]
+    data, out, err = _generate(capsys, tmp_path, "several", *args, "--batch-size", "2")
+    by_key = {(r["conversation"], r["turn"]): r for r in data["results"]}
+    # --prompt comes before the file's prompts.
+    assert sorted(by_key) == [(0, 0), (1, 0), (2, 0), (2, 1)]
+    for r in data["results"]:
+        assert r["text"] in out
+        assert len(r["tokens"]) == 12 or r["finish_reason"] == "stop"
+    assert out.count("=== [") == 4 and "turn 2" in out
+    # The byte model's "template" is plain concatenation: turn 2 sees turn 1 and its answer.
+    first, second = by_key[(2, 0)], by_key[(2, 1)]
+    answer = [t for t in first["tokens"] if t < 256]
+    assert second["prompt_ids"] == first["prompt_ids"] + answer + list(b"    def bar(self):\n")
+    assert "requests 4" in err
+
+
+def test_token_id_prompts_and_bad_input(capsys, tmp_path):
+    data, _, _ = _generate(
+        capsys,
+        tmp_path,
+        "ids",
+        "--token-ids",
+        "100,101,102",
+        "--max-new-tokens",
+        "5",
+        "--seed",
+        "3",
+    )
+    (r,) = data["results"]
+    assert r["prompt_ids"] == [100, 101, 102] and len(r["tokens"]) <= 5
+    assert main(["generate", "--token-ids", "1,x"]) == 2
+    assert "--token-ids '1,x'" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "a", "--token-ids", "1"]) == 2
+    assert main(["generate", "--prompt", "a", "--max-len", "16", "--max-new-tokens", "20"]) == 2
+    assert "max_len" in capsys.readouterr().err
+
+
+def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
+    data_dir = tmp_path / "datasets"
+    data_dir.mkdir()
+    (data_dir / "code.jsonl").write_text(
+        "".join(json.dumps({"turns": [t]}) + "\n" for t in ("def f(x):\n", "import re\n", "z"))
+    )
+    (data_dir / "chat.jsonl").write_text(
+        json.dumps({"turns": ["class A:\n", "    def b(self):\n"]})
+        + "\n"
+        + json.dumps({"turns": ["# A comment\n", "if x:\n"]})
+        + "\n"
+    )
+    (data_dir / "unused.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
+    out = tmp_path / "out"
+    args = ["eval", "--datasets-dir", str(data_dir), "--datasets", "code", "chat", "--limit", "2"]
+    args += ["--max-new-tokens", "24", "--batch-size", "2", "--max-len", "256", "--out", str(out)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    for word in ("dataset", "tau", "speedup", "conditional acceptance", "prefix survival"):
+        assert word in table
+
+    report = json.loads((out / "eval.json").read_text())
+    datasets = report["datasets"]
+    assert sorted(datasets) == ["chat", "code"]
+    assert datasets["code"]["conversations"] == 2 and datasets["code"]["turns"] == 2
+    assert datasets["chat"]["conversations"] == 2 and datasets["chat"]["turns"] == 4
+    records = CalibrationRecords.load(out / "calibration_records.npz")
+    assert len(records) == sum(d["rounds"] for d in datasets.values())
+    assert records.gamma == report["settings"]["block_size"] == 7
+    for name, d in datasets.items():
+        assert d["tau"] == pytest.approx(d["committed"] / d["rounds"])
+        assert f"{d['tau']:.3f}" in table and name in table
+        spec, plain = d["speculative"], d["plain"]
+        assert d["speedup"] == pytest.approx(
+            spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        )
+        survival = [s for s in d["prefix_survival"] if s is not None]
+        assert survival == sorted(survival, reverse=True)
+        assert d["conditional_acceptance"][0] == pytest.approx(d["prefix_survival"][0])
+    # The records hold the rounds of the datasets in order (chat.jsonl sorts first) and
+    # reproduce each dataset's per-position statistics.
+    start = 0
+    for name in ("chat", "code"):
+        d = datasets[name]
+        part = records.subset(np.arange(start, start + d["rounds"]))
+        start += d["rounds"]
+        stats = acceptance_stats(
+            [Result([], "length", 1, part.verified_n, part.accepted_n, [1], part.conf_logits_nk)],
+            7,
+        )
+        for got, want in (
+            (stats.conditional, "conditional_acceptance"),
+            (stats.survival, "prefix_survival"),
+        ):
+            np.testing.assert_allclose(got, [np.nan if v is None else v for v in d[want]])
+    assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_rejects_missing_datasets(capsys, tmp_path):
+    assert main(["eval", "--out", str(tmp_path)]) == 2
+    assert "no datasets" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    assert main(["eval", str(bad), "--out", str(tmp_path)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_acceptance_stats_definitions():
+    """Position k counts rounds with drafts 1..k-1 accepted and k verified (paper, Figure 2)."""
+    verified = np.array([3, 3, 3, 2])
+    accepted = np.array([0, 2, 3, 2])
+    result = Result([], "length", 1, verified, accepted, accepted + 1, np.zeros((4, 3)))
+    stats = acceptance_stats([result], 3)
+    assert stats.tau == pytest.approx(np.mean(accepted + 1))
+    np.testing.assert_allclose(stats.conditional, [3 / 4, 3 / 3, 1 / 2])
+    np.testing.assert_array_equal(stats.conditional_n, [4, 3, 2])
+    np.testing.assert_allclose(stats.survival, [3 / 4, 3 / 4, 1 / 3])
+    np.testing.assert_array_equal(stats.survival_n, [4, 4, 3])

@@ -1,0 +1,338 @@
+"""Verification-length policies: unit behaviour, and Appendix A run through the whole engine.
+
+The engine-level Appendix A test builds a target and a drafter whose distributions are exactly
+the paper's toy (vocabulary {A, B}; p_t = (0.7, 0.3), p_d = (0.5, 0.5) at the first position,
+c_1 = 0.8, c_2 = 0.9 after A and ~0 after B) by setting the weights of tiny Qwen3/DSpark models
+by hand, then samples through prefill, drafting, the policy, verification and commit.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from dspark_jax.calibration.records import records_from_results
+from dspark_jax.calibration.sts import CalibrationInputError, conditional_events
+from dspark_jax.checkpoints.convert import (
+    DictSource,
+    drafter_from_torch,
+    export_to_torch,
+    target_from_torch,
+)
+from dspark_jax.config import DrafterConfig, Qwen3Config
+from dspark_jax.decoding import policies, scheduler
+from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
+from dspark_jax.decoding.generate import Request, Result, generate
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sampling import SamplingConfig, filtered_logprobs
+
+# ------------------------------------------------------------------ unit tests
+
+
+def test_threshold_policy_is_threshold_lengths_on_sigmoid():
+    logits = jnp.array([[2.0, -1.0, 3.0], [0.5, 0.5, 0.5], [4.0, 4.0, -4.0]])
+    active = jnp.array([True, True, False])
+    conf = jax.nn.sigmoid(logits)
+    for cumulative in (False, True):
+        policy = policies.ThresholdPolicy(0.6, cumulative)
+        lengths, carry = jax.jit(policy.step)(logits, active, ())
+        want = np.where(active, scheduler.threshold_lengths(conf, 0.6, cumulative), 0)
+        np.testing.assert_array_equal(lengths, want)
+        assert carry == ()
+    np.testing.assert_array_equal(
+        policies.ThresholdPolicy(0.6).step(logits, active, ())[0], [1, 3, 0]
+    )
+    with pytest.raises(policies.PolicyError, match="threshold"):
+        policies.ThresholdPolicy(1.5)
+    with pytest.raises(policies.PolicyError, match="confidence head"):
+        policies.ThresholdPolicy(0.5).step(None, active, ())
+
+
+def test_plain_function_policies_are_wrapped():
+    def first_two(conf_logits_bk, active_b):
+        return jnp.where(active_b, 2, 0)
+
+    policy = policies.as_policy(first_two)
+    assert isinstance(policy, policies.Policy) and not policy.needs_confidence
+    lengths, carry = policy.step(None, jnp.array([True, False]), policy.init_carry(2, 4))
+    np.testing.assert_array_equal(lengths, [2, 0])
+    assert policies.as_policy(policy) is policy
+    with pytest.raises(policies.PolicyError):
+        policies.as_policy(3)
+
+
+def test_rectangle_table_is_the_padded_verify_cost():
+    sps_w = jnp.array([10.0, 8.0, 5.0])  # buckets 1, 2, 4
+    table = policies.rectangle_sps_table(sps_w, (1, 2, 4), jnp.int32(3), 14)
+    # 3 rows: <= 3 tokens fit width 1, <= 6 width 2, <= 12 width 4, more fit nothing.
+    want = [10] * 4 + [8] * 3 + [5] * 6 + [0, 0]
+    np.testing.assert_array_equal(table, want)
+
+
+def test_sps_profile_round_trip_and_errors(tmp_path):
+    profile = policies.SpsProfile(
+        (1, 4), (1, 2, 8), [[9.0, 8.0, 6.0], [7.0, 6.0, 2.0]], {"device": "cpu", "date": "today"}
+    )
+    profile.save(tmp_path / "sps.json")
+    loaded = policies.SpsProfile.load(tmp_path / "sps.json")
+    assert loaded.batch_sizes == (1, 4) and loaded.buckets == (1, 2, 8)
+    np.testing.assert_array_equal(loaded.sps_bw, profile.sps_bw)
+    assert loaded.meta == {"device": "cpu", "date": "today"}
+    np.testing.assert_array_equal(loaded.row(3), [7.0, 6.0, 2.0])  # smallest profiled >= 3
+    with pytest.raises(policies.SpsProfileError, match="exceeds"):
+        loaded.row(5)
+    # Packed: the fastest rectangle that holds n tokens (1x1, 1x2, 4x1, 4x2, 1x8, 4x8).
+    np.testing.assert_array_equal(loaded.packed_table(9), [9, 9, 8, 7, 7, 6, 6, 6, 6, 2])
+    with pytest.raises(policies.SpsProfileError, match="increasing"):
+        policies.SpsProfile((4, 1), (1,), [[1.0], [1.0]])
+    with pytest.raises(policies.SpsProfileError, match="positive"):
+        policies.SpsProfile((1,), (1, 2), [[1.0, 0.0]])
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(policies.SpsProfileError, match="not an SPS table"):
+        policies.SpsProfile.load(tmp_path / "bad.json")
+
+
+def test_prefix_policy_with_profile_matches_algorithm_1_on_the_rectangle_table():
+    profile = policies.SpsProfile((2, 4), (1, 2, 4, 8), [[9, 9, 8, 6], [8, 8, 7, 4]])
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(1.0, 1.5, size=(4, 7)), jnp.float32)
+    active = jnp.array([True, False, True, True])
+    lengths, _ = jax.jit(policies.PrefixSchedulePolicy(profile).step)(logits, active, ())
+    table = policies.rectangle_sps_table(
+        jnp.asarray(profile.row(4), jnp.float32), profile.buckets, jnp.int32(3), 32
+    )
+    want = scheduler.prefix_schedule(jax.nn.sigmoid(logits), table, True, active)
+    np.testing.assert_array_equal(lengths, want)
+
+
+def test_async_policy_uses_capacity_from_two_rounds_before():
+    table = jnp.asarray(1.0 / (1.0 + 0.2 * np.arange(40)), jnp.float32)
+    policy = policies.AsyncSchedulePolicy(table)
+    rng = np.random.default_rng(1)
+    rounds = [jnp.asarray(rng.normal(1.0, 2.0, size=(3, 5)), jnp.float32) for _ in range(5)]
+    actives = [jnp.array([True, True, True])] * 4 + [jnp.array([True, False, True])]
+    step = jax.jit(policy.step)
+    carry = policy.init_carry(3, 5)
+    for t, (logits, active) in enumerate(zip(rounds, actives, strict=True)):
+        lengths, carry = step(logits, active, carry)
+        conf = jax.nn.sigmoid(logits)
+        if t < 2:
+            want = scheduler.prefix_schedule(conf, table, True, active)
+        else:
+            old_conf, old_active = jax.nn.sigmoid(rounds[t - 2]), actives[t - 2]
+            capacity = scheduler.capacity_from_history(old_conf, table, old_active)
+            want = scheduler.top_k_schedule(conf, capacity, active)
+        np.testing.assert_array_equal(lengths, want, err_msg=f"round {t}")
+    assert int(carry.rounds_seen) == 5
+
+
+def test_make_policy():
+    assert isinstance(policies.make_policy("fixed", 5), policies.FixedPolicy)
+    assert policies.make_policy("cumulative-threshold", 7, threshold=0.4).cumulative
+    with pytest.raises(policies.PolicyError, match="needs a threshold"):
+        policies.make_policy("threshold", 7)
+    with pytest.raises(policies.PolicyError, match="SPS table"):
+        policies.make_policy("scheduler", 7)
+    with pytest.raises(policies.PolicyError, match="unknown policy"):
+        policies.make_policy("oracle", 7)
+
+
+def _result(conf, verified, accepted):
+    rounds = len(verified)
+    return Result(
+        [],
+        "length",
+        1,
+        np.asarray(verified),
+        np.asarray(accepted),
+        np.ones(rounds, int),
+        np.asarray(conf, float).reshape(rounds, 3),
+    )
+
+
+def test_records_from_results_conditional_events():
+    results = [
+        _result([[1, 2, 3], [4, 5, 6]], [3, 1], [1, 1]),
+        _result(np.zeros((0, 3)), [], []),
+        _result([[7, 8, 9]], [2], [2]),
+    ]
+    records = records_from_results(results)
+    assert len(records) == 3
+    np.testing.assert_array_equal(records.conf_logits_nk[:, 0], [1, 4, 7])
+    observed, accepted = conditional_events(records)
+    # l=3, n=1: accepted at 1, rejected at 2; l=1, n=1: accepted at 1; l=2, n=2: both accepted.
+    np.testing.assert_array_equal(observed, [[1, 1, 0], [1, 0, 0], [1, 1, 0]])
+    np.testing.assert_array_equal(accepted[observed], [1, 0, 1, 1, 1])
+    with pytest.raises(CalibrationInputError, match="no verification rounds"):
+        records_from_results([results[1]])
+
+
+# ------------------------------------------------------------------ Appendix A in the engine
+
+A, B, S, P, MASK, EOS = 0, 1, 2, 3, 4, 5
+VOCAB, HIDDEN = 8, 16
+P_T = {P: {S: 1.0}, S: {A: 0.7, B: 0.3}, A: {A: 0.6, B: 0.4}, B: {A: 0.2, B: 0.8}}
+P_D = {S: {A: 0.5, B: 0.5}, A: {A: 0.9, B: 0.1}, B: {A: 0.5, B: 0.5}}
+CONF = {S: 0.8, A: 0.9, B: 1e-13}  # c_k as a function of the previous token
+APPENDIX_SPS = [0.0, 1.0, 0.5, 0.45]  # SPS(1) = 1, SPS(2) = 0.5, SPS(3) = 0.45
+ADMITTING_SPS = [0.0, 1.0, 0.6, 0.45]  # early stop admits x_1, and x_2 only after A
+N_TOY = 4096
+ALPHA = 1e-3
+TOY_CFG = EngineConfig(
+    max_len=16, max_new_tokens=3, prompt_buckets=(8,), batch_buckets=(N_TOY,), rounds_per_chunk=4
+)
+
+
+def _log_table(rows):
+    """[V, V] table t[prev, next] = log p(next | prev); unlisted pairs get ~0 probability."""
+    table = np.full((VOCAB, VOCAB), np.log(1e-12))
+    table[:, A] = table[:, B] = np.log(0.5)  # contexts the toy never reaches
+    for prev, dist in rows.items():
+        table[prev] = np.log(1e-12)
+        for nxt, p in dist.items():
+            table[prev, nxt] = np.log(p)
+    return table
+
+
+def _silence_layers(tensors, prefix):
+    """Zero every attention and MLP output, so the residual stream is the token embedding."""
+    for key in tensors:
+        if key.startswith(prefix + "layers.") and key.endswith(
+            ("o_proj.weight", "down_proj.weight")
+        ):
+            tensors[key] = np.zeros_like(tensors[key])
+
+
+def _toy_models():
+    """A bigram target with p_t[prev] = P_T and a drafter drawing from P_D with confidence
+    CONF[prev]: one-hot embeddings, silenced layers, all drafter logits from the Markov bias."""
+    target_cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        eos_token_id=EOS,
+        dtype="float32",
+    )
+    drafter_cfg = DrafterConfig(
+        model=dataclasses.replace(target_cfg, num_hidden_layers=1),
+        block_size=2,
+        mask_token_id=MASK,
+        target_layer_ids=(0,),
+        num_target_layers=2,
+        markov_rank=VOCAB,
+    )
+    one_hot = np.eye(VOCAB, HIDDEN, dtype=np.float32)
+    # RMSNorm maps a one-hot row to sqrt(HIDDEN) times itself; lm_head undoes the factor.
+    tensors = export_to_torch(Qwen3(target_cfg, rngs=nnx.Rngs(0)), "model.")
+    _silence_layers(tensors, "model.")
+    tensors["model.embed_tokens.weight"] = one_hot
+    tensors["lm_head.weight"] = (_log_table(P_T).T @ one_hot / np.sqrt(HIDDEN)).astype(np.float32)
+    target = target_from_torch(target_cfg, DictSource(tensors))
+
+    tensors = export_to_torch(DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0)), "")
+    _silence_layers(tensors, "")
+    tensors["lm_head.weight"] = np.zeros_like(tensors["lm_head.weight"])
+    tensors["markov_head.markov_w1.weight"] = np.eye(VOCAB, dtype=np.float32)
+    tensors["markov_head.markov_w2.weight"] = _log_table(P_D).T.astype(np.float32)
+    conf_w = np.zeros((1, HIDDEN + VOCAB), np.float32)
+    for prev, c in CONF.items():
+        conf_w[0, HIDDEN + prev] = np.log(c / (1 - c))
+    tensors["confidence_head.proj.weight"] = conf_w
+    tensors["confidence_head.proj.bias"] = np.zeros(1, np.float32)
+    drafter = drafter_from_torch(drafter_cfg, DictSource(tensors))
+    return target, drafter
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PerRequest:
+    """Schedules every row alone (R = 1), as in the paper's single-request example: the rows
+    of the batch are independent replicas of the toy."""
+
+    inner: policies.Policy
+    needs_confidence = True
+
+    def init_carry(self, batch, gamma):
+        return ()
+
+    def step(self, conf_logits_bk, active_b, carry):
+        def one(z_k, a):
+            return self.inner.step(z_k[None], a[None], ())[0][0]
+
+        return jax.vmap(one)(conf_logits_bk, active_b), carry
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return _toy_models()
+
+
+def _toy_law(target):
+    """Exact joint law of (y1, y2) after the anchor S, from the toy target's own logits."""
+    logp = filtered_logprobs(
+        target.logits(target(jnp.array([[P, S, A], [P, S, B]])).hidden_btd),
+        SamplingConfig(temperature=1.0),
+    )
+    p1 = np.exp(np.asarray(logp[0, 1], np.float64))
+    p2 = np.exp(np.asarray(logp[:, 2], np.float64))
+    return np.array([[p1[a] * p2[a, b] for b in (A, B)] for a in (A, B)]).ravel()
+
+
+def _run_toy(toy, policy):
+    target, drafter = toy
+    engine = Engine(target, drafter, TOY_CFG, SamplingConfig(temperature=1.0), PerRequest(policy))
+    results, _ = generate(engine, [Request([P], 3, seed=i) for i in range(N_TOY)], N_TOY)
+    tokens = np.array([r.tokens for r in results])
+    assert np.all(tokens[:, 0] == S)
+    assert np.all(np.isin(tokens[:, 1:], [A, B]))
+    first_round = np.array([r.verified[0] for r in results])
+    return tokens[:, 1], tokens[:, 2], first_round
+
+
+def _p_value(y1, y2, law):
+    observed = np.bincount(2 * y1 + y2, minlength=4)
+    return stats.chisquare(observed, law / np.sum(law) * y1.size).pvalue
+
+
+def test_appendix_a_through_the_engine(toy):
+    """N = 4096 requests per policy, chi-square on the first two tokens after the anchor
+    (4 cells, 3 d.o.f.) against the exact target law at ALPHA = 0.001. The early-stop scheduler
+    must pass with both SPS tables; the retrospective search (no early stop) must fail, with the
+    paper's analytic first-token law (0.85, 0.15). Power: the retrospective bias gives
+    lambda = N (0.15^2/0.7 + 0.15^2/0.3) = 439 on y1 alone, so missing it has probability ~0."""
+    law = _toy_law(toy[0])
+    np.testing.assert_allclose(law, [0.42, 0.28, 0.06, 0.24], rtol=1e-4)
+
+    y1, y2, lengths = _run_toy(toy, policies.PrefixSchedulePolicy(APPENDIX_SPS))
+    np.testing.assert_array_equal(np.unique(lengths), [0])
+    assert _p_value(y1, y2, law) > ALPHA
+
+    y1, y2, lengths = _run_toy(toy, policies.PrefixSchedulePolicy(ADMITTING_SPS))
+    assert set(np.unique(lengths)) == {1, 2}  # 2 exactly when x_1 = A was drafted
+    assert _p_value(y1, y2, law) > ALPHA
+
+    y1, y2, lengths = _run_toy(toy, policies.PrefixSchedulePolicy(APPENDIX_SPS, early_stop=False))
+    assert set(np.unique(lengths)) == {0, 2}
+    assert _p_value(y1, y2, law) < ALPHA
+    assert (
+        stats.chisquare(np.bincount(y1, minlength=2), [0.85 * N_TOY, 0.15 * N_TOY]).pvalue > ALPHA
+    )
+
+
+def test_engine_requires_confidences_for_confidence_policies(toy):
+    target, drafter = toy
+    no_head = dataclasses.replace(
+        drafter.cfg, enable_confidence_head=False, confidence_head_with_markov=False
+    )
+    bare = DSparkDrafter(no_head, rngs=nnx.Rngs(0))
+    with pytest.raises(EngineError, match="confidence head"):
+        Engine(target, bare, TOY_CFG, policy=policies.ThresholdPolicy(0.5))
+    Engine(target, bare, TOY_CFG, policy=policies.FixedPolicy(1))

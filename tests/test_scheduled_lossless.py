@@ -1,0 +1,141 @@
+"""Speculative sampling with confidence-scheduled verification keeps the target distribution.
+
+Two tests, both on the vanilla fixture models at temperature 1:
+
+1. The chi-square test of `test_lossless` (its cell enumeration; first three tokens of
+   N = 32768 requests against the exact target law, alpha = 1e-3, 27 cells, power >= 0.9 at
+   TV 0.02 by its Cauchy-Schwarz bound) with Algorithm 1 choosing every round's lengths jointly
+   over the batch of 4096.
+2. A whole-sequence test for policies with memory: the Section 5.2 scheduler only uses its
+   history from the third round on, past the first three tokens. For N_SEQ = 1024 sequences of
+   SEQ_TOKENS = 32 tokens, each token y_i is mapped to u_i = F_i(y_i - 1) + V_i p_i(y_i), where
+   p_i is the target's conditional distribution given everything before it (teacher-forced),
+   F_i its CDF in token-id order and V_i ~ U(0, 1) (seeded). If the sequences follow the target
+   exactly, all u_i are i.i.d. U(0, 1) (Rosenblatt's transform); a chi-square test over
+   PIT_BINS equal bins of the ~32k values at alpha = 1e-3 checks it. The same test must reject a
+   deliberately broken verifier, which shows it has power (slow: ~25 s; p ~ 1e-8 when run).
+"""
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+from test_lossless import NEW_TOKENS, _cell_probabilities, _expected_cells, _models
+
+from dspark_jax.decoding import policies
+from dspark_jax.decoding import verify as verify_module
+from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.generate import Request, generate
+from dspark_jax.sampling import SamplingConfig, filtered_logprobs
+
+ALPHA = 1e-3
+T1 = SamplingConfig(temperature=1.0)
+PROMPT = b"\n\ndef main():\n    "
+NUM_SAMPLES = 32768
+BATCH = 4096
+MIN_EXPECTED = 5.0
+DETECT_TV = 0.02
+MIN_POWER = 0.9
+CFG = EngineConfig(
+    max_len=32,
+    max_new_tokens=NEW_TOKENS,
+    prompt_buckets=(24,),
+    batch_buckets=(BATCH,),
+    rounds_per_chunk=4,
+)
+# SPS(B) = 1 / (2R + B) for R = 4096 requests: admitting a candidate pays off while its survival
+# exceeds tau / (2R + B), about 1/3 at first, so lengths spread over 0..gamma.
+SPS_4096 = 1.0 / (2 * BATCH + np.arange(BATCH * 8 + 1))
+
+N_SEQ = 1024
+SEQ_TOKENS = 32
+PIT_BINS = 20
+SEQ_CFG = EngineConfig(
+    max_len=64,
+    max_new_tokens=SEQ_TOKENS,
+    prompt_buckets=(24,),
+    batch_buckets=(N_SEQ,),
+    rounds_per_chunk=8,
+)
+SPS_1024 = 1.0 / (2 * N_SEQ + np.arange(N_SEQ * 8 + 1))
+
+
+def test_algorithm_1_first_tokens_match_target():
+    target, drafter = _models()
+    engine = Engine(target, drafter, CFG, T1, policies.PrefixSchedulePolicy(SPS_4096))
+    requests = [Request(list(PROMPT), NEW_TOKENS, seed=i) for i in range(NUM_SAMPLES)]
+    results, _ = generate(engine, requests, batch_size=BATCH)
+    verified = np.concatenate([r.verified for r in results])
+    assert len(np.unique(verified)) >= 5, np.bincount(verified)
+    # Rounds must end in rejections often, or the residual path would go untested.
+    accepted = np.concatenate([r.accepted for r in results])
+    rejected = np.mean(accepted < verified)
+    assert 0.05 < rejected < 0.95, rejected
+
+    eos = target.cfg.eos_token_ids[0]
+    expected = _expected_cells(PROMPT, T1, eos, MIN_EXPECTED / NUM_SAMPLES)
+    kept = sorted(expected)
+    index = {cell: i for i, cell in enumerate(kept)}
+    samples = [tuple(r.tokens) for r in results]
+    counts = np.bincount([index.get(c, len(kept)) for c in samples], minlength=len(kept) + 1)
+    probs = np.array([expected[c] for c in kept] + [max(1.0 - sum(expected.values()), 0.0)])
+    rare = sorted(set(samples) - set(kept))
+    assert np.all(_cell_probabilities(PROMPT, rare, T1) > 0)
+    statistic = float(np.sum((counts - NUM_SAMPLES * probs) ** 2 / (NUM_SAMPLES * probs)))
+    df = len(kept)
+    power = stats.ncx2.sf(stats.chi2.ppf(1 - ALPHA, df), df, 4 * NUM_SAMPLES * DETECT_TV**2)
+    assert power >= MIN_POWER
+    p_value = stats.chi2.sf(statistic, df)
+    assert p_value > ALPHA, f"chi-square p = {p_value:.2e} over {df + 1} cells"
+
+
+def _pit_p_value(policy):
+    """(chi-square p-value of the PIT values, results) for N_SEQ sequences under `policy`."""
+    prompt = list(PROMPT)
+    target, drafter = _models()
+    engine = Engine(target, drafter, SEQ_CFG, T1, policy)
+    requests = [Request(prompt, SEQ_TOKENS, seed=i) for i in range(N_SEQ)]
+    results, _ = generate(engine, requests, batch_size=N_SEQ)
+
+    ids = np.zeros((N_SEQ, len(prompt) + SEQ_TOKENS), np.int32)
+    for i, r in enumerate(results):
+        ids[i, : len(prompt) + len(r.tokens)] = prompt + r.tokens
+    logits = jax.jit(lambda x: target.logits(target(x).hidden_btd))(ids)
+    probs = np.exp(np.asarray(filtered_logprobs(logits, T1), np.float64))
+    rng = np.random.default_rng(0)
+    u = []
+    for i, r in enumerate(results):
+        p_jv = probs[i, len(prompt) - 1 : len(prompt) - 1 + len(r.tokens)]
+        p_jv = p_jv / p_jv.sum(axis=1, keepdims=True)
+        rows, y = np.arange(len(r.tokens)), np.asarray(r.tokens)
+        below = np.cumsum(p_jv, axis=1)[rows, y] - p_jv[rows, y]
+        u.append(below + rng.uniform(size=len(y)) * p_jv[rows, y])
+    counts = np.histogram(np.concatenate(u), bins=PIT_BINS, range=(0.0, 1.0))[0]
+    return stats.chisquare(counts).pvalue, results
+
+
+def test_async_scheduler_sequences_match_target():
+    p_value, results = _pit_p_value(policies.AsyncSchedulePolicy(SPS_1024))
+    # Every request ran past the two warm-up rounds, so the history-based capacity was used.
+    assert min(r.rounds for r in results) >= 3
+    verified = np.concatenate([r.verified[2:] for r in results])
+    assert len(np.unique(verified)) >= 5, np.bincount(verified)
+    assert p_value > ALPHA, f"PIT chi-square p = {p_value:.2e}"
+
+
+def _broken_correction(target_logp_bv, draft_logp_bv, rejected_b):
+    """Samples the target row after a rejection instead of the residual max(p_t - p_d, 0)."""
+    return target_logp_bv
+
+
+@pytest.mark.slow
+def test_sequence_test_detects_a_broken_verifier(monkeypatch):
+    monkeypatch.setattr(verify_module, "_correction_logprobs", _broken_correction)
+    p_value, _ = _pit_p_value(policies.AsyncSchedulePolicy(SPS_1024))
+    assert p_value < ALPHA, f"a broken verifier passed the PIT test: p = {p_value:.2e}"
+
+
+@pytest.mark.slow
+def test_algorithm_1_sequences_match_target():
+    p_value, _ = _pit_p_value(policies.PrefixSchedulePolicy(SPS_1024))
+    assert p_value > ALPHA, f"PIT chi-square p = {p_value:.2e}"
