@@ -25,35 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("dspark_jax.commands.serve", "serve batched speculative generation over HTTP"),
 }
 
-# Bad-input errors of modules whose classes do not derive from UserError yet, as (module, class).
-# Looked up in sys.modules only: an error of a module that was never imported cannot have been
-# raised, and importing these here would make `dspark-jax --help` pay for JAX.
-_OTHER_USER_ERRORS = (
-    ("dspark_jax.decoding.engine", "EngineError"),
-    ("dspark_jax.decoding.policies", "PolicyError"),
-    ("dspark_jax.decoding.policies", "SpsProfileError"),
-    ("dspark_jax.decoding.profiling", "ProfileError"),
-    ("dspark_jax.decoding.evaluate", "DatasetError"),
-)
-# Commands whose own modules still raise plain ValueError for bad arguments (calibrate.py,
-# generate.py, eval.py, decode_args.py, policy_args.py); each leaves this set once they raise
-# UserError instead.
-_VALUE_ERROR_COMMANDS = frozenset({"calibrate", "generate", "eval"})
-
-
-def _user_errors(command: str) -> tuple[type[Exception], ...]:
-    """The exception types that mean bad input to `command`, not a bug.
-
-    They are reported in one line without a traceback; anything else keeps its traceback.
-    """
-    errors: list[type[Exception]] = [UserError, FileExistsError]
-    for module_name, class_name in _OTHER_USER_ERRORS:
-        error = getattr(sys.modules.get(module_name), class_name, None)
-        if error is not None:
-            errors.append(error)
-    if command in _VALUE_ERROR_COMMANDS:
-        errors.append(ValueError)
-    return tuple(errors)
+# Bad input, reported in one line without a traceback; any other exception keeps its traceback.
+USER_ERRORS = (UserError, FileExistsError)
 
 
 def _parser(selected: str | None) -> argparse.ArgumentParser:
@@ -80,9 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return module.run(args)
-    except Exception as e:
-        if not isinstance(e, _user_errors(args.command)):
-            raise
+    except USER_ERRORS as e:
         print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,7 +1,6 @@
 """The batched engine reproduces the reference's greedy traces and is batch invariant."""
 
 import jax
-import numpy as np
 import pytest
 from fixture_models import VARIANTS, load_pair, reference_traces
 
@@ -11,8 +10,13 @@ from dspark_jax.sampling import SamplingConfig
 
 # The reference counts its 96 tokens after the first one, then keeps the first 96 overall.
 REFERENCE_NEW_TOKENS = 97
-CFG = EngineConfig(max_len=256, max_new_tokens=128, prompt_buckets=(64, 128),
-                   batch_buckets=(1, 4, 8), rounds_per_chunk=8)
+CFG = EngineConfig(
+    max_len=256,
+    max_new_tokens=128,
+    prompt_buckets=(64, 128),
+    batch_buckets=(1, 4, 8),
+    rounds_per_chunk=8,
+)
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -31,14 +35,14 @@ def test_greedy_traces_alone_and_batched(setup):
     spec = Engine(target, drafter, CFG)
     plain = Engine(target, None, CFG)
     batched, _ = generate(spec, _requests(traces), batch_size=4)
-    for trace, res in zip(traces, batched):
+    for trace, res in zip(traces, batched, strict=True):
         alone, _ = generate(spec, _requests([trace]), batch_size=1)
         for r in (res, alone[0]):
             assert r.tokens[:96] == trace["output"]
             assert r.committed.tolist() == trace["acceptance_lengths"]
         assert res.tokens[:96] == trace["greedy"]
     greedy, _ = generate(plain, _requests(traces), batch_size=4)
-    for trace, res in zip(traces, greedy):
+    for trace, res in zip(traces, greedy, strict=True):
         assert res.tokens[:96] == trace["greedy"]
         assert set(res.committed.tolist()) == {1}
 
@@ -51,8 +55,10 @@ def _mixed_requests(seed_base=0):
     ]
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0),
-                                      SamplingConfig(temperature=0.7, top_p=0.9)])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)],
+)
 def test_batch_invariance(setup, sampling):
     """A request's output depends only on itself and its seed, not on its batch mates."""
     _, target, drafter = setup
@@ -71,13 +77,16 @@ def test_batch_invariance(setup, sampling):
 def test_no_compilation_after_warmup(setup):
     _, target, drafter = setup
     engine = Engine(target, drafter, CFG, sampling=SamplingConfig(temperature=1.0))
-    generate(engine, _mixed_requests(), batch_size=8)  # warm-up: one batch bucket, one prompt bucket
+    # Warm-up: one batch bucket and one prompt bucket.
+    generate(engine, _mixed_requests(), batch_size=8)
     compiles = []
     listener = lambda name, *a, **k: compiles.append(name) if "compile" in name else None  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        shuffled = [Request(r.prompt_ids[:-3], r.max_new_tokens + 4, r.seed + 7)
-                    for r in _mixed_requests()[::-1]]
+        shuffled = [
+            Request(r.prompt_ids[:-3], r.max_new_tokens + 4, r.seed + 7)
+            for r in _mixed_requests()[::-1]
+        ]
         generate(engine, shuffled, batch_size=8)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)

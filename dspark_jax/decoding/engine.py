@@ -163,7 +163,7 @@ def _prefill(
     batch = prompts_bp.shape[0]
     target_cache = state.target_cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
     taps = () if drafter is None else drafter.cfg.target_layer_ids
-    out = target(prompts_bp, target_cache, tap_layer_ids=taps)
+    out = target(prompts_bp, target_cache, tap_layer_ids=taps, key_window=prompts_bp.shape[1])
     last_b11 = (prompt_len_b - 1)[:, None, None]
     last_hidden_bd = jnp.take_along_axis(out.hidden_btd, last_b11, axis=1)[:, 0]
     keys_b = jax.vmap(lambda seed: jax.random.key(seed))(seeds_b)

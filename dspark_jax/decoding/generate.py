@@ -58,9 +58,13 @@ class BatchTiming:
 StreamCallback = Callable[[int, list[int]], None]
 
 
-def generate(engine: Engine, requests: Sequence[Request], batch_size: int = 8,
-             on_tokens: StreamCallback | None = None, progress: bool = False,
-             ) -> tuple[list[Result], BatchTiming]:
+def generate(
+    engine: Engine,
+    requests: Sequence[Request],
+    batch_size: int = 8,
+    on_tokens: StreamCallback | None = None,
+    progress: bool = False,
+) -> tuple[list[Result], BatchTiming]:
     """Generates for every request, `batch_size` at a time; `on_tokens(i, new_tokens)` streams."""
     if batch_size < 1:
         raise EngineError(f"batch_size must be >= 1, got {batch_size}")
@@ -149,5 +153,5 @@ def _stream(state, idx, sent, generated, max_new, on_tokens) -> None:
     tokens = np.asarray(state.tokens_bn)
     for row in rows:
         upto = min(int(generated[row]), int(max_new[row]))
-        on_tokens(idx[row], tokens[row, sent[row]:upto].tolist())
+        on_tokens(idx[row], tokens[row, sent[row] : upto].tolist())
         sent[row] = upto
