@@ -1,0 +1,153 @@
+"""Markov heads (vanilla, gated, RNN) against an independent NumPy recurrence, RoPE config forms,
+and a DFlash (rank-0, no confidence head) checkpoint running through the same code."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fixture_models import fixture_dir, load_pair, max_rel_err, reference_traces
+from flax import nnx
+
+from dspark_jax.checkpoints.jax_format import load_drafter
+from dspark_jax.checkpoints.safetensors_io import (
+    CheckpointError,
+    SafetensorsFolder,
+    save_safetensors,
+)
+from dspark_jax.config import DrafterConfig, RopeConfig, read_config_json
+from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.generate import Request, generate
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.sampling import SamplingConfig
+
+HEADS = ("vanilla", "gated", "rnn")
+
+
+def _drafter(kind: str) -> DSparkDrafter:
+    base = DrafterConfig.from_hf(read_config_json(fixture_dir("vanilla") / "draft"))
+    cfg = dataclasses.replace(base, markov_head_type=kind)
+    model = DSparkDrafter(cfg, rngs=nnx.Rngs(7))
+    # Scale the head up from its 0.02 init so the bias visibly changes the argmax.
+    _, state = nnx.split(model)
+    state = jax.tree.map(lambda x: x * 40.0, state)
+    nnx.update(model, state)
+    return model
+
+
+def _numpy_bias(kind, head, prev, h, s):
+    """One transition written plainly from the paper / DeepSpec definitions."""
+    w1 = np.asarray(head.markov_w1.embedding[...], np.float64)
+    w2 = np.asarray(head.markov_w2.embedding[...], np.float64)
+    e = w1[prev]
+    if kind == "vanilla":
+        u = e
+    elif kind == "gated":
+        k, b = (
+            np.asarray(p[...], np.float64) for p in (head.gate_proj.kernel, head.gate_proj.bias)
+        )
+        u = 1 / (1 + np.exp(-(np.concatenate([h, e]) @ k + b))) * e
+    else:
+        k, b = (
+            np.asarray(p[...], np.float64) for p in (head.joint_proj.kernel, head.joint_proj.bias)
+        )
+        gate, cand, out = np.split(np.concatenate([s, e, h]) @ k + b, 3)
+        g = 1 / (1 + np.exp(-gate))
+        s = g * s + (1 - g) * np.tanh(cand)
+        u = np.tanh(out)
+    return u @ w2.T, s
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_greedy_block_matches_numpy_recurrence(kind):
+    model = _drafter(kind)
+    rng = np.random.default_rng(0)
+    h_bkd = jnp.asarray(rng.normal(size=(2, 7, 96)), jnp.float32)
+    anchor_b = jnp.array([65, 10], jnp.int32)
+    keys_bk = jax.random.split(jax.random.key(0), 14).reshape(2, 7)
+    block = model.sample_block(h_bkd, anchor_b, keys_bk, SamplingConfig())
+    base = np.asarray(model.base_logits(h_bkd), np.float64)
+    for b in range(2):
+        prev, s = int(anchor_b[b]), np.zeros(model.cfg.markov_rank)
+        for k in range(7):
+            bias, s = _numpy_bias(kind, model.markov_head, prev, np.asarray(h_bkd[b, k]), s)
+            logits = base[b, k] + bias
+            assert max_rel_err(block.logits_bkv[b, k], logits) < 1e-5
+            assert int(block.tokens_bk[b, k]) == int(np.argmax(logits))
+            prev = int(np.argmax(logits))
+    assert len(set(np.asarray(block.tokens_bk).ravel().tolist())) > 2, "bias should matter"
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_teacher_forcing_reproduces_the_sampling_scan(kind):
+    """Feeding the sampled tokens back as ground truth gives the scan's logits and confidences."""
+    model = _drafter(kind)
+    h_bkd = jnp.asarray(np.random.default_rng(1).normal(size=(3, 7, 96)), jnp.float32)
+    anchor_b = jnp.array([1, 2, 3], jnp.int32)
+    keys_bk = jax.random.split(jax.random.key(1), 21).reshape(3, 7)
+    block = model.sample_block(h_bkd, anchor_b, keys_bk, SamplingConfig(temperature=1.0))
+    prev_bk = jnp.concatenate([anchor_b[:, None], block.tokens_bk[:, :-1]], axis=1)
+    logits, conf = model.teacher_forced(h_bkd, prev_bk)
+    assert max_rel_err(logits, block.logits_bkv) < 1e-6
+    assert max_rel_err(conf, block.conf_logits_bk) < 1e-6
+
+
+def test_legacy_rope_fields_parse_like_rope_parameters():
+    new = {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32768,
+        }
+    }
+    old = {
+        "rope_theta": 1e6,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    }
+    assert RopeConfig.from_hf(old) == RopeConfig.from_hf(new)
+    assert RopeConfig.from_hf({"rope_theta": 5e5}) == RopeConfig(theta=5e5)
+    assert RopeConfig.from_hf(new).attention_scaling() == pytest.approx(0.1 * np.log(4.0) + 1)
+
+
+def _write_dflash(tmp_path, extra_keys=()):
+    """The vanilla fixture drafter stripped to a DFlash checkpoint (rank 0, no confidence)."""
+    src = fixture_dir("vanilla") / "draft"
+    cfg = read_config_json(src)
+    cfg.update(markov_rank=0, enable_confidence_head=False)
+    del cfg["markov_head_type"], cfg["confidence_head_with_markov"]
+    folder = SafetensorsFolder(src)
+    keep = [
+        k
+        for k in folder.keys()
+        if not k.startswith(("markov_head.", "confidence_head.")) or k in extra_keys
+    ]
+    out = tmp_path / "dflash"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_safetensors({k: folder.get(k) for k in keep}, out / "model.safetensors")
+    return out
+
+
+def test_dflash_checkpoint_loads_and_decodes_losslessly(tmp_path):
+    cfg, drafter, _ = load_drafter(_write_dflash(tmp_path), progress=False)
+    assert (cfg.markov_rank, cfg.enable_confidence_head) == (0, False)
+    assert drafter.markov_head is None and drafter.confidence_head is None
+    target, _ = load_pair("vanilla")
+    trace = reference_traces("vanilla")["traces"][0]
+    engine_cfg = EngineConfig(
+        max_len=256, max_new_tokens=64, prompt_buckets=(64,), batch_buckets=(1,)
+    )
+    request = [Request(trace["prompt"], max_new_tokens=64)]
+    spec, _ = generate(Engine(target, drafter, engine_cfg), request)
+    assert spec[0].tokens == trace["greedy"][:64]
+    assert spec[0].tau > 1.0
+
+
+def test_dflash_config_with_leftover_markov_weights_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="unexpected keys.*markov_head.markov_w1.weight"):
+        load_drafter(
+            _write_dflash(tmp_path, extra_keys=("markov_head.markov_w1.weight",)), progress=False
+        )
