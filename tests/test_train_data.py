@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from train.data import (
     DataConfig,
     DataError,
     JsonlConversationSource,
+    bucket_of,
     make_iterator,
     resolve_pad_id,
     tokenize_example,
@@ -62,14 +64,33 @@ def examples(batches, tokenizer=BYTES):
 
 def test_tokenize_example_pads_truncates_and_masks():
     messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
-    ex = tokenize_example({"messages": messages}, BYTES, seq_len=8, pad_id=256)
+    ex = tokenize_example({"messages": messages}, BYTES, seq_lens=(8,), pad_id=256)
     np.testing.assert_array_equal(ex["tokens"], [97, 98, 99, 100, 256, 256, 256, 256])
     np.testing.assert_array_equal(ex["loss_mask"], [0, 0, 1, 1, 1, 0, 0, 0])
-    assert ex["length"] == 5 and ex["tokens"].dtype == np.int32 and ex["loss_mask"].dtype == bool
-    short = tokenize_example({"messages": messages}, BYTES, seq_len=3, pad_id=0)
+    assert ex["length"] == ex["num_tokens"] == 5
+    assert ex["tokens"].dtype == np.int32 and ex["loss_mask"].dtype == bool
+    short = tokenize_example({"messages": messages}, BYTES, seq_lens=(3,), pad_id=0)
     np.testing.assert_array_equal(short["tokens"], [97, 98, 99])
     np.testing.assert_array_equal(short["loss_mask"], [0, 0, 1])
-    assert short["length"] == 3
+    assert short["length"] == 3 and short["num_tokens"] == 5
+
+
+def test_examples_go_to_the_smallest_bucket_that_holds_them():
+    assert [bucket_of(n, (4, 8, 16)) for n in (1, 4, 5, 8, 9, 16, 17, 100)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        2,
+        2,
+    ]
+    messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
+    for seq_lens, want in [((4, 5, 8), 5), ((4, 6), 6), ((2, 3), 3)]:
+        ex = tokenize_example({"messages": messages}, BYTES, seq_lens=seq_lens, pad_id=0)
+        assert ex["tokens"].shape == ex["loss_mask"].shape == (want,)
+        assert ex["length"] == min(5, want) and ex["num_tokens"] == 5
 
 
 @pytest.mark.parametrize("use_hf", [False, True])
@@ -171,6 +192,11 @@ def test_several_files_and_config_errors(tmp_path):
         make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=4, num_epochs=1), BYTES, 0, 1)
     with pytest.raises(DataError, match="seq_len"):
         DataConfig(paths=(a,), seq_len=1, batch_size=1)
+    for bad in [(), (8, 4, 16), (4, 4, 16), (1, 16), (4, 8)]:
+        with pytest.raises(DataError, match="seq_lens must be strictly ascending"):
+            DataConfig(paths=(a,), seq_len=16, seq_lens=bad, batch_size=1)
+    assert DataConfig(paths=(a,), seq_len=16, batch_size=1).seq_lens == (16,)
+    assert DataConfig(paths=(a,), seq_len=16, seq_lens=[4, 16], batch_size=1).seq_lens == (4, 16)
     with pytest.raises(DataError, match="process_index"):
         make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=1), BYTES, 2, 2)
 
@@ -183,16 +209,28 @@ class CountingByteTokenizer(ByteTokenizer):
         return super().encode(text)
 
 
-def test_large_file_is_tokenised_lazily(tmp_path):
-    path = tmp_path / "big.jsonl"
+def _settled_tokenizer_calls(tmp_path, lines: int) -> tuple[int, DataConfig]:
+    path = tmp_path / f"big{lines}.jsonl"
     line = json.dumps({"turns": ["q", "a"]}) + "\n"
-    path.write_text(line * 100_000)
+    path.write_text(line * lines)
+    CountingByteTokenizer.calls = 0  # class-level so copies made by the pipeline count too
     tok = CountingByteTokenizer()
     config = DataConfig(paths=(str(path),), seq_len=8, batch_size=4, prefetch_buffer_size=16)
     it = make_iterator(config, tok, 0, 1)
     assert next(it)["tokens"].shape == (4, 8)
-    # Two encode calls per conversation; only the prefetch window has been tokenised.
-    assert tok.calls <= 2 * (16 + 4 + config.num_threads)
+    # Prefetch threads keep reading after next() returns, until their buffers are full; count
+    # once they have blocked rather than at a racy moment.
+    time.sleep(1.0)
+    return tok.calls, config
+
+
+def test_large_file_is_tokenised_lazily(tmp_path):
+    big, config = _settled_tokenizer_calls(tmp_path, 100_000)
+    small, _ = _settled_tokenizer_calls(tmp_path, 1_000)
+    # Two encode calls per conversation; only the read-ahead window has been tokenised, however
+    # long the file is.
+    assert big <= 2 * (16 + 4 + config.num_threads)
+    assert big == small
 
 
 def test_default_pad_id():
@@ -214,3 +252,101 @@ def test_source_survives_pickling(dataset_path):
     first = source[3]
     copy = pickle.loads(pickle.dumps(source))
     assert copy[3] == first and len(copy) == len(source) == 12
+
+
+# -- length buckets ----------------------------------------------------------------------------
+SEQ_LENS = (24, 48, 64)
+
+
+def varied_record(i: int) -> dict:
+    """Conversation i: a long answer (1..70 characters after a unique start) to a short prompt."""
+    return {"turns": [f"q{i}", f"answer {i}." + "a" * ((i * 37) % 70)]}
+
+
+def identities(batches) -> list[str]:
+    """The conversations of the batches, by the start of their answer (kept when truncated)."""
+    return [a.split(".")[0] for a in examples(batches)]
+
+
+@pytest.fixture
+def varied_path(tmp_path):
+    return write_jsonl(tmp_path / "varied.jsonl", [json.dumps(varied_record(i)) for i in range(40)])
+
+
+def num_tokens_by_answer(path) -> dict[str, int]:
+    source = JsonlConversationSource([path])
+    out = {}
+    for i in range(len(source)):
+        ids, mask = encode_conversation(BYTES, source[i]["messages"])
+        out[answers(np.array(ids), np.array(mask)).split(".")[0]] = len(ids)
+    return out
+
+
+def bucketed(path, **kw) -> DataConfig:
+    return DataConfig(**{"paths": (path,), "seq_len": 64, "seq_lens": SEQ_LENS, **kw})
+
+
+def assert_same_batches(want, got):
+    assert len(want) == len(got)
+    for a, b in zip(want, got, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_bucketed_epoch_is_homogeneous_and_complete(varied_path):
+    full = num_tokens_by_answer(varied_path)
+    per_bucket = np.bincount([bucket_of(n, SEQ_LENS) for n in full.values()], minlength=3)
+    assert (per_bucket >= 4).all() and max(full.values()) > 64  # all buckets used, some truncated
+    batches = list(make_iterator(bucketed(varied_path, batch_size=4, num_epochs=1), BYTES, 0, 1))
+    seen = identities(batches)
+    assert len(seen) == len(set(seen)) and set(seen) <= set(full)
+    seen_per_bucket = np.zeros(3, int)
+    truncated = 0
+    for b in batches:
+        seq_len = b["tokens"].shape[1]
+        assert b["tokens"].shape == b["loss_mask"].shape == (4, seq_len)
+        for tokens, mask, length, n in zip(
+            b["tokens"], b["loss_mask"], b["length"], b["num_tokens"], strict=True
+        ):
+            assert full[answers(tokens, mask).split(".")[0]] == n
+            assert seq_len == SEQ_LENS[bucket_of(n, SEQ_LENS)]
+            assert length == min(n, seq_len) and (tokens[length:] == 256).all()
+            truncated += int(n > length)
+        seen_per_bucket[SEQ_LENS.index(seq_len)] += 4
+    # Each bucket emits full batches only; its last len % batch_size examples are dropped.
+    np.testing.assert_array_equal(seen_per_bucket, per_bucket - per_bucket % 4)
+    assert truncated == sum(full[a] > 64 for a in seen) > 0
+
+
+def test_bucketed_batches_are_deterministic(varied_path):
+    config = bucketed(varied_path, batch_size=3, seed=4)
+    first = take(make_iterator(config, BYTES, 0, 1), 20)
+    assert_same_batches(first, take(make_iterator(config, BYTES, 0, 1), 20))
+    other = take(make_iterator(bucketed(varied_path, batch_size=3, seed=5), BYTES, 0, 1), 20)
+    assert identities(other) != identities(first)
+    assert {b["tokens"].shape[1] for b in first} == set(SEQ_LENS)
+
+
+def test_bucketed_processes_are_disjoint(varied_path):
+    config = bucketed(varied_path, batch_size=2, num_epochs=1, seed=3)
+    seen = [identities(make_iterator(config, BYTES, p, 2)) for p in range(2)]
+    assert seen[0] and seen[1] and not set(seen[0]) & set(seen[1])
+    # Per process at most batch_size - 1 examples per bucket stay in the buffers at the end.
+    assert len(seen[0]) + len(seen[1]) >= 40 - 2 * 3
+
+
+def test_bucketed_resume_with_partially_filled_buffers(varied_path):
+    config = bucketed(varied_path, batch_size=5, seed=11)
+    it = make_iterator(config, BYTES, 0, 1)
+    take(it, 4)
+    state = it.get_state()
+    assert sum(len(b) for b in state["buffered"]) >= 2
+    want = take(it, 12)  # crosses the epoch boundary (40 examples)
+    resumed = make_iterator(config, BYTES, 0, 1)
+    resumed.set_state(json.loads(json.dumps(state)))
+    assert_same_batches(want, take(resumed, 12))
+    with pytest.raises(DataError, match="length buckets"):
+        make_iterator(
+            bucketed(varied_path, batch_size=5, seq_lens=(48, 64)), BYTES, 0, 1
+        ).set_state(state)

@@ -1,5 +1,6 @@
-"""Checkpoint/resume of the trainer: bit-identical continuation, keep-last-N, and a save killed
-midway (SIGKILL in a subprocess) that must be ignored in favour of the previous checkpoint."""
+"""Checkpoint/resume of the trainer: bit-identical continuation (with two length buckets and
+partially filled bucket buffers at the resume point), keep-last-N, and a save killed midway
+(SIGKILL in a subprocess) that must be ignored in favour of the previous checkpoint."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from pathlib import Path
 import jax
 import pytest
 
+from dspark_jax.tokenizer import load_tokenizer
 from train.checkpointing import TrainCheckpointer
 from train.cli import load_train_config
+from train.data import DataConfig, make_iterator
 from train.trainer import train
 
 REPO = Path(__file__).parents[1]
@@ -39,6 +42,7 @@ CONFIG = TrainConfig(
     num_steps=6,
     mesh=MeshConfig(2, 2, 2),
     anchors_per_chunk=4,
+    seq_lens=(32, 48),
     log_every=1,
     save_every=2,
     keep_checkpoints=2,
@@ -88,8 +92,10 @@ def config_file(tmp_path_factory, compile_cache):
     data = root / "train.jsonl"
     source = (REPO / "train" / "loss.py").read_text()
     with open(data, "w") as f:
-        for i in range(0, 40 * 80, 80):
-            f.write(json.dumps({"turns": [source[i : i + 16], source[i + 16 : i + 80]]}) + "\n")
+        for k, i in enumerate(range(0, 40 * 80, 80)):
+            # Answers of 4..63 bytes: conversations of 21..80 tokens fill both buckets or truncate.
+            answer = source[i + 16 : i + 20 + (k * 29) % 60]
+            f.write(json.dumps({"turns": [source[i : i + 16], answer]}) + "\n")
     path = root / "resume_config.py"
     path.write_text(CONFIG_FILE.format(data=str(data)))
     return path
@@ -108,6 +114,20 @@ def _losses(history) -> dict[int, float]:
 
 def test_resume_continues_bit_identically(config_file, uninterrupted, tmp_path):
     config = load_train_config(str(config_file))
+    # The trainer's input stream (one process): both buckets occur in the six steps and the
+    # resume point after step 3 has examples waiting in the bucket buffers.
+    data_cfg = DataConfig(
+        paths=config.data,
+        seq_len=config.recipe.max_length,
+        seq_lens=config.seq_lens,
+        batch_size=config.recipe.global_batch_size,
+        seed=config.recipe.seed,
+    )
+    stream = make_iterator(data_cfg, load_tokenizer(config.target), 0, 1)
+    lengths = [next(stream)["tokens"].shape[1] for _ in range(3)]
+    assert any(stream.get_state()["buffered"])
+    lengths += [next(stream)["tokens"].shape[1] for _ in range(3)]
+    assert set(lengths) == {32, 48}
     assert sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
     assert len(set(uninterrupted.values())) == 6
 

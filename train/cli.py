@@ -72,6 +72,15 @@ def _mesh(text: str):
     return MeshConfig(*sizes)
 
 
+def _seq_lens(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--seq-lens wants ascending integers like 1024,2048,4096: {text!r}"
+        ) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
@@ -87,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", type=_mesh, help="data,fsdp,tensor sizes; -1 = the rest")
     parser.add_argument("--per-device-batch-size", type=int, help="micro-batch per device")
     parser.add_argument("--anchors-per-chunk", type=int, help="anchors per loss chunk")
+    parser.add_argument(
+        "--seq-lens",
+        type=_seq_lens,
+        help="length buckets, ascending and ending at the recipe's max_length (e.g. 128,256)",
+    )
     parser.add_argument(
         "--stop-after", type=int, help="stop (with a checkpoint) after this many total steps"
     )
@@ -121,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "mesh": args.mesh,
         "per_device_batch_size": args.per_device_batch_size,
         "anchors_per_chunk": args.anchors_per_chunk,
+        "seq_lens": args.seq_lens,
     }
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     output = Path(args.output or Path("runs") / config.name)

@@ -8,20 +8,29 @@ in memory up front.
 
 The grain pipeline is a random-access `MapDataset`:
 
-    source -> shuffle(seed) -> this process's slice -> map(tokenise) -> repeat -> batch
+    source -> shuffle(seed) -> this process's slice -> map(tokenise) -> repeat -> bucket batches
 
 Shuffling before slicing reshuffles the whole dataset every epoch and then deals it out
 round-robin, so within an epoch the processes see disjoint examples. Every process gets the same
 number of examples per epoch: the last `len % process_count` examples of each shuffled epoch are
-dropped. Conversations are never packed together (the target forward then needs no segment ids);
-each is truncated to `seq_len` and right-padded.
+dropped. Conversations are never packed together (the target forward then needs no segment ids).
 
-Batches are dicts of NumPy arrays: `tokens` int32 [B, seq_len], `loss_mask` bool [B, seq_len]
-(1 on assistant-produced tokens, 0 on padding), `length` int32 [B].
+Length buckets (`DataConfig.seq_lens`, ascending): each conversation is right-padded to the
+smallest bucket that holds it; longer ones are truncated to the largest bucket (batches report
+the untruncated length, so truncations can be counted). `BucketBatchIterDataset` keeps one buffer
+per bucket and emits a batch as soon as a buffer holds `batch_size` examples, so every batch has a
+single length and each length compiles one train step. When the data ends (finite `num_epochs`),
+the partially filled buffers are dropped: at most `batch_size - 1` examples per bucket. With one
+bucket this is plain batching with `drop_remainder`.
+
+Batches are dicts of NumPy arrays, L being the batch's bucket: `tokens` int32 [B, L],
+`loss_mask` bool [B, L] (1 on assistant-produced tokens, 0 on padding), `length` int32 [B] and
+`num_tokens` int32 [B] (the conversation's length before truncation).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -50,9 +59,11 @@ class DataError(UserError):
 class DataConfig:
     """Settings of the training input pipeline.
 
-    `batch_size` is per process. `num_epochs` None repeats forever. `pad_id` None pads with the
-    tokenizer's pad token, or EOS when it has none. `skip_bad_records` skips malformed lines and
-    records without assistant content (logging the count) instead of raising.
+    `seq_len` is the maximum sequence length. `seq_lens` are the length buckets, strictly
+    ascending and ending at `seq_len`; None means the single bucket `(seq_len,)` (and is stored
+    as that). `batch_size` is per process. `num_epochs` None repeats forever. `pad_id` None pads
+    with the tokenizer's pad token, or EOS when it has none. `skip_bad_records` skips malformed
+    lines and records without assistant content (logging the count) instead of raising.
     """
 
     paths: tuple[str, ...]
@@ -65,6 +76,7 @@ class DataConfig:
     skip_bad_records: bool = False
     num_threads: int = 4
     prefetch_buffer_size: int = 64
+    seq_lens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.paths, str | os.PathLike):
@@ -75,6 +87,18 @@ class DataConfig:
             raise DataError("DataConfig.paths is empty")
         if self.seq_len < 2:
             raise DataError(f"seq_len must be at least 2, got {self.seq_len}")
+        seq_lens = (self.seq_len,) if self.seq_lens is None else tuple(self.seq_lens)
+        if (
+            not seq_lens
+            or seq_lens[0] < 2
+            or any(a >= b for a, b in zip(seq_lens, seq_lens[1:], strict=False))
+            or seq_lens[-1] != self.seq_len
+        ):
+            raise DataError(
+                f"seq_lens must be strictly ascending lengths >= 2 ending at seq_len "
+                f"{self.seq_len}, got {self.seq_lens}"
+            )
+        object.__setattr__(self, "seq_lens", seq_lens)
         if self.batch_size < 1:
             raise DataError(f"batch_size must be positive, got {self.batch_size}")
         if self.num_epochs is not None and self.num_epochs < 1:
@@ -211,24 +235,139 @@ def resolve_pad_id(tokenizer: Tokenizer, pad_id: int | None) -> int:
     raise DataError("no pad_id given and the tokenizer has neither a pad nor an EOS token")
 
 
+def bucket_of(num_tokens: int, seq_lens: Sequence[int]) -> int:
+    """Index of the smallest of the ascending `seq_lens` holding `num_tokens` (else the last)."""
+    return min(bisect.bisect_left(seq_lens, num_tokens), len(seq_lens) - 1)
+
+
 def tokenize_example(
     example: Mapping[str, Any],
     tokenizer: Tokenizer,
-    seq_len: int,
+    seq_lens: Sequence[int],
     pad_id: int,
     enable_thinking: bool = False,
 ) -> dict[str, np.ndarray]:
-    """One conversation -> `tokens`, `loss_mask` (truncated to seq_len, right-padded), `length`."""
+    """One conversation -> `tokens`, `loss_mask`, `length`, `num_tokens` (see the module doc).
+
+    The arrays are right-padded to the smallest of the ascending `seq_lens` that holds the
+    conversation, or truncated to the largest.
+    """
     try:
         ids, mask = encode_conversation(tokenizer, example["messages"], enable_thinking)
     except ChatTemplateError as e:
         raise ChatTemplateError(f"{example.get('where', '<conversation>')}: {e}") from None
+    seq_len = seq_lens[bucket_of(len(ids), seq_lens)]
     length = min(len(ids), seq_len)
     tokens = np.full(seq_len, pad_id, np.int32)
     tokens[:length] = ids[:length]
     loss_mask = np.zeros(seq_len, bool)
     loss_mask[:length] = np.asarray(mask[:length], bool)
-    return {"tokens": tokens, "loss_mask": loss_mask, "length": np.int32(length)}
+    return {
+        "tokens": tokens,
+        "loss_mask": loss_mask,
+        "length": np.int32(length),
+        "num_tokens": np.int32(len(ids)),
+    }
+
+
+def _stack(examples: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+class BucketBatchIterDataset(grain.IterDataset):
+    """Batches of `batch_size` examples of one length, from a MapDataset of tokenised examples.
+
+    `examples` is read in order (through `read_options`' threads); each example joins the buffer
+    of its length (`len(tokens)`, one of `seq_lens`) and a full buffer is emitted as a batch. The
+    iterator state is the reader's position plus the positions in `examples` of the buffered
+    examples, not the examples themselves: a buffer can hold `batch_size - 1` sequences of the
+    largest length, too much for a JSON checkpoint. Restoring re-reads (re-tokenises) them, which
+    is exact because `examples` is deterministic random access.
+    """
+
+    def __init__(
+        self,
+        examples: grain.MapDataset,
+        batch_size: int,
+        seq_lens: Sequence[int],
+        read_options: grain.ReadOptions | None = None,
+    ):
+        super().__init__(examples.map_with_index(_with_index).to_iter_dataset(read_options))
+        self._examples = examples
+        self._batch_size = batch_size
+        self._seq_lens = tuple(seq_lens)
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _BucketBatchIterator(
+            self._parent.__iter__(), self._examples, self._batch_size, self._seq_lens
+        )
+
+    def __str__(self) -> str:
+        return f"BucketBatchIterDataset(batch_size={self._batch_size}, seq_lens={self._seq_lens})"
+
+
+def _with_index(index: int, example: dict[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
+    return index, example
+
+
+class _BucketBatchIterator(grain.DatasetIterator):
+    def __init__(
+        self,
+        parent: grain.DatasetIterator,
+        examples: grain.MapDataset,
+        batch_size: int,
+        seq_lens: tuple[int, ...],
+    ):
+        super().__init__(parent)
+        self._examples = examples
+        self._batch_size = batch_size
+        self._seq_lens = seq_lens
+        self._buffers: dict[int, list[tuple[int, dict[str, np.ndarray]]]] = {
+            n: [] for n in seq_lens
+        }
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        while True:
+            # StopIteration at the end of the data drops the partially filled buffers.
+            index, example = next(self._parent)
+            buffer = self._buffer_of(index, example)
+            buffer.append((index, example))
+            if len(buffer) == self._batch_size:
+                batch = _stack([e for _, e in buffer])
+                buffer.clear()
+                return batch
+
+    def _buffer_of(self, index: int, example: Mapping[str, np.ndarray]) -> list:
+        n = len(example["tokens"])
+        if n not in self._buffers:
+            raise DataError(f"example {index} has length {n}, not one of {self._seq_lens}")
+        return self._buffers[n]
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "parent": self._parent.get_state(),
+            "seq_lens": list(self._seq_lens),
+            "buffered": [[i for i, _ in self._buffers[n]] for n in self._seq_lens],
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if list(state["seq_lens"]) != list(self._seq_lens):
+            raise DataError(
+                f"iterator state has length buckets {state['seq_lens']}, this pipeline "
+                f"{list(self._seq_lens)}"
+            )
+        self._parent.set_state(state["parent"])
+        for n, indices in zip(self._seq_lens, state["buffered"], strict=True):
+            restored = [(int(i), self._examples[int(i)]) for i in indices]
+            if any(len(e["tokens"]) != n for _, e in restored):
+                raise DataError(
+                    f"buffered examples {list(indices)} no longer have length {n} (was the data "
+                    "or the tokenizer changed?)"
+                )
+            self._buffers[n] = restored
+
+    def __str__(self) -> str:
+        return "BucketBatchDatasetIterator"
 
 
 def make_dataset(
@@ -238,7 +377,7 @@ def make_dataset(
     process_index: int,
     process_count: int,
 ) -> grain.MapDataset:
-    """The batched, sharded, shuffled, repeated grain MapDataset of one process."""
+    """The sharded, shuffled, tokenised, repeated grain MapDataset of one process's examples."""
     if not 0 <= process_index < process_count:
         raise DataError(f"process_index {process_index} not in [0, {process_count})")
     per_process = len(source) // process_count
@@ -255,12 +394,11 @@ def make_dataset(
     pad_id = resolve_pad_id(tokenizer, config.pad_id)
 
     def tokenize(example: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return tokenize_example(example, tokenizer, config.seq_len, pad_id, config.enable_thinking)
+        return tokenize_example(example, tokenizer, config.seq_lens, pad_id, config.enable_thinking)
 
     ds = grain.MapDataset.source(source).shuffle(seed=config.seed)
     ds = ds[process_index : per_process * process_count : process_count]
-    ds = ds.map(tokenize).repeat(epochs)
-    return ds.batch(config.batch_size, drop_remainder=True)
+    return ds.map(tokenize).repeat(epochs)
 
 
 def make_iterator(
@@ -269,10 +407,10 @@ def make_iterator(
     process_index: int | None = None,
     process_count: int | None = None,
 ) -> grain.DatasetIterator:
-    """A checkpointable iterator of this process's batches.
+    """A checkpointable iterator of this process's length-bucketed batches.
 
-    `get_state()` / `set_state()` resume exactly. The process defaults to jax's; pass both
-    explicitly to simulate several processes.
+    `get_state()` / `set_state()` resume exactly (the state is JSON-serialisable). The process
+    defaults to jax's; pass both explicitly to simulate several processes.
     """
     if process_index is None or process_count is None:
         import jax
@@ -280,8 +418,8 @@ def make_iterator(
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     source = JsonlConversationSource(config.paths, config.skip_bad_records)
-    ds = make_dataset(source, tokenizer, config, process_index, process_count)
+    examples = make_dataset(source, tokenizer, config, process_index, process_count)
     options = grain.ReadOptions(
         num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size
     )
-    return iter(ds.to_iter_dataset(options))
+    return iter(BucketBatchIterDataset(examples, config.batch_size, config.seq_lens, options))

@@ -70,6 +70,9 @@ class TrainConfig:
     micro-batch (gradient accumulation runs global / (per-device x batch-parallel devices) micro
     steps); None processes the whole global batch at once. `target_dtype` None uses the recipe's
     dtype. `init_drafter` fine-tunes an existing drafter instead of starting from scratch.
+    `seq_lens` are the length buckets of the training batches (strictly ascending, ending at
+    `recipe.max_length`; one compiled step each); None pads everything to `recipe.max_length`.
+    Evaluation always uses `recipe.max_length`.
     """
 
     name: str
@@ -84,6 +87,7 @@ class TrainConfig:
     anchors_per_chunk: int = 64
     target_dtype: str | None = None
     init_drafter: str | None = None
+    seq_lens: tuple[int, ...] | None = None
     log_every: int = 10
     eval_batches: int = 1
     save_every: int = 1000
@@ -115,6 +119,19 @@ class TrainConfig:
             if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ConfigError(f"{field} must be >= 1 or None, got {getattr(self, field)}")
         StepConfig(r.num_anchors, self.anchors_per_chunk)
+        if self.seq_lens is not None:
+            lens = tuple(self.seq_lens)
+            if (
+                not lens
+                or lens[0] < 2
+                or any(a >= b for a, b in zip(lens, lens[1:], strict=False))
+                or lens[-1] != r.max_length
+            ):
+                raise ConfigError(
+                    f"seq_lens must be strictly ascending lengths >= 2 ending at the recipe's "
+                    f"max_length {r.max_length}, got {self.seq_lens}"
+                )
+            object.__setattr__(self, "seq_lens", lens)
 
     @property
     def loss_weights(self) -> LossWeights:
@@ -309,7 +326,11 @@ def train(
 
     local_batch = recipe.global_batch_size // jax.process_count()
     data_cfg = DataConfig(
-        paths=data_paths, seq_len=recipe.max_length, batch_size=local_batch, seed=recipe.seed
+        paths=data_paths,
+        seq_len=recipe.max_length,
+        seq_lens=config.seq_lens,
+        batch_size=local_batch,
+        seed=recipe.seed,
     )
     iterator = make_iterator(data_cfg, tokenizer)
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
@@ -324,6 +345,8 @@ def train(
         state = checkpointer.restore(abstract, iterator, record)
         logger.info("resumed from step %d", resumed_from)
 
+    # The sequence dimension is never sharded, so these shardings (and the jitted steps) take
+    # every bucket length; each new length compiles once.
     shardings = batch_shardings(mesh, recipe.global_batch_size, recipe.max_length)
     train_step = make_train_step(
         models,
@@ -368,9 +391,12 @@ def train(
     bar = tqdm(total=end, initial=step, desc=config.name, disable=not (progress and is_main))
     pending: list[dict[str, jax.Array]] = []
     first_step = step
-    timed_steps, interval_start = 0, time.perf_counter()
+    timed_steps, timed_tokens, truncated = 0, 0, 0
+    interval_start = time.perf_counter()
     while step < end:
-        batch = _global_batch(next(iterator), shardings)
+        local = next(iterator)
+        truncated += int(np.sum(local["num_tokens"] > local["length"]))
+        batch = _global_batch(local, shardings)
         state, metrics = train_step(state, frozen, batch)
         pending.append(metrics)
         step += 1
@@ -380,19 +406,21 @@ def train(
             interval_start = time.perf_counter()
         else:
             timed_steps += 1
+            timed_tokens += batch["tokens"].size
         if step % config.log_every == 0 or step == end:
             records = jax.device_get(pending)
+            # `truncated`: this process's sequences cut to the largest bucket in the interval.
             entry = {"split": "train", "step": step, **_mean_records(records)}
+            entry["truncated"] = truncated
             if timed_steps:
                 elapsed = time.perf_counter() - interval_start
                 entry["steps_per_s"] = timed_steps / elapsed
-                entry["seq_tokens_per_s"] = entry["steps_per_s"] * (
-                    recipe.global_batch_size * recipe.max_length
-                )
+                entry["seq_tokens_per_s"] = timed_tokens / elapsed
             log.write(entry)
             history.append(entry)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['tau']:.2f}")
-            pending, timed_steps, interval_start = [], 0, time.perf_counter()
+            pending, timed_steps, timed_tokens, truncated = [], 0, 0, 0
+            interval_start = time.perf_counter()
         bar.update(1)
         if step % config.save_every == 0 or step == end:
             checkpointer.save(state, iterator, record)
