@@ -31,7 +31,6 @@ import datetime
 import functools
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from provenance import git_commit
 
 import configs
 from dspark_jax.decoding.engine import Engine, EngineConfig
@@ -67,19 +67,6 @@ BANDWIDTH_GBS = (
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Parameters read by row lookups only, so a decode step touches a few rows, not the table.
 LOOKUP_ONLY = {"target": ("embed_tokens",), "drafter": ("embed_tokens", "markov_w1")}
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def default_bandwidth_gbs(device_kind: str) -> float | None:
@@ -267,7 +254,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "decode_speed",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "device": device.device_kind,
         "platform": device.platform,
         "jax": jax.__version__,

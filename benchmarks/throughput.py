@@ -25,11 +25,11 @@ import functools
 import glob
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import jax
 import numpy as np
+from provenance import git_commit
 
 from dspark_jax.calibration.sts import StsArtifact
 from dspark_jax.checkpoints.jax_format import load_drafter, load_target
@@ -186,12 +186,7 @@ def main() -> None:
             rows.append({"concurrency": c, "mode": mode, **cell})
             print(_row(rows[-1]), flush=True)
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent,
-    ).stdout.strip()
+    commit = git_commit()
     device = jax.devices()[0]
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -22,7 +22,6 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from provenance import git_commit
 
 import configs
 from dspark_jax.config import DrafterConfig, Qwen3Config
@@ -95,19 +95,6 @@ def _peak_flops(device) -> float | None:
     return None
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _batch(batch: int, seq_len: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
     """Random tokens; the first eighth of each sequence is prompt, the rest assistant."""
     rng = np.random.default_rng(seed)
@@ -170,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     peak = _peak_flops(jax.devices()[0])
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
         "platform": jax.default_backend(),
         "host": platform.node(),
