@@ -31,16 +31,17 @@ import jax
 import numpy as np
 from provenance import git_commit
 
+from configs.tiny import TINY_VANILLA_DIR
 from dspark_jax.calibration.sts import StsArtifact
-from dspark_jax.checkpoints.jax_format import load_drafter, load_target
+from dspark_jax.checkpoints.jax_format import load_decoding_models
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.decoding.profiling import profile_target
 from dspark_jax.sampling import SamplingConfig
-from dspark_jax.tokenizer import encode_chat, load_tokenizer, stop_token_ids
+from dspark_jax.tokenizer import encode_chat
 
-ASSETS = Path(__file__).resolve().parents[1] / "dspark_jax" / "assets" / "tiny-vanilla"
+ASSETS = TINY_VANILLA_DIR
 CONCURRENCY = (1, 8, 32, 64)
 BUCKETS = (1, 2, 4, 8)
 THRESHOLDS = (
@@ -109,15 +110,18 @@ def main() -> None:
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(","))
 
-    _, target, tokenizer_dir = load_target(args.target, progress=False)
-    _, drafter, fingerprint = load_drafter(args.draft, progress=False)
-    gamma = drafter.cfg.block_size
+    models = load_decoding_models(args.target, args.draft, progress=False)
+    target, drafter, tokenizer, stops = (
+        models.target,
+        models.drafter,
+        models.tokenizer,
+        models.stop_tokens,
+    )
+    fingerprint, gamma = models.drafter_fingerprint, models.gamma
     sampling = SamplingConfig(temperature=args.temperature)
     sts = None
     if args.sts:
         sts = StsArtifact.load(args.sts, fingerprint, args.temperature)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    stops = stop_token_ids(tokenizer_dir, target.cfg.eos_token_ids, tokenizer)
     n_prompts = 2 * max(levels)
     if args.prompts:
         prompts = jsonl_prompts(args.prompts, tokenizer, n_prompts)

@@ -8,12 +8,13 @@ drafter's Markov head, and the vanilla fixture's target ties its embeddings.
 from __future__ import annotations
 
 import dataclasses
+from importlib import resources
 from pathlib import Path
 
 from dspark_jax.config import DrafterConfig, Qwen3Config, RopeConfig
 
 # The vanilla pair (tests/fixtures/deepspec-tiny-vanilla), shipped as package data: target/, draft/.
-TINY_VANILLA_DIR = Path(__file__).resolve().parents[1] / "dspark_jax" / "assets" / "tiny-vanilla"
+TINY_VANILLA_DIR = Path(str(resources.files("dspark_jax").joinpath("assets", "tiny-vanilla")))
 
 TINY_EOS_TOKEN_ID = 256
 TINY_MASK_TOKEN_ID = 257

@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from configs.recipes import TrainRecipe, dflash_recipe
+from configs.recipes import DSPARK_RECIPE, dflash_recipe
 from configs.tiny import TINY_VANILLA_DIR, TINY_VANILLA_DSPARK
 from train.trainer import TrainConfig
 
 TINY_TARGET = str(TINY_VANILLA_DIR / "target")
 
-TINY_RECIPE = TrainRecipe(
-    block_size=7,
+# The released recipe scaled down to the fixture models and a few CPU minutes.
+TINY_RECIPE = dataclasses.replace(
+    DSPARK_RECIPE,
     num_draft_layers=2,
     num_anchors=32,
     learning_rate=3e-3,
-    warmup_ratio=0.04,
-    weight_decay=0.0,
     dtype="float32",
     global_batch_size=8,
     num_epochs=1,
-    max_grad_norm=1.0,
     max_length=256,
-    loss_decay_gamma=4.0,
-    ce_weight=0.1,
-    l1_weight=0.9,
-    confidence_weight=1.0,
     seed=0,
 )
 TINY_DFLASH_RECIPE = dflash_recipe(TINY_RECIPE)

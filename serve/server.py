@@ -43,14 +43,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from configs.tiny import TINY_VANILLA_DIR
-from dspark_jax.checkpoints.jax_format import load_drafter, load_target
-from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
+from dspark_jax.checkpoints.jax_format import load_decoding_models
+from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError, power_of_two_buckets
 from dspark_jax.decoding.generate import Request, Result, generate
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import SamplingConfig
-from dspark_jax.tokenizer import decode_text, encode_chat, load_tokenizer, stop_token_ids
+from dspark_jax.tokenizer import decode_text, encode_chat
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,7 @@ class ServerConfig:
         """The shape settings every engine of the server is built with."""
         buckets = self.batch_buckets
         if buckets is None:
-            powers = [1 << i for i in range((self.batch_size - 1).bit_length())]
-            buckets = (*powers, self.batch_size)
+            buckets = power_of_two_buckets(self.batch_size)
         return EngineConfig(
             max_len=self.max_len,
             max_new_tokens=self.max_new_tokens,
@@ -146,27 +145,16 @@ def load_served_model(
         target, draft = TINY_VANILLA_DIR / "target", TINY_VANILLA_DIR / "draft"
     if target is None:
         raise UserError("a drafter needs its target: give --target too")
-    target_cfg, target_model, model_dir = load_target(target, dtype)
-    drafter, fingerprint = None, None
-    if draft is not None:
-        _, drafter, fingerprint = load_drafter(draft, dtype)
-        drafter.cfg.check_target(target_cfg)
-    tokenizer = load_tokenizer(model_dir)
+    models = load_decoding_models(target, draft, dtype)
     info = {
         "target": str(target),
-        "draft": None if draft is None else str(draft),
-        "draft_fingerprint": fingerprint,
-        "vocab_size": target_cfg.vocab_size,
-        "block_size": drafter.cfg.block_size if drafter is not None else None,
-        "dtype": target_cfg.dtype,
+        "draft": models.drafter_path,
+        "draft_fingerprint": models.drafter_fingerprint,
+        "vocab_size": models.target.cfg.vocab_size,
+        "block_size": models.gamma or None,
+        "dtype": models.target.cfg.dtype,
     }
-    return ServedModel(
-        target_model,
-        drafter,
-        tokenizer,
-        stop_token_ids(model_dir, target_cfg.eos_token_ids, tokenizer),
-        info,
-    )
+    return ServedModel(models.target, models.drafter, models.tokenizer, models.stop_tokens, info)
 
 
 # -- request parsing ---------------------------------------------------------------------------

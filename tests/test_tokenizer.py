@@ -6,6 +6,7 @@ import os
 import pytest
 from _chat_tokenizer import QWEN3_HISTORY_TEMPLATE, build_chat_tokenizer
 
+from configs.tiny import TINY_VANILLA_DIR
 from dspark_jax.tokenizer import (
     ByteTokenizer,
     ChatTemplateError,
@@ -15,7 +16,7 @@ from dspark_jax.tokenizer import (
     load_tokenizer,
 )
 
-ASSETS = os.path.join(os.path.dirname(__file__), "..", "dspark_jax", "assets", "tiny-vanilla")
+ASSETS = str(TINY_VANILLA_DIR)
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

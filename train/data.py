@@ -55,6 +55,22 @@ class DataError(UserError):
     """A training record is malformed or the dataset cannot produce batches."""
 
 
+def check_seq_lens(seq_lens, max_length: int) -> tuple[int, ...]:
+    """Length buckets as a tuple: strictly ascending, each >= 2, the last equal to max_length."""
+    lens = tuple(int(n) for n in seq_lens)
+    if (
+        not lens
+        or lens[0] < 2
+        or any(a >= b for a, b in zip(lens, lens[1:], strict=False))
+        or lens[-1] != max_length
+    ):
+        raise DataError(
+            f"seq_lens must be strictly ascending lengths >= 2 ending at the maximum length "
+            f"{max_length}, got {tuple(seq_lens)}"
+        )
+    return lens
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Settings of the training input pipeline.
@@ -87,18 +103,8 @@ class DataConfig:
             raise DataError("DataConfig.paths is empty")
         if self.seq_len < 2:
             raise DataError(f"seq_len must be at least 2, got {self.seq_len}")
-        seq_lens = (self.seq_len,) if self.seq_lens is None else tuple(self.seq_lens)
-        if (
-            not seq_lens
-            or seq_lens[0] < 2
-            or any(a >= b for a, b in zip(seq_lens, seq_lens[1:], strict=False))
-            or seq_lens[-1] != self.seq_len
-        ):
-            raise DataError(
-                f"seq_lens must be strictly ascending lengths >= 2 ending at seq_len "
-                f"{self.seq_len}, got {self.seq_lens}"
-            )
-        object.__setattr__(self, "seq_lens", seq_lens)
+        seq_lens = (self.seq_len,) if self.seq_lens is None else self.seq_lens
+        object.__setattr__(self, "seq_lens", check_seq_lens(seq_lens, self.seq_len))
         if self.batch_size < 1:
             raise DataError(f"batch_size must be positive, got {self.batch_size}")
         if self.num_epochs is not None and self.num_epochs < 1:

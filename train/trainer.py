@@ -38,7 +38,7 @@ from dspark_jax.config import ConfigError, DrafterConfig
 from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
 from dspark_jax.tokenizer import load_tokenizer
 from train.checkpointing import TrainCheckpointer
-from train.data import DataConfig, JsonlConversationSource, make_iterator
+from train.data import DataConfig, JsonlConversationSource, check_seq_lens, make_iterator
 from train.loss import LossWeights
 from train.step import (
     FrozenParams,
@@ -120,18 +120,7 @@ class TrainConfig:
                 raise ConfigError(f"{field} must be >= 1 or None, got {getattr(self, field)}")
         StepConfig(r.num_anchors, self.anchors_per_chunk)
         if self.seq_lens is not None:
-            lens = tuple(self.seq_lens)
-            if (
-                not lens
-                or lens[0] < 2
-                or any(a >= b for a, b in zip(lens, lens[1:], strict=False))
-                or lens[-1] != r.max_length
-            ):
-                raise ConfigError(
-                    f"seq_lens must be strictly ascending lengths >= 2 ending at the recipe's "
-                    f"max_length {r.max_length}, got {self.seq_lens}"
-                )
-            object.__setattr__(self, "seq_lens", lens)
+            object.__setattr__(self, "seq_lens", check_seq_lens(self.seq_lens, r.max_length))
 
     @property
     def loss_weights(self) -> LossWeights:

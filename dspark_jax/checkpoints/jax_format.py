@@ -28,7 +28,7 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,10 @@ from dspark_jax.config import DTYPES, ConfigError, DrafterConfig, Qwen3Config, r
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.tokenizer import load_tokenizer, stop_token_ids
+
+if TYPE_CHECKING:
+    from dspark_jax.tokenizer import Tokenizer
 
 FORMAT_NAME = "dspark-jax"
 FORMAT_VERSION = 1
@@ -508,3 +512,48 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike, overwrite: bo
     _check_no_overlap(Path(out), protected)
     raw, _, model, _ = _read_drafter(part_dir, None, progress=False)
     return write_drafter_torch(model, raw, out, overwrite=overwrite)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingModels:
+    """What decoding needs: the target, an optional drafter, the tokenizer and stop tokens."""
+
+    target: Qwen3
+    model_dir: Path
+    drafter: DSparkDrafter | None
+    drafter_path: str | None
+    drafter_fingerprint: str | None
+    tokenizer: Tokenizer
+    stop_tokens: tuple[int, ...]
+
+    @property
+    def gamma(self) -> int:
+        return 0 if self.drafter is None else self.drafter.cfg.block_size
+
+
+def load_decoding_models(
+    target: str | os.PathLike,
+    draft: str | os.PathLike | None = None,
+    dtype=None,
+    *,
+    progress: bool = True,
+) -> DecodingModels:
+    """Loads a target (and a drafter, checked against it) with the target's tokenizer.
+
+    Stop tokens are the target config's EOS ids, generation_config.json's and the tokenizer's.
+    """
+    target_cfg, target_model, model_dir = load_target(target, dtype, progress=progress)
+    drafter = fingerprint = None
+    if draft is not None:
+        _, drafter, fingerprint = load_drafter(draft, dtype, progress=progress)
+        drafter.cfg.check_target(target_cfg)
+    tokenizer = load_tokenizer(model_dir)
+    return DecodingModels(
+        target=target_model,
+        model_dir=Path(model_dir),
+        drafter=drafter,
+        drafter_path=None if draft is None else str(draft),
+        drafter_fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        stop_tokens=stop_token_ids(model_dir, target_cfg.eos_token_ids, tokenizer),
+    )

@@ -7,27 +7,18 @@ run offline on a laptop; `--target` / `--draft` take any form `load_target` / `l
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from configs.tiny import TINY_VANILLA_DIR
 from dspark_jax.commands.policy_args import add_policy_arguments, build_policy, load_sts
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.errors import UserError
-from dspark_jax.models.drafter import DSparkDrafter
-from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from dspark_jax.tokenizer import Tokenizer
+    from dspark_jax.checkpoints.jax_format import DecodingModels
 
-EMBEDDED_MODEL = "tiny-vanilla"
-
-
-def embedded_model_dir(part: str) -> Path:
-    """The folder of the embedded tiny model's `target` or `draft` (PyTorch safetensors)."""
-    return Path(str(resources.files("dspark_jax").joinpath("assets", EMBEDDED_MODEL, part)))
+EMBEDDED_MODEL = TINY_VANILLA_DIR.name
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = True) -> None:
@@ -90,59 +81,17 @@ def check_sizes(args: argparse.Namespace) -> None:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
 
 
-def batch_buckets(batch_size: int) -> tuple[int, ...]:
-    """Powers of two below `batch_size`, and `batch_size` itself (for a last, partial batch)."""
-    buckets = {batch_size}
-    size = 1
-    while size < batch_size:
-        buckets.add(size)
-        size *= 2
-    return tuple(sorted(buckets))
+def load_models(args: argparse.Namespace, with_drafter: bool = True) -> DecodingModels:
+    """Target, tokenizer, stop tokens and (unless `with_drafter` is false) the drafter; both
+    default to the embedded tiny pair."""
+    from dspark_jax.checkpoints.jax_format import load_decoding_models
 
-
-@dataclasses.dataclass
-class Models:
-    """What a decoding command loads: target, optional drafter, tokenizer and stop tokens."""
-
-    target: Qwen3
-    model_dir: Path
-    drafter: DSparkDrafter | None
-    drafter_path: str | None
-    drafter_fingerprint: str | None
-    tokenizer: Tokenizer
-    stop_tokens: tuple[int, ...]
-
-    @property
-    def gamma(self) -> int:
-        return 0 if self.drafter is None else self.drafter.cfg.block_size
-
-
-def load_models(args: argparse.Namespace, with_drafter: bool = True) -> Models:
-    """Target, tokenizer, stop tokens and (unless `with_drafter` is false) the drafter."""
-    from dspark_jax.checkpoints.jax_format import load_drafter, load_target
-    from dspark_jax.tokenizer import load_tokenizer, stop_token_ids
-
-    target_cfg, target, model_dir = load_target(
-        args.target or embedded_model_dir("target"), dtype=args.dtype
-    )
-    drafter = fingerprint = draft_path = None
-    if with_drafter:
-        draft_path = str(args.draft or embedded_model_dir("draft"))
-        _, drafter, fingerprint = load_drafter(draft_path, dtype=args.dtype)
-    tokenizer = load_tokenizer(model_dir)
-    return Models(
-        target=target,
-        model_dir=Path(model_dir),
-        drafter=drafter,
-        drafter_path=draft_path,
-        drafter_fingerprint=fingerprint,
-        tokenizer=tokenizer,
-        stop_tokens=stop_token_ids(model_dir, target_cfg.eos_token_ids, tokenizer),
-    )
+    draft = (args.draft or TINY_VANILLA_DIR / "draft") if with_drafter else None
+    return load_decoding_models(args.target or TINY_VANILLA_DIR / "target", draft, dtype=args.dtype)
 
 
 def build_engine(
-    models: Models,
+    models: DecodingModels,
     args: argparse.Namespace,
     cfg: EngineConfig,
     sampling: SamplingConfig,

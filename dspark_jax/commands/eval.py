@@ -78,13 +78,12 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.calibration.records import records_from_results
     from dspark_jax.commands.decode_args import (
-        batch_buckets,
         build_engine,
         check_sizes,
         load_models,
         sampling_from_args,
     )
-    from dspark_jax.decoding.engine import EngineConfig
+    from dspark_jax.decoding.engine import EngineConfig, power_of_two_buckets
     from dspark_jax.decoding.evaluate import (
         WarmEngine,
         evaluate_dataset,
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = EngineConfig(
         max_len=args.max_len,
         max_new_tokens=args.max_new_tokens,
-        batch_buckets=batch_buckets(args.batch_size),
+        batch_buckets=power_of_two_buckets(args.batch_size),
     )
     spec = WarmEngine(build_engine(models, args, cfg, sampling))
     plain = None if args.no_plain else WarmEngine(build_engine(models, args, cfg, sampling, False))

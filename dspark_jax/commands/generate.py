@@ -165,13 +165,12 @@ def _max_len(args, models, conversations, id_prompts) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.commands.decode_args import (
-        batch_buckets,
         build_engine,
         check_sizes,
         load_models,
         sampling_from_args,
     )
-    from dspark_jax.decoding.engine import EngineConfig
+    from dspark_jax.decoding.engine import EngineConfig, power_of_two_buckets
     from dspark_jax.decoding.evaluate import WarmEngine, acceptance_stats, answer_conversations
     from dspark_jax.decoding.generate import Request, generate
     from dspark_jax.tokenizer import decode_text
@@ -191,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = EngineConfig(
         max_len=_max_len(args, models, conversations, id_prompts),
         max_new_tokens=args.max_new_tokens,
-        batch_buckets=batch_buckets(args.batch_size),
+        batch_buckets=power_of_two_buckets(args.batch_size),
     )
     engine = WarmEngine(build_engine(models, args, cfg, sampling))
     single = len(id_prompts or conversations) == 1

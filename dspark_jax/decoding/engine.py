@@ -83,6 +83,11 @@ class EngineConfig:
         return _bucket(n, fitting, "prompt length")
 
 
+def power_of_two_buckets(batch_size: int) -> tuple[int, ...]:
+    """Powers of two below `batch_size`, and `batch_size` itself (for a last, partial batch)."""
+    return (*(1 << i for i in range((batch_size - 1).bit_length())), batch_size)
+
+
 def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
     for b in sorted(buckets):
         if b >= n:
