@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 from provenance import git_commit
 
-import configs
+from dspark_jax import configs
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3

@@ -31,17 +31,17 @@ import jax
 import numpy as np
 from provenance import git_commit
 
-from configs.tiny import TINY_VANILLA_DIR
 from dspark_jax.calibration.sts import StsArtifact
-from dspark_jax.checkpoints.jax_format import load_decoding_models
+from dspark_jax.checkpoints.converted import load_decoding_models
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.decoding.profiling import profile_target
+from dspark_jax.embedded import EMBEDDED_DIR
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.tokenizer import encode_chat
 
-ASSETS = TINY_VANILLA_DIR
+ASSETS = EMBEDDED_DIR
 CONCURRENCY = (1, 8, 32, 64)
 BUCKETS = (1, 2, 4, 8)
 THRESHOLDS = (

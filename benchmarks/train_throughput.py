@@ -31,11 +31,11 @@ import numpy as np
 from flax import nnx
 from provenance import git_commit
 
-import configs
+from dspark_jax import configs
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
-from train import step as S
+from dspark_jax.training import step as S
 
 # Dense bf16 peak FLOP/s per device, by substring of jax's device_kind.
 PEAK_BF16_FLOPS = {

@@ -1,5 +1,9 @@
 """Named configs: Qwen3 targets, their DSpark/DFlash drafters, tiny test models, recipes.
 
+Installed as the subpackage `dspark_jax.configs` (this folder is mapped into the wheel), so the
+files import one another by absolute `dspark_jax.configs...` names: a copy of one, edited and
+passed to `--config my_file.py`, works unchanged.
+
 configs.get("dspark-qwen3-4b")  -> DrafterConfig
 configs.get("qwen3-8b")         -> Qwen3Config
 configs.get("dspark-recipe")    -> TrainRecipe
@@ -8,9 +12,9 @@ configs.names()                 -> every known name, sorted
 
 from __future__ import annotations
 
-from configs import qwen3, recipes, tiny
-from configs.recipes import TrainRecipe
 from dspark_jax.config import ConfigError, DrafterConfig, Qwen3Config
+from dspark_jax.configs import qwen3, recipes, tiny
+from dspark_jax.training.recipe import TrainRecipe
 
 NamedConfig = Qwen3Config | DrafterConfig | TrainRecipe
 

@@ -2,19 +2,15 @@
 
 A 4-layer byte-level target (vocab 288: bytes, EOS 256, mask 257, 30 unused rows) and a 2-layer
 drafter tapping layers 0 and 2, in float32 like the fixtures; "vanilla" and "gated" name the
-drafter's Markov head, and the vanilla fixture's target ties its embeddings.
+drafter's Markov head, and the vanilla fixture's target ties its embeddings. The vanilla pair's
+weights ship with the package (`dspark_jax.embedded`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from importlib import resources
-from pathlib import Path
 
 from dspark_jax.config import DrafterConfig, Qwen3Config, RopeConfig
-
-# The vanilla pair (tests/fixtures/deepspec-tiny-vanilla), shipped as package data: target/, draft/.
-TINY_VANILLA_DIR = Path(str(resources.files("dspark_jax").joinpath("assets", "tiny-vanilla")))
 
 TINY_EOS_TOKEN_ID = 256
 TINY_MASK_TOKEN_ID = 257

@@ -13,11 +13,9 @@ batch is gradient accumulation, so the same config runs on any number of devices
 
 from __future__ import annotations
 
-from configs import qwen3
-from configs.recipes import DSPARK_RECIPE, dflash_recipe
-from train.trainer import TrainConfig
-
-DFLASH_RECIPE = dflash_recipe(DSPARK_RECIPE)
+from dspark_jax.configs import qwen3
+from dspark_jax.configs.recipes import DFLASH_RECIPE, DSPARK_RECIPE
+from dspark_jax.training.trainer import TrainConfig
 
 _TARGETS = {"4b": "Qwen/Qwen3-4B", "8b": "Qwen/Qwen3-8B", "14b": "Qwen/Qwen3-14B"}
 _DRAFTERS = {

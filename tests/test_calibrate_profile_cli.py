@@ -9,8 +9,8 @@ from fixture_models import fixture_dir
 
 from dspark_jax import cli
 from dspark_jax.calibration.sts import CalibrationRecords, StsArtifact, StsArtifactMismatchError
-from dspark_jax.checkpoints.jax_format import load_drafter
-from dspark_jax.commands import policy_args
+from dspark_jax.checkpoints.converted import load_drafter
+from dspark_jax.cli import args as policy_args
 from dspark_jax.decoding import policies
 
 DRAFTER = fixture_dir("vanilla") / "draft"

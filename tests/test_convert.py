@@ -18,8 +18,8 @@ from fixture_models import VARIANTS, fixture_dir
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from dspark_jax.checkpoints import jax_format
-from dspark_jax.checkpoints.jax_format import (
+from dspark_jax.checkpoints import converted
+from dspark_jax.checkpoints.converted import (
     fingerprint_tensors,
     load_drafter,
     load_target,
@@ -361,13 +361,13 @@ def test_usage_errors(tmp_path, capsys):
 
 
 def test_interrupt_leaves_no_output(tmp_path, capsys, monkeypatch):
-    save = jax_format._save_params
+    save = converted._save_params
 
     def save_then_interrupt(model, params_dir):
         save(model, params_dir)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(jax_format, "_save_params", save_then_interrupt)
+    monkeypatch.setattr(converted, "_save_params", save_then_interrupt)
     code, err = _cli(
         capsys, "convert", "--draft", fixture_dir("vanilla") / "draft", "--out", tmp_path / "out"
     )

@@ -11,7 +11,7 @@ import pytest
 from fixture_models import fixture_dir, load_pair, max_rel_err, reference_traces
 from flax import nnx
 
-from dspark_jax.checkpoints.jax_format import load_drafter
+from dspark_jax.checkpoints.converted import load_drafter
 from dspark_jax.checkpoints.safetensors_io import (
     CheckpointError,
     SafetensorsFolder,

@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-import configs
-from configs.qwen3 import TAPS_36_LAYERS, spaced_target_layers
-from configs.recipes import DSPARK_RECIPE, TrainRecipe
+from dspark_jax import configs
 from dspark_jax.config import ConfigError, DrafterConfig, Qwen3Config, read_config_json
+from dspark_jax.configs.qwen3 import TAPS_36_LAYERS, spaced_target_layers
+from dspark_jax.configs.recipes import DSPARK_RECIPE, TrainRecipe
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 

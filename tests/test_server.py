@@ -10,8 +10,7 @@ from dspark_jax import cli
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.sampling import SamplingConfig
-from dspark_jax.tokenizer import ByteTokenizer
-from serve.server import (
+from dspark_jax.serving.server import (
     DSparkServer,
     ServerClosedError,
     ServerConfig,
@@ -19,6 +18,7 @@ from serve.server import (
     load_served_model,
     parse_generate,
 )
+from dspark_jax.tokenizer import ByteTokenizer
 
 # One batch bucket keeps compilation to one program set per engine.
 CFG = ServerConfig(

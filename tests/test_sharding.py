@@ -19,8 +19,8 @@ from dspark_jax.sharding import (
     shard_state,
     state_shardings,
 )
+from dspark_jax.training import step as S
 from tests.fixture_models import load_pair
-from train import step as S
 
 
 def _is_var(x):

@@ -6,7 +6,7 @@ import os
 import pytest
 from _chat_tokenizer import QWEN3_HISTORY_TEMPLATE, build_chat_tokenizer
 
-from configs.tiny import TINY_VANILLA_DIR
+from dspark_jax.embedded import EMBEDDED_DIR
 from dspark_jax.tokenizer import (
     ByteTokenizer,
     ChatTemplateError,
@@ -16,7 +16,7 @@ from dspark_jax.tokenizer import (
     load_tokenizer,
 )
 
-ASSETS = str(TINY_VANILLA_DIR)
+ASSETS = str(EMBEDDED_DIR)
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

@@ -9,7 +9,7 @@ import pytest
 from _chat_tokenizer import QWEN3_HISTORY_TEMPLATE, build_chat_tokenizer
 
 from dspark_jax.tokenizer import ByteTokenizer, ChatTemplateError, encode_conversation
-from train.data import (
+from dspark_jax.training.data import (
     DataConfig,
     DataError,
     JsonlConversationSource,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.loss import (
+from dspark_jax.training.loss import (
     DFLASH_WEIGHTS,
     DSPARK_WEIGHTS,
     LossWeights,

@@ -16,19 +16,19 @@ from pathlib import Path
 import jax
 import pytest
 
+from dspark_jax.cli.train import load_train_config
 from dspark_jax.tokenizer import load_tokenizer
-from train.checkpointing import TrainCheckpointer
-from train.cli import load_train_config
-from train.data import DataConfig, make_iterator
-from train.trainer import train
+from dspark_jax.training.checkpointing import TrainCheckpointer
+from dspark_jax.training.data import DataConfig, make_iterator
+from dspark_jax.training.trainer import train
 
 REPO = Path(__file__).parents[1]
 
 CONFIG_FILE = """
 import dataclasses
-from configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
+from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
 from dspark_jax.sharding import MeshConfig
-from train.trainer import TrainConfig
+from dspark_jax.training.trainer import TrainConfig
 
 recipe = dataclasses.replace(
     TINY_RECIPE, num_anchors=8, global_batch_size=4, max_length=48, warmup_ratio=0.25
@@ -90,7 +90,7 @@ def compile_cache(tmp_path_factory):
 def config_file(tmp_path_factory, compile_cache):
     root = tmp_path_factory.mktemp("resume")
     data = root / "train.jsonl"
-    source = (REPO / "train" / "loss.py").read_text()
+    source = (REPO / "dspark_jax" / "training" / "loss.py").read_text()
     with open(data, "w") as f:
         for k, i in enumerate(range(0, 40 * 80, 80)):
             # Answers of 4..63 bytes: conversations of 21..80 tokens fill both buckets or truncate.
@@ -168,7 +168,7 @@ def test_checkpoint_killed_mid_save_is_ignored(
     assert any(p.name == "2" for p in ckpt_dir.iterdir())
 
     config = load_train_config(str(config_file))
-    with caplog.at_level(logging.WARNING, logger="train.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="dspark_jax.training.checkpointing"):
         result = train(config, tmp_path, progress=False, export=False)
     assert any("incomplete checkpoint 4.orbax-checkpoint-tmp" in r.message for r in caplog.records)
     assert result.resumed_from == 2 and result.final_step == 6

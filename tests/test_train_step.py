@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dspark_jax.training import step as S
+from dspark_jax.training.loss import DSPARK_WEIGHTS, sample_anchors
 from tests.fixture_models import load_pair
-from train import step as S
-from train.loss import DSPARK_WEIGHTS, sample_anchors
 
 GAMMA = 7
 DECAY = DSPARK_WEIGHTS.decay

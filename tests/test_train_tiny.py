@@ -10,12 +10,12 @@ import json
 import numpy as np
 import pytest
 
-from configs.train_tiny import TINY_TARGET, TRAIN_CONFIGS
-from dspark_jax.checkpoints.jax_format import load_drafter, load_target
+from dspark_jax.checkpoints.converted import load_drafter, load_target
 from dspark_jax.cli import main
+from dspark_jax.cli.train import load_train_config, train_config_names
 from dspark_jax.config import ConfigError
-from train.cli import load_train_config, train_config_names
-from train.trainer import TrainConfig, train
+from dspark_jax.configs.train_tiny import TINY_TARGET, TRAIN_CONFIGS
+from dspark_jax.training.trainer import TrainConfig, train
 
 
 def test_named_configs_and_errors():
@@ -104,7 +104,7 @@ def test_tiny_dspark_and_dflash_beat_their_untrained_start(tmp_path):
     """Same budget (400 steps of 8 x 256 tokens, 32 anchors) for both. Evaluation: 4 held-out
     batches (32 sequences, up to 1024 blocks) with fixed anchors; engine: 16 held-out prompts,
     greedy. Deterministic (seeded data order, init and anchors)."""
-    from train.step import new_drafter
+    from dspark_jax.training.step import new_drafter
 
     _, target, _ = load_target(TINY_TARGET)
     prompts = []

@@ -32,15 +32,20 @@ from flax import nnx
 from jax.experimental.multihost_utils import process_allgather
 from tqdm.auto import tqdm
 
-from configs.recipes import TrainRecipe
-from dspark_jax.checkpoints.jax_format import load_drafter, load_target, write_drafter_torch
+from dspark_jax.checkpoints.converted import load_drafter, load_target, write_drafter_torch
 from dspark_jax.config import ConfigError, DrafterConfig
+from dspark_jax.configs.recipes import TrainRecipe
 from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
 from dspark_jax.tokenizer import load_tokenizer
-from train.checkpointing import TrainCheckpointer
-from train.data import DataConfig, JsonlConversationSource, check_seq_lens, make_iterator
-from train.loss import LossWeights
-from train.step import (
+from dspark_jax.training.checkpointing import TrainCheckpointer
+from dspark_jax.training.data import (
+    DataConfig,
+    JsonlConversationSource,
+    check_seq_lens,
+    make_iterator,
+)
+from dspark_jax.training.loss import LossWeights
+from dspark_jax.training.step import (
     FrozenParams,
     Models,
     StepConfig,

@@ -84,14 +84,14 @@ def _build_models(args: argparse.Namespace):
 
     from flax import nnx
 
-    import configs
+    from dspark_jax import configs
     from dspark_jax.config import ConfigError, Qwen3Config
     from dspark_jax.models.drafter import DSparkDrafter
     from dspark_jax.models.qwen3 import Qwen3
 
     round_mode = args.mode == "round"
     if args.target:
-        from dspark_jax.checkpoints.jax_format import load_drafter, load_target
+        from dspark_jax.checkpoints.converted import load_drafter, load_target
 
         if round_mode and not args.draft:
             raise ConfigError("--mode round with --target needs --draft")

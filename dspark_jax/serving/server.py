@@ -42,10 +42,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from configs.tiny import TINY_VANILLA_DIR
-from dspark_jax.checkpoints.jax_format import load_decoding_models
+from dspark_jax.checkpoints.converted import load_decoding_models
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError, power_of_two_buckets
 from dspark_jax.decoding.generate import Request, Result, generate
+from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
@@ -142,7 +142,7 @@ def load_served_model(
     A target without a draft serves plain decoding only. A draft needs its target.
     """
     if target is None and draft is None:
-        target, draft = TINY_VANILLA_DIR / "target", TINY_VANILLA_DIR / "draft"
+        target, draft = EMBEDDED_TARGET, EMBEDDED_DRAFT
     if target is None:
         raise UserError("a drafter needs its target: give --target too")
     models = load_decoding_models(target, draft, dtype)

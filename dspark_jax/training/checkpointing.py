@@ -23,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from dspark_jax.errors import UserError
-from train.step import TrainState
+from dspark_jax.training.step import TrainState
 
 logger = logging.getLogger(__name__)
 

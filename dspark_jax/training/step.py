@@ -42,7 +42,7 @@ from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sharding import constrain, logical_sharding, state_shardings
-from train.loss import (
+from dspark_jax.training.loss import (
     DSPARK_WEIGHTS,
     BlockLabels,
     LossWeights,

@@ -23,7 +23,7 @@ TURN_OVERHEAD_TOKENS = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dspark_jax.commands.decode_args import add_model_arguments, add_sampling_arguments
+    from dspark_jax.cli.args import add_model_arguments, add_sampling_arguments
 
     group = parser.add_argument_group("prompts (default: one built-in prompt)")
     group.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -164,7 +164,7 @@ def _max_len(args, models, conversations, id_prompts) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.commands.decode_args import (
+    from dspark_jax.cli.args import (
         build_engine,
         check_sizes,
         load_models,

@@ -1,7 +1,9 @@
-"""Options and loading shared by the commands that decode (`generate`, `eval`).
+"""Command-line options shared by the commands: models, sampling, verification policy, STS.
 
-Both default to the tiny byte-level model embedded in the package (`dspark_jax/assets`), so they
-run offline on a laptop; `--target` / `--draft` take any form `load_target` / `load_drafter` read.
+`generate` and `eval` take every group; the benchmarks reuse the policy group
+(`add_policy_arguments(parser)` then `build_policy(args, gamma)` and `load_sts(args, ...)`).
+Model options default to the tiny byte-level pair embedded in the package, so the commands run
+offline on a laptop; `--target` / `--draft` take any form `load_target` / `load_drafter` read.
 """
 
 from __future__ import annotations
@@ -9,16 +11,23 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from configs.tiny import TINY_VANILLA_DIR
-from dspark_jax.commands.policy_args import add_policy_arguments, build_policy, load_sts
+from dspark_jax.calibration.sts import StsArtifact
 from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.policies import (
+    POLICY_NAMES,
+    Policy,
+    PolicyError,
+    SpsProfile,
+    make_policy,
+)
+from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_NAME, EMBEDDED_TARGET
 from dspark_jax.errors import UserError
 from dspark_jax.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from dspark_jax.checkpoints.jax_format import DecodingModels
+    from dspark_jax.checkpoints.converted import DecodingModels
 
-EMBEDDED_MODEL = TINY_VANILLA_DIR.name
+EMBEDDED_MODEL = EMBEDDED_NAME
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = True) -> None:
@@ -84,10 +93,10 @@ def check_sizes(args: argparse.Namespace) -> None:
 def load_models(args: argparse.Namespace, with_drafter: bool = True) -> DecodingModels:
     """Target, tokenizer, stop tokens and (unless `with_drafter` is false) the drafter; both
     default to the embedded tiny pair."""
-    from dspark_jax.checkpoints.jax_format import load_decoding_models
+    from dspark_jax.checkpoints.converted import load_decoding_models
 
-    draft = (args.draft or TINY_VANILLA_DIR / "draft") if with_drafter else None
-    return load_decoding_models(args.target or TINY_VANILLA_DIR / "target", draft, dtype=args.dtype)
+    draft = (args.draft or EMBEDDED_DRAFT) if with_drafter else None
+    return load_decoding_models(args.target or EMBEDDED_TARGET, draft, dtype=args.dtype)
 
 
 def build_engine(
@@ -109,4 +118,44 @@ def build_engine(
         stop_tokens=models.stop_tokens,
         sts=load_sts(args, models.drafter_fingerprint, sampling.temperature),
         drafter_fingerprint=models.drafter_fingerprint,
+    )
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("verification policy")
+    group.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        default="fixed",
+        help="how many drafts each request verifies per round (default fixed)",
+    )
+    group.add_argument(
+        "--gamma", type=int, help="drafts verified by the fixed policy (default: the block size)"
+    )
+    group.add_argument(
+        "--threshold",
+        type=float,
+        help="confidence threshold of the (cumulative-)threshold policies",
+    )
+    group.add_argument("--sps-table", help="SPS table JSON from dspark-jax profile (schedulers)")
+    group.add_argument("--sts", help="STS artifact JSON from dspark-jax calibrate")
+
+
+def build_policy(args: argparse.Namespace, block_size: int) -> Policy:
+    """The policy named by --policy for a drafter with `block_size` drafts per block."""
+    sps = SpsProfile.load(args.sps_table) if args.sps_table else None
+    gamma = block_size if args.gamma is None else args.gamma
+    if not 0 <= gamma <= block_size:
+        raise PolicyError(f"--gamma must lie in 0..{block_size} (the block size), got {gamma}")
+    return make_policy(args.policy, gamma, threshold=args.threshold, sps=sps)
+
+
+def load_sts(
+    args: argparse.Namespace, drafter_fingerprint: str, temperature: float
+) -> StsArtifact | None:
+    """The --sts artifact, refused unless it belongs to this drafter and sampling temperature."""
+    if not args.sts:
+        return None
+    return StsArtifact.load(
+        args.sts, expected_fingerprint=drafter_fingerprint, expected_temperature=temperature
     )

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from dspark_jax.calibration import metrics, sts
-    from dspark_jax.checkpoints.jax_format import load_drafter
+    from dspark_jax.checkpoints.converted import load_drafter
     from dspark_jax.errors import UserError
 
     if len(args.records) > 2:

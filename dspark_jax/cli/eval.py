@@ -22,7 +22,7 @@ RECORDS_NAME = "calibration_records.npz"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dspark_jax.commands.decode_args import add_model_arguments, add_sampling_arguments
+    from dspark_jax.cli.args import add_model_arguments, add_sampling_arguments
 
     group = parser.add_argument_group("datasets")
     group.add_argument("files", nargs="*", help='JSONL files of {"turns": [...]} lines')
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from dspark_jax.calibration.records import records_from_results
-    from dspark_jax.commands.decode_args import (
+    from dspark_jax.cli.args import (
         build_engine,
         check_sizes,
         load_models,

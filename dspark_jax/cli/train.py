@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 # Modules whose TRAIN_CONFIGS dicts make up the named configs.
-CONFIG_MODULES = ("configs.train_tiny", "configs.train_qwen3")
+CONFIG_MODULES = ("dspark_jax.configs.train_tiny", "dspark_jax.configs.train_qwen3")
 
 
 def _named_configs() -> dict:
@@ -34,9 +34,9 @@ def train_config_names() -> tuple[str, ...]:
 
 def load_train_config(name_or_path: str):
     """A TrainConfig by name, or the `CONFIG` of a Python file (path ending in .py)."""
-    from configs import UnknownConfigError
     from dspark_jax.config import ConfigError
-    from train.trainer import TrainConfig
+    from dspark_jax.configs import UnknownConfigError
+    from dspark_jax.training.trainer import TrainConfig
 
     if name_or_path.endswith(".py"):
         path = Path(name_or_path)
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         initialize_distributed(
             args.coordinator_address, args.num_processes, args.process_id, auto_detect=True
         )
-    from train.trainer import train
+    from dspark_jax.training.trainer import train
 
     config = load_train_config(args.config)
     overrides = {

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.checkpoints.jax_format import export_drafter
+    from dspark_jax.checkpoints.converted import export_drafter
 
     export_drafter(args.draft, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}")

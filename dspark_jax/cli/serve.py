@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from serve.server import DSparkServer, ServerConfig, load_served_model, log
+    from dspark_jax.serving.server import DSparkServer, ServerConfig, load_served_model, log
 
     # An imported library already configured the root logger, so the access log gets its own.
     handler = logging.StreamHandler()

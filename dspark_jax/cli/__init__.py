@@ -15,14 +15,17 @@ from dspark_jax.errors import UserError
 
 # name -> (module, one-line help). Adding a command is one line here plus its module.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("dspark_jax.commands.convert", "convert PyTorch drafter/target checkpoints to JAX"),
-    "export": ("dspark_jax.commands.export", "export a JAX drafter to the PyTorch layout"),
-    "generate": ("dspark_jax.commands.generate", "generate text with speculative decoding"),
-    "eval": ("dspark_jax.commands.eval", "measure acceptance and speedup over prompt datasets"),
-    "calibrate": ("dspark_jax.commands.calibrate", "fit STS temperatures to calibration records"),
-    "profile": ("dspark_jax.commands.profile", "measure the target's verification steps/s (SPS)"),
-    "train": ("train.cli", "train a DSpark/DFlash drafter with the frozen target run online"),
-    "serve": ("dspark_jax.commands.serve", "serve batched speculative generation over HTTP"),
+    "convert": ("dspark_jax.cli.convert", "convert PyTorch drafter/target checkpoints to JAX"),
+    "export": ("dspark_jax.cli.export", "export a JAX drafter to the PyTorch layout"),
+    "generate": ("dspark_jax.cli.generate", "generate text with speculative decoding"),
+    "eval": ("dspark_jax.cli.eval", "measure acceptance and speedup over prompt datasets"),
+    "calibrate": ("dspark_jax.cli.calibrate", "fit STS temperatures to calibration records"),
+    "profile": ("dspark_jax.cli.profile", "measure the target's verification steps/s (SPS)"),
+    "train": (
+        "dspark_jax.cli.train",
+        "train a DSpark/DFlash drafter with the frozen target run online",
+    ),
+    "serve": ("dspark_jax.cli.serve", "serve batched speculative generation over HTTP"),
 }
 
 # Bad input, reported in one line without a traceback; any other exception keeps its traceback.
@@ -60,6 +63,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dspark-jax {args.command}: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

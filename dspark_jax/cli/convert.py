@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.checkpoints.jax_format import convert_checkpoints
+    from dspark_jax.checkpoints.converted import convert_checkpoints
 
     if args.draft is None and args.target is None:
         raise UserError("give --draft, --target or both")
