@@ -33,6 +33,7 @@ from provenance import git_commit
 
 from dspark_jax.calibration.sts import StsArtifact
 from dspark_jax.checkpoints.converted import load_decoding_models
+from dspark_jax.conversations import read_turns
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.generate import Request, generate
@@ -67,10 +68,9 @@ def source_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def jsonl_prompts(path: str, tokenizer, n: int) -> list[list[int]]:
     """The first turn of the first `n` conversations of an eval_datasets JSONL file, encoded."""
-    lines = Path(path).read_text().splitlines()[:n]
     return [
-        encode_chat(tokenizer, [{"role": "user", "content": json.loads(line)["turns"][0]}])
-        for line in lines
+        encode_chat(tokenizer, [{"role": "user", "content": turns[0]}])
+        for turns in read_turns(path, n)
     ]
 
 

@@ -1,4 +1,5 @@
-"""Tokenizer glue: the byte tokenizer of the tiny test models, Hugging Face loading, chat encoding.
+"""Tokenizer glue: the byte tokenizer of the tiny test models, Hugging Face loading, chat encoding,
+and the tokenizer bundle (the files a model folder carries next to its weights).
 
 Two kinds of tokenizer are supported, both through the same functions:
 
@@ -19,8 +20,11 @@ turns that precede a later user message) break that assumption for multi-turn co
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import shutil
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dspark_jax.config import read_config_json
@@ -36,6 +40,21 @@ _HF_TOKENIZER_FILES = (
     "tokenizer_config.json",
     "tokenizer.model",
     "vocab.json",
+)
+
+
+# The tokenizer bundle: files a serving program needs next to the target weights (tokenizer,
+# chat template, stop tokens), whichever of them a model folder has.
+TOKENIZER_BUNDLE = (
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
 )
 
 
@@ -104,6 +123,17 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
         f"no tokenizer in {model_dir!r}: expected one of {', '.join(_HF_TOKENIZER_FILES)}, or a "
         "config.json of a byte model (vocab_size 288, eos_token_id 256)"
     )
+
+
+def copy_tokenizer_bundle(src: Path, dst: Path) -> list[str]:
+    """Copies the tokenizer bundle (`TOKENIZER_BUNDLE`) of model folder `src` into `dst`; returns
+    the names of the files copied."""
+    copied = []
+    for item in sorted(src.iterdir()):
+        if item.is_file() and any(fnmatch.fnmatch(item.name, p) for p in TOKENIZER_BUNDLE):
+            shutil.copy2(item, dst / item.name)
+            copied.append(item.name)
+    return copied
 
 
 def encode_chat(

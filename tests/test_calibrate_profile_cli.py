@@ -10,7 +10,7 @@ from fixture_models import fixture_dir
 from dspark_jax import cli
 from dspark_jax.calibration.sts import CalibrationRecords, StsArtifact, StsArtifactMismatchError
 from dspark_jax.checkpoints.converted import load_drafter
-from dspark_jax.cli import args as policy_args
+from dspark_jax.cli import args as cli_args
 from dspark_jax.decoding import policies
 
 DRAFTER = fixture_dir("vanilla") / "draft"
@@ -104,15 +104,15 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     assert plot.stat().st_size > 0
 
     parser = argparse.ArgumentParser()
-    policy_args.add_policy_arguments(parser)
+    cli_args.add_policy_arguments(parser)
     args = parser.parse_args(["--policy", "async-scheduler", "--sps-table", str(out)])
-    policy = policy_args.build_policy(args, block_size=7)
+    policy = cli_args.build_policy(args, block_size=7)
     assert isinstance(policy, policies.AsyncSchedulePolicy)
     assert policy.sps.buckets == (1, 8)
-    assert policy_args.load_sts(args, "fingerprint", 0.0) is None
+    assert cli_args.load_sts(args, "fingerprint", 0.0) is None
     args = parser.parse_args(["--gamma", "9"])
     with pytest.raises(ValueError, match="--gamma"):
-        policy_args.build_policy(args, block_size=7)
+        cli_args.build_policy(args, block_size=7)
 
     argv = [
         "profile",

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.calibration import metrics, sts
+from dspark_jax.cli import report
 
 
 def _ece_loop(p, y, n_bins):
@@ -108,7 +109,7 @@ def test_reliability_diagram_writes_png(tmp_path):
         y = rng.uniform(size=300) < p
         panels.append({"raw": (np.sqrt(p), y), "STS": (p, y)})
     panels.append({"raw": (np.array([]), np.array([]))})
-    out = metrics.reliability_diagram(panels, tmp_path / "sub" / "rel.png", title="test")
+    out = report.reliability_diagram(panels, tmp_path / "sub" / "rel.png", title="test")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 

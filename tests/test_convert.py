@@ -18,13 +18,9 @@ from fixture_models import VARIANTS, fixture_dir
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from dspark_jax.checkpoints import converted
-from dspark_jax.checkpoints.converted import (
-    fingerprint_tensors,
-    load_drafter,
-    load_target,
-    write_drafter_torch,
-)
+from dspark_jax.checkpoints import orbax_io
+from dspark_jax.checkpoints.converted import load_drafter, load_target, write_drafter_torch
+from dspark_jax.checkpoints.fingerprint import fingerprint_tensors
 from dspark_jax.checkpoints.safetensors_io import (
     CheckpointError,
     SafetensorsFolder,
@@ -361,13 +357,13 @@ def test_usage_errors(tmp_path, capsys):
 
 
 def test_interrupt_leaves_no_output(tmp_path, capsys, monkeypatch):
-    save = converted._save_params
+    save = orbax_io.save_params
 
     def save_then_interrupt(model, params_dir):
         save(model, params_dir)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(converted, "_save_params", save_then_interrupt)
+    monkeypatch.setattr(orbax_io, "save_params", save_then_interrupt)
     code, err = _cli(
         capsys, "convert", "--draft", fixture_dir("vanilla") / "draft", "--out", tmp_path / "out"
     )

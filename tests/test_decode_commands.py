@@ -7,8 +7,8 @@ import pytest
 
 from dspark_jax.calibration.sts import CalibrationRecords
 from dspark_jax.cli import main
-from dspark_jax.decoding.evaluate import acceptance_stats
 from dspark_jax.decoding.generate import Result
+from dspark_jax.decoding.stats import acceptance_stats
 
 PROMPT = "def parse_args(argv=None):\n    parser = argparse."
 

@@ -2,7 +2,6 @@ import json
 import struct
 from pathlib import Path
 
-import huggingface_hub.constants
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ from dspark_jax.checkpoints.safetensors_io import (
     CheckpointError,
     SafetensorsFolder,
     atomic_output_dir,
-    resolve_model_dir,
     save_safetensors,
 )
 
@@ -257,21 +255,3 @@ def test_atomic_output_dir_overwrite_replaces(tmp_path):
         (tmp / "f.txt").write_text("new")
     assert [p.name for p in out.iterdir()] == ["f.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-
-
-def test_resolve_model_dir_local_and_errors(tmp_path, monkeypatch):
-    assert resolve_model_dir(str(tmp_path)) == tmp_path
-    with pytest.raises(CheckpointError, match="not a Hugging Face hub id"):
-        resolve_model_dir(str(tmp_path / "a" / "b"))
-    file_path = tmp_path / "file.txt"
-    file_path.write_text("")
-    with pytest.raises(CheckpointError, match="is not a directory"):
-        resolve_model_dir(str(file_path))
-
-    # The constants are read at import time, so patch them as well as the environment.
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match="does not exist locally and the Hugging Face hub"):
-        resolve_model_dir("dspark-test-org/no-such-model")

@@ -11,7 +11,7 @@ from fixture_models import load_pair, reference_traces
 from test_scheduler import _reference_alg1, _survival
 
 from dspark_jax.calibration.sts import StsArtifact, StsArtifactMismatchError
-from dspark_jax.checkpoints.converted import drafter_fingerprint
+from dspark_jax.checkpoints.fingerprint import drafter_fingerprint
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
 from dspark_jax.decoding.generate import Request, generate

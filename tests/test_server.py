@@ -14,10 +14,10 @@ from dspark_jax.serving.server import (
     DSparkServer,
     ServerClosedError,
     ServerConfig,
-    TextStream,
     load_served_model,
     parse_generate,
 )
+from dspark_jax.serving.text_stream import TextStream
 from dspark_jax.tokenizer import ByteTokenizer
 
 # One batch bucket keeps compilation to one program set per engine.

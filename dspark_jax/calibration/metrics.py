@@ -7,8 +7,6 @@ shapes, probabilities outside [0, 1] and non-binary labels raise `MetricInputErr
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -108,57 +106,3 @@ def reliability_curve(
     sum_y = np.bincount(idx, weights=y, minlength=n_bins)
     keep = count > 0
     return sum_p[keep] / count[keep], sum_y[keep] / count[keep], count[keep]
-
-
-def reliability_diagram(
-    per_position: Sequence[Mapping[str, tuple[ArrayLike, ArrayLike]]],
-    path: str | Path,
-    n_bins: int = 15,
-    title: str | None = None,
-) -> Path:
-    """Write a PNG with one reliability panel per draft position.
-
-    `per_position[k]` maps a series name (e.g. "raw", "STS") to `(probs, labels)` for position
-    k + 1; each series is drawn as a curve with its ECE and sample count in the legend. Series
-    with no samples are listed in the legend as empty."""
-    if len(per_position) == 0:
-        raise MetricInputError("per_position is empty")
-    # A bare Figure renders through Agg without touching pyplot's global backend.
-    from matplotlib.figure import Figure
-
-    n_panels = len(per_position)
-    n_cols = min(n_panels, 4)
-    n_rows = math.ceil(n_panels / n_cols)
-    fig = Figure(figsize=(3.6 * n_cols, 3.6 * n_rows))
-    axes = fig.subplots(n_rows, n_cols, squeeze=False)
-    for k, series in enumerate(per_position):
-        ax = axes[k // n_cols][k % n_cols]
-        ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1)
-        for name, (probs, labels) in series.items():
-            if np.asarray(probs).size == 0:
-                ax.plot([], [], marker="o", label=f"{name} (no samples)")
-                continue
-            mean_p, freq, _ = reliability_curve(probs, labels, n_bins)
-            err = ece(probs, labels, n_bins)
-            ax.plot(
-                mean_p,
-                freq,
-                marker="o",
-                markersize=3,
-                label=f"{name} ECE {100 * err:.2f}% (n={np.asarray(probs).size})",
-            )
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_title(f"position {k + 1}")
-        ax.set_xlabel("predicted survival")
-        ax.set_ylabel("empirical survival")
-        ax.legend(loc="upper left", fontsize=7)
-    for k in range(n_panels, n_rows * n_cols):
-        axes[k // n_cols][k % n_cols].set_visible(False)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out

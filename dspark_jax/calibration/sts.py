@@ -276,7 +276,7 @@ def reliability_series(
     records: CalibrationRecords, temps: np.ndarray
 ) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Per position {"raw": (a_k, survived), "STS": (a_k, survived)} for
-    `metrics.reliability_diagram`."""
+    `dspark_jax.cli.report.reliability_diagram`."""
     temps = _check_temps(temps, records.gamma)
     observed_nk, survived_nk = survival_events(records)
     before_nk = survival_product(records.conf_logits_nk, np.ones(records.gamma))

@@ -11,7 +11,7 @@ A converted folder O holds
     O/target/tokenizer*, generation_config.json, ...   copied from the target folder
 
 Either part may be absent. Loaders also take a Hugging Face / DeepSpec safetensors folder or a
-hub id, so every program can point at whichever form the user has.
+hub id (see `locate`), so every program can point at whichever form the user has.
 
 A loaded model computes in the dtype its parameters are stored in, unless a `dtype` is asked for,
 in which case the parameters are cast and the config's compute dtype follows.
@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
-import hashlib
 import json
 import os
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,72 +30,44 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from dspark_jax.checkpoints import orbax_io
 from dspark_jax.checkpoints.convert import (
     drafter_from_torch,
     export_to_torch,
     is_float_dtype,
-    key_path_names,
-    shape_problems,
     target_from_torch,
+)
+from dspark_jax.checkpoints.fingerprint import drafter_fingerprint
+from dspark_jax.checkpoints.locate import (
+    DRAFT,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    PARAMS,
+    TARGET,
+    locate,
+    resolve_model_dir,
 )
 from dspark_jax.checkpoints.safetensors_io import (
     SINGLE_FILE,
     CheckpointError,
     SafetensorsFolder,
     atomic_output_dir,
-    resolve_model_dir,
     save_safetensors,
 )
 from dspark_jax.config import DTYPES, ConfigError, DrafterConfig, Qwen3Config, read_config_json
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.tokenizer import load_tokenizer, stop_token_ids
+from dspark_jax.tokenizer import copy_tokenizer_bundle, load_tokenizer, stop_token_ids
 
 if TYPE_CHECKING:
     from dspark_jax.tokenizer import Tokenizer
 
-FORMAT_NAME = "dspark-jax"
-FORMAT_VERSION = 1
-MANIFEST = "dspark_jax.json"
-PARAMS = "params"
-DRAFT, TARGET = "draft", "target"
 CONVERT_DTYPES = ("keep", "float32", "bfloat16")
-# Files a serving program needs next to the target weights (tokenizer, chat template, stops).
-SUPPORT_FILES = (
-    "generation_config.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template*",
-    "vocab.*",
-    "merges.txt",
-    "*.model",
-    "*.tiktoken",
-)
-
-
-# -- fingerprints ------------------------------------------------------------------------------
-def fingerprint_tensors(tensors: Mapping[str, np.ndarray]) -> str:
-    """sha256 hex digest over sorted (key, dtype, shape, raw bytes) of PyTorch-layout tensors.
-
-    Equal for a safetensors file, our conversion of it (dtype "keep") and its export.
-    """
-    digest = hashlib.sha256()
-    for key in sorted(tensors):
-        array = np.ascontiguousarray(tensors[key])
-        digest.update(json.dumps([key, array.dtype.name, list(array.shape)]).encode())
-        digest.update(array.reshape(-1).view(np.uint8).data)
-    return digest.hexdigest()
-
-
-def drafter_fingerprint(model: DSparkDrafter) -> str:
-    """The fingerprint of a drafter's parameters (see `fingerprint_tensors`)."""
-    return fingerprint_tensors(export_to_torch(model, ""))
 
 
 # -- small helpers -----------------------------------------------------------------------------
@@ -185,81 +154,21 @@ def _from_torch_folder(folder: SafetensorsFolder, cfg, dtype: str | None, progre
         return cfg, build(cfg, _ReadSource(folder, dtype, bar))
 
 
-def _new_model(cfg, param_dtype: str):
-    """An abstract (unallocated) model for `cfg`."""
-    if isinstance(cfg, DrafterConfig):
-        return nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype))
-    return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype))
-
-
-def _flat(tree) -> dict[str, Any]:
-    """Leaves by dotted path; Orbax metadata spells list indices "0", our pure dicts 0."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {".".join(key_path_names(path)): leaf for path, leaf in leaves}
-
-
-def _read_orbax_metadata(params_dir: Path) -> dict[str, Any]:
-    if not params_dir.is_dir():
-        raise CheckpointError(f"{params_dir}: parameter folder does not exist")
-    try:
-        with ocp.StandardCheckpointer() as ckpt:
-            return _flat(ckpt.metadata(params_dir.resolve()).item_metadata)
-    except Exception as e:
-        raise CheckpointError(
-            f"{params_dir}: cannot read the Orbax checkpoint ({type(e).__name__}: {e})"
-        ) from e
-
-
-def _restore(params_dir: Path, abstract: nnx.Module, stored: dict[str, Any], dtype: str | None):
-    """Restores `abstract`'s parameters from `params_dir`, checking keys and shapes first.
-
-    The restore target is the abstract model's pure dict, so list indices stay int keys. Each
-    leaf is read in its stored dtype, or cast to `dtype` by Orbax while reading.
-    """
-    graphdef, state = nnx.split(abstract)
-    wanted = nnx.to_pure_dict(state)
-    problems = shape_problems(
-        {key: tuple(leaf.shape) for key, leaf in _flat(wanted).items()},
-        {key: tuple(meta.shape) for key, meta in stored.items()},
-    )
-    if problems:
-        raise CheckpointError(
-            f"{params_dir}: parameters do not match config.json: " + " | ".join(problems)
-        )
-
-    # An explicit device: the sharding recorded at save time names the converting machine's.
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-    def leaf_target(key_path, leaf):
-        meta = stored[".".join(key_path_names(key_path))]
-        cast = dtype is not None and is_float_dtype(meta.dtype)
-        return jax.ShapeDtypeStruct(leaf.shape, dtype if cast else meta.dtype, sharding=sharding)
-
-    target = jax.tree_util.tree_map_with_path(leaf_target, wanted)
-    try:
-        with ocp.StandardCheckpointer() as ckpt:
-            restored = ckpt.restore(params_dir.resolve(), target)
-    except Exception as e:
-        raise CheckpointError(
-            f"{params_dir}: cannot read the Orbax checkpoint ({type(e).__name__}: {e})"
-        ) from e
-    nnx.replace_by_pure_dict(state, restored)
-    return nnx.merge(graphdef, state)
-
-
 def _from_jax_folder(part_dir: Path, cfg, dtype: str | None):
     """(cfg with its compute dtype set, model) from one part of a converted folder."""
     params_dir = part_dir / PARAMS
-    stored = _read_orbax_metadata(params_dir)
+    stored = orbax_io.read_metadata(params_dir)
     compute = dtype or _first_float_dtype((m.dtype for m in stored.values()), params_dir)
     cfg = cfg.with_dtype(compute)
-    return cfg, _restore(params_dir, _new_model(cfg, compute), stored, dtype)
+    return cfg, orbax_io.restore_params(
+        params_dir, orbax_io.abstract_model(cfg, compute), stored, dtype
+    )
 
 
 def _cast_model(cfg, model, dtype: str):
     """`model` with floating parameters cast to `dtype` and compute dtype `dtype`."""
     cfg = cfg.with_dtype(dtype)
-    graphdef, state = nnx.split(_new_model(cfg, dtype))
+    graphdef, state = nnx.split(orbax_io.abstract_model(cfg, dtype))
     pure = nnx.to_pure_dict(nnx.state(model))
     nnx.replace_by_pure_dict(
         state, jax.tree.map(lambda a: a.astype(dtype) if is_float_dtype(a.dtype) else a, pure)
@@ -267,47 +176,9 @@ def _cast_model(cfg, model, dtype: str):
     return cfg, nnx.merge(graphdef, state)
 
 
-# -- locating checkpoints ----------------------------------------------------------------------
-def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read the manifest ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{path}: not a {FORMAT_NAME} manifest")
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: format_version {version!r} is not supported (this build reads "
-            f"1..{FORMAT_VERSION}); upgrade dspark-jax"
-        )
-    return manifest
-
-
-def _locate(path: str | os.PathLike, part: str) -> tuple[Path, dict[str, Any] | None]:
-    """(folder holding config.json, manifest entry or None); the entry is None for PyTorch folders.
-
-    Accepts a converted folder, one of its parts, a safetensors folder or a hub id.
-    """
-    root = resolve_model_dir(str(path))
-    if (root / MANIFEST).is_file():
-        manifest = _read_manifest(root / MANIFEST)
-        if part not in manifest.get("converted", []):
-            raise CheckpointError(
-                f"{root}: this converted folder holds no {part} "
-                f"(converted: {', '.join(manifest.get('converted', [])) or 'nothing'})"
-            )
-        return root / part, manifest.get(part, {})
-    if (root / PARAMS).is_dir():
-        parent = root.parent / MANIFEST
-        entry = _read_manifest(parent).get(root.name, {}) if parent.is_file() else {}
-        return root, entry
-    return root, None
-
-
 def _read_drafter(path, dtype: str | None, progress: bool):
     """(original config dict, cfg, model, fingerprint of the stored parameters)."""
-    part_dir, entry = _locate(path, DRAFT)
+    part_dir, entry = locate(path, DRAFT)
     raw = read_config_json(part_dir)
     cfg = DrafterConfig.from_hf(raw)
     if entry is None:
@@ -336,7 +207,7 @@ def load_target(
     `dtype` (e.g. "bfloat16") casts the parameters and sets the compute dtype for serving.
     `progress` shows a bar while safetensors are read, on a terminal only.
     """
-    part_dir, entry = _locate(path, TARGET)
+    part_dir, entry = locate(path, TARGET)
     cfg = Qwen3Config.from_hf(read_config_json(part_dir))
     dtype = None if dtype is None else _dtype_name(dtype)
     if entry is None:
@@ -359,20 +230,6 @@ def load_drafter(
 
 
 # -- conversion --------------------------------------------------------------------------------
-def _save_params(model: nnx.Module, params_dir: Path) -> None:
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(params_dir.resolve(), nnx.to_pure_dict(nnx.state(model)))
-
-
-def _copy_support_files(src: Path, dst: Path) -> list[str]:
-    copied = []
-    for item in sorted(src.iterdir()):
-        if item.is_file() and any(fnmatch.fnmatch(item.name, p) for p in SUPPORT_FILES):
-            shutil.copy2(item, dst / item.name)
-            copied.append(item.name)
-    return copied
-
-
 def _num_params(model: nnx.Module) -> int:
     return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(model)))
 
@@ -433,7 +290,7 @@ def convert_checkpoints(
             part_dir = tmp / part
             part_dir.mkdir()
             _, model = _from_torch_folder(folders[part], cfgs[part], cast, progress)
-            _save_params(model, part_dir / PARAMS)
+            orbax_io.save_params(model, part_dir / PARAMS)
             _write_json(part_dir / "config.json", raws[part])
             floats = [a.dtype for a in jax.tree.leaves(nnx.state(model)) if is_float_dtype(a.dtype)]
             entry: dict[str, Any] = {
@@ -447,7 +304,7 @@ def convert_checkpoints(
                 if filled:
                     entry["filled_config_fields"] = filled
             else:
-                entry["copied_files"] = _copy_support_files(sources[part], part_dir)
+                entry["copied_files"] = copy_tokenizer_bundle(sources[part], part_dir)
             manifest[part] = entry
             del model  # frees the drafter before the (much larger) target is read
         _write_json(tmp / MANIFEST, manifest)
@@ -505,7 +362,7 @@ def write_drafter_torch(
 
 def export_drafter(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Exports a converted drafter (or any loadable one) to a PyTorch-layout folder at `out`."""
-    part_dir, _ = _locate(src, DRAFT)
+    part_dir, _ = locate(src, DRAFT)
     protected = [part_dir]
     if (part_dir.parent / MANIFEST).is_file():
         protected.append(part_dir.parent)

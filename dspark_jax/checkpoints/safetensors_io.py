@@ -1,5 +1,5 @@
-"""Safetensors file I/O: a validating lazy reader for Hugging Face model folders, a writer,
-atomic output directories and local-or-hub model resolution.
+"""Safetensors file I/O: a validating lazy reader for Hugging Face model folders, a writer and
+atomic output directories.
 
 The reader parses the safetensors header itself (8-byte little-endian length, then JSON) so that
 every malformed input is reported as a `CheckpointError` naming the file and the problem before
@@ -13,7 +13,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shutil
 import struct
 import uuid
@@ -48,17 +47,6 @@ _DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _DTYPE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_HUB_PATTERNS = [
-    "*.json",
-    "*.safetensors",
-    "tokenizer*",
-    "vocab.*",
-    "merges.txt",
-    "*.model",
-    "*.tiktoken",
-]
 
 
 class CheckpointError(UserError):
@@ -317,25 +305,3 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
         raise
     if old is not None:
         shutil.rmtree(old)
-
-
-def resolve_model_dir(path_or_repo_id: str) -> Path:
-    """Returns a local model directory: `path_or_repo_id` itself, or a hub snapshot of it."""
-    local = Path(path_or_repo_id).expanduser()
-    if local.is_dir():
-        return local
-    if local.exists():
-        raise CheckpointError(f"{local}: is not a directory")
-    if not _HUB_ID.fullmatch(path_or_repo_id):
-        raise CheckpointError(
-            f"{path_or_repo_id}: does not exist locally and is not a Hugging Face hub id (org/name)"
-        )
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(path_or_repo_id, allow_patterns=_HUB_PATTERNS))
-    except Exception as e:
-        raise CheckpointError(
-            f"{path_or_repo_id}: does not exist locally and the Hugging Face hub could not "
-            f"provide it ({type(e).__name__}: {e})"
-        ) from e

@@ -62,4 +62,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dspark-jax {args.command}: interrupted", file=sys.stderr)
         return 130
-

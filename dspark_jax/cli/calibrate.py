@@ -42,45 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bins", type=int, default=15, help="ECE bins (default 15)")
 
 
-def _fmt(value, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def format_report(part: dict, title: str) -> str:
-    """A per-position table of `sts.position_metrics` output, with survival-weighted means."""
-    lines = [
-        title,
-        f"{'pos':>3} {'n':>7} {'surv':>6} {'ECE raw':>8} {'ECE STS':>8} {'AUC raw':>8} "
-        f"{'AUC STS':>8} {'Brier raw':>9} {'Brier STS':>9} {'cond AUC':>8}",
-    ]
-    for k, n in enumerate(part["n_survival"]):
-        lines.append(
-            f"{k + 1:>3} {n:>7} {_fmt(part['survival_rate'][k]):>6} "
-            f"{_fmt(part['ece_before'][k], 4):>8} {_fmt(part['ece_after'][k], 4):>8} "
-            f"{_fmt(part['auc_before'][k]):>8} {_fmt(part['auc_after'][k]):>8} "
-            f"{_fmt(part['brier_before'][k], 4):>9} {_fmt(part['brier_after'][k], 4):>9} "
-            f"{_fmt(part['conditional_auc'][k]):>8}"
-        )
-    means = mean_ece(part)
-    lines.append(f"mean ECE over positions: raw {means[0]:.4f} -> STS {means[1]:.4f}")
-    return "\n".join(lines)
-
-
-def mean_ece(part: dict) -> tuple[float, float]:
-    """(raw, STS) ECE averaged over positions with observations, as the paper reports it."""
-    pairs = [
-        (b, a) for b, a in zip(part["ece_before"], part["ece_after"], strict=True) if b is not None
-    ]
-    if not pairs:
-        return float("nan"), float("nan")
-    return sum(b for b, _ in pairs) / len(pairs), sum(a for _, a in pairs) / len(pairs)
-
-
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from dspark_jax.calibration import metrics, sts
+    from dspark_jax.calibration import sts
     from dspark_jax.checkpoints.converted import load_drafter
+    from dspark_jax.cli.report import format_report, reliability_diagram
     from dspark_jax.errors import UserError
 
     if len(args.records) > 2:
@@ -126,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report["holdout"], "held-out split"))
     print(f"wrote {args.out}")
     if args.plot:
-        metrics.reliability_diagram(
+        reliability_diagram(
             sts.reliability_series(held_out, np.asarray(artifact.temperatures)),
             args.plot,
             args.bins,

@@ -83,20 +83,16 @@ def run(args: argparse.Namespace) -> int:
         load_models,
         sampling_from_args,
     )
+    from dspark_jax.cli.report import format_table, plot_reports
+    from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.engine import EngineConfig, power_of_two_buckets
-    from dspark_jax.decoding.evaluate import (
-        WarmEngine,
-        evaluate_dataset,
-        format_table,
-        load_conversations,
-        plot_reports,
-    )
+    from dspark_jax.decoding.evaluate import WarmEngine, evaluate_dataset
 
     check_sizes(args)
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     files = _dataset_files(args)
-    datasets = {f.stem: load_conversations(f, args.limit) for f in files}
+    datasets = {f.stem: read_turns(f, args.limit) for f in files}
     sampling = sampling_from_args(args)
     models = load_models(args)
     cfg = EngineConfig(

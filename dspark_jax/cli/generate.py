@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -59,80 +58,26 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _read_prompts_file(path: str) -> list[list[str]]:
-    if not Path(path).is_file():
-        raise UserError(f"--prompts-file {path}: no such file")
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    conversations = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{number}: not JSON ({e.msg})") from None
-            turns = entry.get("turns") if isinstance(entry, dict) else None
-            if not turns or not all(isinstance(t, str) for t in turns):
-                raise UserError(f'{path}:{number}: expected {{"turns": [str, ...]}}')
-            conversations.append(list(turns))
-        else:
-            conversations.append([line])
-    if not conversations:
-        raise UserError(f"{path}: holds no prompts")
-    return conversations
-
-
 class _Stream:
-    """Prints the text of one answer as tokens arrive, holding back incomplete characters."""
+    """Prints the text of one answer as tokens arrive, a header between turns."""
 
     def __init__(self, tokenizer, stop_tokens):
         self.tokenizer, self.stop_tokens, self.out = tokenizer, stop_tokens, sys.stdout
         self.key = None
-        self.tokens: list[int] = []
-        self.printed = ""
+        self.text = None
 
     def __call__(self, conversation: int, turn: int, new_tokens: list[int]) -> None:
-        from dspark_jax.tokenizer import decode_text
+        from dspark_jax.serving.text_stream import TextStream
 
         if (conversation, turn) != self.key:
             if self.key is not None:
                 self.out.write(f"\n\n--- turn {turn + 1} ---\n")
-            self.key, self.tokens, self.printed = (conversation, turn), [], ""
-        self.tokens += new_tokens
-        text = decode_text(self.tokenizer, self.tokens, self.stop_tokens)
-        if text.startswith(self.printed) and not text.endswith("\ufffd"):
-            self.out.write(text[len(self.printed) :])
+            self.key = (conversation, turn)
+            self.text = TextStream(self.tokenizer, self.stop_tokens)
+        delta = self.text.push(new_tokens)
+        if delta:
+            self.out.write(delta)
             self.out.flush()
-            self.printed = text
-
-
-def _print_answer(label: str, prompt: str, text: str) -> None:
-    preview = prompt if len(prompt) <= 70 else prompt[:67] + "..."
-    print(f"=== {label}: {preview!r}")
-    print(text)
-
-
-def _summary(results, timing, stats) -> list[str]:
-    tokens = sum(len(r.tokens) for r in results)
-    lines = [
-        f"requests {len(results)}, generated {tokens} tokens ({timing.decoded_tokens} in decode "
-        f"rounds), {sum(r.rounds for r in results)} request rounds, {timing.rounds} device rounds",
-        f"prefill {timing.prefill_s:.3f} s, decode {timing.decode_s:.3f} s: "
-        f"{timing.decode_tokens_per_s:.1f} decode tokens/s",
-    ]
-    if stats is None:
-        lines.append("plain decoding: tau 1 (one token per target step)")
-        return lines
-    lines.append(
-        f"tau {stats.tau:.3f} tokens per round (bonus included), "
-        f"{stats.mean_verified:.2f} drafts verified per round"
-    )
-    cells = " ".join(
-        f"{k}:{'-' if math.isnan(v) else f'{v:.2f}'}" for k, v in enumerate(stats.conditional, 1)
-    )
-    lines.append(f"conditional acceptance by draft position  {cells}")
-    return lines
 
 
 def _max_len(args, models, conversations, id_prompts) -> int:
@@ -170,9 +115,12 @@ def run(args: argparse.Namespace) -> int:
         load_models,
         sampling_from_args,
     )
+    from dspark_jax.cli.report import generation_summary, print_answer
+    from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.engine import EngineConfig, power_of_two_buckets
-    from dspark_jax.decoding.evaluate import WarmEngine, acceptance_stats, answer_conversations
+    from dspark_jax.decoding.evaluate import WarmEngine, answer_conversations
     from dspark_jax.decoding.generate import Request, generate
+    from dspark_jax.decoding.stats import acceptance_stats
     from dspark_jax.tokenizer import decode_text
 
     check_sizes(args)
@@ -180,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     id_prompts = [_parse_ids(t) for t in args.token_ids]
     conversations = [[p] for p in args.prompt]
     if args.prompts_file:
-        conversations += _read_prompts_file(args.prompts_file)
+        conversations += read_turns(args.prompts_file, plain_lines=True)
     if id_prompts and conversations:
         raise UserError("give either text prompts (--prompt, --prompts-file) or --token-ids")
     if not id_prompts and not conversations:
@@ -213,14 +161,14 @@ def run(args: argparse.Namespace) -> int:
         for i, (ids, result) in enumerate(zip(id_prompts, results, strict=True)):
             text = decode_text(models.tokenizer, result.tokens, models.stop_tokens)
             if not single:
-                _print_answer(f"[{i + 1}]", " ".join(map(str, ids)), text)
+                print_answer(f"[{i + 1}]", " ".join(map(str, ids)), text)
             records.append({"prompt_ids": ids, "turn": 0, "text": text, **_result_json(result)})
     else:
 
         def on_turn(t) -> None:
             turns = conversations[t.conversation]
             label = f"[{t.conversation + 1}]" + (f" turn {t.turn + 1}" if len(turns) > 1 else "")
-            _print_answer(label, turns[t.turn], t.text)
+            print_answer(label, turns[t.turn], t.text)
 
         run_ = answer_conversations(
             engine,
@@ -249,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if single:
         print(flush=True)
     stats = acceptance_stats(results, engine.engine.gamma) if engine.engine.gamma else None
-    print("\n".join(_summary(results, timing, stats)), file=sys.stderr)
+    print("\n".join(generation_summary(results, timing, stats)), file=sys.stderr)
     if args.json:
         _write_json(args, sampling, cfg, models, records, timing, stats)
     return 0

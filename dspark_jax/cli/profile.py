@@ -119,7 +119,8 @@ def _build_models(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.decoding.profiling import plot_profile, profile_target
+    from dspark_jax.cli.report import plot_profile
+    from dspark_jax.decoding.profiling import profile_target
     from dspark_jax.sampling import SamplingConfig
 
     target, drafter, description = _build_models(args)

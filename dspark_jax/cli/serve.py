@@ -1,4 +1,4 @@
-"""`dspark-jax serve`: an HTTP server for batched (speculative) generation; see serve/server.py."""
+"""`dspark-jax serve`: an HTTP server for batched speculative generation (`dspark_jax.serving`)."""
 
 from __future__ import annotations
 

@@ -202,26 +202,3 @@ def profile_target(
         **meta,
     )
     return SpsProfile(tuple(batch_sizes), tuple(buckets), sps, stamp)
-
-
-def plot_profile(profile: SpsProfile, path) -> None:
-    """PNG: steps/s and verified tokens/s against total verified tokens, a line per batch size."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 4))
-    ax_sps, ax_tok = fig.subplots(1, 2)
-    for batch, row in zip(profile.batch_sizes, profile.sps_bw, strict=True):
-        tokens = batch * np.asarray(profile.buckets)
-        ax_sps.plot(tokens, row, marker="o", label=f"batch {batch}")
-        ax_tok.plot(tokens, tokens * row, marker="o", label=f"batch {batch}")
-    for ax, label in ((ax_sps, "steps / s"), (ax_tok, "verified tokens / s")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("verified tokens per step (batch x bucket)")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    meta = profile.meta
-    where = f"{meta.get('device', '?')} ({meta.get('date', '')})"
-    fig.suptitle(f"{meta.get('mode', '')} SPS, {meta.get('config', '')} on {where}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

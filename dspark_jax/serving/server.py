@@ -37,7 +37,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -50,6 +50,7 @@ from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import SamplingConfig
+from dspark_jax.serving.text_stream import TextStream
 from dspark_jax.tokenizer import decode_text, encode_chat
 
 log = logging.getLogger(__name__)
@@ -240,33 +241,6 @@ def result_json(result: Result, tokenizer: Any) -> dict[str, Any]:
             "drafts_accepted": int(result.accepted.sum()),
         },
     }
-
-
-class TextStream:
-    """Turns streamed token ids into text deltas that never split a multi-byte character.
-
-    The whole text is decoded again each time; text ending in U+FFFD (an incomplete UTF-8
-    sequence so far) is held back until a later chunk completes it or the stream ends.
-    """
-
-    def __init__(self, tokenizer: Any):
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._sent = 0
-
-    def push(self, ids: Sequence[int]) -> str:
-        self._ids += ids
-        text = decode_text(self._tokenizer, self._ids)
-        stable = len(text.rstrip("\ufffd"))
-        delta = text[self._sent : stable] if stable > self._sent else ""
-        self._sent += len(delta)
-        return delta
-
-    def flush(self) -> str:
-        text = decode_text(self._tokenizer, self._ids)
-        delta = text[self._sent :]
-        self._sent = len(text)
-        return delta
 
 
 # -- the device worker -------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Training input pipeline: JSONL conversations -> padded token batches with an assistant loss mask.
 
 Each JSONL line is one conversation, either `{"messages": [{"role", "content"}, ...]}` or
-`{"turns": [user, assistant, user, assistant, ...]}`. Opening the files indexes byte offsets of the
-lines once and checks every record (so a bad line is reported before training starts, by file and
-line); tokenisation happens lazily, per example, inside the grain map, so nothing tokenised is held
-in memory up front.
+`{"turns": [user, assistant, user, assistant, ...]}` (parsed by `dspark_jax.conversations`).
+Opening the files indexes byte offsets of the lines once and checks every record (so a bad line
+is reported before training starts, by file and line); tokenisation happens lazily, per example,
+inside the grain map, so nothing tokenised is held in memory up front.
 
 The grain pipeline is a random-access `MapDataset`:
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import grain
 import numpy as np
 
+from dspark_jax.conversations import ConversationError, parse_line, record_messages
 from dspark_jax.errors import UserError
 from dspark_jax.tokenizer import ChatTemplateError, encode_conversation
 
@@ -113,30 +113,13 @@ class DataConfig:
             raise DataError(f"seed must be in [0, 2**32), got {self.seed}")
 
 
-def parse_record(record: Any) -> list[dict[str, str]]:
-    """The messages of one JSON record (`messages` or alternating user/assistant `turns`)."""
-    if not isinstance(record, Mapping):
-        raise DataError(f"record is a {type(record).__name__}, not an object")
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise DataError("'messages' must be a non-empty list")
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, Mapping)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise DataError(f"messages[{i}] needs string 'role' and 'content': {m!r:.200}")
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    elif "turns" in record:
-        turns = record["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise DataError("'turns' must be a non-empty list of strings")
-        roles = ("user", "assistant")
-        messages = [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
-    else:
-        raise DataError(f"record has neither 'messages' nor 'turns' (keys: {sorted(record)})")
+def parse_record(line: str | bytes) -> list[dict[str, str]]:
+    """The chat messages of one JSONL line (see `dspark_jax.conversations`), which must hold
+    assistant content to train on."""
+    try:
+        messages = record_messages(parse_line(line))
+    except ConversationError as e:
+        raise DataError(str(e)) from None
     if not any(m["role"] == "assistant" and m["content"] for m in messages):
         raise DataError("record has no assistant content to train on")
     return messages
@@ -163,7 +146,7 @@ class JsonlConversationSource:
                     if not raw.strip():
                         continue
                     try:
-                        parse_record(_loads(raw))
+                        parse_record(raw)
                     except DataError as e:
                         if not skip_bad_records:
                             raise DataError(f"{path}:{line_no}: {e}") from None
@@ -192,7 +175,7 @@ class JsonlConversationSource:
         raw = os.pread(self._fd(file_index), int(self._ends[index]) - start, start)
         where = f"{self._paths[file_index]}:{int(self._lines[index])}"
         try:
-            messages = parse_record(_loads(raw))
+            messages = parse_record(raw)
         except DataError as e:
             raise DataError(f"{where}: {e} (was the file modified after indexing?)") from None
         return {"messages": messages, "where": where}
@@ -224,13 +207,6 @@ class JsonlConversationSource:
 
     def __repr__(self) -> str:
         return f"JsonlConversationSource({self._paths}, {len(self)} conversations)"
-
-
-def _loads(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"malformed JSON ({e})") from None
 
 
 def resolve_pad_id(tokenizer: Tokenizer, pad_id: int | None) -> int:

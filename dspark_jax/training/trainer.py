@@ -9,9 +9,9 @@ newest complete checkpoint in `output_dir`), and finally exports the drafter in 
 
 Output folder:
     metrics.jsonl     one JSON object per logged train interval or evaluation
-    checkpoints/      Orbax steps (see train/checkpointing.py)
+    checkpoints/      Orbax steps (see checkpointing.py)
     drafter/          the exported drafter (config.json + model.safetensors)
-    data/             built-in corpora, when the config names one
+    data/             built-in corpora, when the config names one (see corpus.py)
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from dspark_jax.configs.recipes import TrainRecipe
 from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.training.checkpointing import TrainCheckpointer
+from dspark_jax.training.corpus import resolve_data_paths
 from dspark_jax.training.data import (
     DataConfig,
     JsonlConversationSource,
@@ -60,7 +60,6 @@ from dspark_jax.training.step import (
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_PREFIX = "builtin:"
 EVAL_SEED_OFFSET = 1_000_003
 
 
@@ -172,69 +171,6 @@ class TrainResult:
     eval_end: dict[str, Any] | None
     export_dir: Path | None
     resumed_from: int | None
-
-
-# -- built-in corpora --------------------------------------------------------------------------
-def write_python_stdlib_corpus(
-    out_dir: Path, *, prompt_chars: int = 64, answer_chars: int = 192, eval_every: int = 10
-) -> tuple[Path, Path]:
-    """(train, eval) JSONL of the Python standard library's own top-level *.py files.
-
-    Each file is cut into pieces of prompt_chars + answer_chars characters: the user turn is the
-    start of a piece and the assistant turn the rest. Every `eval_every`-th file (sorted by name)
-    goes to the eval split, so the two splits share no file. Deterministic for a given Python.
-    """
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py"))
-    if not files:
-        raise ConfigError(f"no *.py files in the Python standard library folder {stdlib}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = (out_dir / "python-stdlib-train.jsonl", out_dir / "python-stdlib-eval.jsonl")
-    piece = prompt_chars + answer_chars
-    # Several processes may build the corpus at once: each writes its own file, then renames.
-    tmp = [p.with_suffix(f".jsonl.tmp{os.getpid()}") for p in paths]
-    with open(tmp[0], "w") as train_f, open(tmp[1], "w") as eval_f:
-        for i, path in enumerate(files):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            out = eval_f if i % eval_every == 0 else train_f
-            for start in range(0, len(text) - piece + 1, piece):
-                turns = [
-                    text[start : start + prompt_chars],
-                    text[start + prompt_chars : start + piece],
-                ]
-                out.write(json.dumps({"turns": turns}) + "\n")
-    for t, p in zip(tmp, paths, strict=True):
-        os.replace(t, p)
-    return paths
-
-
-_BUILTIN_SPLITS = {"python-stdlib": 0, "python-stdlib-eval": 1}
-
-
-def resolve_data_paths(paths: tuple[str, ...], output_dir: Path) -> tuple[str, ...]:
-    """JSONL paths, with `builtin:<name>` corpora written under output_dir/data when missing.
-
-    Built-in corpora: `python-stdlib` and `python-stdlib-eval` (`write_python_stdlib_corpus`).
-    """
-    out = []
-    for path in paths:
-        if not path.startswith(BUILTIN_PREFIX):
-            out.append(path)
-            continue
-        name = path[len(BUILTIN_PREFIX) :]
-        if name not in _BUILTIN_SPLITS:
-            raise ConfigError(
-                f"unknown built-in corpus {name!r}; known: {', '.join(sorted(_BUILTIN_SPLITS))}"
-            )
-        data_dir = output_dir / "data"
-        split_paths = (
-            data_dir / "python-stdlib-train.jsonl",
-            data_dir / "python-stdlib-eval.jsonl",
-        )
-        if not all(p.exists() for p in split_paths):
-            write_python_stdlib_corpus(data_dir)
-        out.append(str(split_paths[_BUILTIN_SPLITS[name]]))
-    return tuple(out)
 
 
 # -- helpers -----------------------------------------------------------------------------------

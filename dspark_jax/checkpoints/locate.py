@@ -1,0 +1,99 @@
+"""Finding a model the user names: a local folder or a hub id, and which form the folder has.
+
+Every program accepts, for a target or a drafter, any of
+
+    a converted folder (ours: `dspark_jax.json` manifest plus `draft/` and/or `target/`),
+    one part of a converted folder (`O/draft`, `O/target`: `config.json` plus `params/`),
+    a Hugging Face / DeepSpec safetensors folder (`config.json` plus `*.safetensors`),
+    a Hugging Face hub id (`org/name`), downloaded into the hub cache when the hub is reachable.
+
+`locate(path, part)` resolves any of them to the folder holding `config.json` and tells whether it
+is ours (with its manifest entry) or a PyTorch-layout folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from dspark_jax.checkpoints.safetensors_io import CheckpointError
+
+FORMAT_NAME = "dspark-jax"
+FORMAT_VERSION = 1
+MANIFEST = "dspark_jax.json"
+PARAMS = "params"
+DRAFT, TARGET = "draft", "target"
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "tokenizer*",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+]
+
+
+def resolve_model_dir(path_or_repo_id: str) -> Path:
+    """Returns a local model directory: `path_or_repo_id` itself, or a hub snapshot of it."""
+    local = Path(path_or_repo_id).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise CheckpointError(f"{local}: is not a directory")
+    if not _HUB_ID.fullmatch(path_or_repo_id):
+        raise CheckpointError(
+            f"{path_or_repo_id}: does not exist locally and is not a Hugging Face hub id (org/name)"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path_or_repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as e:
+        raise CheckpointError(
+            f"{path_or_repo_id}: does not exist locally and the Hugging Face hub could not "
+            f"provide it ({type(e).__name__}: {e})"
+        ) from e
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a converted folder, refused when it is not ours or too new to read."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the manifest ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path}: not a {FORMAT_NAME} manifest")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {version!r} is not supported (this build reads "
+            f"1..{FORMAT_VERSION}); upgrade dspark-jax"
+        )
+    return manifest
+
+
+def locate(path: str | os.PathLike, part: str) -> tuple[Path, dict[str, Any] | None]:
+    """(folder holding config.json, manifest entry or None); the entry is None for PyTorch folders.
+
+    Accepts a converted folder, one of its parts, a safetensors folder or a hub id.
+    """
+    root = resolve_model_dir(str(path))
+    if (root / MANIFEST).is_file():
+        manifest = read_manifest(root / MANIFEST)
+        if part not in manifest.get("converted", []):
+            raise CheckpointError(
+                f"{root}: this converted folder holds no {part} "
+                f"(converted: {', '.join(manifest.get('converted', [])) or 'nothing'})"
+            )
+        return root / part, manifest.get(part, {})
+    if (root / PARAMS).is_dir():
+        parent = root.parent / MANIFEST
+        entry = read_manifest(parent).get(root.name, {}) if parent.is_file() else {}
+        return root, entry
+    return root, None

@@ -1,0 +1,108 @@
+"""Conversations in JSON lines: the record formats every program reads, parsed in one place.
+
+A record is one conversation, either
+
+    {"turns": [str, ...]}                          the DeepSpec benchmark prompts (user turns) and
+                                                   training data (user, assistant, user, ...)
+    {"messages": [{"role": str, "content": str}]}  chat format
+
+Prompts (`dspark-jax generate --prompts-file`, `eval`, the benchmarks) take the user turns of
+`turns` records and answer them one by one; training takes either form as chat messages, `turns`
+read as alternating user and assistant messages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dspark_jax.errors import UserError
+
+_ROLES = ("user", "assistant")
+
+
+class ConversationError(UserError):
+    """A record, line or prompts file that does not hold a conversation."""
+
+
+def parse_line(line: str | bytes) -> Any:
+    """The JSON value of one line."""
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversationError(f"malformed JSON ({e})") from None
+
+
+def _check_object(record: Any) -> Mapping[str, Any]:
+    if not isinstance(record, Mapping):
+        raise ConversationError(f"record is a {type(record).__name__}, not an object")
+    return record
+
+
+def _turns(record: Mapping[str, Any]) -> list[str]:
+    turns = record["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise ConversationError("'turns' must be a non-empty list of strings")
+    return list(turns)
+
+
+def record_turns(record: Any) -> list[str]:
+    """The turns of a `{"turns": [str, ...]}` record."""
+    if "turns" not in _check_object(record):
+        raise ConversationError(f"record has no 'turns' (keys: {sorted(record)})")
+    return _turns(record)
+
+
+def record_messages(record: Any) -> list[dict[str, str]]:
+    """The chat messages of a record: its `messages`, or its `turns` as alternating user and
+    assistant messages."""
+    record = _check_object(record)
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ConversationError("'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, Mapping)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise ConversationError(
+                    f"messages[{i}] needs string 'role' and 'content': {m!r:.200}"
+                )
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    if "turns" in record:
+        return [{"role": _ROLES[i % 2], "content": t} for i, t in enumerate(_turns(record))]
+    raise ConversationError(f"record has neither 'messages' nor 'turns' (keys: {sorted(record)})")
+
+
+def read_turns(
+    path: str | Path, limit: int | None = None, *, plain_lines: bool = False
+) -> list[list[str]]:
+    """The turns of each conversation in a JSONL file of `{"turns": [...]}` records.
+
+    Blank lines are skipped; `limit` keeps the first conversations only. With `plain_lines`, a
+    line that does not start with "{" is a one-turn prompt as it stands (a plain prompts file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConversationError(f"{path}: no such prompts file")
+    conversations = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if plain_lines and not line.lstrip().startswith("{"):
+                conversations.append([line.rstrip("\r\n")])
+            else:
+                try:
+                    conversations.append(record_turns(parse_line(line)))
+                except ConversationError as e:
+                    raise ConversationError(f"{path}:{number}: {e}") from None
+            if limit is not None and len(conversations) >= limit:
+                break
+    if not conversations:
+        raise ConversationError(f"{path}: holds no conversations")
+    return conversations

@@ -1,0 +1,81 @@
+"""Built-in training corpora, written on demand: data that needs no download.
+
+A train config names one as `builtin:<name>` among its data paths; `resolve_data_paths` writes it
+under the run's `data/` folder the first time and returns the JSONL path in its place.
+
+    builtin:python-stdlib        the Python standard library's own source, as conversations
+    builtin:python-stdlib-eval   its held-out split (no file in common with the training split)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+from dspark_jax.config import ConfigError
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def write_python_stdlib_corpus(
+    out_dir: Path, *, prompt_chars: int = 64, answer_chars: int = 192, eval_every: int = 10
+) -> tuple[Path, Path]:
+    """(train, eval) JSONL of the Python standard library's own top-level *.py files.
+
+    Each file is cut into pieces of prompt_chars + answer_chars characters: the user turn is the
+    start of a piece and the assistant turn the rest. Every `eval_every`-th file (sorted by name)
+    goes to the eval split, so the two splits share no file. Deterministic for a given Python.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))
+    if not files:
+        raise ConfigError(f"no *.py files in the Python standard library folder {stdlib}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = (out_dir / "python-stdlib-train.jsonl", out_dir / "python-stdlib-eval.jsonl")
+    piece = prompt_chars + answer_chars
+    # Several processes may build the corpus at once: each writes its own file, then renames.
+    tmp = [p.with_suffix(f".jsonl.tmp{os.getpid()}") for p in paths]
+    with open(tmp[0], "w") as train_f, open(tmp[1], "w") as eval_f:
+        for i, path in enumerate(files):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            out = eval_f if i % eval_every == 0 else train_f
+            for start in range(0, len(text) - piece + 1, piece):
+                turns = [
+                    text[start : start + prompt_chars],
+                    text[start + prompt_chars : start + piece],
+                ]
+                out.write(json.dumps({"turns": turns}) + "\n")
+    for t, p in zip(tmp, paths, strict=True):
+        os.replace(t, p)
+    return paths
+
+
+_BUILTIN_SPLITS = {"python-stdlib": 0, "python-stdlib-eval": 1}
+
+
+def resolve_data_paths(paths: tuple[str, ...], output_dir: Path) -> tuple[str, ...]:
+    """JSONL paths, with `builtin:<name>` corpora written under output_dir/data when missing.
+
+    Built-in corpora: `python-stdlib` and `python-stdlib-eval` (`write_python_stdlib_corpus`).
+    """
+    out = []
+    for path in paths:
+        if not path.startswith(BUILTIN_PREFIX):
+            out.append(path)
+            continue
+        name = path[len(BUILTIN_PREFIX) :]
+        if name not in _BUILTIN_SPLITS:
+            raise ConfigError(
+                f"unknown built-in corpus {name!r}; known: {', '.join(sorted(_BUILTIN_SPLITS))}"
+            )
+        data_dir = output_dir / "data"
+        split_paths = (
+            data_dir / "python-stdlib-train.jsonl",
+            data_dir / "python-stdlib-eval.jsonl",
+        )
+        if not all(p.exists() for p in split_paths):
+            write_python_stdlib_corpus(data_dir)
+        out.append(str(split_paths[_BUILTIN_SPLITS[name]]))
+    return tuple(out)
