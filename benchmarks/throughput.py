@@ -8,8 +8,8 @@ throughput is decoded tokens / decode time over all requests, per-request speed 
 throughput / c. Each cell is the median of `--repeats` timed runs after a warm-up run (which
 compiles).
 
-    PYTHONPATH=. python benchmarks/throughput.py            # tiny byte-level models, CPU
-    PYTHONPATH=. python benchmarks/throughput.py --target T --draft D --sps-table sps.json
+    python benchmarks/throughput.py            # tiny byte-level models, CPU
+    python benchmarks/throughput.py --target T --draft D --sps-table sps.json
 
 Prompts are byte strings cut from the Python standard library's source, for the byte-level
 tiny models; with real checkpoints pass `--prompts FILE.jsonl` (eval_datasets format), encoded
@@ -121,7 +121,7 @@ def main() -> None:
     sampling = SamplingConfig(temperature=args.temperature)
     sts = None
     if args.sts:
-        sts = StsArtifact.load(args.sts, fingerprint, args.temperature)
+        sts = StsArtifact.load(args.sts)  # the engine checks it against the drafter
     n_prompts = 2 * max(levels)
     if args.prompts:
         prompts = jsonl_prompts(args.prompts, tokenizer, n_prompts)

@@ -1,4 +1,7 @@
-"""The released training recipe as a value (DeepSpec config/dspark/dspark_qwen3_4b*.py)."""
+"""The released training recipe as a value (DeepSpec config/dspark/dspark_qwen3_4b*.py).
+
+The drafter's shape in that recipe (block 7, 5 layers, 512 anchors per sequence) is in the drafter
+configs of `qwen3.py`."""
 
 from __future__ import annotations
 
@@ -6,9 +9,6 @@ from dspark_jax.training.recipe import TrainRecipe, dflash_recipe
 
 # DeepSpec config/dspark/dspark_qwen3_4b*.py, the recipe of the released drafters.
 DSPARK_RECIPE = TrainRecipe(
-    block_size=7,
-    num_draft_layers=5,
-    num_anchors=512,
     learning_rate=6e-4,
     warmup_ratio=0.04,
     weight_decay=0.0,

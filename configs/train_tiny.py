@@ -19,8 +19,6 @@ TINY_TARGET = str(EMBEDDED_TARGET)
 # The released recipe scaled down to the fixture models and a few CPU minutes.
 TINY_RECIPE = dataclasses.replace(
     DSPARK_RECIPE,
-    num_draft_layers=2,
-    num_anchors=32,
     learning_rate=3e-3,
     dtype="float32",
     global_batch_size=8,
@@ -30,7 +28,8 @@ TINY_RECIPE = dataclasses.replace(
 )
 TINY_DFLASH_RECIPE = dflash_recipe(TINY_RECIPE)
 
-TINY_DSPARK_DRAFTER = dataclasses.replace(TINY_VANILLA_DSPARK, num_anchors=TINY_RECIPE.num_anchors)
+# The fixture drafter (2 layers, block 7) with fewer anchors per sequence for CPU.
+TINY_DSPARK_DRAFTER = dataclasses.replace(TINY_VANILLA_DSPARK, num_anchors=32)
 TINY_DFLASH_DRAFTER = dataclasses.replace(
     TINY_DSPARK_DRAFTER,
     markov_rank=0,

@@ -22,6 +22,10 @@ STREAM_DRAFT = 0
 STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
 
+# Token-id sentinels; no real token id is negative.
+PAD_TOKEN = -1  # output slots past the tokens a request committed
+NO_STOP_TOKEN = -2  # the whole stop list of a request that ends only at its length limit
+
 
 class SamplingConfigError(UserError):
     """A sampling parameter is out of range."""

@@ -47,14 +47,15 @@ def test_calibrate_one_file_and_two_files(tmp_path, capsys):
         assert cli.main(argv) == 0
         printed = capsys.readouterr().out
         assert "held-out split" in printed and "mean ECE over positions" in printed
-        artifact = StsArtifact.load(out, expected_fingerprint=fingerprint, expected_temperature=0.7)
+        artifact = StsArtifact.load(out)
+        artifact.check(fingerprint, 0.7, block_size=7)
         # The fitted temperatures undo the 3x sharpening at the first position.
         assert 2.0 < artifact.temperatures[0] < 4.5
         held = artifact.metrics["holdout"]
         assert np.mean(held["ece_after"]) < 0.5 * np.mean(held["ece_before"])
         assert plot.stat().st_size > 0
         with pytest.raises(StsArtifactMismatchError):
-            StsArtifact.load(out, expected_fingerprint="0" * 64)
+            artifact.check("0" * 64, 0.7)
 
 
 def test_calibrate_refuses_records_of_another_block_size(tmp_path, capsys):
@@ -109,7 +110,7 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     policy = cli_args.build_policy(args, block_size=7)
     assert isinstance(policy, policies.AsyncSchedulePolicy)
     assert policy.sps.buckets == (1, 8)
-    assert cli_args.load_sts(args, "fingerprint", 0.0) is None
+    assert cli_args.load_sts(args) is None
     args = parser.parse_args(["--gamma", "9"])
     with pytest.raises(ValueError, match="--gamma"):
         cli_args.build_policy(args, block_size=7)

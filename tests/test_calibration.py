@@ -205,8 +205,9 @@ def test_sts_fixes_overconfidence_and_preserves_ranking():
 
     # Per-position ranking of c_k on the conditional event is untouched by STS.
     obs, acc = sts.conditional_events(held)
+    artifact = sts.StsArtifact(tuple(temps), "sha256:test", 1.0, n_records=len(held))
     calibrated = np.asarray(
-        jax.jit(sts.apply_sts)(jnp.asarray(held.conf_logits_nk), jnp.asarray(temps))
+        jax.nn.sigmoid(jax.jit(artifact.calibrated_logits)(jnp.asarray(held.conf_logits_nk)))
     )
     for k in range(gamma):
         rows = obs[:, k]
@@ -219,15 +220,17 @@ def test_sts_fixes_overconfidence_and_preserves_ranking():
         assert 0.6 < raw_auc < 0.9
 
 
-def test_apply_sts_matches_host_and_checks_shape():
+def test_calibrated_logits_match_host_and_check_shape():
     z = np.array([[2.0, -1.0, 0.5], [6.0, 3.0, -4.0]])
     temps = np.array([0.5, 2.0, 4.0])
     host = 1 / (1 + np.exp(-z / temps))
+    artifact = sts.StsArtifact(tuple(temps), "sha256:test", 1.0, n_records=2)
     np.testing.assert_allclose(
-        sts.apply_sts(jnp.asarray(z, jnp.float32), jnp.asarray(temps)), host, rtol=1e-6
+        jax.nn.sigmoid(artifact.calibrated_logits(jnp.asarray(z, jnp.float32))), host, rtol=1e-6
     )
+    four = sts.StsArtifact((1.0, 1.0, 1.0, 1.0), "sha256:test", 1.0, n_records=2)
     with pytest.raises(sts.CalibrationInputError, match="positions"):
-        sts.apply_sts(jnp.zeros((2, 3)), jnp.ones(4))
+        four.calibrated_logits(jnp.zeros((2, 3)))
 
 
 def test_artifact_round_trip_and_mismatch(tmp_path):
@@ -237,11 +240,12 @@ def test_artifact_round_trip_and_mismatch(tmp_path):
     )
     path = tmp_path / "sts.json"
     art.save(path)
-    loaded = sts.StsArtifact.load(path, expected_fingerprint="sha256:abc", expected_temperature=0.7)
+    loaded = sts.StsArtifact.load(path)
+    loaded.check("sha256:abc", 0.7, block_size=3)
     assert loaded.temperatures == art.temperatures and loaded.gamma == 3
     assert loaded.n_records == 3_000 and loaded.metrics == art.metrics
     np.testing.assert_allclose(loaded.temps(), art.temperatures, rtol=1e-6)
     with pytest.raises(sts.StsArtifactMismatchError, match="drafter 'sha256:abc'"):
-        sts.StsArtifact.load(path, expected_fingerprint="sha256:other")
+        loaded.check("sha256:other", 0.7)
     with pytest.raises(ValueError, match="sampling temperature 0.7"):
-        sts.StsArtifact.load(path, expected_temperature=1.0)
+        loaded.check("sha256:abc", 1.0)

@@ -14,10 +14,16 @@ from safetensors import safe_open
 
 from dspark_jax import configs
 from dspark_jax.config import ConfigError, DrafterConfig, Qwen3Config, read_config_json
-from dspark_jax.configs.qwen3 import TAPS_36_LAYERS, spaced_target_layers
-from dspark_jax.configs.recipes import DSPARK_RECIPE, TrainRecipe
+from dspark_jax.configs.qwen3 import (
+    DRAFT_BLOCK_SIZE,
+    DRAFT_NUM_LAYERS,
+    TAPS_36_LAYERS,
+    spaced_target_layers,
+)
+from dspark_jax.configs.recipes import DSPARK_RECIPE
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.training.recipe import TrainRecipe
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -156,9 +162,9 @@ def test_released_drafters_fit_their_targets():
         for kind in ("dspark", "dflash"):
             drafter = configs.get(f"{kind}-qwen3-{size}")
             drafter.check_target(target)
-            assert drafter.model.num_hidden_layers == DSPARK_RECIPE.num_draft_layers
-            assert drafter.block_size == DSPARK_RECIPE.block_size
-            assert drafter.num_anchors == DSPARK_RECIPE.num_anchors
+            assert drafter.model.num_hidden_layers == DRAFT_NUM_LAYERS == 5
+            assert drafter.block_size == DRAFT_BLOCK_SIZE == 7
+            assert drafter.num_anchors == 512
             assert drafter.mask_token_id == 151669
             assert not drafter.model.tie_word_embeddings
             assert (drafter.model.num_attention_heads, drafter.model.num_key_value_heads) == (

@@ -53,25 +53,21 @@ def test_threshold_policy_is_threshold_lengths_on_sigmoid():
         policies.ThresholdPolicy(0.5).step(None, active, ())
 
 
-def test_plain_function_policies_are_wrapped():
-    def first_two(conf_logits_bk, active_b):
-        return jnp.where(active_b, 2, 0)
-
-    policy = policies.as_policy(first_two)
-    assert isinstance(policy, policies.Policy) and not policy.needs_confidence
-    lengths, carry = policy.step(None, jnp.array([True, False]), policy.init_carry(2, 4))
-    np.testing.assert_array_equal(lengths, [2, 0])
-    assert policies.as_policy(policy) is policy
-    with pytest.raises(policies.PolicyError):
-        policies.as_policy(3)
-
-
 def test_rectangle_table_is_the_padded_verify_cost():
     sps_w = jnp.array([10.0, 8.0, 5.0])  # buckets 1, 2, 4
     table = policies.rectangle_sps_table(sps_w, (1, 2, 4), jnp.int32(3), 14)
     # 3 rows: <= 3 tokens fit width 1, <= 6 width 2, <= 12 width 4, more fit nothing.
     want = [10] * 4 + [8] * 3 + [5] * 6 + [0, 0]
     np.testing.assert_array_equal(table, want)
+
+
+def test_one_row_table_is_a_step_function_of_the_buckets():
+    table = policies.rectangle_sps_table(jnp.array([10.0, 9.0, 8.0, 4.0]), (1, 2, 4, 8), 1, 10)
+    np.testing.assert_allclose(table, [10, 10, 9, 8, 8, 4, 4, 4, 4, 0, 0])
+    with pytest.raises(policies.SpsProfileError, match="increasing"):
+        policies.SpsProfile((1,), (4, 2), [[1.0, 1.0]])
+    with pytest.raises(policies.SpsProfileError, match="positive"):
+        policies.SpsProfile((1,), (1, 2), [[1.0, 0.0]])
 
 
 def test_sps_profile_round_trip_and_errors(tmp_path):
@@ -325,6 +321,22 @@ def test_appendix_a_through_the_engine(toy):
     assert (
         stats.chisquare(np.bincount(y1, minlength=2), [0.85 * N_TOY, 0.15 * N_TOY]).pvalue > ALPHA
     )
+
+
+def test_engine_takes_policy_objects_only(toy):
+    policy = policies.FixedPolicy(2)
+    assert isinstance(policy, policies.Policy) and not policy.needs_confidence
+    lengths, carry = policy.step(None, jnp.array([True, False]), policy.init_carry(2, 4))
+    np.testing.assert_array_equal(lengths, [2, 0])
+    target, drafter = toy
+    assert Engine(target, drafter, TOY_CFG, policy=policy).policy is policy
+
+    def first_two(conf_logits_bk, active_b):
+        return jnp.where(active_b, 2, 0)
+
+    for bad in (first_two, 3):
+        with pytest.raises(policies.PolicyError, match="must be a Policy"):
+            Engine(target, drafter, TOY_CFG, policy=bad)
 
 
 def test_engine_requires_confidences_for_confidence_policies(toy):

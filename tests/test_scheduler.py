@@ -103,15 +103,6 @@ def test_threshold_lengths():
     assert scheduler.threshold_lengths(conf, 0.6).dtype == jnp.int32
 
 
-def test_sps_table_from_profile_step_function():
-    table = scheduler.sps_table_from_profile([1, 2, 4, 8], [10.0, 9.0, 8.0, 4.0], max_tokens=10)
-    np.testing.assert_allclose(table, [10, 10, 9, 8, 8, 4, 4, 4, 4, 0, 0])
-    with pytest.raises(scheduler.SchedulerInputError, match="increasing"):
-        scheduler.sps_table_from_profile([4, 2], [1.0, 1.0], 8)
-    with pytest.raises(scheduler.SchedulerInputError, match="positive"):
-        scheduler.sps_table_from_profile([1, 2], [1.0, 0.0], 8)
-
-
 def test_tie_break_and_hand_example():
     # Equal survivals everywhere: order (r0,j1), (r1,j1), (r0,j2), (r1,j2), ...
     conf = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])

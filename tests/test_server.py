@@ -7,14 +7,15 @@ import threading
 import pytest
 
 from dspark_jax import cli
-from dspark_jax.decoding.engine import Engine
+from dspark_jax.checkpoints.converted import load_decoding_models
+from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.generate import Request, generate
+from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.serving.server import (
     DSparkServer,
     ServerClosedError,
     ServerConfig,
-    load_served_model,
     parse_generate,
 )
 from dspark_jax.serving.text_stream import TextStream
@@ -23,12 +24,10 @@ from dspark_jax.tokenizer import ByteTokenizer
 # One batch bucket keeps compilation to one program set per engine.
 CFG = ServerConfig(
     batch_size=4,
-    max_len=160,
-    max_new_tokens=40,
     max_wait_s=0.3,
-    rounds_per_chunk=2,
-    batch_buckets=(4,),
-    prompt_buckets=(64,),
+    engine=EngineConfig(
+        max_len=160, max_new_tokens=40, rounds_per_chunk=2, batch_buckets=(4,), prompt_buckets=(64,)
+    ),
 )
 PROMPTS = [
     b" the feature in question, but may continue to us",
@@ -41,7 +40,7 @@ NEW_TOKENS = [40, 31, 25, 17]
 
 @pytest.fixture(scope="module")
 def served():
-    model = load_served_model()
+    model = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT)
     server = DSparkServer(model, CFG, port=0).start()
     yield model, server
     server.shutdown()
@@ -53,7 +52,7 @@ def reference(served):
     engine = Engine(
         model.target,
         model.drafter,
-        CFG.engine_config(),
+        CFG.engine,
         SamplingConfig(),
         stop_tokens=model.stop_tokens,
     )
@@ -192,7 +191,7 @@ def test_greedy_requests_share_one_engine_key(served):
     model, _ = served
     params = parse_generate({"prompt": "ab", "top_k": 5, "top_p": 0.5, "seed": 3}, model, CFG)
     assert params.sampling == SamplingConfig()
-    assert params.prompt_ids == [97, 98] and params.max_new_tokens == CFG.max_new_tokens
+    assert params.prompt_ids == [97, 98] and params.max_new_tokens == CFG.engine.max_new_tokens
     sampled = parse_generate({"prompt": "ab", "temperature": 0.5, "top_k": 5}, model, CFG)
     assert sampled.sampling == SamplingConfig(temperature=0.5, top_k=5)
 

@@ -30,9 +30,7 @@ from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY
 from dspark_jax.sharding import MeshConfig
 from dspark_jax.training.trainer import TrainConfig
 
-recipe = dataclasses.replace(
-    TINY_RECIPE, num_anchors=8, global_batch_size=4, max_length=48, warmup_ratio=0.25
-)
+recipe = dataclasses.replace(TINY_RECIPE, global_batch_size=4, max_length=48, warmup_ratio=0.25)
 CONFIG = TrainConfig(
     name="resume-test",
     target=TINY_TARGET,

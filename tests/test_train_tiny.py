@@ -15,6 +15,7 @@ from dspark_jax.cli import main
 from dspark_jax.cli.train import load_train_config, train_config_names
 from dspark_jax.config import ConfigError
 from dspark_jax.configs.train_tiny import TINY_TARGET, TRAIN_CONFIGS
+from dspark_jax.errors import UserError
 from dspark_jax.training.trainer import TrainConfig, train
 
 
@@ -22,8 +23,13 @@ def test_named_configs_and_errors():
     names = train_config_names()
     assert {"tiny-dspark", "tiny-dflash", "dspark-qwen3-4b", "dflash-qwen3-14b"} <= set(names)
     released = load_train_config("dspark-qwen3-8b")
-    r = released.recipe
-    assert (r.block_size, r.num_draft_layers, r.num_anchors, r.learning_rate) == (7, 5, 512, 6e-4)
+    r, d = released.recipe, released.drafter
+    assert (d.block_size, d.model.num_hidden_layers, d.num_anchors, r.learning_rate) == (
+        7,
+        5,
+        512,
+        6e-4,
+    )
     assert (r.warmup_ratio, r.global_batch_size) == (0.04, 512)
     assert released.drafter.markov_rank == 256 and released.drafter.enable_confidence_head
     dflash = load_train_config("dflash-qwen3-4b")
@@ -35,8 +41,9 @@ def test_named_configs_and_errors():
     )
     with pytest.raises(ConfigError, match="unknown train config"):
         load_train_config("nope")
-    with pytest.raises(ConfigError, match="block_size"):
-        dataclasses.replace(released, recipe=dataclasses.replace(r, block_size=8))
+    # The drafter alone holds its shape; the loss chunks are checked against its anchors.
+    with pytest.raises(UserError, match="must divide num_anchors \\(100\\)"):
+        dataclasses.replace(released, drafter=dataclasses.replace(d, num_anchors=100))
     with pytest.raises(ConfigError, match="confidence head"):
         dataclasses.replace(
             dflash,

@@ -5,8 +5,10 @@ import pytest
 from scipy import stats
 
 from dspark_jax.decoding import verify as verify_module
-from dspark_jax.decoding.verify import PAD_TOKEN, VerifyResult, verify
+from dspark_jax.decoding.verify import VerifyResult, verify
 from dspark_jax.sampling import (
+    NO_STOP_TOKEN,
+    PAD_TOKEN,
     STREAM_DRAFT,
     STREAM_RESIDUAL,
     SamplingConfig,
@@ -19,7 +21,7 @@ from dspark_jax.sampling import (
 GREEDY = SamplingConfig()
 T1 = SamplingConfig(temperature=1.0)
 FILTERED = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
-NO_STOP = jnp.array([-1], jnp.int32)
+NO_STOP = jnp.array([NO_STOP_TOKEN], jnp.int32)
 
 jit_verify = jax.jit(verify, static_argnames="cfg")
 

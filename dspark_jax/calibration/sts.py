@@ -15,9 +15,10 @@ at the outcomes (true of Algorithm 1 with early stop, fixed lengths, or threshol
 full block (l = gamma) gives the most observations per position.
 
 `fit_sts` chooses T_1..T_gamma left to right, each by a 1-D grid search minimising the ECE of
-a_k = prod_{i<=k} sigmoid(z_i / T_i) with T_1..T_{k-1} already fixed. `apply_sts` is the
-jittable runtime side; `calibrate` splits by block, fits and reports metrics in a `StsArtifact`
-that is tied to one drafter checkpoint and one sampling temperature.
+a_k = prod_{i<=k} sigmoid(z_i / T_i) with T_1..T_{k-1} already fixed. `calibrate` splits by
+block, fits and reports metrics in a `StsArtifact` that is tied to one drafter checkpoint and one
+sampling temperature (`StsArtifact.check`); `StsArtifact.calibrated_logits` is the jittable
+runtime side the engine applies.
 """
 
 from __future__ import annotations
@@ -209,15 +210,6 @@ def fit_sts(
     return temps
 
 
-def apply_sts(conf_logits: jax.Array, temps: jax.Array) -> jax.Array:
-    """Calibrated per-position confidences c_k = sigmoid(z_k / T_k); jittable, any leading dims."""
-    if conf_logits.shape[-1] != temps.shape[-1]:
-        raise CalibrationInputError(
-            f"conf_logits has {conf_logits.shape[-1]} positions but temps has {temps.shape[-1]}"
-        )
-    return jax.nn.sigmoid(conf_logits / temps.astype(conf_logits.dtype))
-
-
 def _nan_to_none(x: float) -> float | None:
     return None if math.isnan(x) else float(x)
 
@@ -318,8 +310,40 @@ class StsArtifact:
         return len(self.temperatures)
 
     def temps(self) -> jax.Array:
-        """Temperatures as a float32 [gamma] array for `apply_sts`."""
+        """Temperatures as a float32 [gamma] array."""
         return jnp.asarray(self.temperatures, dtype=jnp.float32)
+
+    def calibrated_logits(self, conf_logits: jax.Array) -> jax.Array:
+        """z_k / T_k in float32, whose sigmoid is the calibrated c_k; jittable, any leading dims."""
+        if conf_logits.shape[-1] != self.gamma:
+            raise CalibrationInputError(
+                f"conf_logits has {conf_logits.shape[-1]} positions but the artifact has "
+                f"{self.gamma} temperatures"
+            )
+        return conf_logits.astype(jnp.float32) / self.temps()
+
+    def check(
+        self, drafter_fingerprint: str, sampling_temperature: float, block_size: int | None = None
+    ) -> None:
+        """Refuses the artifact for another drafter, sampling temperature or block size."""
+        if self.drafter_fingerprint != drafter_fingerprint:
+            raise StsArtifactMismatchError(
+                f"the STS artifact was calibrated for drafter {self.drafter_fingerprint!r}, not "
+                f"for this drafter {drafter_fingerprint!r}; run dspark-jax calibrate for it"
+            )
+        if block_size is not None and self.gamma != block_size:
+            raise StsArtifactMismatchError(
+                f"the STS artifact has {self.gamma} temperatures but the drafter's block size is "
+                f"{block_size}"
+            )
+        if not math.isclose(
+            self.sampling_temperature, sampling_temperature, rel_tol=1e-6, abs_tol=1e-9
+        ):
+            raise StsArtifactMismatchError(
+                f"the STS artifact was calibrated at sampling temperature "
+                f"{self.sampling_temperature}, but decoding samples at {sampling_temperature}; "
+                "calibrate at this temperature"
+            )
 
     def save(self, path: str | Path) -> None:
         body = {
@@ -334,13 +358,8 @@ class StsArtifact:
         Path(path).write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
 
     @classmethod
-    def load(
-        cls,
-        path: str | Path,
-        expected_fingerprint: str | None = None,
-        expected_temperature: float | None = None,
-    ) -> StsArtifact:
-        """Read an artifact; refuse it if it was fitted for another drafter or temperature."""
+    def load(cls, path: str | Path) -> StsArtifact:
+        """Read an artifact (`check` decides where it may be used)."""
         try:
             body = json.loads(Path(path).read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -355,26 +374,13 @@ class StsArtifact:
             raise CalibrationInputError(
                 f"{path}: gamma {body['gamma']} but {len(body['temperatures'])} temperatures"
             )
-        art = cls(
+        return cls(
             temperatures=tuple(body["temperatures"]),
             drafter_fingerprint=body["drafter_fingerprint"],
             sampling_temperature=body["sampling_temperature"],
             n_records=body["n_records"],
             metrics=body["metrics"],
         )
-        if expected_fingerprint is not None and art.drafter_fingerprint != expected_fingerprint:
-            raise StsArtifactMismatchError(
-                f"{path} was calibrated for drafter {art.drafter_fingerprint!r}, "
-                f"not {expected_fingerprint!r}; recalibrate for this checkpoint"
-            )
-        if expected_temperature is not None and not math.isclose(
-            art.sampling_temperature, expected_temperature, rel_tol=1e-6, abs_tol=1e-9
-        ):
-            raise StsArtifactMismatchError(
-                f"{path} was calibrated at sampling temperature {art.sampling_temperature}, "
-                f"not {expected_temperature}; recalibrate for this temperature"
-            )
-        return art
 
 
 def split_by_block(

@@ -1,7 +1,7 @@
 """Command-line options shared by the commands: models, sampling, verification policy, STS.
 
 `generate` and `eval` take every group; the benchmarks reuse the policy group
-(`add_policy_arguments(parser)` then `build_policy(args, gamma)` and `load_sts(args, ...)`).
+(`add_policy_arguments(parser)` then `build_policy(args, gamma)` and `load_sts(args)`).
 Model options default to the tiny byte-level pair embedded in the package, so the commands run
 offline on a laptop; `--target` / `--draft` take any form `load_target` / `load_drafter` read.
 """
@@ -27,8 +27,6 @@ from dspark_jax.sampling import SamplingConfig
 if TYPE_CHECKING:
     from dspark_jax.checkpoints.converted import DecodingModels
 
-EMBEDDED_MODEL = EMBEDDED_NAME
-
 
 def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = True) -> None:
     group = parser.add_argument_group("models")
@@ -36,12 +34,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = 
         "--target",
         default=None,
         help=f"target: converted folder, safetensors folder or hub id (default: the embedded "
-        f"{EMBEDDED_MODEL} model)",
+        f"{EMBEDDED_NAME} model)",
     )
     group.add_argument(
         "--draft",
         default=None,
-        help=f"drafter, same forms (default: the embedded {EMBEDDED_MODEL} drafter)",
+        help=f"drafter, same forms (default: the embedded {EMBEDDED_NAME} drafter)",
     )
     if allow_no_draft:
         group.add_argument(
@@ -116,7 +114,7 @@ def build_engine(
         sampling=sampling,
         policy=build_policy(args, models.gamma),
         stop_tokens=models.stop_tokens,
-        sts=load_sts(args, models.drafter_fingerprint, sampling.temperature),
+        sts=load_sts(args),
         drafter_fingerprint=models.drafter_fingerprint,
     )
 
@@ -150,12 +148,6 @@ def build_policy(args: argparse.Namespace, block_size: int) -> Policy:
     return make_policy(args.policy, gamma, threshold=args.threshold, sps=sps)
 
 
-def load_sts(
-    args: argparse.Namespace, drafter_fingerprint: str, temperature: float
-) -> StsArtifact | None:
-    """The --sts artifact, refused unless it belongs to this drafter and sampling temperature."""
-    if not args.sts:
-        return None
-    return StsArtifact.load(
-        args.sts, expected_fingerprint=drafter_fingerprint, expected_temperature=temperature
-    )
+def load_sts(args: argparse.Namespace) -> StsArtifact | None:
+    """The --sts artifact (the engine refuses it for another drafter or sampling temperature)."""
+    return StsArtifact.load(args.sts) if args.sts else None

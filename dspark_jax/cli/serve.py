@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dspark_jax.errors import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -54,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from dspark_jax.serving.server import DSparkServer, ServerConfig, load_served_model, log
+    from dspark_jax.checkpoints.converted import load_decoding_models
+    from dspark_jax.decoding.engine import EngineConfig, power_of_two_buckets
+    from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+    from dspark_jax.serving.server import DSparkServer, ServerConfig, log
 
     # An imported library already configured the root logger, so the access log gets its own.
     handler = logging.StreamHandler()
@@ -64,18 +69,26 @@ def run(args: argparse.Namespace) -> int:
     log.propagate = False
     cfg = ServerConfig(
         batch_size=args.batch_size,
-        max_len=args.max_len,
-        max_new_tokens=args.max_new_tokens,
         max_wait_s=args.max_wait_ms / 1000.0,
         max_engines=args.max_engines,
-        rounds_per_chunk=args.rounds_per_chunk,
+        engine=EngineConfig(
+            max_len=args.max_len,
+            max_new_tokens=args.max_new_tokens,
+            batch_buckets=power_of_two_buckets(args.batch_size),
+            rounds_per_chunk=args.rounds_per_chunk,
+        ),
     )
-    model = load_served_model(args.target, args.draft, args.dtype)
+    target, draft = args.target, args.draft
+    if target is None and draft is None:
+        target, draft = EMBEDDED_TARGET, EMBEDDED_DRAFT
+    if target is None:
+        raise UserError("a drafter needs its target: give --target too")
+    model = load_decoding_models(target, draft, args.dtype)
     server = DSparkServer(model, cfg, args.host, args.port)
     host, port = server.address
     mode = "speculative" if model.drafter is not None else "plain decoding only"
     print(
-        f"serving {model.info['target']} ({mode}) on http://{host}:{port}  (Ctrl-C stops)",
+        f"serving {target} ({mode}) on http://{host}:{port}  (Ctrl-C stops)",
         flush=True,
     )
     try:

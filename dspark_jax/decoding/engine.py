@@ -20,27 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.calibration.sts import StsArtifact, StsArtifactMismatchError
-from dspark_jax.decoding.policies import (
-    FixedPolicy,
-    LengthPolicy,
-    Policy,
-    SpsProfile,
-    as_policy,
-)
+from dspark_jax.calibration.sts import StsArtifact
+from dspark_jax.decoding.policies import FixedPolicy, Policy, PolicyError, SpsProfile
 from dspark_jax.decoding.verify import verify
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import (
+    NO_STOP_TOKEN,
+    PAD_TOKEN,
     STREAM_DRAFT,
     STREAM_RESIDUAL,
     SamplingConfig,
@@ -49,14 +44,7 @@ from dspark_jax.sampling import (
     sample_tokens,
 )
 
-PAD = -1
-
 GREEDY = SamplingConfig()
-
-
-def fixed_length_policy(gamma: int) -> Policy:
-    """Every active request verifies `gamma` drafts (the engine's default policy)."""
-    return FixedPolicy(gamma)
 
 
 class EngineError(UserError):
@@ -107,7 +95,7 @@ class DecodeState:
     max_new_b: jax.Array  # tokens to generate (including the first one from prefill)
     num_generated_b: jax.Array
     done_b: jax.Array
-    tokens_bn: jax.Array  # generated tokens, PAD past num_generated_b
+    tokens_bn: jax.Array  # generated tokens, PAD_TOKEN past num_generated_b
     rounds_b: jax.Array  # rounds run by each request
     verified_bn: jax.Array  # per round: drafts verified
     accepted_bn: jax.Array  # per round: drafts accepted (before stop truncation)
@@ -137,7 +125,7 @@ def _init_state(
         max_new_b=jnp.zeros((batch,), jnp.int32),
         num_generated_b=jnp.zeros((batch,), jnp.int32),
         done_b=jnp.ones((batch,), bool),
-        tokens_bn=jnp.full((batch, cap), PAD, jnp.int32),
+        tokens_bn=jnp.full((batch, cap), PAD_TOKEN, jnp.int32),
         rounds_b=jnp.zeros((batch,), jnp.int32),
         verified_bn=jnp.zeros((batch, rounds), jnp.int32),
         accepted_bn=jnp.zeros((batch, rounds), jnp.int32),
@@ -180,7 +168,7 @@ def _prefill(
             draft_cache.replace(lengths=jnp.zeros((batch,), jnp.int32)), out.taps_btf, prompt_len_b
         )
     stopped_b = _is_stop(first_b, stop_tokens_s)
-    tokens_bn = jnp.full_like(state.tokens_bn, PAD).at[:, 0].set(first_b)
+    tokens_bn = jnp.full_like(state.tokens_bn, PAD_TOKEN).at[:, 0].set(first_b)
     zeros_bn = jnp.zeros_like(state.verified_bn)
     return state.replace(
         target_cache=out.cache.replace(lengths=prompt_len_b),
@@ -201,6 +189,7 @@ def _prefill(
 
 
 def _record(buffer_bn, rounds_b, values_b, active_b):
+    """Writes row b's values (a scalar, or a vector for a [B, N, K] buffer) at its round."""
     rows = jnp.arange(buffer_bn.shape[0])
     cols = jnp.where(active_b, rounds_b, buffer_bn.shape[1])  # inactive rows write nowhere
     return buffer_bn.at[rows, cols].set(values_b.astype(buffer_bn.dtype), mode="drop")
@@ -259,7 +248,7 @@ def _spec_round(
     drafter: DSparkDrafter,
     sampling: SamplingConfig,
     policy: Policy,
-    sts_temps_k: jax.Array | None,
+    sts: StsArtifact | None,
     verify_buckets: tuple[int, ...],
     max_len: int,
     stop_tokens_s,
@@ -278,8 +267,8 @@ def _spec_round(
     draft_keys_bk = position_keys(round_keys_b, slot_positions_bk, STREAM_DRAFT)
     block = drafter.sample_block(h_bkd, state.anchor_b, draft_keys_bk, sampling)
     policy_logits_bk = block.conf_logits_bk
-    if sts_temps_k is not None:
-        policy_logits_bk = block.conf_logits_bk.astype(jnp.float32) / sts_temps_k
+    if sts is not None:
+        policy_logits_bk = sts.calibrated_logits(block.conf_logits_bk)
     lengths_b, policy_carry = policy.step(policy_logits_bk, active_b, state.policy_carry)
     lengths_b = jnp.where(active_b, jnp.clip(lengths_b, 0, gamma), 0).astype(jnp.int32)
 
@@ -324,7 +313,7 @@ def _spec_round(
         verified_bn=_record(state.verified_bn, state.rounds_b, lengths_b, active_b),
         accepted_bn=_record(state.accepted_bn, state.rounds_b, result.num_accepted_b, active_b),
         committed_bn=_record(state.committed_bn, state.rounds_b, result.num_committed_b, active_b),
-        conf_logits_bnk=_record_rows(state.conf_logits_bnk, state.rounds_b, conf_bk, active_b),
+        conf_logits_bnk=_record(state.conf_logits_bnk, state.rounds_b, conf_bk, active_b),
         policy_carry=policy_carry,
     )
     return _commit(
@@ -336,12 +325,6 @@ def _spec_round(
         max_len,
         lookahead=gamma + 1,
     )
-
-
-def _record_rows(buffer_bnk, rounds_b, values_bk, active_b):
-    rows = jnp.arange(buffer_bnk.shape[0])
-    cols = jnp.where(active_b, rounds_b, buffer_bnk.shape[1])
-    return buffer_bnk.at[rows, cols].set(values_bk, mode="drop")
 
 
 def _plain_round(
@@ -381,7 +364,8 @@ def _check_sts(
     fingerprint: str | None,
     sampling: SamplingConfig,
 ) -> None:
-    """Refuses an STS artifact fitted for another drafter, block size or sampling temperature."""
+    """Refuses an STS artifact the engine cannot apply, or one fitted for another drafter,
+    block size or sampling temperature."""
     if drafter is None:
         raise EngineError("an STS artifact needs a drafter; plain decoding has no confidences")
     if drafter.confidence_head is None:
@@ -391,22 +375,7 @@ def _check_sts(
             "pass drafter_fingerprint (as returned by load_drafter) with an STS artifact, so the "
             "engine can check that the artifact belongs to this drafter"
         )
-    if sts.drafter_fingerprint != fingerprint:
-        raise StsArtifactMismatchError(
-            f"the STS artifact was calibrated for drafter {sts.drafter_fingerprint[:16]}..., "
-            f"not for this drafter {fingerprint[:16]}...; run dspark-jax calibrate for it"
-        )
-    if sts.gamma != drafter.cfg.block_size:
-        raise StsArtifactMismatchError(
-            f"the STS artifact has {sts.gamma} temperatures but the drafter's block size is "
-            f"{drafter.cfg.block_size}"
-        )
-    if not math.isclose(sts.sampling_temperature, sampling.temperature, rel_tol=1e-6, abs_tol=1e-9):
-        raise StsArtifactMismatchError(
-            f"the STS artifact was calibrated at sampling temperature "
-            f"{sts.sampling_temperature}, but the engine samples at {sampling.temperature}; "
-            "calibrate at this temperature"
-        )
+    sts.check(fingerprint, sampling.temperature, drafter.cfg.block_size)
 
 
 def _engine_verify_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, ...]:
@@ -431,8 +400,8 @@ class Engine:
     """Jitted prefill and decode chunks over a target (and optionally a drafter).
 
     The models are split into (graphdef, state) once; the jitted functions are pure functions of
-    the parameter states and a donated `DecodeState`. `policy` (a `Policy` or a `LengthPolicy`
-    function, default fixed gamma) chooses the verified lengths; `sts` (an `StsArtifact`,
+    the parameter states and a donated `DecodeState`. `policy` (a `Policy`, default: verify the
+    whole block) chooses the verified lengths; `sts` (an `StsArtifact`,
     checked against `drafter_fingerprint` and the sampling temperature) calibrates the
     confidence logits the policy sees.
     """
@@ -443,7 +412,7 @@ class Engine:
         drafter: DSparkDrafter | None,
         cfg: EngineConfig,
         sampling: SamplingConfig = GREEDY,
-        policy: Policy | LengthPolicy | None = None,
+        policy: Policy | None = None,
         stop_tokens: tuple[int, ...] = (),
         sts: StsArtifact | None = None,
         drafter_fingerprint: str | None = None,
@@ -459,7 +428,9 @@ class Engine:
             _check_sts(sts, drafter, drafter_fingerprint, sampling)
         self.sts = sts
         gamma = self.gamma
-        policy = as_policy(policy if policy is not None else fixed_length_policy(gamma))
+        policy = FixedPolicy(gamma) if policy is None else policy
+        if not isinstance(policy, Policy):
+            raise PolicyError(f"policy must be a Policy, got {type(policy).__name__}")
         if drafter is not None and policy.needs_confidence and drafter.confidence_head is None:
             raise EngineError(
                 f"{type(policy).__name__} needs confidences; this drafter has no confidence head"
@@ -472,8 +443,7 @@ class Engine:
         )
         verify_buckets = _engine_verify_buckets(cfg, policy, gamma) if self.speculative else ()
         self.verify_buckets = verify_buckets
-        sts_temps_k = None if sts is None else sts.temps()
-        stop_s = jnp.asarray(self.stop_tokens or (-2,), jnp.int32)
+        stop_s = jnp.asarray(self.stop_tokens or (NO_STOP_TOKEN,), jnp.int32)
         tg, dg = self._target_graph, self._drafter_graph
 
         def merge(target_params, drafter_params):
@@ -517,7 +487,7 @@ class Engine:
                     d,
                     sampling,
                     policy,
-                    sts_temps_k,
+                    sts,
                     verify_buckets,
                     cfg.max_len,
                     stop_s,

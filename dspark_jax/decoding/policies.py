@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -37,9 +37,6 @@ from dspark_jax.errors import UserError
 
 SPS_FORMAT = "dspark-jax/sps/v1"
 _SPS_ARRAYS = ("batch_sizes", "buckets", "sps")
-
-# The original engine interface: (confidence logits [B, gamma] or None, active rows [B]) -> [B].
-LengthPolicy = Callable[[jax.Array | None, jax.Array], jax.Array]
 
 
 class PolicyError(UserError):
@@ -61,29 +58,6 @@ class Policy(Protocol):
     ) -> tuple[jax.Array, Any]:
         """(int32 draft lengths [B], next carry); inactive rows must get 0."""
         ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Stateless:
-    """Adapts a `LengthPolicy` function to the `Policy` interface."""
-
-    fn: LengthPolicy
-    needs_confidence: bool = False
-
-    def init_carry(self, batch: int, gamma: int) -> tuple:
-        return ()
-
-    def step(self, conf_logits_bk, active_b, carry):
-        return self.fn(conf_logits_bk, active_b), carry
-
-
-def as_policy(policy: Policy | LengthPolicy) -> Policy:
-    """`policy` itself if it implements `Policy`, else a plain function wrapped in `Stateless`."""
-    if isinstance(policy, Policy):
-        return policy
-    if callable(policy):
-        return Stateless(policy)
-    raise PolicyError(f"a policy must be a Policy or a function, got {type(policy).__name__}")
 
 
 def _masked(lengths_b: jax.Array, active_b: jax.Array) -> jax.Array:

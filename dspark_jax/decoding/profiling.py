@@ -31,10 +31,7 @@ from dspark_jax.decoding.policies import FixedPolicy, SpsProfile, profile_meta
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.sampling import SamplingConfig
-
-# No real token id is negative: with this as the only stop token no request ends early.
-NO_STOP = (-2,)
+from dspark_jax.sampling import NO_STOP_TOKEN, SamplingConfig
 
 
 class ProfileError(UserError):
@@ -101,7 +98,7 @@ def _round_seconds(
         verify_buckets=tuple(sorted({width, gamma + 1})),
         rounds_per_chunk=steps,
     )
-    engine = Engine(target, drafter, cfg, sampling, FixedPolicy(width - 1), NO_STOP)
+    engine = Engine(target, drafter, cfg, sampling, FixedPolicy(width - 1), (NO_STOP_TOKEN,))
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, target.cfg.vocab_size, size=(batch, context_len), dtype=np.int32)
     state = {

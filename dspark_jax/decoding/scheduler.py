@@ -17,15 +17,13 @@ the current round then admits its own top-K candidates, ranked by their up-to-da
 tokens because its input predates them. In the first two rounds there is no history; the caller
 picks the capacity (e.g. Algorithm 1 with early stop on the current confidences).
 
-Everything except `sps_table_from_profile` is jittable with static shapes and no host syncs.
+Everything here is jittable with static shapes and no host syncs.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from numpy.typing import ArrayLike
 
 
 class SchedulerInputError(ValueError):
@@ -152,31 +150,3 @@ def top_k_schedule(
     n_valid = jnp.sum(valid_sorted, dtype=jnp.int32)
     n_admit = jnp.clip(jnp.asarray(capacity, jnp.int32), 0, n_valid)
     return _lengths_from_count(r_sorted, n_admit, conf_bk.shape[0])
-
-
-def sps_table_from_profile(
-    bucket_sizes: ArrayLike, steps_per_second: ArrayLike, max_tokens: int
-) -> jax.Array:
-    """Dense SPS table float32 [max_tokens + 1] from a per-bucket profile (host-side).
-
-    A verify batch of B tokens is padded to the smallest bucket >= B and costs what that bucket
-    costs; B above the largest bucket gets SPS 0 (never scheduled). Entry 0 repeats the smallest
-    bucket and is never read by the schedulers (B >= R >= 1 when anything is active)."""
-    buckets = np.asarray(bucket_sizes)
-    sps = np.asarray(steps_per_second, dtype=np.float64)
-    if buckets.ndim != 1 or buckets.size == 0 or sps.shape != buckets.shape:
-        raise SchedulerInputError(
-            f"bucket_sizes {buckets.shape} and steps_per_second {sps.shape} must be equal 1-D"
-        )
-    if not np.all(buckets == np.round(buckets)) or np.any(buckets < 1):
-        raise SchedulerInputError("bucket_sizes must be positive integers")
-    if np.any(np.diff(buckets) <= 0):
-        raise SchedulerInputError("bucket_sizes must be strictly increasing")
-    if not np.all(np.isfinite(sps) & (sps > 0)):
-        raise SchedulerInputError("steps_per_second must be finite and positive")
-    if max_tokens < 0:
-        raise SchedulerInputError(f"max_tokens must be >= 0, got {max_tokens}")
-    n_tokens = np.arange(max_tokens + 1)
-    idx = np.searchsorted(buckets, n_tokens, side="left")
-    table = np.where(idx < buckets.size, sps[np.minimum(idx, buckets.size - 1)], 0.0)
-    return jnp.asarray(table, dtype=jnp.float32)

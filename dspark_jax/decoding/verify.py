@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.sampling import (
+    PAD_TOKEN,
     STREAM_ACCEPT,
     STREAM_RESIDUAL,
     SamplingConfig,
@@ -26,8 +27,6 @@ from dspark_jax.sampling import (
     filtered_logprobs,
     position_keys,
 )
-
-PAD_TOKEN = -1
 
 
 class VerifyShapeError(ValueError):

@@ -33,7 +33,6 @@ import collections
 import dataclasses
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -42,13 +41,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from dspark_jax.checkpoints.converted import load_decoding_models
+from dspark_jax.checkpoints.converted import DecodingModels
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError, power_of_two_buckets
 from dspark_jax.decoding.generate import Request, Result, generate
-from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from dspark_jax.errors import UserError
-from dspark_jax.models.drafter import DSparkDrafter
-from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.serving.text_stream import TextStream
 from dspark_jax.tokenizer import decode_text, encode_chat
@@ -83,17 +79,17 @@ class ServerClosedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Batching and shape limits. `batch_buckets` None: powers of two up to batch_size, and it."""
+    """How the server batches requests; every engine it builds has the shapes of `engine`.
+
+    `engine` None derives the engine settings from `batch_size`: batch buckets of the powers of
+    two below it and itself, max_len 2048, max_new_tokens 512 (also the default of a request),
+    and 8 rounds per chunk (fewer stream more often, at one host sync per chunk).
+    """
 
     batch_size: int = 8
-    max_len: int = 2048
-    max_new_tokens: int = 512
     max_wait_s: float = 0.005
     max_engines: int = 4
-    # Fewer rounds per chunk stream more often, at one host sync per chunk.
-    rounds_per_chunk: int = 8
-    batch_buckets: tuple[int, ...] | None = None
-    prompt_buckets: tuple[int, ...] = EngineConfig.prompt_buckets
+    engine: EngineConfig | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -102,60 +98,31 @@ class ServerConfig:
             raise UserError(f"max_engines must be >= 1, got {self.max_engines}")
         if self.max_wait_s < 0:
             raise UserError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
-        if self.batch_buckets is not None and max(self.batch_buckets) < self.batch_size:
+        if self.engine is None:
+            engine = EngineConfig(
+                max_len=2048,
+                max_new_tokens=512,
+                batch_buckets=power_of_two_buckets(self.batch_size),
+                rounds_per_chunk=8,
+            )
+            object.__setattr__(self, "engine", engine)
+        if max(self.engine.batch_buckets) < self.batch_size:
             raise UserError(
-                f"the largest batch bucket {max(self.batch_buckets)} is below batch_size "
+                f"the largest batch bucket {max(self.engine.batch_buckets)} is below batch_size "
                 f"{self.batch_size}"
             )
 
-    def engine_config(self) -> EngineConfig:
-        """The shape settings every engine of the server is built with."""
-        buckets = self.batch_buckets
-        if buckets is None:
-            buckets = power_of_two_buckets(self.batch_size)
-        return EngineConfig(
-            max_len=self.max_len,
-            max_new_tokens=self.max_new_tokens,
-            batch_buckets=tuple(buckets),
-            prompt_buckets=self.prompt_buckets,
-            rounds_per_chunk=self.rounds_per_chunk,
-        )
 
-
-@dataclasses.dataclass(frozen=True)
-class ServedModel:
-    """A target, an optional drafter, and how to turn text into prompts and tokens into text."""
-
-    target: Qwen3
-    drafter: DSparkDrafter | None
-    tokenizer: Any
-    stop_tokens: tuple[int, ...]
-    info: Mapping[str, Any]
-
-
-def load_served_model(
-    target: str | os.PathLike | None = None,
-    draft: str | os.PathLike | None = None,
-    dtype: str | None = None,
-) -> ServedModel:
-    """Loads the models to serve; with neither path, the embedded tiny byte-level pair.
-
-    A target without a draft serves plain decoding only. A draft needs its target.
-    """
-    if target is None and draft is None:
-        target, draft = EMBEDDED_TARGET, EMBEDDED_DRAFT
-    if target is None:
-        raise UserError("a drafter needs its target: give --target too")
-    models = load_decoding_models(target, draft, dtype)
-    info = {
-        "target": str(target),
+def model_info(models: DecodingModels) -> dict[str, Any]:
+    """What /health tells about the served models."""
+    return {
+        "target": str(models.model_dir),
         "draft": models.drafter_path,
         "draft_fingerprint": models.drafter_fingerprint,
         "vocab_size": models.target.cfg.vocab_size,
         "block_size": models.gamma or None,
         "dtype": models.target.cfg.dtype,
     }
-    return ServedModel(models.target, models.drafter, models.tokenizer, models.stop_tokens, info)
 
 
 # -- request parsing ---------------------------------------------------------------------------
@@ -178,7 +145,7 @@ def _get(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], default: A
     return value
 
 
-def parse_generate(body: Any, model: ServedModel, cfg: ServerConfig) -> GenerateParams:
+def parse_generate(body: Any, model: DecodingModels, cfg: ServerConfig) -> GenerateParams:
     """Validates a /v1/generate body and tokenizes its prompt; RequestError names the problem."""
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
@@ -197,7 +164,7 @@ def parse_generate(body: Any, model: ServedModel, cfg: ServerConfig) -> Generate
         prompt_ids = encode_chat(tokenizer, messages, enable_thinking=thinking)
     else:
         prompt_ids = _get(body, "token_ids", (list,), None)
-        vocab = model.info["vocab_size"]
+        vocab = model.target.cfg.vocab_size
         bad = [
             t
             for t in prompt_ids
@@ -205,7 +172,7 @@ def parse_generate(body: Any, model: ServedModel, cfg: ServerConfig) -> Generate
         ]
         if bad:
             raise RequestError(f"token_ids must be ints in [0, {vocab}); bad: {bad[:5]}")
-    max_new = _get(body, "max_new_tokens", (int,), cfg.max_new_tokens)
+    max_new = _get(body, "max_new_tokens", (int,), cfg.engine.max_new_tokens)
     if max_new < 1:
         raise RequestError(f"max_new_tokens must be >= 1, got {max_new}")
     seed = _get(body, "seed", (int,), 0)
@@ -259,10 +226,9 @@ class Job:
 class BatchWorker:
     """The thread that owns the device: gathers queued jobs into batches and runs them."""
 
-    def __init__(self, model: ServedModel, cfg: ServerConfig):
+    def __init__(self, model: DecodingModels, cfg: ServerConfig):
         self.model = model
         self.cfg = cfg
-        self.engine_cfg = cfg.engine_config()
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._deferred: collections.deque[Job] = collections.deque()
         self._engines: collections.OrderedDict[EngineKey, Engine] = collections.OrderedDict()
@@ -305,7 +271,7 @@ class BatchWorker:
         engine = Engine(
             self.model.target,
             self.model.drafter if speculative else None,
-            self.engine_cfg,
+            self.cfg.engine,
             sampling=sampling,
             stop_tokens=self.model.stop_tokens,
         )
@@ -546,7 +512,7 @@ class DSparkServer:
 
     def __init__(
         self,
-        model: ServedModel,
+        model: DecodingModels,
         cfg: ServerConfig = ServerConfig(),
         host: str = "127.0.0.1",
         port: int = 8000,
@@ -564,11 +530,11 @@ class DSparkServer:
         return str(host), int(port)
 
     def health(self) -> dict[str, Any]:
-        ecfg = self.worker.engine_cfg
+        ecfg = self.cfg.engine
         return {
             "status": "ok",
             "model": {
-                **self.model.info,
+                **model_info(self.model),
                 "speculative": self.model.drafter is not None,
                 "stop_tokens": list(self.model.stop_tokens),
             },

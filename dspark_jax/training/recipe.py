@@ -23,9 +23,6 @@ class TrainRecipe:
     exp(-k / loss_decay_gamma).
     """
 
-    block_size: int
-    num_draft_layers: int
-    num_anchors: int
     learning_rate: float
     warmup_ratio: float
     weight_decay: float
@@ -42,9 +39,6 @@ class TrainRecipe:
 
     def __post_init__(self):
         positive = (
-            "block_size",
-            "num_draft_layers",
-            "num_anchors",
             "learning_rate",
             "global_batch_size",
             "num_epochs",

@@ -67,8 +67,8 @@ EVAL_SEED_OFFSET = 1_000_003
 class TrainConfig:
     """One training run: what to train, on what, and how the program runs it.
 
-    `target`: a Hugging Face / converted target folder (or hub id). `drafter`: the drafter's shape
-    (its block size, depth and anchors must match the recipe). `data` / `eval_data`: JSONL paths or
+    `target`: a Hugging Face / converted target folder (or hub id). `drafter`: the drafter's shape,
+    its block size, depth and anchors per sequence included. `data` / `eval_data`: JSONL paths or
     `builtin:python-stdlib` (the local Python standard library's source as conversations).
     `num_steps` None trains `recipe.num_epochs` over the data. `per_device_batch_size` sets the
     micro-batch (gradient accumulation runs global / (per-device x batch-parallel devices) micro
@@ -99,21 +99,11 @@ class TrainConfig:
 
     def __post_init__(self):
         r, d = self.recipe, self.drafter
-        problems = []
-        if d.block_size != r.block_size:
-            problems.append(f"block_size: drafter {d.block_size}, recipe {r.block_size}")
-        if d.model.num_hidden_layers != r.num_draft_layers:
-            problems.append(
-                f"draft layers: drafter {d.model.num_hidden_layers}, recipe {r.num_draft_layers}"
-            )
-        if d.num_anchors != r.num_anchors:
-            problems.append(f"num_anchors: drafter {d.num_anchors}, recipe {r.num_anchors}")
         if r.confidence_weight > 0 and not d.enable_confidence_head:
-            problems.append(
-                f"confidence_weight {r.confidence_weight} but the drafter has no confidence head"
+            raise ConfigError(
+                f"train config {self.name!r}: confidence_weight {r.confidence_weight} but the "
+                "drafter has no confidence head"
             )
-        if problems:
-            raise ConfigError(f"train config {self.name!r}: " + "; ".join(problems))
         if isinstance(self.data, str) or isinstance(self.eval_data, str):
             raise ConfigError("data and eval_data must be tuples of paths")
         for field in ("log_every", "eval_batches", "save_every", "keep_checkpoints"):
@@ -122,7 +112,7 @@ class TrainConfig:
         for field in ("num_steps", "per_device_batch_size"):
             if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ConfigError(f"{field} must be >= 1 or None, got {getattr(self, field)}")
-        StepConfig(r.num_anchors, self.anchors_per_chunk)
+        StepConfig(d.num_anchors, self.anchors_per_chunk)
         if self.seq_lens is not None:
             object.__setattr__(self, "seq_lens", check_seq_lens(self.seq_lens, r.max_length))
 
@@ -251,7 +241,10 @@ def train(
     )
     state = shard_state(init_train_state(params, optimizer, recipe.seed), mesh)
     step_cfg = StepConfig(
-        recipe.num_anchors, config.anchors_per_chunk, num_microbatches, config.loss_weights
+        config.drafter.num_anchors,
+        config.anchors_per_chunk,
+        num_microbatches,
+        config.loss_weights,
     )
 
     local_batch = recipe.global_batch_size // jax.process_count()
