@@ -3,8 +3,8 @@
 Real-size shapes with random weights (speed does not depend on weight values): by default the
 Qwen3-4B target and the released 4B DSpark drafter config, in bf16, at batch 1, 8 and 32.
 
-    PYTHONPATH=. python benchmarks/decode_speed.py                  # Qwen3-4B + DSpark drafter
-    PYTHONPATH=. python benchmarks/decode_speed.py --config tiny    # fixture-sized, for CPU
+    python benchmarks/decode_speed.py                  # Qwen3-4B + DSpark drafter
+    python benchmarks/decode_speed.py --config tiny    # fixture-sized, for CPU
 
 Each batch size gets a prompt of --context random tokens per request, then `--rounds` decode
 rounds run in one compiled chunk (the engine's on-device while_loop); a cell is the median over

@@ -10,7 +10,6 @@ set -euo pipefail
 size=${1:-tiny}
 out=${OUT:-bench_out}
 mkdir -p "$out"
-export PYTHONPATH=${PYTHONPATH:-.}
 echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a) size $size"
 python -c "import jax; print('devices:', jax.devices())"
 

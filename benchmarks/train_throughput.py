@@ -1,8 +1,8 @@
 """Train-step throughput on the devices present: tokens/s, and MFU on GPU/TPU.
 
 Random weights and random tokens (speed does not depend on their values) at the shapes of a named
-target + drafter pair; the step is the real one (`train.step.make_train_step`): frozen target
-forward, packed anchor blocks, chunked loss with remat, AdamW update.
+target + drafter pair; the step is the real one (`dspark_jax.training.step.make_train_step`):
+frozen target forward, packed anchor blocks, chunked loss with remat, AdamW update.
 
     python benchmarks/train_throughput.py                        # tiny fixture shapes (CPU)
     python benchmarks/train_throughput.py --target qwen3-4b --drafter dspark-qwen3-4b \

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Serve a converted target + drafter pair on one GPU (see `dspark-jax serve --help`):
+#
+#   dspark-jax convert --draft deepseek-ai/dspark_qwen3_4b_block7 --target Qwen/Qwen3-4B \
+#       --out ckpt/qwen3-4b --dtype bfloat16
+#   MODEL=ckpt/qwen3-4b bash serve/serve_gpu.sh
+#
+# With no MODEL it serves the tiny model embedded in the package (a smoke test).
+set -euo pipefail
+
+MODEL=${MODEL:-}                 # a converted folder holding target/ and draft/
+HOST=${HOST:-0.0.0.0}
+PORT=${PORT:-8000}
+
+exec dspark-jax serve ${MODEL:+--target $MODEL --draft $MODEL} --host "$HOST" --port "$PORT" \
+    --batch-size 16 --max-len 4096 --max-new-tokens 1024 "$@"

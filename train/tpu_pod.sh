@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Train on a TPU pod slice: run this same script on every host of the slice, e.g.
+#
+#   gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=all \
+#       --command "cd dspark-jax && CONFIG=dspark-qwen3-8b DATA=gs://... bash train/tpu_pod.sh"
+#
+# --distributed starts jax.distributed, which finds the slice's hosts by itself. The mesh shards
+# parameters and optimizer state over every chip (fsdp = -1) and the batch along with them; the
+# output folder must be shared by the hosts (a bucket mount or NFS), since all write checkpoints.
+set -euo pipefail
+
+CONFIG=${CONFIG:-dspark-qwen3-8b}
+OUTPUT=${OUTPUT:-runs/$CONFIG}
+DATA=${DATA:-}
+
+exec dspark-jax train --distributed --config "$CONFIG" --output "$OUTPUT" --mesh=1,-1,1 \
+    --no-progress ${DATA:+--data $DATA} "$@"
