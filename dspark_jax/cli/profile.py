@@ -84,8 +84,8 @@ def _build_models(args: argparse.Namespace):
 
     from flax import nnx
 
-    from dspark_jax import configs
     from dspark_jax.config import ConfigError, Qwen3Config
+    from dspark_jax.configs import get as named_config
     from dspark_jax.models.drafter import DSparkDrafter
     from dspark_jax.models.qwen3 import Qwen3
 
@@ -101,7 +101,7 @@ def _build_models(args: argparse.Namespace):
         )
         return target, drafter, str(args.target)
     name = ALIASES.get(args.config, args.config)
-    cfg = configs.get(name)
+    cfg = named_config(name)
     if not isinstance(cfg, Qwen3Config):
         raise ConfigError(f"config {name!r} is not a Qwen3 target config")
     if args.dtype:
@@ -110,7 +110,7 @@ def _build_models(args: argparse.Namespace):
     if not round_mode:
         return target, None, f"{name} (random weights)"
     drafter_name = DRAFTER_OF.get(name, f"dspark-{name}")
-    drafter_cfg = configs.get(drafter_name)
+    drafter_cfg = named_config(drafter_name)
     drafter_cfg = dataclasses.replace(
         drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=cfg.dtype)
     )
