@@ -10,12 +10,12 @@ Lossless policies decide whether draft k is verified from information available 
 was sampled: fixed lengths, thresholds (c_k depends on x_{<k} only), Algorithm 1 with its early
 stop, and the Section 5.2 variant (its capacity comes from confidences two rounds old).
 
-SPS (steps per second of a decoding step: the target's verification forward, or a whole round
-when profiled in round mode, see `profiling`) enters the schedulers either as a 1-D table over
-the total number of verified tokens B (the paper's packed-batch engine) or as a measured
-`SpsProfile`. Our engine verifies a padded rectangle [batch bucket, verify bucket], so
-with a profile the table seen by Algorithm 1 is the cost of the rectangle that B tokens spread
-evenly over the R active requests need: SPS(B) = sps(batch, smallest bucket >= ceil(B / R)).
+SPS (steps per second of a decoding step: the engine's round, or the target's verification
+forward alone, see `profiling`) enters the schedulers as a 1-D table over the total number of
+verified tokens B, anchors included, exactly as the paper's packed engine defines it: our engine
+packs every live slot's anchor and drafts into one token axis padded to a token bucket, so a
+step's cost follows B. A measured `SpsProfile` holds SPS per token bucket; B between buckets
+costs what the next bucket up costs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -35,8 +34,8 @@ from numpy.typing import ArrayLike
 from dspark_jax.decoding import scheduler
 from dspark_jax.errors import UserError
 
-SPS_FORMAT = "dspark-jax/sps/v1"
-_SPS_ARRAYS = ("batch_sizes", "buckets", "sps")
+SPS_FORMAT = "dspark-jax/sps/v2"
+_SPS_FORMAT_V1 = "dspark-jax/sps/v1"
 
 
 class PolicyError(UserError):
@@ -57,6 +56,10 @@ class Policy(Protocol):
         self, conf_logits_bk: jax.Array | None, active_b: jax.Array, carry: Any
     ) -> tuple[jax.Array, Any]:
         """(int32 draft lengths [B], next carry); inactive rows must get 0."""
+        ...
+
+    def reset_slots(self, carry: Any, mask_b: jax.Array) -> Any:
+        """The carry with the rows in `mask_b` forgotten (a new request took those slots)."""
         ...
 
 
@@ -84,6 +87,9 @@ class FixedPolicy:
     def init_carry(self, batch: int, gamma: int) -> tuple:
         return ()
 
+    def reset_slots(self, carry: tuple, mask_b: jax.Array) -> tuple:
+        return carry
+
     def step(self, conf_logits_bk, active_b, carry):
         return _masked(jnp.full(active_b.shape, self.gamma, jnp.int32), active_b), carry
 
@@ -103,6 +109,9 @@ class ThresholdPolicy:
     def init_carry(self, batch: int, gamma: int) -> tuple:
         return ()
 
+    def reset_slots(self, carry: tuple, mask_b: jax.Array) -> tuple:
+        return carry
+
     def step(self, conf_logits_bk, active_b, carry):
         conf_bk = _require_conf(conf_logits_bk, "a threshold policy")
         lengths_b = scheduler.threshold_lengths(conf_bk, self.threshold, self.cumulative)
@@ -116,60 +125,43 @@ class SpsProfileError(UserError):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SpsProfile:
-    """Measured steps per second of the verification forward, per batch size x verify bucket.
+    """Measured steps per second of the engine per token bucket.
 
-    `sps_bw[i, j]` is for `batch_sizes[i]` rows of `buckets[j]` tokens each (B = rows x width
-    tokens). `meta` records where and how it was measured (device, date, config, ...)."""
+    `sps[i]` is for a step verifying `buckets[i]` tokens in total (every live slot's anchor and
+    drafts, packed and padded to that bucket). `meta` records where and how it was measured
+    (device, date, mode, config, ...)."""
 
-    batch_sizes: tuple[int, ...]
     buckets: tuple[int, ...]
-    sps_bw: np.ndarray
+    sps: np.ndarray
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        sizes = tuple(int(b) for b in self.batch_sizes)
         buckets = tuple(int(w) for w in self.buckets)
-        sps = np.asarray(self.sps_bw, dtype=np.float64)
-        for name, values in (("batch_sizes", sizes), ("buckets", buckets)):
-            if not values or min(values) < 1 or list(values) != sorted(set(values)):
-                raise SpsProfileError(f"{name} must be strictly increasing positive ints: {values}")
-        if sps.shape != (len(sizes), len(buckets)):
-            raise SpsProfileError(
-                f"sps must be [batch_sizes, buckets] = {(len(sizes), len(buckets))}, "
-                f"got {sps.shape}"
-            )
+        sps = np.asarray(self.sps, dtype=np.float64)
+        if not buckets or min(buckets) < 1 or list(buckets) != sorted(set(buckets)):
+            raise SpsProfileError(f"buckets must be strictly increasing positive ints: {buckets}")
+        if sps.shape != (len(buckets),):
+            raise SpsProfileError(f"sps must be [buckets] = ({len(buckets)},), got {sps.shape}")
         if not np.all(np.isfinite(sps) & (sps > 0)):
             raise SpsProfileError("sps must be finite and positive")
-        object.__setattr__(self, "batch_sizes", sizes)
         object.__setattr__(self, "buckets", buckets)
-        object.__setattr__(self, "sps_bw", sps)
+        object.__setattr__(self, "sps", sps)
 
-    def row(self, batch: int) -> np.ndarray:
-        """SPS per bucket for `batch` rows: the smallest profiled batch size >= `batch`."""
-        for i, size in enumerate(self.batch_sizes):
-            if size >= batch:
-                return self.sps_bw[i]
-        raise SpsProfileError(
-            f"batch size {batch} exceeds the largest profiled one ({self.batch_sizes[-1]}); "
-            "profile larger batches"
-        )
-
-    def packed_table(self, max_tokens: int) -> np.ndarray:
-        """1-D SPS over total tokens 0..max_tokens for a packed engine: the fastest profiled
-        rectangle holding at least that many tokens (0 where none does)."""
-        tokens = np.outer(self.batch_sizes, self.buckets).ravel()
-        sps = self.sps_bw.ravel()
+    def table(self, max_tokens: int) -> np.ndarray:
+        """1-D SPS over total tokens 0..max_tokens: B costs what the smallest bucket >= B costs;
+        0 past the largest bucket (never scheduled)."""
         n = np.arange(max_tokens + 1)
-        fits = tokens[None, :] >= n[:, None]
-        return np.where(fits.any(axis=1), np.max(np.where(fits, sps, 0.0), axis=1), 0.0)
+        idx = np.searchsorted(np.asarray(self.buckets), n, side="left")
+        return np.where(
+            idx < len(self.buckets), self.sps[np.minimum(idx, len(self.buckets) - 1)], 0.0
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": SPS_FORMAT,
             **self.meta,
-            "batch_sizes": list(self.batch_sizes),
             "buckets": list(self.buckets),
-            "sps": self.sps_bw.tolist(),
+            "sps": self.sps.tolist(),
         }
 
     def save(self, path: str | Path) -> None:
@@ -179,15 +171,21 @@ class SpsProfile:
     def load(cls, path: str | Path) -> SpsProfile:
         try:
             body = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SpsProfileError(f"{path}: cannot read the SPS table ({e})") from e
+        if isinstance(body, dict) and body.get("format") == _SPS_FORMAT_V1:
+            raise SpsProfileError(
+                f"{path}: measured for the earlier rectangular engine (per batch size x verify "
+                "width); the engine now packs verification by token count: run dspark-jax "
+                "profile again"
+            )
         if not isinstance(body, dict) or body.get("format") != SPS_FORMAT:
             raise SpsProfileError(f"{path}: not an SPS table (format {SPS_FORMAT!r} expected)")
-        missing = set(_SPS_ARRAYS) - set(body)
+        missing = {"buckets", "sps"} - set(body)
         if missing:
             raise SpsProfileError(f"{path}: lacks {sorted(missing)}")
-        meta = {k: v for k, v in body.items() if k not in ("format", *_SPS_ARRAYS)}
-        return cls(body["batch_sizes"], body["buckets"], np.asarray(body["sps"]), meta)
+        meta = {k: v for k, v in body.items() if k not in ("format", "buckets", "sps")}
+        return cls(body["buckets"], np.asarray(body["sps"]), meta)
 
 
 def profile_meta(**extra: Any) -> dict[str, Any]:
@@ -200,25 +198,9 @@ def profile_meta(**extra: Any) -> dict[str, Any]:
     }
 
 
-def rectangle_sps_table(
-    sps_w: jax.Array, buckets: Sequence[int], n_active: jax.Array, max_tokens: int
-) -> jax.Array:
-    """SPS over total tokens 0..max_tokens when B tokens are spread evenly over `n_active` rows
-    of a rectangle padded to `buckets` widths (jittable; 0 past the largest bucket)."""
-    buckets_w = jnp.asarray(buckets, jnp.int32)
-    n_tokens = jnp.arange(max_tokens + 1, dtype=jnp.int32)
-    rows = jnp.maximum(n_active, 1)
-    width = (n_tokens + rows - 1) // rows
-    idx = jnp.searchsorted(buckets_w, width, side="left")
-    return jnp.where(idx < len(buckets), sps_w[jnp.minimum(idx, len(buckets) - 1)], 0.0)
-
-
 def _sps_table(sps: SpsProfile | jax.Array, active_b: jax.Array, gamma: int) -> jax.Array:
     if isinstance(sps, SpsProfile):
-        batch = active_b.shape[0]
-        row = jnp.asarray(sps.row(batch), jnp.float32)
-        n_active = jnp.sum(active_b, dtype=jnp.int32)
-        return rectangle_sps_table(row, sps.buckets, n_active, batch * (gamma + 1))
+        return jnp.asarray(sps.table(active_b.shape[0] * (gamma + 1)), jnp.float32)
     return sps
 
 
@@ -250,6 +232,9 @@ class PrefixSchedulePolicy:
 
     def init_carry(self, batch: int, gamma: int) -> tuple:
         return ()
+
+    def reset_slots(self, carry: tuple, mask_b: jax.Array) -> tuple:
+        return carry
 
     def step(self, conf_logits_bk, active_b, carry):
         conf_bk = _require_conf(conf_logits_bk, "Algorithm 1")
@@ -285,6 +270,10 @@ class AsyncSchedulePolicy:
             active_2b=jnp.zeros((2, batch), bool),
             rounds_seen=jnp.int32(0),
         )
+
+    def reset_slots(self, carry: HistoryCarry, mask_b: jax.Array) -> HistoryCarry:
+        # The slot's old occupant no longer counts towards the capacity of the next two rounds.
+        return dataclasses.replace(carry, active_2b=carry.active_2b & ~mask_b[None])
 
     def step(self, conf_logits_bk, active_b, carry: HistoryCarry):
         conf_bk = _require_conf(conf_logits_bk, "the asynchronous scheduler")

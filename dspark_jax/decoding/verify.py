@@ -22,10 +22,12 @@ from dspark_jax.sampling import (
     PAD_TOKEN,
     STREAM_ACCEPT,
     STREAM_RESIDUAL,
+    RowSampling,
     SamplingConfig,
-    categorical,
+    as_rows,
     filtered_logprobs,
     position_keys,
+    sample_from_logprobs,
 )
 
 
@@ -82,17 +84,18 @@ def verify(
     lengths_b: jax.Array,
     keys_b: jax.Array,
     positions_b: jax.Array,
-    cfg: SamplingConfig,
+    cfg: SamplingConfig | RowSampling,
     stop_tokens_s: jax.Array,
 ) -> VerifyResult:
     """Accept a prefix of each request's drafts and commit one target-sampled token after it.
 
+    The rectangular form of `verify_packed`: target row j of request b is target_logits_bjv[b, j].
     lengths_b (0..gamma) drafts of row b are verified; slots and rows past it are ignored.
     draft_logprobs_bkv are the log-probabilities the drafts were sampled from (`filtered_logprobs`
     of the draft logits under the same cfg), passed in rather than recomputed so that a token on a
-    top-p boundary is judged under exactly the distribution it was drawn from. Greedy configs
+    top-p boundary is judged under exactly the distribution it was drawn from. Greedy rows
     compare drafts with the target argmax and ignore draft_logprobs_bkv and keys_b.
-    stop_tokens_s is int32, padded with negative ids.
+    stop_tokens_s is int32 [S] (shared) or [B, S] (per request), padded with negative ids.
     """
     batch, gamma = draft_tokens_bk.shape
     if gamma < 1:
@@ -103,62 +106,104 @@ def verify(
             f"draft_tokens_bk {draft_tokens_bk.shape}, got {target_logits_bjv.shape}"
         )
     vocab = target_logits_bjv.shape[-1]
+    rows_bj = jnp.arange(batch * (gamma + 1), dtype=jnp.int32).reshape(batch, gamma + 1)
+    rows = as_rows(cfg, (batch,))
+    target_logp_tv = filtered_logprobs(
+        target_logits_bjv.reshape(batch * (gamma + 1), vocab),
+        rows.take(rows_bj.reshape(-1) // (gamma + 1)),
+    )
+    return verify_packed(
+        draft_tokens_bk,
+        draft_logprobs_bkv,
+        target_logp_tv,
+        rows_bj,
+        lengths_b,
+        keys_b,
+        positions_b,
+        rows,
+        stop_tokens_s,
+    )
+
+
+def verify_packed(
+    draft_tokens_bk: jax.Array,
+    draft_logprobs_bkv: jax.Array,
+    target_logp_tv: jax.Array,
+    rows_bj: jax.Array,
+    lengths_b: jax.Array,
+    keys_b: jax.Array,
+    positions_b: jax.Array,
+    sampling_b: RowSampling,
+    stop_tokens_s: jax.Array,
+) -> VerifyResult:
+    """`verify` over target distributions kept in a packed token axis.
+
+    target_logp_tv [T, V] holds `filtered_logprobs` of the target's logits for every verified
+    token of the batch, each under its own request's settings; rows_bj[b, j] is the packed row of
+    request b's target row j (read only for j <= lengths_b[b]). Nothing of size B x gamma x V is
+    built from the target side: only the gathered log-probabilities of the drafts and one row per
+    request (where it stops) are read.
+    """
+    batch, gamma = draft_tokens_bk.shape
+    vocab = target_logp_tv.shape[-1]
     if draft_logprobs_bkv.shape != (batch, gamma, vocab):
         raise VerifyShapeError(
             f"draft_logprobs_bkv must be [B, gamma, V] = {(batch, gamma, vocab)}, "
             f"got {draft_logprobs_bkv.shape}"
         )
+    if rows_bj.shape != (batch, gamma + 1):
+        raise VerifyShapeError(f"rows_bj must be [B, gamma+1], got {rows_bj.shape}")
     for name, arr in (("lengths_b", lengths_b), ("positions_b", positions_b)):
         if jnp.shape(arr) != (batch,):
             raise VerifyShapeError(f"{name} must be [B] = [{batch}], got {jnp.shape(arr)}")
 
     lengths_b = jnp.clip(lengths_b, 0, gamma).astype(jnp.int32)
     positions_b = jnp.asarray(positions_b, jnp.int32)
+    greedy_b = sampling_b.greedy
     slot_k = jnp.arange(gamma, dtype=jnp.int32)
     valid_bk = slot_k < lengths_b[:, None]
     # Padding slots may hold anything, including ids outside the vocabulary.
     safe_drafts_bk = jnp.where(valid_bk, draft_tokens_bk, 0).astype(jnp.int32)
+    rows_bj = jnp.clip(rows_bj, 0, target_logp_tv.shape[0] - 1)
 
-    if cfg.greedy:
-        target_best_bj = jnp.argmax(target_logits_bjv, axis=-1).astype(jnp.int32)
-        match_bk = (safe_drafts_bk == target_best_bj[:, :gamma]) & valid_bk
-        accepted_bk = jnp.cumprod(match_bk, axis=-1).astype(bool)
-        num_accepted_b = jnp.sum(accepted_bk, axis=-1, dtype=jnp.int32)
-        last_token_b = jnp.take_along_axis(target_best_bj, num_accepted_b[:, None], axis=1)[:, 0]
-        accept_prob_bk = match_bk.astype(jnp.float32)
-    else:
-        target_logp_bjv = filtered_logprobs(target_logits_bjv, cfg)
-        draft_logp_bkv = draft_logprobs_bkv.astype(jnp.float32)
-        gather = jnp.take_along_axis
-        target_logp_bk = gather(target_logp_bjv[:, :gamma], safe_drafts_bk[..., None], axis=-1)
-        draft_logp_bk = gather(draft_logp_bkv, safe_drafts_bk[..., None], axis=-1)
-        target_logp_bk, draft_logp_bk = target_logp_bk[..., 0], draft_logp_bk[..., 0]
+    target_logp_bk = target_logp_tv[rows_bj[:, :gamma], safe_drafts_bk]
+    draft_logp_bkv = draft_logprobs_bkv.astype(jnp.float32)
+    draft_logp_bk = jnp.take_along_axis(draft_logp_bkv, safe_drafts_bk[..., None], axis=-1)[..., 0]
 
-        accept_keys_bk = position_keys(keys_b, positions_b[:, None] + slot_k, STREAM_ACCEPT)
-        uniform = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32)))
-        log_u_bk = jnp.log(uniform(accept_keys_bk))
-        accept_bk = _accept_slots(target_logp_bk, draft_logp_bk, log_u_bk) & valid_bk
-        accepted_bk = jnp.cumprod(accept_bk, axis=-1).astype(bool)
-        num_accepted_b = jnp.sum(accepted_bk, axis=-1, dtype=jnp.int32)
-        ratio_bk = jnp.exp(jnp.minimum(target_logp_bk - draft_logp_bk, 0.0))
-        accept_prob_bk = jnp.where(valid_bk, jnp.nan_to_num(ratio_bk, nan=0.0), 0.0)
+    accept_keys_bk = position_keys(keys_b, positions_b[:, None] + slot_k, STREAM_ACCEPT)
+    uniform = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32)))
+    log_u_bk = jnp.log(uniform(accept_keys_bk))
+    # A greedy target's log-probabilities are 0 at its argmax and -inf elsewhere.
+    match_bk = target_logp_bk == 0.0
+    sampled_accept_bk = _accept_slots(target_logp_bk, draft_logp_bk, log_u_bk)
+    accept_bk = jnp.where(greedy_b[:, None], match_bk, sampled_accept_bk) & valid_bk
+    accepted_bk = jnp.cumprod(accept_bk, axis=-1).astype(bool)
+    num_accepted_b = jnp.sum(accepted_bk, axis=-1, dtype=jnp.int32)
+    ratio_bk = jnp.exp(jnp.minimum(target_logp_bk - draft_logp_bk, 0.0))
+    ratio_bk = jnp.where(greedy_b[:, None], match_bk.astype(jnp.float32), ratio_bk)
+    accept_prob_bk = jnp.where(valid_bk, jnp.nan_to_num(ratio_bk, nan=0.0), 0.0)
 
-        # Only the row where each request stops is needed: the first rejected slot, or the bonus
-        # row lengths_b when every verified draft was accepted.
-        stop_row_b1 = num_accepted_b[:, None, None]
-        target_row_bv = gather(target_logp_bjv, stop_row_b1, axis=1)[:, 0]
-        draft_row_bv = gather(draft_logp_bkv, jnp.minimum(stop_row_b1, gamma - 1), axis=1)[:, 0]
-        rejected_b = num_accepted_b < lengths_b
-        correction_logp_bv = _correction_logprobs(target_row_bv, draft_row_bv, rejected_b)
-        residual_keys_b = position_keys(keys_b, positions_b + num_accepted_b, STREAM_RESIDUAL)
-        last_token_b = categorical(residual_keys_b, correction_logp_bv)
+    # Only the row where each request stops is needed: the first rejected slot, or the bonus
+    # row lengths_b when every verified draft was accepted.
+    target_row_bv = target_logp_tv[jnp.take_along_axis(rows_bj, num_accepted_b[:, None], 1)[:, 0]]
+    draft_row_bv = jnp.take_along_axis(
+        draft_logp_bkv, jnp.minimum(num_accepted_b, gamma - 1)[:, None, None], axis=1
+    )[:, 0]
+    rejected_b = (num_accepted_b < lengths_b) & ~greedy_b
+    correction_logp_bv = _correction_logprobs(target_row_bv, draft_row_bv, rejected_b)
+    residual_keys_b = position_keys(keys_b, positions_b + num_accepted_b, STREAM_RESIDUAL)
+    last_token_b = sample_from_logprobs(residual_keys_b, correction_logp_bv, greedy_b)
 
+    stop_bs = jnp.broadcast_to(
+        stop_tokens_s if stop_tokens_s.ndim == 2 else stop_tokens_s[None],
+        (batch, stop_tokens_s.shape[-1]),
+    )
     row_j = jnp.arange(gamma + 1, dtype=jnp.int32)
     drafts_bj = jnp.pad(safe_drafts_bk, ((0, 0), (0, 1)))
     n_b1 = num_accepted_b[:, None]
     proposed_bj = jnp.where(row_j < n_b1, drafts_bj, last_token_b[:, None])
     in_range_bj = row_j <= n_b1
-    is_stop_bj = in_range_bj & jnp.any(proposed_bj[..., None] == stop_tokens_s, axis=-1)
+    is_stop_bj = in_range_bj & jnp.any(proposed_bj[..., None] == stop_bs[:, None, :], axis=-1)
     stopped_b = jnp.any(is_stop_bj, axis=-1)
     first_stop_b = jnp.where(stopped_b, jnp.argmax(is_stop_bj, axis=-1), num_accepted_b)
     num_committed_b = (first_stop_b + 1).astype(jnp.int32)

@@ -15,10 +15,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
+from dspark_jax.models import paged
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
 from dspark_jax.models.layers import Embed, KVCache, Linear, RMSNorm, attention, write_rows
+from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import DecoderLayer
-from dspark_jax.sampling import SamplingConfig, categorical, filtered_logprobs
+from dspark_jax.sampling import (
+    RowSampling,
+    SamplingConfig,
+    filtered_logprobs,
+    sample_from_logprobs,
+)
 
 
 class DrafterLayer(DecoderLayer):
@@ -94,6 +101,45 @@ class DSparkDrafter(nnx.Module):
             lengths=start_b + num_new_b.astype(jnp.int32),
         )
 
+    def paged_append_context(self, cache: PagedCache, features_tf, batch: TokenBatch) -> PagedCache:
+        """Writes the context K/V of packed target features at their slots and positions."""
+        positions_1t = batch.pos_t[None]
+        kv = self.context_kv(features_tf[None], positions_1t)
+        pages = tuple(
+            paged.write(cache, layer_pages, k[0], v[0], batch)
+            for layer_pages, (k, v) in zip(cache.pages, kv, strict=True)
+        )
+        return cache.replace(pages=pages)
+
+    def paged_draft_hidden(self, anchor_s, start_s, live_s, cache: PagedCache):
+        """Backbone over one block per slot at positions start_s.. -> h [S, gamma, D].
+
+        The block's own keys/values are written into the slot's pages at the block positions
+        (they are overwritten by the next context append, and masked by length until then) and
+        the block attends bidirectionally to context + block: kv_len = start + gamma. Slots that
+        are not live write nothing and attend to nothing.
+        """
+        gamma = self.cfg.block_size
+        num_slots = anchor_s.shape[0]
+        slot_t = jnp.repeat(jnp.arange(num_slots, dtype=jnp.int32), gamma)
+        offset_t = jnp.tile(jnp.arange(gamma, dtype=jnp.int32), num_slots)
+        batch = TokenBatch(
+            slot_t=slot_t,
+            pos_t=start_s[slot_t] + offset_t,
+            valid_t=live_s[slot_t],
+            seq_slot_n=jnp.arange(num_slots, dtype=jnp.int32),
+            cu_q_lens_n1=jnp.arange(num_slots + 1, dtype=jnp.int32) * gamma,
+            kv_lens_n=jnp.where(live_s, start_s + gamma, 0).astype(jnp.int32),
+            num_seqs=jnp.int32(num_slots),
+        )
+        x_1td = self.embed_tokens(self.block_tokens(anchor_s).reshape(1, -1), self.dtype)
+        pages = []
+        for layer, layer_pages in zip(self.layers, cache.pages, strict=True):
+            x_1td, layer_pages = layer.paged(x_1td, batch, cache, layer_pages, causal=False)
+            pages.append(layer_pages)
+        h_skd = self.norm(x_1td[0]).reshape(num_slots, gamma, -1)
+        return h_skd, cache.replace(pages=tuple(pages))
+
     # -- backbone --------------------------------------------------------------------------
     def backbone(self, tokens_bt, positions_bt, ctx_k, ctx_v, mask_bts):
         """Block hidden states (after the final norm). `mask_bts` covers [context ; block] keys."""
@@ -138,13 +184,21 @@ class DSparkDrafter(nnx.Module):
         prev_emb = self._prev_emb(prev_bk) if self.cfg.confidence_head_with_markov else None
         return self.confidence_head(h_bkd, prev_emb)
 
-    def sample_block(self, h_bkd, anchor_b, keys_bk, sampling: SamplingConfig) -> DraftBlock:
+    def sample_block(
+        self, h_bkd, anchor_b, keys_bk, sampling: SamplingConfig | RowSampling
+    ) -> DraftBlock:
         """Left-to-right sampling with the Markov bias (`lax.scan` over block positions).
 
-        keys_bk[:, k] is the key of draft slot k of each request (unused when greedy).
+        keys_bk[:, k] is the key of draft slot k of each request (unused by greedy rows);
+        `sampling` is one config for all rows or per-row settings [B].
         """
         base_bkv = self.base_logits(h_bkd)
         b = anchor_b.shape[0]
+        rows_b = (
+            RowSampling.from_config(sampling, (b,))
+            if isinstance(sampling, SamplingConfig)
+            else sampling
+        )
         head = self.markov_head
         state0 = head.init_state((b,), self.dtype) if head is not None else jnp.zeros((b, 0))
 
@@ -155,12 +209,8 @@ class DSparkDrafter(nnx.Module):
             if head is not None:
                 bias_bv, state = head.step(head.embed_prev(prev_b, self.dtype), h_bd, state)
                 logits_bv = base_bv + bias_bv
-            logprobs_bv = filtered_logprobs(logits_bv, sampling)
-            token_b = (
-                jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-                if sampling.greedy
-                else categorical(keys_b, logprobs_bv)
-            )
+            logprobs_bv = filtered_logprobs(logits_bv, rows_b)
+            token_b = sample_from_logprobs(keys_b, logprobs_bv, rows_b.greedy)
             return (token_b, state), (token_b, logits_bv, logprobs_bv)
 
         xs = (jnp.swapaxes(base_bkv, 0, 1), jnp.swapaxes(h_bkd, 0, 1), jnp.swapaxes(keys_bk, 0, 1))

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import Qwen3Config
+from dspark_jax.models import paged
 from dspark_jax.models.layers import MLP, Attention, Embed, KVCache, RMSNorm, attention, write_rows
+from dspark_jax.models.paged import PagedCache, TokenBatch
 
 
 class DecoderLayer(nnx.Module):
@@ -40,6 +42,19 @@ class DecoderLayer(nnx.Module):
         x_btd = x_btd + self.self_attn.output(o)
         x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
         return x_btd, cache_kv
+
+    def paged(self, x_1td, batch: TokenBatch, cache: PagedCache, layer_pages, causal: bool = True):
+        """The layer over a packed batch: its keys/values are written to `layer_pages` first, then
+        every token attends to its sequence's keys (causally for the target's own tokens)."""
+        positions_1t = batch.pos_t[None]
+        h = self.input_layernorm(x_1td)
+        q = self.self_attn.query(h, positions_1t)
+        k, v = self.self_attn.key_value(h, positions_1t)
+        layer_pages = paged.write(cache, layer_pages, k[0], v[0], batch)
+        o = paged.attend(cache, layer_pages, q[0], batch, scale=self.self_attn.scale, causal=causal)
+        x_1td = x_1td + self.self_attn.output(o[None])
+        x_1td = x_1td + self.mlp(self.post_attention_layernorm(x_1td))
+        return x_1td, layer_pages
 
 
 class TargetOutput(NamedTuple):
@@ -119,6 +134,29 @@ class Qwen3(nnx.Module):
         if cache is not None:
             cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=start_b + t)
         return TargetOutput(self.norm(x_btd), taps_btf, cache)
+
+    def paged_forward(
+        self, tokens_t, batch: TokenBatch, cache: PagedCache, tap_layer_ids: tuple[int, ...] = ()
+    ) -> TargetOutput:
+        """Runs the decoder over a packed batch (prefill chunks and verification alike).
+
+        Token t sits at position batch.pos_t[t] of slot batch.slot_t[t]; its keys and values are
+        written into the slot's pages (padding tokens write nothing) and it attends causally to
+        its slot's keys. Returns hidden states [T, D], taps [T, F] and the updated cache.
+        """
+        x_1td = self.embed_tokens(tokens_t[None], self.dtype)
+        layer_out = {-1: x_1td}
+        pages = []
+        for i, layer in enumerate(self.layers):
+            x_1td, layer_pages = layer.paged(x_1td, batch, cache, cache.pages[i])
+            pages.append(layer_pages)
+            layer_out[i] = x_1td
+        taps_tf = (
+            jnp.concatenate([layer_out[i][0] for i in tap_layer_ids], axis=-1)
+            if tap_layer_ids
+            else None
+        )
+        return TargetOutput(self.norm(x_1td[0]), taps_tf, cache.replace(pages=tuple(pages)))
 
     def logits(self, hidden_xd):
         head = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -1,0 +1,546 @@
+"""The host loop that keeps the engine's slots full: continuous batching.
+
+Requests wait in a FIFO queue; a request is admitted when a slot is free and the KV pool can
+reserve every page it may need (prompt + max new tokens + one block), so an admitted request can
+always finish: nothing is preempted. Its prompt is prefilled in chunks packed with other prompts'
+chunks (`prefill_chunk` tokens per call), one prefill call between two decode chunks, so a long
+prompt never stalls the running requests for its whole length. Its pages return to the pool the
+moment it finishes or is cancelled.
+
+Each `step()` dispatches the next prefill and decode chunk *before* reading what the previous
+decode chunk produced, so the device is busy while the host streams tokens: a request that
+finished is noticed one chunk late, and its slot simply idles through that chunk. A snapshot of
+which request owned each slot travels with every dispatched chunk, so tokens are never delivered
+to a request that took over the slot later.
+
+A request's tokens depend only on itself and its seed (the engine's randomness is addressed by
+request and position), never on when it joined or which requests share the slots -- except
+under policies that size verification by the whole batch (the schedulers), which keep the
+output distribution but not the exact tokens.
+
+Threads: `submit` and `cancel` may be called from any thread; everything else runs on the thread
+that drives the loop (`run_until_idle` for offline work, or `start()`'s background thread).
+Callbacks run on that thread and must be quick.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dspark_jax.decoding.slot_engine import Engine, EngineError, PrefillItem
+from dspark_jax.sampling import SamplingConfig
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is full; try again later."""
+
+
+class BatcherClosedError(RuntimeError):
+    """The loop is shutting down and takes no more requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request. `sampling` is per request; `stop_token_ids` add to the model's
+    end-of-turn tokens unless `ignore_eos`."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 256
+    seed: int = 0
+    sampling: SamplingConfig = SamplingConfig()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: list[int]
+    finish_reason: str  # "stop" (a stop token), "length" (max new tokens) or "abort" (cancelled)
+    prompt_len: int
+    verified: np.ndarray  # per round: drafts verified
+    accepted: np.ndarray  # per round: drafts accepted
+    committed: np.ndarray  # per round: tokens committed, bonus included
+    conf_logits: np.ndarray  # per round x block position: confidence logits
+    ttft_s: float = float("nan")  # submit -> first token
+    latency_s: float = float("nan")  # submit -> finished
+
+    @property
+    def rounds(self) -> int:
+        return len(self.committed)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification round (bonus included)."""
+        return float(np.mean(self.committed)) if len(self.committed) else 0.0
+
+
+# (kind, payload): ("tokens", list[int]) then ("done", Result), or ("error", exception).
+EventCallback = Callable[[str, Any], None]
+
+
+class Observer:
+    """Hooks the loop calls (on its thread) for metrics; every method is a no-op here."""
+
+    def on_step(self, waiting: int, running: int, slots_busy: int, pages_reserved: int) -> None:
+        pass
+
+    def on_first_token(self, ttft_s: float) -> None:
+        pass
+
+    def on_tokens(self, count: int, inter_token_s: float) -> None:
+        pass
+
+    def on_rounds(self, verified_r: np.ndarray, accepted_r: np.ndarray, gamma: int) -> None:
+        pass
+
+    def on_finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        pass
+
+
+@dataclasses.dataclass(eq=False)
+class Handle:
+    """A submitted request: its id, callback and (once admitted) its slot and pages."""
+
+    id: int
+    request: Request
+    on_event: EventCallback
+    stop_ids: tuple[int, ...]
+    submitted: float
+    slot: int | None = None
+    pages: np.ndarray | None = None
+    prefilled: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    verified: list[np.ndarray] = dataclasses.field(default_factory=list)
+    accepted: list[np.ndarray] = dataclasses.field(default_factory=list)
+    committed: list[np.ndarray] = dataclasses.field(default_factory=list)
+    conf: list[np.ndarray] = dataclasses.field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished: bool = False
+    cancelled: bool = False
+
+
+class PageAllocator:
+    """Free list of the KV pool's page ids."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = collections.deque(range(num_pages))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def reserve(self, count: int) -> np.ndarray | None:
+        if count > len(self._free):
+            return None
+        return np.array([self._free.popleft() for _ in range(count)], np.int32)
+
+    def release(self, pages: np.ndarray) -> None:
+        self._free.extend(int(p) for p in pages)
+
+
+@dataclasses.dataclass
+class LoopTiming:
+    """Where the loop's time went when it runs with `timed=True` (each call waited for)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_calls: int = 0
+    decode_chunks: int = 0
+    decoded_tokens: int = 0  # tokens from decode rounds (each request's first comes from prefill)
+    rounds: int = 0  # device rounds
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decoded_tokens / self.decode_s if self.decode_s else 0.0
+
+
+class Batcher:
+    """Continuous batching over an `Engine`; see the module docstring.
+
+    `max_waiting` bounds the queue (`submit` raises QueueFullError past it). `timed` makes every
+    device call wait for its result and books its time in `timing` (offline measurement; the
+    server runs untimed so the device never waits for the host).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_waiting: int = 4096,
+        observer: Observer | None = None,
+        timed: bool = False,
+    ):
+        self.engine = engine
+        cfg = engine.cfg
+        self.max_waiting = max_waiting
+        self.observer = observer or Observer()
+        self.timed = timed
+        self.timing = LoopTiming()
+        self.state = engine.init_state()
+        self.allocator = PageAllocator(cfg.pool_pages)
+        self.free_slots = collections.deque(range(cfg.num_slots))
+        self.owners: list[Handle | None] = [None] * cfg.num_slots
+        self.waiting: collections.deque[Handle] = collections.deque()
+        self.prefilling: collections.deque[Handle] = collections.deque()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet admitted (inbox + waiting)
+        self._closed = False
+        self._stop = False
+        self._pending: tuple[Any, list[Handle | None]] | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- any thread ----------------------------------------------------------------------------
+    def submit(self, request: Request, on_event: EventCallback) -> Handle:
+        """Queues a request. Raises EngineError for one that can never run, QueueFullError when
+        the queue is full, BatcherClosedError while shutting down."""
+        self.engine.check_request(len(request.prompt_ids), request.max_new_tokens)
+        stop_ids = tuple(
+            dict.fromkeys(
+                (*request.stop_token_ids, *(() if request.ignore_eos else self.engine.stop_tokens))
+            )
+        )
+        if len(stop_ids) > self.engine.cfg.max_stop_tokens:
+            raise EngineError(
+                f"{len(stop_ids)} stop token ids exceed the limit of "
+                f"{self.engine.cfg.max_stop_tokens}"
+            )
+        with self._lock:
+            if self._closed:
+                raise BatcherClosedError("the server is shutting down")
+            if self._queued >= self.max_waiting:
+                raise QueueFullError(
+                    f"{self._queued} requests are already waiting (limit {self.max_waiting})"
+                )
+            self._queued += 1
+            handle = Handle(next(self._ids), request, on_event, stop_ids, time.monotonic())
+            self._inbox.put(("submit", handle))
+        self._wake.set()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """Ends a request early (finish reason "abort"); its slot and pages are freed."""
+        self._inbox.put(("cancel", handle))
+        self._wake.set()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._queued
+
+    # -- the loop thread -----------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(
+            self.waiting
+            or self.prefilling
+            or self._pending is not None
+            or any(o is not None for o in self.owners)
+        )
+
+    def step(self) -> bool:
+        """One turn of the loop; returns whether work remains."""
+        self._drain_inbox()
+        self._admit()
+        prefill = self._dispatch_prefill()
+        chunk = self._dispatch_decode()
+        if self._pending is not None:
+            self._read_chunk(*self._pending)
+        self._pending = chunk
+        if prefill is not None:
+            self._read_prefill(*prefill)
+        self.observer.on_step(
+            len(self.waiting),
+            sum(o is not None for o in self.owners),
+            self.engine.cfg.num_slots - len(self.free_slots),
+            self.allocator.num_pages - self.allocator.free,
+        )
+        return self.busy or not self._inbox.empty()
+
+    def run_until_idle(self) -> None:
+        """Drives the loop on this thread until every submitted request has finished."""
+        while self.step():
+            pass
+
+    def start(self) -> Batcher:
+        """Runs the loop on a background thread until `stop`."""
+        self._thread = threading.Thread(target=self._serve, name="dspark-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuses new requests, lets every admitted and queued one finish, ends the thread."""
+        with self._lock:
+            self._closed = True
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def abort_all(self, reason: Exception) -> None:
+        """Fails every queued request (used when shutting down without draining)."""
+        self._drain_inbox()
+        for handle in list(self.waiting):
+            self.waiting.remove(handle)
+            self._fail(handle, reason)
+
+    def _serve(self) -> None:
+        while True:
+            busy = self.step()
+            if not busy:
+                if self._stop:
+                    return
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                if handle.cancelled:
+                    continue
+                self.waiting.append(handle)
+            else:
+                self._cancel(handle)
+
+    def _cancel(self, handle: Handle) -> None:
+        if handle.finished or handle.cancelled:
+            return
+        handle.cancelled = True
+        if handle in self.waiting:
+            self.waiting.remove(handle)
+            with self._lock:
+                self._queued -= 1
+        elif handle in self.prefilling:
+            self.prefilling.remove(handle)
+            self._free(handle)
+        elif handle.slot is not None:
+            mask = np.zeros((self.engine.cfg.num_slots,), bool)
+            mask[handle.slot] = True
+            self.state = self.engine.release(self.state, mask)
+            self._free(handle)
+        self._finish(handle, "abort")
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            handle = self.waiting[0]
+            r = handle.request
+            pages = self.allocator.reserve(
+                self.engine.pages_needed(len(r.prompt_ids), r.max_new_tokens)
+            )
+            if pages is None:
+                return  # first come, first served: later requests wait behind it
+            self.waiting.popleft()
+            with self._lock:
+                self._queued -= 1
+            handle.slot = self.free_slots.popleft()
+            handle.pages = pages
+            self.owners[handle.slot] = handle
+            self.prefilling.append(handle)
+
+    def _dispatch_prefill(self):
+        cfg = self.engine.cfg
+        budget = cfg.prefill_chunk
+        items: list[PrefillItem] = []
+        for handle in self.prefilling:
+            if budget == 0 or len(items) == cfg.prefill_seqs:
+                break
+            r = handle.request
+            take = min(len(r.prompt_ids) - handle.prefilled, budget)
+            items.append(
+                PrefillItem(
+                    slot=handle.slot,
+                    tokens=np.asarray(
+                        r.prompt_ids[handle.prefilled : handle.prefilled + take], np.int32
+                    ),
+                    start=handle.prefilled,
+                    prompt_len=len(r.prompt_ids),
+                    page_row=handle.pages,
+                    temperature=r.sampling.temperature,
+                    top_k=r.sampling.top_k,
+                    top_p=r.sampling.top_p,
+                    max_new_tokens=r.max_new_tokens,
+                    stop_tokens=handle.stop_ids,
+                    seed=r.seed,
+                )
+            )
+            budget -= take
+        if not items:
+            return None
+        t0 = time.perf_counter()
+        self.state, out = self.engine.prefill(self.state, self.engine.pack_prefill(items))
+        if self.timed:
+            jax.block_until_ready(out.first_token_n)
+            self.timing.prefill_s += time.perf_counter() - t0
+            self.timing.prefill_calls += 1
+        handles = []
+        for item in items:
+            handle = self.prefilling.popleft()
+            handle.prefilled += len(item.tokens)
+            if handle.prefilled < len(handle.request.prompt_ids):
+                self.prefilling.appendleft(handle)  # the rest next call, ahead of the others
+            handles.append(handle)
+        return out, handles
+
+    def _dispatch_decode(self):
+        running = [
+            o for o in self.owners if o is not None and o not in self.prefilling and not o.finished
+        ]
+        if not running:
+            return None
+        t0 = time.perf_counter()
+        self.state, out = self.engine.decode_chunk(self.state)
+        owners = list(self.owners)
+        if self.timed:
+            jax.block_until_ready(out.count_s)
+            self.timing.decode_s += time.perf_counter() - t0
+            self.timing.decode_chunks += 1
+        return out, owners
+
+    def _read_prefill(self, out, handles: list[Handle]) -> None:
+        first, finished, stopped = jax.device_get(
+            (out.first_token_n, out.finished_n, out.stopped_n)
+        )
+        now = time.monotonic()
+        for i, handle in enumerate(handles):
+            if handle.cancelled or handle.prefilled < len(handle.request.prompt_ids):
+                continue
+            if handle in self.prefilling:
+                continue  # a later chunk of the same prompt is still to come
+            handle.first_token_at = handle.last_token_at = now
+            self.observer.on_first_token(now - handle.submitted)
+            self._deliver(handle, [int(first[i])])
+            if finished[i]:
+                self._free(handle)
+                self._finish(handle, "stop" if stopped[i] else "length")
+
+    def _read_chunk(self, out, owners: list[Handle | None]) -> None:
+        host = jax.device_get(out)
+        now = time.monotonic()
+        gamma = self.engine.gamma
+        ran = host.verified_sr >= 0
+        if gamma:
+            self.observer.on_rounds(host.verified_sr[ran], host.accepted_sr[ran], gamma)
+        if self.timed:
+            self.timing.rounds += int(ran.any(axis=0).sum())
+        for slot, handle in enumerate(owners):
+            if handle is None or handle.cancelled or handle.finished:
+                continue
+            rounds = ran[slot]
+            if rounds.any():
+                handle.verified.append(host.verified_sr[slot, rounds])
+                handle.accepted.append(host.accepted_sr[slot, rounds])
+                handle.committed.append(host.committed_sr[slot, rounds])
+                handle.conf.append(host.conf_logits_srk[slot, rounds])
+            count = int(host.count_s[slot])
+            if count:
+                if self.timed:
+                    self.timing.decoded_tokens += count
+                gap = now - (handle.last_token_at or now)
+                self.observer.on_tokens(count, gap / count)
+                handle.last_token_at = now
+                self._deliver(handle, host.tokens_sc[slot, :count].tolist())
+            if host.finished_s[slot]:
+                self._free(handle)
+                self._finish(handle, "stop" if host.stopped_s[slot] else "length")
+
+    def _deliver(self, handle: Handle, tokens: list[int]) -> None:
+        handle.tokens += tokens
+        self._call(handle, "tokens", tokens)
+
+    def _free(self, handle: Handle) -> None:
+        if handle.slot is not None:
+            self.owners[handle.slot] = None
+            self.free_slots.append(handle.slot)
+            handle.slot = None
+        if handle.pages is not None:
+            self.allocator.release(handle.pages)
+            handle.pages = None
+
+    def _finish(self, handle: Handle, reason: str) -> None:
+        handle.finished = True
+        gamma = max(self.engine.gamma, 1)
+        cat = lambda parts, shape: np.concatenate(parts) if parts else np.zeros(shape)  # noqa: E731
+        now = time.monotonic()
+        result = Result(
+            tokens=list(handle.tokens),
+            finish_reason=reason,
+            prompt_len=len(handle.request.prompt_ids),
+            verified=cat(handle.verified, (0,)).astype(np.int32),
+            accepted=cat(handle.accepted, (0,)).astype(np.int32),
+            committed=cat(handle.committed, (0,)).astype(np.int32),
+            conf_logits=cat(handle.conf, (0, gamma)).astype(np.float32),
+            ttft_s=(handle.first_token_at or now) - handle.submitted,
+            latency_s=now - handle.submitted,
+        )
+        self.observer.on_finish(reason, result.prompt_len, len(result.tokens))
+        self._call(handle, "done", result)
+
+    def _fail(self, handle: Handle, error: Exception) -> None:
+        handle.finished = True
+        with self._lock:
+            self._queued -= 1
+        self._call(handle, "error", error)
+
+    @staticmethod
+    def _call(handle: Handle, kind: str, payload: Any) -> None:
+        handle.on_event(kind, payload)
+
+
+def generate(
+    engine: Engine,
+    requests: Sequence[Request],
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+    progress: bool = False,
+) -> tuple[list[Result], LoopTiming]:
+    """Offline batch inference: every request through one continuously batched loop.
+
+    `on_tokens(i, new_tokens)` streams request i's tokens as they are read. Returns the results
+    in request order and where the time went (each device call is timed)."""
+    batcher = Batcher(engine, max_waiting=max(len(requests), 1), timed=True)
+    results: list[Result | None] = [None] * len(requests)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(requests), unit="req", desc="generate")
+
+    def callback(i: int) -> EventCallback:
+        def on_event(kind: str, payload: Any) -> None:
+            if kind == "tokens" and on_tokens is not None:
+                on_tokens(i, payload)
+            elif kind == "done":
+                results[i] = payload
+                if bar is not None:
+                    bar.update(1)
+            elif kind == "error":
+                raise payload
+
+        return on_event
+
+    for i, r in enumerate(requests):
+        try:
+            batcher.submit(r, callback(i))
+        except EngineError as e:
+            raise EngineError(f"request {i}: {e}") from None
+    batcher.run_until_idle()
+    if bar is not None:
+        bar.close()
+    return results, batcher.timing

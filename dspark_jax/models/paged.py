@@ -1,0 +1,96 @@
+"""Paged KV caches and packed (ragged) token batches: what the models need to run on slots.
+
+A cache is a pool of fixed-size pages per layer (`attention.init_pages`) shared by every slot; a
+slot owns the pages listed in its row of a page table [slots, pages_per_slot]. A forward pass
+runs over a packed batch of tokens: token t belongs to slot `slot_t[t]` and sits at absolute
+position `pos_t[t]`; tokens of one slot are contiguous and form one sequence of the ragged
+attention (`seq_*` fields). Padding tokens (`valid_t` false) write nothing and read nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models import attention
+from dspark_jax.models.attention import PagedLayout
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """The K/V pages of every layer of one model and the page table they share."""
+
+    pages: tuple  # one `attention.init_pages` pytree per layer
+    page_table_sp: jax.Array  # int32 [slots, pages_per_slot]
+    layout: PagedLayout = dataclasses.field(metadata=dict(static=True))
+
+    def replace(self, **changes) -> PagedCache:
+        return dataclasses.replace(self, **changes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenBatch:
+    """A packed batch of T tokens in N sequences (N and T static, `num_seqs` traced)."""
+
+    slot_t: jax.Array  # int32 [T]
+    pos_t: jax.Array  # int32 [T]
+    valid_t: jax.Array  # bool [T]
+    seq_slot_n: jax.Array  # int32 [N]
+    cu_q_lens_n1: jax.Array  # int32 [N + 1]: tokens cu[i]:cu[i+1] are sequence i
+    kv_lens_n: jax.Array  # int32 [N]: keys sequence i attends to (its new tokens included)
+    num_seqs: jax.Array  # int32 scalar
+
+    @classmethod
+    def per_slot(cls, start_s: jax.Array, count_s: jax.Array, width: int) -> TokenBatch:
+        """Slot s's tokens at positions start_s.. packed in slot order, `count_s` of them each
+        (0 for a slot that takes no part), padded to `width` tokens. One sequence per slot:
+        the sequences of empty slots have no tokens and no keys."""
+        num_slots = start_s.shape[0]
+        cu_n1 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count_s)]).astype(jnp.int32)
+        tok_t = jnp.arange(width, dtype=jnp.int32)
+        slot_t = jnp.clip(jnp.searchsorted(cu_n1, tok_t, side="right") - 1, 0, num_slots - 1)
+        valid_t = tok_t < cu_n1[-1]
+        pos_t = start_s[slot_t] + tok_t - cu_n1[slot_t]
+        return cls(
+            slot_t=slot_t.astype(jnp.int32),
+            pos_t=jnp.where(valid_t, pos_t, 0).astype(jnp.int32),
+            valid_t=valid_t,
+            seq_slot_n=jnp.arange(num_slots, dtype=jnp.int32),
+            cu_q_lens_n1=cu_n1,
+            kv_lens_n=jnp.where(count_s > 0, start_s + count_s, 0).astype(jnp.int32),
+            num_seqs=jnp.int32(num_slots),
+        )
+
+
+def write(cache: PagedCache, layer_pages, k_thd, v_thd, batch: TokenBatch):
+    """`layer_pages` with the batch's valid tokens' keys and values written at their positions."""
+    return attention.write_kv(
+        layer_pages,
+        cache.layout,
+        k_thd,
+        v_thd,
+        cache.page_table_sp,
+        batch.slot_t,
+        batch.pos_t,
+        batch.valid_t,
+    )
+
+
+def attend(cache: PagedCache, layer_pages, q_thd, batch: TokenBatch, *, scale, causal: bool):
+    """Each valid query attends to its sequence's keys (see `attention.ragged_paged_attention`)."""
+    return attention.ragged_paged_attention(
+        q_thd,
+        layer_pages,
+        cache.layout,
+        cache.page_table_sp,
+        batch.seq_slot_n,
+        batch.cu_q_lens_n1,
+        batch.kv_lens_n,
+        batch.num_seqs,
+        scale=scale,
+        causal=causal,
+    )
