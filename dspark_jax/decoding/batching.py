@@ -255,6 +255,11 @@ class Batcher:
         """One turn of the loop; returns whether work remains."""
         self._drain_inbox()
         self._admit()
+        # With nothing decoding there is nothing to stall: prefill everything admitted first.
+        if not self._running():
+            while self.prefilling:
+                self._read_prefill(*self._dispatch_prefill())
+                self._admit()
         prefill = self._dispatch_prefill()
         chunk = self._dispatch_decode()
         if self._pending is not None:
@@ -399,11 +404,13 @@ class Batcher:
             handles.append(handle)
         return out, handles
 
+    def _running(self) -> bool:
+        return any(
+            o is not None and o not in self.prefilling and not o.finished for o in self.owners
+        )
+
     def _dispatch_decode(self):
-        running = [
-            o for o in self.owners if o is not None and o not in self.prefilling and not o.finished
-        ]
-        if not running:
+        if not self._running():
             return None
         t0 = time.perf_counter()
         self.state, out = self.engine.decode_chunk(self.state)
@@ -421,8 +428,6 @@ class Batcher:
         now = time.monotonic()
         for i, handle in enumerate(handles):
             if handle.cancelled or handle.prefilled < len(handle.request.prompt_ids):
-                continue
-            if handle in self.prefilling:
                 continue  # a later chunk of the same prompt is still to come
             handle.first_token_at = handle.last_token_at = now
             self.observer.on_first_token(now - handle.submitted)

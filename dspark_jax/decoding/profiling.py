@@ -1,41 +1,84 @@
-"""Steps per second of the engine per batch size x verify bucket: the SPS table.
+"""Steps per second of the engine per token bucket: the SPS table the scheduler reads.
 
-Two things can be timed:
+The engine packs every live slot's anchor and verified drafts into one token axis padded to a
+token bucket, so a step's cost follows the total number of verified tokens B. For each of the
+engine's token buckets B one of two things is timed:
 
-- "verify": the target's verification forward alone (`engine._verify_forward`): a target step
-  over [batch, width] new tokens attending to `context_len` cached positions, with logits for
-  every row. This is SPS(B) as the paper defines it for the target.
-- "round": a whole speculative round of the engine (draft, sample, verify, accept, commit) with
-  every request verifying width - 1 drafts. Algorithm 1 trades expected accepted tokens against
-  the time of a step; when the drafter is not negligible next to the target (small targets, or
-  a large lm_head over the block), only the round time says what a longer verification costs.
+- "round": a whole speculative round of the engine (draft every slot, sample, verify exactly B
+  tokens, accept, commit). Algorithm 1 trades expected accepted tokens against the time of a
+  step; when the drafter is not negligible next to the target (small targets, or a large
+  lm_head over the block), only the round time says what a longer verification costs.
+- "verify": the target's packed forward over B tokens alone, logits for every token included:
+  SPS(B) as the paper defines it for the target.
 
-Each timing runs `steps` steps inside one jitted loop, so host dispatch is paid once per timing,
-as in the engine's on-device round loop. Speed does not depend on weight or cache values, so
-random weights and arbitrary tokens measure the real shapes.
+B tokens are spread over min(B, slots) live slots, each attending to `context_len` cached
+positions. Each timing runs `steps` steps inside one jitted call (the engine's on-device loop,
+or a `fori_loop`), so host dispatch is paid once per timing; rolling the lengths back between
+timings keeps every step at the same context. Speed does not depend on weight or cache values, so
+random weights and zero caches measure the real shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.engine import GREEDY, Engine, EngineConfig, _verify_forward
-from dspark_jax.decoding.policies import FixedPolicy, SpsProfile, profile_meta
+from dspark_jax.decoding.policies import SpsProfile, profile_meta
+from dspark_jax.decoding.slot_engine import (
+    NO_STOP,
+    Engine,
+    EngineConfig,
+    SlotState,
+    token_buckets,
+)
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.sampling import NO_STOP_TOKEN, SamplingConfig
 
 
 class ProfileError(UserError):
     """Profiling arguments that cannot be measured."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _CarriedLengths:
+    """A policy whose per-slot lengths are whatever its carry holds (set by the profiler)."""
+
+    needs_confidence: ClassVar[bool] = False
+
+    def init_carry(self, batch: int, gamma: int) -> jax.Array:
+        return jnp.zeros((batch,), jnp.int32)
+
+    def reset_slots(self, carry: jax.Array, mask_b: jax.Array) -> jax.Array:
+        return carry
+
+    def step(self, conf_logits_bk, active_b, carry):
+        return jnp.where(active_b, carry, 0), carry
+
+
+def split_tokens(total: int, num_slots: int, gamma: int) -> np.ndarray:
+    """Per-slot draft lengths (-1: slot idle) whose anchors + drafts make exactly `total`
+    tokens: min(total, num_slots) live slots, the extra tokens dealt round-robin."""
+    if not 1 <= total <= num_slots * (gamma + 1):
+        raise ProfileError(
+            f"{total} tokens cannot be verified by {num_slots} slots of block {gamma}"
+        )
+    live = min(total, num_slots)
+    lengths = np.full((num_slots,), -1, np.int32)
+    lengths[:live] = 0
+    extra = total - live
+    for i in range(extra):
+        lengths[i % live] += 1
+    return lengths
 
 
 def _median_step_seconds(run_once: Callable[[], None], steps: int, repeats: int) -> float:
@@ -48,154 +91,154 @@ def _median_step_seconds(run_once: Callable[[], None], steps: int, repeats: int)
     return statistics.median(times)
 
 
-def _verify_seconds(
-    target: Qwen3, batch: int, width: int, context_len: int, steps: int, repeats: int
-) -> float:
-    graph, params = nnx.split(target)
-    tokens_bt = jnp.zeros((batch, width), jnp.int32)
-
-    def run(params, cache):
-        model = nnx.merge(graph, params)
-
-        def body(_, carry):
-            cache, checksum = carry
-            cache = cache.replace(lengths=jnp.full((batch,), context_len, jnp.int32))
-            logits, _, cache = _verify_forward(model, tokens_bt, cache, (), (width,), width, 0)
-            # A reduction over the whole vocabulary, as verification does, keeps XLA from
-            # dropping or slicing the lm_head.
-            return cache, checksum + jnp.max(logits)
-
-        return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))
-
-    run = jax.jit(run, donate_argnums=(1,))
-    state = {"cache": target.init_cache(batch, context_len + width)}
-
-    def once():
-        state["cache"], checksum = run(params, state["cache"])
-        jax.block_until_ready(checksum)
-
-    return _median_step_seconds(once, steps, repeats)
+def _profile_state(engine: Engine, context_len: int, temperature: float) -> SlotState:
+    """Every slot holding a request at `context_len` that never finishes, on its own pages."""
+    cfg = engine.cfg
+    s = cfg.num_slots
+    state = engine.init_state()
+    table = np.arange(s * cfg.pages_per_slot, dtype=np.int32).reshape(s, cfg.pages_per_slot)
+    return state.replace(
+        page_table_sp=jnp.asarray(table),
+        lengths_s=jnp.full((s,), context_len, jnp.int32),
+        max_new_s=jnp.full((s,), np.iinfo(np.int32).max // 2, jnp.int32),
+        stop_sk=jnp.full_like(state.stop_sk, NO_STOP),
+        sampling_s=dataclasses.replace(
+            state.sampling_s, temperature=jnp.full((s,), temperature, jnp.float32)
+        ),
+    )
 
 
 def _round_seconds(
+    engine: Engine, state: SlotState, lengths: np.ndarray, context_len: int, repeats: int
+) -> tuple[float, SlotState]:
+    live = lengths >= 0
+    box = {"state": state}
+
+    def once():
+        # Fresh arrays each call: the state (and whatever it holds) is donated.
+        s = box["state"].replace(
+            live_s=jnp.asarray(live),
+            policy_carry=jnp.asarray(np.maximum(lengths, 0)),
+            lengths_s=jnp.full((len(lengths),), context_len, jnp.int32),
+            num_generated_s=jnp.zeros((len(lengths),), jnp.int32),
+        )
+        s, out = engine.decode_chunk(s)
+        if not np.all(np.asarray(out.verified_sr)[live] >= 0):
+            raise ProfileError("a slot stopped during round profiling; timings would be short")
+        box["state"] = s
+
+    seconds = _median_step_seconds(once, engine.cfg.rounds_per_chunk, repeats)
+    return seconds, box["state"]
+
+
+def _verify_seconds(
+    engine: Engine,
     target: Qwen3,
-    drafter: DSparkDrafter,
-    sampling: SamplingConfig,
-    batch: int,
+    state: SlotState,
+    lengths: np.ndarray,
     width: int,
     context_len: int,
     steps: int,
     repeats: int,
-) -> float:
-    gamma = drafter.cfg.block_size
-    # Enough room that no request finishes (or fills its cache) before the last timed round.
-    new_tokens = (repeats + 2) * steps * width + 1
-    cfg = EngineConfig(
-        max_len=context_len + new_tokens + gamma + 2,
-        max_new_tokens=new_tokens,
-        batch_buckets=(batch,),
-        prompt_buckets=(context_len,),
-        verify_buckets=tuple(sorted({width, gamma + 1})),
-        rounds_per_chunk=steps,
-    )
-    engine = Engine(target, drafter, cfg, sampling, FixedPolicy(width - 1), (NO_STOP_TOKEN,))
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, target.cfg.vocab_size, size=(batch, context_len), dtype=np.int32)
-    state = {
-        "s": engine.prefill(
-            engine.init_state(batch),
-            prompts,
-            np.full(batch, context_len, np.int32),
-            np.full(batch, new_tokens, np.int32),
-            np.arange(batch, dtype=np.uint32),
-            np.ones(batch, bool),
-        )
-    }
+) -> tuple[float, SlotState]:
+    graph = nnx.graphdef(target)
+    start_s = jnp.full((engine.cfg.num_slots,), context_len, jnp.int32)
+    count_s = jnp.asarray(np.where(lengths >= 0, lengths + 1, 0), jnp.int32)
+
+    def run(params, pages, page_table):
+        model = nnx.merge(graph, params)
+
+        def body(_, carry):
+            pages, checksum = carry
+            batch = TokenBatch.per_slot(start_s, count_s, width)
+            cache = PagedCache(pages, page_table, engine.target_layout)
+            out = model.paged_forward(jnp.zeros((width,), jnp.int32), batch, cache)
+            # A reduction over the whole vocabulary, as verification does, keeps XLA from
+            # dropping or slicing the lm_head.
+            return out.cache.pages, checksum + jnp.max(model.logits(out.hidden_btd))
+
+        return jax.lax.fori_loop(0, steps, body, (pages, jnp.float32(0)))
+
+    run = jax.jit(run, donate_argnums=(1,))
+    box = {"pages": state.target_pages}
 
     def once():
-        state["s"] = engine.decode_chunk(state["s"])
-        jax.block_until_ready(state["s"].done_b)
+        box["pages"], checksum = run(engine.target_params, box["pages"], state.page_table_sp)
+        jax.block_until_ready(checksum)
 
     seconds = _median_step_seconds(once, steps, repeats)
-    if bool(np.any(np.asarray(state["s"].done_b))):
-        raise ProfileError("a request finished during round profiling; timings would be short")
-    return seconds
+    return seconds, state.replace(target_pages=box["pages"])
 
 
-def measure_sps(
+def profile_engine(
     target: Qwen3,
-    batch_sizes: Sequence[int],
-    buckets: Sequence[int],
+    drafter: DSparkDrafter | None,
+    cfg: EngineConfig,
     *,
-    drafter: DSparkDrafter | None = None,
-    sampling: SamplingConfig = GREEDY,
-    context_len: int = 1024,
-    steps: int = 10,
-    repeats: int = 5,
-    log: Callable[[str], None] | None = None,
-) -> np.ndarray:
-    """Median steps per second [len(batch_sizes), len(buckets)]: of the verification forward,
-    or of whole speculative rounds when a `drafter` is given."""
-    if steps < 1 or repeats < 1:
-        raise ProfileError(f"steps ({steps}) and repeats ({repeats}) must be >= 1")
-    if context_len < 1:
-        raise ProfileError(f"context_len must be >= 1, got {context_len}")
-    if drafter is not None and max(buckets) > drafter.cfg.block_size + 1:
-        raise ProfileError(
-            f"bucket {max(buckets)} exceeds block size + 1 = {drafter.cfg.block_size + 1}: a "
-            "round never verifies more"
-        )
-    sps = np.zeros((len(batch_sizes), len(buckets)))
-    for i, batch in enumerate(batch_sizes):
-        for j, width in enumerate(buckets):
-            if drafter is None:
-                seconds = _verify_seconds(target, batch, width, context_len, steps, repeats)
-            else:
-                seconds = _round_seconds(
-                    target, drafter, sampling, batch, width, context_len, steps, repeats
-                )
-            sps[i, j] = 1.0 / seconds
-            if log is not None:
-                log(
-                    f"batch {batch:4d} x width {width:3d} = {batch * width:6d} tokens: "
-                    f"{1e3 * seconds:8.3f} ms/step, {sps[i, j]:9.1f} steps/s"
-                )
-    return sps
-
-
-def profile_target(
-    target: Qwen3,
-    batch_sizes: Sequence[int],
-    buckets: Sequence[int],
-    *,
-    drafter: DSparkDrafter | None = None,
-    sampling: SamplingConfig = GREEDY,
+    mode: str = "round",
+    temperature: float = 0.0,
     context_len: int = 1024,
     steps: int = 10,
     repeats: int = 5,
     log: Callable[[str], None] | None = None,
     **meta,
 ) -> SpsProfile:
-    """`measure_sps` as an `SpsProfile` stamped with device, date, mode and `meta`."""
-    batch_sizes, buckets = sorted(set(batch_sizes)), sorted(set(buckets))
-    sps = measure_sps(
-        target,
-        batch_sizes,
-        buckets,
-        drafter=drafter,
-        sampling=sampling,
-        context_len=context_len,
-        steps=steps,
-        repeats=repeats,
-        log=log,
+    """Median steps/s per token bucket of an engine built with `cfg` (its `token_buckets`, or
+    the defaults for its slots and the drafter's block), stamped with device, date and `meta`.
+
+    Round mode needs the drafter; verify mode times the target alone."""
+    if mode not in ("round", "verify"):
+        raise ProfileError(f"mode must be 'round' or 'verify', got {mode!r}")
+    if mode == "round" and drafter is None:
+        raise ProfileError("round mode times whole speculative rounds: it needs a drafter")
+    if steps < 1 or repeats < 1:
+        raise ProfileError(f"steps ({steps}) and repeats ({repeats}) must be >= 1")
+    if context_len < 1:
+        raise ProfileError(f"context_len must be >= 1, got {context_len}")
+    gamma = drafter.cfg.block_size if drafter is not None else 0
+    if gamma == 0 and cfg.token_buckets is None:
+        raise ProfileError("without a drafter give the token buckets to measure")
+    buckets = token_buckets(cfg, _CarriedLengths(), gamma)
+    # Enough drafts per slot to fill the largest bucket (verify mode may have no drafter).
+    room = max(gamma, -(-buckets[-1] // cfg.num_slots) - 1)
+    max_model_len = context_len + (steps + 1) * (room + 1) + room + 1
+    limit = target.cfg.max_position_embeddings
+    if max_model_len > limit:
+        raise ProfileError(
+            f"context_len {context_len} plus the profiled steps needs {max_model_len} positions; "
+            f"the model has {limit}"
+        )
+    cfg = dataclasses.replace(
+        cfg,
+        max_model_len=max_model_len,
+        num_pages=None,
+        rounds_per_chunk=steps,
+        token_buckets=buckets,
     )
+    round_mode = mode == "round"
+    engine = Engine(target, drafter if round_mode else None, cfg, policy=_CarriedLengths())
+    state = _profile_state(engine, context_len, temperature)
+    sps = np.zeros((len(buckets),))
+    for i, width in enumerate(buckets):
+        lengths = split_tokens(min(width, cfg.num_slots * (room + 1)), cfg.num_slots, room)
+        if round_mode:
+            seconds, state = _round_seconds(engine, state, lengths, context_len, repeats)
+        else:
+            seconds, state = _verify_seconds(
+                engine, target, state, lengths, width, context_len, steps, repeats
+            )
+        sps[i] = 1.0 / seconds
+        if log is not None:
+            log(f"{width:6d} tokens: {1e3 * seconds:9.3f} ms/step, {sps[i]:9.1f} steps/s")
     stamp = profile_meta(
-        mode="verify" if drafter is None else "round",
+        mode=mode,
         context_len=context_len,
+        num_slots=cfg.num_slots,
+        gamma=gamma,
         steps=steps,
         repeats=repeats,
         dtype=str(target.dtype),
-        temperature=sampling.temperature,
+        temperature=temperature,
         **meta,
     )
-    return SpsProfile(tuple(batch_sizes), tuple(buckets), sps, stamp)
+    return SpsProfile(tuple(buckets), sps, stamp)

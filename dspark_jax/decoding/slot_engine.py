@@ -245,7 +245,7 @@ def _check_sts(sts: StsArtifact, drafter: DSparkDrafter | None, fingerprint: str
         )
 
 
-def _token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, ...]:
+def token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, ...]:
     """The verification buckets; a policy with a measured SPS profile must use its buckets,
     since its SPS values describe exactly those token counts."""
     top = cfg.num_slots * (gamma + 1)
@@ -319,7 +319,7 @@ class Engine:
                 f"max_model_len {cfg.max_model_len} exceeds the model's context "
                 f"(max_position_embeddings {limit})"
             )
-        self.token_buckets = _token_buckets(cfg, policy, max(gamma, 0))
+        self.token_buckets = token_buckets(cfg, policy, gamma)
         self.prefill_widths = cfg.prefill_widths()
         impl = cfg.attention_impl or attention.default_impl()
         self.target_layout = attention.PagedLayout(
