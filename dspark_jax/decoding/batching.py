@@ -103,6 +103,10 @@ class Observer:
     def on_rounds(self, verified_r: np.ndarray, accepted_r: np.ndarray, gamma: int) -> None:
         pass
 
+    def on_chunk(self, slot_rounds: int, device_rounds: int, num_slots: int) -> None:
+        """A decode chunk ran `device_rounds` rounds in which live slots took `slot_rounds`
+        turns: slot occupancy is slot_rounds / (device_rounds * num_slots)."""
+
     def on_finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         pass
 
@@ -188,6 +192,8 @@ class Batcher:
         self.observer = observer or Observer()
         self.timed = timed
         self.timing = LoopTiming()
+        self.slot_rounds = 0  # turns live slots took in decode rounds
+        self.device_rounds = 0
         self.state = engine.init_state()
         self.allocator = PageAllocator(cfg.pool_pages)
         self.free_slots = collections.deque(range(cfg.num_slots))
@@ -242,6 +248,12 @@ class Batcher:
         return self._queued
 
     # -- the loop thread -----------------------------------------------------------------------
+    @property
+    def occupancy(self) -> float:
+        """Share of slot turns in decode rounds so far that served a live request."""
+        total = self.device_rounds * self.engine.cfg.num_slots
+        return self.slot_rounds / total if total else 0.0
+
     @property
     def busy(self) -> bool:
         return bool(
@@ -443,8 +455,12 @@ class Batcher:
         ran = host.verified_sr >= 0
         if gamma:
             self.observer.on_rounds(host.verified_sr[ran], host.accepted_sr[ran], gamma)
+        device_rounds = int(ran.any(axis=0).sum())
+        self.slot_rounds += int(ran.sum())
+        self.device_rounds += device_rounds
+        self.observer.on_chunk(int(ran.sum()), device_rounds, self.engine.cfg.num_slots)
         if self.timed:
-            self.timing.rounds += int(ran.any(axis=0).sum())
+            self.timing.rounds += device_rounds
         for slot, handle in enumerate(owners):
             if handle is None or handle.cancelled or handle.finished:
                 continue
