@@ -1,19 +1,24 @@
-"""Throughput against per-request speed at concurrency 1, 8, 32 and 64, by verification policy.
+"""Serving under load: throughput against per-user speed by verification policy and concurrency.
+
+A closed loop of `c` clients (c = 1, 8, 32, 64 by default) drives the continuous-batching loop
+(`dspark_jax.decoding.batching`) in-process over an engine of `c` slots: each client sends its
+next request the moment its previous one finishes. The workload mixes lengths: every request asks
+for a number of new tokens drawn from `--lengths` (default 16, 32, 64, 128 and 256 tokens,
+equally likely), so short and long requests share the slots the way they do on a real server.
 
 Policies: no speculation (target alone), fixed gamma (the whole block), the best static
 threshold (a small grid on c_k and on the cumulative survival, best per concurrency), and the
 hardware-aware scheduler (Algorithm 1, and the Section 5.2 variant) on an SPS table of whole
-rounds profiled on this device (or `--sps-table`). Concurrency c runs batches of c requests;
-throughput is decoded tokens / decode time over all requests, per-request speed is
-throughput / c. Each cell is the median of `--repeats` timed runs after a warm-up run (which
-compiles).
+rounds per token bucket profiled on this device for each slot count (or `--sps-table DIR` with
+`sps_c{c}.json` files).
 
-    python benchmarks/throughput.py            # tiny byte-level models, CPU
-    python benchmarks/throughput.py --target T --draft D --sps-table sps.json
+Reported per cell: throughput (generated tokens / wall time), per-user speed (median over
+requests of decode tokens / decode time), time to first token and inter-token latency
+percentiles, slot occupancy (the share of slot turns in decode rounds that served a live
+request), tau and drafts verified per round. Compilation happens before timing (`warm_up`).
 
-Prompts are byte strings cut from the Python standard library's source, for the byte-level
-tiny models; with real checkpoints pass `--prompts FILE.jsonl` (eval_datasets format), encoded
-as one-turn chats by the target folder's tokenizer.
+    python benchmarks/throughput.py                 # embedded models, CPU
+    python benchmarks/throughput.py --target T --draft D --prompts mt-bench.jsonl
 """
 
 from __future__ import annotations
@@ -21,30 +26,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import glob
 import json
 import os
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 from provenance import git_commit
 
-from dspark_jax.calibration.sts import StsArtifact
-from dspark_jax.checkpoints.converted import load_decoding_models
-from dspark_jax.conversations import read_turns
+from dspark_jax.conversations import load_conversations
 from dspark_jax.decoding import policies
-from dspark_jax.decoding.engine import Engine, EngineConfig
-from dspark_jax.decoding.generate import Request, generate
-from dspark_jax.decoding.profiling import profile_target
+from dspark_jax.decoding.batching import Batcher, Observer, Request
+from dspark_jax.decoding.profiling import profile_engine
+from dspark_jax.decoding.slot_engine import Engine, EngineConfig
 from dspark_jax.embedded import EMBEDDED_DIR
 from dspark_jax.sampling import SamplingConfig
-from dspark_jax.tokenizer import encode_chat
+from dspark_jax.tokenizer import ByteTokenizer, encode_chat
 
-ASSETS = EMBEDDED_DIR
 CONCURRENCY = (1, 8, 32, 64)
-BUCKETS = (1, 2, 4, 8)
+LENGTHS = (16, 32, 64, 128, 256)
 THRESHOLDS = (
     ("threshold", 0.5),
     ("threshold", 0.7),
@@ -66,126 +68,163 @@ def source_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def jsonl_prompts(path: str, tokenizer, n: int) -> list[list[int]]:
+def chat_prompts(path: str, tokenizer, n: int) -> list[list[int]]:
     """The first turn of the first `n` conversations of an eval_datasets JSONL file, encoded."""
     return [
         encode_chat(tokenizer, [{"role": "user", "content": turns[0]}])
-        for turns in read_turns(path, n)
+        for turns in load_conversations(path, limit=n)
     ]
 
 
-def _run(engine: Engine, prompts, concurrency: int, new_tokens: int, repeats: int) -> dict:
-    requests = [Request(p, new_tokens, seed=i) for i, p in enumerate(prompts)]
-    generate(engine, requests[:concurrency], batch_size=concurrency)  # compile and warm up
-    samples = []
-    for _ in range(repeats):
-        results, timing = generate(engine, requests, batch_size=concurrency)
-        samples.append((timing.decode_tokens_per_s, results))
-    throughput, results = sorted(samples, key=lambda s: s[0])[len(samples) // 2]
+class _Latencies(Observer):
+    def __init__(self):
+        self.ttft: list[float] = []
+        self.itl: list[tuple[float, int]] = []
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.append(ttft_s)
+
+    def on_tokens(self, count: int, inter_token_s: float) -> None:
+        self.itl.append((inter_token_s, count))
+
+
+def _weighted_percentiles(pairs, qs) -> list[float]:
+    if not pairs:
+        return [float("nan")] * len(qs)
+    values = np.array([v for v, _ in pairs])
+    weights = np.array([w for _, w in pairs], np.float64)
+    order = np.argsort(values)
+    cum = np.cumsum(weights[order]) / weights.sum()
+    return [float(values[order][np.searchsorted(cum, q / 100.0)]) for q in qs]
+
+
+def run_cell(engine: Engine, prompts, lengths, requests_per_client: int, temperature: float):
+    """One closed-loop run with `engine.cfg.num_slots` clients; returns the cell's numbers."""
+    clients = engine.cfg.num_slots
+    observer = _Latencies()
+    batcher = Batcher(engine, observer=observer)
+    rng = np.random.default_rng(0)
+    plan = [
+        [
+            Request(
+                prompts[(c * requests_per_client + k) % len(prompts)],
+                int(rng.choice(lengths)),
+                seed=c * requests_per_client + k,
+                sampling=SamplingConfig(temperature=temperature),
+                ignore_eos=True,
+            )
+            for k in range(requests_per_client)
+        ]
+        for c in range(clients)
+    ]
+    results = []
+
+    def send(c: int, k: int) -> None:
+        def on_event(kind, payload):
+            if kind == "done":
+                results.append(payload)
+                if k + 1 < requests_per_client:
+                    send(c, k + 1)
+
+        batcher.submit(plan[c][k], on_event)
+
+    start = time.perf_counter()
+    for c in range(clients):
+        send(c, 0)
+    batcher.run_until_idle()
+    wall = time.perf_counter() - start
+    tokens = sum(len(r.tokens) for r in results)
+    speeds = [
+        (len(r.tokens) - 1) / (r.latency_s - r.ttft_s)
+        for r in results
+        if len(r.tokens) > 1 and r.latency_s > r.ttft_s
+    ]
     committed = np.concatenate([r.committed for r in results])
-    verified = np.concatenate([r.verified for r in results]) if engine.speculative else None
+    verified = np.concatenate([r.verified for r in results])
+    ttft = np.percentile(observer.ttft, [50, 90, 99])
+    itl = _weighted_percentiles(observer.itl, [50, 90, 99])
     return {
-        "throughput": throughput,
-        "per_request": throughput / concurrency,
+        "throughput": tokens / wall,
+        "per_user": float(np.median(speeds)) if speeds else float("nan"),
+        "ttft_ms": [1e3 * float(x) for x in ttft],
+        "itl_ms": [1e3 * x for x in itl],
+        "occupancy": batcher.occupancy,
         "tau": float(committed.mean()),
-        "verified": None if verified is None else float(verified.mean()),
-        "spread": [s[0] for s in samples],
+        "verified": float(verified.mean()) if engine.speculative else None,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default=str(ASSETS / "target"))
-    parser.add_argument("--draft", default=str(ASSETS / "draft"))
-    parser.add_argument("--prompts", help="eval_datasets-style JSONL (real tokenizers)")
-    parser.add_argument("--sps-table", help="SPS table from dspark-jax profile (else measured)")
-    parser.add_argument("--sts", help="STS artifact for the confidence policies")
+    parser.add_argument("--target", default=str(EMBEDDED_DIR / "target"))
+    parser.add_argument("--draft", default=str(EMBEDDED_DIR / "draft"))
+    parser.add_argument("--prompts", help="eval_datasets-style JSONL (chat models)")
+    parser.add_argument("--sps-table", help="folder of sps_c{c}.json tables (else profiled)")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt-bytes", type=int, default=48)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    parser.add_argument("--prompt-tokens", type=int, default=48, help="byte-model prompt length")
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--context-len", type=int, default=128, help="profiling context")
     parser.add_argument("--out", default="throughput.json")
     parser.add_argument("--plot", default="throughput.png")
     args = parser.parse_args()
+    from dspark_jax.checkpoints.converted import load_decoding_models
+
     levels = tuple(int(c) for c in args.concurrency.split(","))
-
+    lengths = tuple(int(n) for n in args.lengths.split(","))
     models = load_decoding_models(args.target, args.draft, progress=False)
-    target, drafter, tokenizer, stops = (
-        models.target,
-        models.drafter,
-        models.tokenizer,
-        models.stop_tokens,
-    )
-    fingerprint, gamma = models.drafter_fingerprint, models.gamma
-    sampling = SamplingConfig(temperature=args.temperature)
-    sts = None
-    if args.sts:
-        sts = StsArtifact.load(args.sts)  # the engine checks it against the drafter
-    n_prompts = 2 * max(levels)
+    target, drafter, gamma = models.target, models.drafter, models.gamma
+    n_prompts = max(levels) * args.requests_per_client
     if args.prompts:
-        prompts = jsonl_prompts(args.prompts, tokenizer, n_prompts)
+        prompts = chat_prompts(args.prompts, models.tokenizer, n_prompts)
+    elif isinstance(models.tokenizer, ByteTokenizer):
+        prompts = source_prompts(n_prompts, args.prompt_tokens)
     else:
-        prompts = source_prompts(n_prompts, args.prompt_bytes)
+        prompts = [
+            encode_chat(models.tokenizer, [{"role": "user", "content": bytes(p).decode()}])
+            for p in source_prompts(n_prompts, args.prompt_tokens)
+        ]
     longest = max(len(p) for p in prompts)
-    max_len = longest + args.new_tokens + gamma + 1
-    cfg = EngineConfig(
-        max_len=max_len,
-        max_new_tokens=args.new_tokens,
-        batch_buckets=tuple(sorted(set(levels))),
-        prompt_buckets=(longest,),
-    )
-    if args.sps_table:
-        profile = policies.SpsProfile.load(args.sps_table)
-    else:
-        print("profiling whole rounds (drafting included) ...", flush=True)
-        profile = profile_target(
-            target,
-            levels,
-            BUCKETS,
-            drafter=drafter,
-            sampling=sampling,
-            context_len=longest + args.new_tokens // 2,
-            steps=20,
-            repeats=5,
-            config=str(args.target),
-        )
-        profile.save(Path(args.out).with_suffix(".sps.json"))
-    bucketed = dataclasses.replace(cfg, verify_buckets=profile.buckets)
+    max_model_len = -(-(longest + max(lengths) + gamma + 1) // 16) * 16
 
-    def engine(policy, bucketed_cfg=True):
-        use_cfg = bucketed if bucketed_cfg else cfg
-        return Engine(
-            target,
-            drafter,
-            use_cfg,
-            sampling,
-            policy,
-            stops,
-            sts=sts,
-            drafter_fingerprint=fingerprint if sts else None,
-        )
-
-    rows = []
+    rows, tables = [], {}
     for c in levels:
-        measure = functools.partial(
-            _run,
-            prompts=prompts[: max(2 * c, 8)],
-            concurrency=c,
-            new_tokens=args.new_tokens,
-            repeats=args.repeats,
+        cfg = EngineConfig(
+            num_slots=c, max_model_len=max_model_len, prefill_chunk=256, prefill_seqs=8
         )
-        cells = {"no speculation": measure(Engine(target, None, cfg, sampling, stop_tokens=stops))}
-        cells["fixed gamma"] = measure(engine(None, bucketed_cfg=False))
+        if args.sps_table:
+            profile = policies.SpsProfile.load(Path(args.sps_table) / f"sps_c{c}.json")
+        else:
+            print(f"profiling rounds of {c} slots ...", flush=True)
+            profile = profile_engine(
+                target, drafter, cfg, context_len=args.context_len, steps=8, repeats=3
+            )
+        tables[c] = profile.to_json()
+        cfg = dataclasses.replace(cfg, token_buckets=profile.buckets)
+
+        def measure(engine: Engine, setting: str = "") -> dict:
+            engine.warm_up()
+            cell = run_cell(engine, prompts, lengths, args.requests_per_client, args.temperature)
+            return {**cell, "setting": setting}
+
+        def spec(policy):
+            return Engine(target, drafter, cfg, policy=policy, stop_tokens=models.stop_tokens)
+
+        cells = {"no speculation": measure(Engine(target, None, cfg))}
+        cells["fixed gamma"] = measure(spec(None))
         best = None
         for name, t in THRESHOLDS:
-            cell = measure(engine(policies.make_policy(name, gamma, threshold=t)))
-            cell["setting"] = f"{'a_k' if name.startswith('cumulative') else 'c_k'} >= {t}"
+            label = f"{'a_k' if name.startswith('cumulative') else 'c_k'} >= {t}"
+            cell = measure(spec(policies.make_policy(name, gamma, threshold=t)), label)
             if best is None or cell["throughput"] > best["throughput"]:
                 best = cell
         cells["best threshold"] = best
-        cells["scheduler (Alg. 1)"] = measure(engine(policies.PrefixSchedulePolicy(profile)))
-        cells["scheduler (5.2)"] = measure(engine(policies.AsyncSchedulePolicy(profile)))
+        cells["scheduler (Alg. 1)"] = measure(spec(policies.PrefixSchedulePolicy(profile)))
+        cells["scheduler (5.2)"] = measure(spec(policies.AsyncSchedulePolicy(profile)))
         for mode, cell in cells.items():
             rows.append({"concurrency": c, "mode": mode, **cell})
             print(_row(rows[-1]), flush=True)
@@ -199,9 +238,9 @@ def main() -> None:
         "target": args.target,
         "draft": args.draft,
         "temperature": args.temperature,
-        "new_tokens": args.new_tokens,
-        "sts": args.sts,
-        "sps_table": profile.to_json(),
+        "lengths": lengths,
+        "requests_per_client": args.requests_per_client,
+        "sps_tables": tables,
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
@@ -214,24 +253,26 @@ def main() -> None:
 def _row(r: dict) -> str:
     verified = "-" if r["verified"] is None else f"{r['verified']:.2f}"
     return (
-        f"c={r['concurrency']:>3} {r['mode']:<20} {r['throughput']:9.1f} tok/s "
-        f"{r['per_request']:8.1f} tok/s/req  tau {r['tau']:.2f}  verified {verified}  "
-        f"{r.get('setting', '')}"
+        f"c={r['concurrency']:>3} {r['mode']:<20} {r['throughput']:8.1f} tok/s "
+        f"{r['per_user']:7.1f} tok/s/user  TTFT p50 {r['ttft_ms'][0]:7.1f} ms  "
+        f"ITL p50 {r['itl_ms'][0]:6.2f} ms  occupancy {r['occupancy']:.2f}  tau {r['tau']:.2f}  "
+        f"verified {verified}  {r['setting']}"
     )
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| concurrency | policy | throughput (tok/s) | per request (tok/s) | tau | "
-        "drafts verified / round | setting |",
-        "|---:|---|---:|---:|---:|---:|---|",
+        "| c | policy | throughput (tok/s) | per user (tok/s) | TTFT p50 / p99 (ms) | "
+        "ITL p50 / p99 (ms) | occupancy | tau | verified / round | setting |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         verified = "-" if r["verified"] is None else f"{r['verified']:.2f}"
         lines.append(
-            f"| {r['concurrency']} | {r['mode']} | {r['throughput']:.0f} | "
-            f"{r['per_request']:.1f} | {r['tau']:.2f} | {verified} | "
-            f"{r.get('setting', '')} |"
+            f"| {r['concurrency']} | {r['mode']} | {r['throughput']:.0f} | {r['per_user']:.1f} | "
+            f"{r['ttft_ms'][0]:.0f} / {r['ttft_ms'][2]:.0f} | "
+            f"{r['itl_ms'][0]:.2f} / {r['itl_ms'][2]:.2f} | {r['occupancy']:.2f} | "
+            f"{r['tau']:.2f} | {verified} | {r['setting']} |"
         )
     return "\n".join(lines)
 
@@ -243,14 +284,12 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     ax = fig.subplots()
     for mode in dict.fromkeys(r["mode"] for r in rows):
         pts = [r for r in rows if r["mode"] == mode]
-        ax.plot(
-            [r["per_request"] for r in pts], [r["throughput"] for r in pts], marker="o", label=mode
-        )
+        ax.plot([r["per_user"] for r in pts], [r["throughput"] for r in pts], marker="o", label=mode)
         for r in pts:
-            ax.annotate(str(r["concurrency"]), (r["per_request"], r["throughput"]), fontsize=7)
+            ax.annotate(str(r["concurrency"]), (r["per_user"], r["throughput"]), fontsize=7)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("per-request speed (tokens/s)")
+    ax.set_xlabel("per-user speed (tokens/s, median over requests)")
     ax.set_ylabel("throughput (tokens/s)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
