@@ -40,7 +40,7 @@ from dspark_jax.conversations import load_conversations
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Observer, Request
 from dspark_jax.decoding.profiling import profile_engine
-from dspark_jax.decoding.slot_engine import Engine, EngineConfig
+from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.embedded import EMBEDDED_DIR
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.tokenizer import ByteTokenizer, encode_chat

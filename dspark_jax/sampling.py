@@ -55,6 +55,9 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+GREEDY = SamplingConfig()
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RowSampling:

@@ -77,31 +77,14 @@ def test_calibrate_refuses_records_of_another_block_size(tmp_path, capsys):
 
 def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     out, plot = tmp_path / "sps.json", tmp_path / "sps.png"
-    argv = [
-        "profile",
-        "--config",
-        "tiny",
-        "--batch-sizes",
-        "1,4",
-        "--buckets",
-        "1,8",
-        "--context-len",
-        "16",
-        "--steps",
-        "2",
-        "--repeats",
-        "1",
-        "--out",
-        str(out),
-        "--plot",
-        str(plot),
-    ]
-    assert cli.main(argv) == 0
+    quick = ["--context-len", "16", "--steps", "2", "--repeats", "1"]
+    argv = ["profile", "--mode", "verify", "--max-num-seqs", "4", "--buckets", "4,32", *quick]
+    assert cli.main([*argv, "--out", str(out), "--plot", str(plot)]) == 0
     body = json.loads(out.read_text())
-    assert {"device", "date", "buckets", "sps", "batch_sizes", "context_len"} <= set(body)
+    assert {"device", "date", "buckets", "sps", "num_slots", "context_len"} <= set(body)
     profile = policies.SpsProfile.load(out)
-    assert profile.batch_sizes == (1, 4) and profile.buckets == (1, 8)
-    assert np.all(profile.sps_bw > 0)
+    assert profile.buckets == (4, 32) and profile.meta["num_slots"] == 4
+    assert profile.meta["mode"] == "verify" and np.all(profile.sps > 0)
     assert plot.stat().st_size > 0
 
     parser = argparse.ArgumentParser()
@@ -109,43 +92,21 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     args = parser.parse_args(["--policy", "async-scheduler", "--sps-table", str(out)])
     policy = cli_args.build_policy(args, block_size=7)
     assert isinstance(policy, policies.AsyncSchedulePolicy)
-    assert policy.sps.buckets == (1, 8)
+    assert policy.sps.buckets == (4, 32)
     assert cli_args.load_sts(args) is None
     args = parser.parse_args(["--gamma", "9"])
     with pytest.raises(ValueError, match="--gamma"):
         cli_args.build_policy(args, block_size=7)
 
-    argv = [
-        "profile",
-        "--config",
-        "tiny",
-        "--mode",
-        "round",
-        "--temperature",
-        "1",
-        "--batch-sizes",
-        "2",
-        "--buckets",
-        "1,8",
-        "--context-len",
-        "16",
-        "--steps",
-        "2",
-        "--repeats",
-        "1",
-        "--out",
-        str(out),
-    ]
-    assert cli.main(argv) == 0
+    argv = ["profile", "--config", "tiny", "--temperature", "1", "--max-num-seqs", "2"]
+    assert cli.main([*argv, "--buckets", "2,16", *quick, "--out", str(out)]) == 0
     profile = policies.SpsProfile.load(out)
-    assert profile.meta["mode"] == "round" and profile.sps_bw.shape == (1, 2)
-    assert (
-        cli.main(
-            ["profile", "--config", "tiny", "--mode", "round", "--buckets", "16", "--out", str(out)]
-        )
-        == 2
-    )
-    assert "block size + 1" in capsys.readouterr().err
+    assert profile.meta["mode"] == "round" and profile.sps.shape == (2,)
+    # The default buckets follow the slots and the drafter's block: 2 x (7 + 1) tokens at most.
+    assert cli.main([*argv, *quick, "--out", str(out)]) == 0
+    assert policies.SpsProfile.load(out).buckets[-1] == 16
+    assert cli.main([*argv, "--buckets", "2,8", "--out", str(out)]) == 2
+    assert "below num_slots x (gamma + 1)" in capsys.readouterr().err
 
     assert cli.main(["profile", "--config", "no-such-model", "--out", str(out)]) == 2
     assert "unknown config" in capsys.readouterr().err

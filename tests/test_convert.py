@@ -71,7 +71,7 @@ def _edit_config(folder: Path, **changes) -> None:
 def _target_logits_jit(graphdef, state):
     target = nnx.merge(graphdef, state)
     tokens = jnp.asarray([[3, 17, 101, 255, 40, 7, 99, 256, 12, 64]], jnp.int32)
-    return target.logits(target(tokens).hidden_btd)
+    return target.logits(target(tokens).hidden)
 
 
 def _target_logits(target) -> np.ndarray:
@@ -82,12 +82,13 @@ def _target_logits(target) -> np.ndarray:
 def _draft_block_jit(graphdef, state):
     drafter = nnx.merge(graphdef, state)
     cfg = drafter.cfg
-    features = jax.random.normal(jax.random.key(1), (2, 9, cfg.num_context_features))
-    cache = drafter.init_context_cache(2, 16)
-    cache = drafter.append_context(cache, features, jnp.array([9, 6]))
+    features = jax.random.normal(jax.random.key(1), (15, cfg.num_context_features))
+    lengths = jnp.array([9, 6], jnp.int32)
+    context = TokenBatch.per_slot(jnp.zeros(2, jnp.int32), lengths, 15)
+    cache = drafter.append_context(drafter.new_context_cache(2, 16), features, context)
     anchor = jnp.array([65, 10], jnp.int32)
     keys = jax.random.split(jax.random.key(0), (2, cfg.block_size))
-    h = drafter.draft_hidden(anchor, cache)
+    h, _ = drafter.draft_hidden(anchor, lengths, jnp.array([True, True]), cache)
     return drafter.sample_block(h, anchor, keys, SamplingConfig(temperature=0.0))
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from dspark_jax.calibration.sts import CalibrationRecords
 from dspark_jax.cli import main
-from dspark_jax.decoding.generate import Result
+from dspark_jax.decoding.batching import Result
 from dspark_jax.decoding.stats import acceptance_stats
 
 PROMPT = "def parse_args(argv=None):\n    parser = argparse."
@@ -50,7 +50,7 @@ def test_several_prompts_and_turn_by_turn_context(capsys, tmp_path):
         "import os\n" + json.dumps({"turns": ["class Foo:\n", "    def bar(self):\n"]}) + "\n"
     )
     args = ["--prompts-file", str(prompts), "--prompt", "x = ", "--max-new-tokens", "12"]
-    data, out, err = _generate(capsys, tmp_path, "several", *args, "--batch-size", "2")
+    data, out, err = _generate(capsys, tmp_path, "several", *args, "--max-num-seqs", "2")
     by_key = {(r["conversation"], r["turn"]): r for r in data["results"]}
     # --prompt comes before the file's prompts.
     assert sorted(by_key) == [(0, 0), (1, 0), (2, 0), (2, 1)]
@@ -82,8 +82,9 @@ def test_token_id_prompts_and_bad_input(capsys, tmp_path):
     assert main(["generate", "--token-ids", "1,x"]) == 2
     assert "--token-ids '1,x'" in capsys.readouterr().err
     assert main(["generate", "--prompt", "a", "--token-ids", "1"]) == 2
-    assert main(["generate", "--prompt", "a", "--max-len", "16", "--max-new-tokens", "20"]) == 2
-    assert "max_len" in capsys.readouterr().err
+    too_long = ["--prompt", "a", "--max-model-len", "16", "--max-new-tokens", "20"]
+    assert main(["generate", *too_long]) == 2
+    assert "max_model_len is 16" in capsys.readouterr().err
 
 
 def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
@@ -101,7 +102,7 @@ def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     (data_dir / "unused.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
     out = tmp_path / "out"
     args = ["eval", "--datasets-dir", str(data_dir), "--datasets", "code", "chat", "--limit", "2"]
-    args += ["--max-new-tokens", "24", "--batch-size", "2", "--max-len", "256", "--out", str(out)]
+    args += ["--max-new-tokens", "24", "--max-num-seqs", "2", "--out", str(out)]
     assert main(args) == 0
     table = capsys.readouterr().out
     for word in ("dataset", "tau", "speedup", "conditional acceptance", "prefix survival"):

@@ -1,28 +1,39 @@
-"""The batched engine reproduces the reference's greedy traces and is batch invariant."""
+"""The slot engine reproduces the reference's greedy traces, and a request's tokens depend only on
+itself and its seed: not on its slot mates, their settings, or when it joined a running batch."""
+
+import dataclasses
 
 import jax
+import numpy as np
 import pytest
 from fixture_models import VARIANTS, load_pair, reference_traces
 
+from dspark_jax.decoding.batching import Batcher, Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
-from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.sampling import SamplingConfig
 
 # The reference counts its 96 tokens after the first one, then keeps the first 96 overall.
 REFERENCE_NEW_TOKENS = 97
 CFG = EngineConfig(
-    max_len=256,
-    max_new_tokens=128,
-    prompt_buckets=(64, 128),
-    batch_buckets=(1, 4, 8),
+    num_slots=4,
+    max_model_len=256,
+    page_size=16,
     rounds_per_chunk=8,
+    prefill_chunk=64,
+    prefill_buckets=(32, 64),
+    token_buckets=(8, 16, 32),
 )
+GREEDY = SamplingConfig()
+T1 = SamplingConfig(temperature=1.0)
+T07_P09 = SamplingConfig(temperature=0.7, top_p=0.9)
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def setup(request):
     target, drafter = load_pair(request.param)
-    return request.param, target, drafter
+    spec = Engine(target, drafter, CFG)
+    spec.warm_up()
+    return request.param, target, drafter, spec
 
 
 def _requests(traces, **kw):
@@ -30,75 +41,163 @@ def _requests(traces, **kw):
 
 
 def test_greedy_traces_alone_and_batched(setup):
-    variant, target, drafter = setup
+    variant, target, _, spec = setup
     traces = reference_traces(variant)["traces"]
-    spec = Engine(target, drafter, CFG)
-    plain = Engine(target, None, CFG)
-    batched, _ = generate(spec, _requests(traces), batch_size=4)
+    batched, _ = generate(spec, _requests(traces))
     for trace, res in zip(traces, batched, strict=True):
-        alone, _ = generate(spec, _requests([trace]), batch_size=1)
+        alone, _ = generate(spec, _requests([trace]))
         for r in (res, alone[0]):
             assert r.tokens[:96] == trace["output"]
             assert r.committed.tolist() == trace["acceptance_lengths"]
         assert res.tokens[:96] == trace["greedy"]
-    greedy, _ = generate(plain, _requests(traces), batch_size=4)
+        assert res.finish_reason == "length"
+    greedy, _ = generate(Engine(target, None, CFG), _requests(traces))
     for trace, res in zip(traces, greedy, strict=True):
         assert res.tokens[:96] == trace["greedy"]
         assert set(res.committed.tolist()) == {1}
 
 
-def _mixed_requests(seed_base=0):
+def _mixed_requests(sampling, seed_base=0):
     text = b"def parse_args(argv=None):\n    parser = argparse.ArgumentParser(description="
     return [
-        Request(list(text[: 20 + 9 * i]), max_new_tokens=12 + 5 * i, seed=seed_base + i)
-        for i in range(5)
+        Request(list(text[: 20 + 9 * i]), 12 + 5 * i, seed=seed_base + i, sampling=sampling)
+        for i in range(6)
     ]
 
 
-@pytest.mark.parametrize(
-    "sampling",
-    [SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)],
-)
+def _run_joining_late(engine, background, late, steps_before):
+    """`late` submitted after the loop has run `steps_before` steps over `background`."""
+    batcher = Batcher(engine)
+    results = {}
+
+    def keep(name):
+        return lambda kind, payload: results.__setitem__(name, payload) if kind == "done" else None
+
+    for i, r in enumerate(background):
+        batcher.submit(r, keep(i))
+    for _ in range(steps_before):
+        batcher.step()
+    assert any(o is not None for o in batcher.owners), "the background batch already finished"
+    batcher.submit(late, keep("late"))
+    batcher.run_until_idle()
+    assert batcher.allocator.free == engine.cfg.pool_pages  # every page came back
+    return results["late"]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, T1, T07_P09], ids=["greedy", "T1", "T0.7-p0.9"])
 def test_batch_invariance(setup, sampling):
-    """A request's output depends only on itself and its seed, not on its batch mates."""
-    _, target, drafter = setup
-    engine = Engine(target, drafter, CFG, sampling=sampling)
-    requests = _mixed_requests()
-    together, _ = generate(engine, requests, batch_size=8)
+    """Alone, with five other requests (more than the slots: some wait), or submitted while the
+    others run: the same tokens."""
+    _, _, _, spec = setup
+    requests = _mixed_requests(sampling)
+    together, _ = generate(spec, requests)
     for i in (0, 3):
-        alone, _ = generate(engine, [requests[i]], batch_size=1)
+        alone, _ = generate(spec, [requests[i]])
         assert alone[0].tokens == together[i].tokens
         assert len(together[i].tokens) == requests[i].max_new_tokens
-    reseeded, _ = generate(engine, [Request(requests[3].prompt_ids, 27, seed=99)], batch_size=1)
-    if not sampling.greedy:
+    background = [
+        dataclasses.replace(r, max_new_tokens=90) for r in _mixed_requests(sampling, 100)[:3]
+    ]
+    late = _run_joining_late(spec, background, requests[4], steps_before=2)
+    assert late.tokens == together[4].tokens
+    reseeded, _ = generate(spec, [dataclasses.replace(requests[3], seed=99)])
+    if sampling.temperature > 0:
         assert reseeded[0].tokens != together[3].tokens
 
 
+def test_settings_are_per_request(setup):
+    """One batch mixing greedy, T=1 and filtered requests gives each what it gets alone."""
+    variant, _, _, spec = setup
+    trace = reference_traces(variant)["traces"][0]
+    mixed = [
+        Request(trace["prompt"], REFERENCE_NEW_TOKENS),
+        *_mixed_requests(T1)[:2],
+        _mixed_requests(T07_P09)[2],
+    ]
+    together, _ = generate(spec, mixed)
+    assert together[0].tokens[:96] == trace["output"]
+    for i in (1, 2, 3):
+        alone, _ = generate(spec, [mixed[i]])
+        assert alone[0].tokens == together[i].tokens
+
+
 def test_no_compilation_after_warmup(setup):
-    _, target, drafter = setup
-    engine = Engine(target, drafter, CFG, sampling=SamplingConfig(temperature=1.0))
-    # Warm-up: one batch bucket and one prompt bucket.
-    generate(engine, _mixed_requests(), batch_size=8)
+    """warm_up() builds every program; new temperatures, prompt lengths, batch mixes and
+    cancellations then compile nothing."""
+    _, _, _, spec = setup
+    before = spec.compiled_programs()
     compiles = []
     listener = lambda name, *a, **k: compiles.append(name) if "compile" in name else None  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        shuffled = [
-            Request(r.prompt_ids[:-3], r.max_new_tokens + 4, r.seed + 7)
-            for r in _mixed_requests()[::-1]
-        ]
-        generate(engine, shuffled, batch_size=8)
+        odd = SamplingConfig(temperature=0.4321, top_k=7, top_p=0.77)
+        generate(spec, _mixed_requests(odd, seed_base=5)[::-1])
+        batcher = Batcher(spec)
+        handles = [batcher.submit(r, lambda *a: None) for r in _mixed_requests(T1)]
+        batcher.step()
+        batcher.cancel(handles[0])
+        batcher.run_until_idle()
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
-    assert engine._decode._cache_size() == 1
-    assert engine._prefill._cache_size() == 1
+    assert spec.compiled_programs() == before
+    assert before == len(spec.prefill_widths) + 3  # prefills, decode, release, init
 
 
-def test_prompt_that_does_not_fit_is_refused(setup):
-    _, target, drafter = setup
-    engine = Engine(target, drafter, CFG)
-    with pytest.raises(EngineError, match="max_len is 256"):
-        generate(engine, [Request([1] * 200, max_new_tokens=100)])
+def test_cancelled_requests_free_their_slot_and_pages(setup):
+    _, _, _, spec = setup
+    batcher = Batcher(spec)
+    events = {}
+    requests = [dataclasses.replace(r, max_new_tokens=60) for r in _mixed_requests(T1)]
+    handles = [
+        batcher.submit(r, lambda kind, p, i=i: events.setdefault(i, []).append(kind))
+        for i, r in enumerate(requests)
+    ]
+    batcher.step()
+    batcher.cancel(handles[0])  # running
+    batcher.cancel(handles[5])  # still waiting: there are four slots
+    batcher.run_until_idle()
+    assert events[0][-1] == "done" and events[5] == ["done"]
+    assert batcher.allocator.free == spec.cfg.pool_pages
+    assert sorted(batcher.free_slots) == list(range(spec.cfg.num_slots))
+
+
+def test_long_prompts_prefill_in_chunks(setup):
+    """A prompt longer than prefill_chunk is prefilled over several calls interleaved with
+    decoding, and gives the tokens a one-call prefill gives."""
+    variant, target, drafter, spec = setup
+    trace = reference_traces(variant)["traces"][1]
+    prompt = (list(trace["prompt"]) * 4)[:150]
+    one_call = Engine(
+        target, drafter, dataclasses.replace(CFG, prefill_chunk=256, prefill_buckets=(256,))
+    )
+    want, _ = generate(one_call, [Request(prompt, 40)])
+    batcher = Batcher(spec, timed=True)
+    got = {}
+    batcher.submit(Request(trace["prompt"], 40), lambda k, p: got.setdefault("short", p))
+    batcher.step()
+    batcher.submit(Request(prompt, 40), lambda k, p: got.__setitem__("long", p))
+    batcher.run_until_idle()
+    assert got["long"].tokens == want[0].tokens
+    assert batcher.timing.prefill_calls >= 3
+
+
+def test_requests_that_cannot_fit_are_refused(setup):
+    _, _, _, spec = setup
+    with pytest.raises(EngineError, match="max_model_len is 256"):
+        generate(spec, [Request([1] * 200, max_new_tokens=100)])
     with pytest.raises(EngineError, match="empty prompt"):
-        generate(engine, [Request([], max_new_tokens=4)])
+        generate(spec, [Request([], max_new_tokens=4)])
+    with pytest.raises(EngineError, match="max_new_tokens must be >= 1"):
+        generate(spec, [Request([1, 2], max_new_tokens=0)])
+
+
+def test_stop_tokens_end_requests(setup):
+    variant, _, _, spec = setup
+    trace = reference_traces(variant)["traces"][0]
+    stop_at = trace["output"][10]
+    res, _ = generate(spec, [Request(trace["prompt"], 97, stop_token_ids=(stop_at,))])
+    first = trace["output"].index(stop_at)
+    assert res[0].tokens == trace["output"][: first + 1]
+    assert res[0].finish_reason == "stop"
+    np.testing.assert_array_equal(res[0].accepted <= res[0].verified, True)

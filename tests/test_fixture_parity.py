@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from fixture_models import VARIANTS, load_pair, max_rel_err, reference_arrays, reference_traces
 
+from dspark_jax.models.paged import TokenBatch
 from dspark_jax.sampling import SamplingConfig
 
 TOL = 1e-5
@@ -14,15 +15,16 @@ TOL = 1e-5
 def _prefill_and_draft(variant, prompt_ids):
     target, drafter = load_pair(variant)
     ids = jnp.asarray(prompt_ids, jnp.int32)[None]
-    out = target(ids, None, tap_layer_ids=(-1, *range(target.cfg.num_hidden_layers - 1)))
-    logits = target.logits(out.hidden_btd)
+    out = target(ids, tap_layer_ids=(-1, *range(target.cfg.num_hidden_layers - 1)))
+    logits = target.logits(out.hidden)
     anchor = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     layer_ids = drafter.cfg.target_layer_ids
-    taps = jnp.split(out.taps_btf, target.cfg.num_hidden_layers, axis=-1)
+    taps = jnp.split(out.taps, target.cfg.num_hidden_layers, axis=-1)
     features = jnp.concatenate([taps[i + 1] for i in layer_ids], axis=-1)
-    cache = drafter.init_context_cache(1, ids.shape[1] + 16)
-    cache = drafter.append_context(cache, features, jnp.array([ids.shape[1]]))
-    h = drafter.draft_hidden(anchor, cache)
+    n = ids.shape[1]
+    context = TokenBatch.per_slot(jnp.zeros(1, jnp.int32), jnp.array([n], jnp.int32), n)
+    cache = drafter.append_context(drafter.new_context_cache(1, n + 16), features[0], context)
+    h, _ = drafter.draft_hidden(anchor, jnp.array([n]), jnp.array([True]), cache)
     keys = jax.random.split(jax.random.key(0), drafter.cfg.block_size)[None]
     block = drafter.sample_block(h, anchor, keys, SamplingConfig(temperature=0.0))
     return out, logits, taps, features, anchor, h, block
@@ -40,7 +42,7 @@ def test_one_block_matches_reference(variant):
     hidden_states = ref["target_hidden_states"]
     for i in range(target.cfg.num_hidden_layers):
         assert max_rel_err(taps[i], hidden_states[i]) < TOL, f"hidden_states[{i}]"
-    assert max_rel_err(out.hidden_btd, hidden_states[-1]) < TOL, "final normed hidden state"
+    assert max_rel_err(out.hidden, hidden_states[-1]) < TOL, "final normed hidden state"
     assert max_rel_err(features, ref["context_features"]) < TOL
     assert int(anchor[0]) == int(ref["anchor"])
     assert max_rel_err(h, ref["block_hidden"]) < TOL
@@ -57,18 +59,21 @@ def test_first_round_of_every_trace(variant):
     traces = reference_traces(variant)["traces"]
     assert len(traces) == 4
     for trace in traces:
-        prompt = jnp.asarray(trace["prompt"], jnp.int32)[None]
-        cache = target.init_cache(1, prompt.shape[1] + 16)
-        pre = target(prompt, cache)
-        anchor = jnp.argmax(target.logits(pre.hidden_btd[:, -1]), axis=-1).astype(jnp.int32)
+        prompt = jnp.asarray(trace["prompt"], jnp.int32)
+        n = prompt.shape[0]
+        batch = TokenBatch.per_slot(jnp.zeros(1, jnp.int32), jnp.array([n], jnp.int32), n)
+        pre = target.paged_forward(prompt, batch, target.new_cache(1, n + 16))
+        anchor = jnp.argmax(target.logits(pre.hidden[-1:]), axis=-1).astype(jnp.int32)
         assert int(anchor[0]) == trace["output"][0]
 
         _, _, _, _, anchor2, _, block = _prefill_and_draft(variant, trace["prompt"])
         assert int(anchor2[0]) == int(anchor[0])
         drafts = np.asarray(block.tokens_bk[0])
-        verify_in = jnp.concatenate([anchor[:, None], block.tokens_bk], axis=1)
-        ver = target(verify_in, pre.cache)
-        greedy = np.asarray(jnp.argmax(target.logits(ver.hidden_btd[0]), axis=-1))
+        verify_in = jnp.concatenate([anchor[:, None], block.tokens_bk], axis=1)[0]
+        width = verify_in.shape[0]
+        batch = TokenBatch.per_slot(jnp.array([n]), jnp.array([width], jnp.int32), width)
+        ver = target.paged_forward(verify_in, batch, pre.cache)
+        greedy = np.asarray(jnp.argmax(target.logits(ver.hidden), axis=-1))
         n_acc = 0
         while n_acc < len(drafts) and drafts[n_acc] == greedy[n_acc]:
             n_acc += 1

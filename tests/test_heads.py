@@ -18,8 +18,8 @@ from dspark_jax.checkpoints.safetensors_io import (
     save_safetensors,
 )
 from dspark_jax.config import DrafterConfig, RopeConfig, read_config_json
+from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
-from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.sampling import SamplingConfig
 
@@ -138,7 +138,7 @@ def test_dflash_checkpoint_loads_and_decodes_losslessly(tmp_path):
     target, _ = load_pair("vanilla")
     trace = reference_traces("vanilla")["traces"][0]
     engine_cfg = EngineConfig(
-        max_len=256, max_new_tokens=64, prompt_buckets=(64,), batch_buckets=(1,)
+        num_slots=1, max_model_len=128, prefill_chunk=64, prefill_buckets=(64,), token_buckets=(8,)
     )
     request = [Request(trace["prompt"], max_new_tokens=64)]
     spec, _ = generate(Engine(target, drafter, engine_cfg), request)

@@ -33,8 +33,8 @@ from fixture_models import load_pair
 from scipy import stats
 
 from dspark_jax.decoding import verify as verify_module
+from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
-from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.sampling import SamplingConfig, filtered_logprobs
 
 ALPHA = 1e-3
@@ -50,13 +50,17 @@ T07_P09 = SamplingConfig(temperature=0.7, top_p=0.9)
 CASES = {T1: (b"rcname = sel", 65536), T07_P09: (b"th socket ti", 20480)}
 PROMPT_LEN = 12
 
-# The cache holds the prompt, the new tokens and the anchor + 7 drafts of a last round.
+# The cache holds the prompt, the new tokens and the anchor + 7 drafts of a last round. One
+# token bucket (every slot verifying its whole block) keeps compilation to one branch.
 CFG = EngineConfig(
-    max_len=PROMPT_LEN + NEW_TOKENS + 8,
-    max_new_tokens=NEW_TOKENS,
-    prompt_buckets=(PROMPT_LEN,),
-    batch_buckets=(BATCH,),
+    num_slots=BATCH,
+    max_model_len=PROMPT_LEN + NEW_TOKENS + 8,
+    page_size=8,
     rounds_per_chunk=4,
+    prefill_chunk=PROMPT_LEN * 512,
+    prefill_seqs=512,
+    prefill_buckets=(PROMPT_LEN * 512,),
+    token_buckets=(BATCH * 8,),
 )
 
 
@@ -68,7 +72,7 @@ def _models():
 @functools.cache
 def _next_logprobs_fn():
     target, _ = _models()
-    return jax.jit(lambda ids_bt: target.logits(target(ids_bt).hidden_btd))
+    return jax.jit(lambda ids_bt: target.logits(target(ids_bt).hidden))
 
 
 def _next_logprobs(prefixes, sampling):
@@ -121,9 +125,11 @@ def _cell_probabilities(prompt, cells, sampling):
 def _sample(sampling, prompt, num_samples):
     """The first NEW_TOKENS tokens of `num_samples` seeded requests, and every round's accepts."""
     target, drafter = _models()
-    engine = Engine(target, drafter, CFG, sampling=sampling)
-    requests = [Request(list(prompt), NEW_TOKENS, seed=i) for i in range(num_samples)]
-    results, _ = generate(engine, requests, batch_size=BATCH)
+    engine = Engine(target, drafter, CFG)
+    requests = [
+        Request(list(prompt), NEW_TOKENS, seed=i, sampling=sampling) for i in range(num_samples)
+    ]
+    results, _ = generate(engine, requests)
     return [tuple(r.tokens) for r in results], np.concatenate([r.accepted for r in results])
 
 

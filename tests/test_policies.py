@@ -25,8 +25,8 @@ from dspark_jax.checkpoints.convert import (
 )
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding import policies, scheduler
+from dspark_jax.decoding.batching import Request, Result, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
-from dspark_jax.decoding.generate import Request, Result, generate
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import SamplingConfig, filtered_logprobs
@@ -179,8 +179,16 @@ APPENDIX_SPS = [0.0, 1.0, 0.5, 0.45]  # SPS(1) = 1, SPS(2) = 0.5, SPS(3) = 0.45
 ADMITTING_SPS = [0.0, 1.0, 0.6, 0.45]  # early stop admits x_1, and x_2 only after A
 N_TOY = 4096
 ALPHA = 1e-3
+# Block size 2: every slot verifying its whole block is 3 tokens.
 TOY_CFG = EngineConfig(
-    max_len=16, max_new_tokens=3, prompt_buckets=(8,), batch_buckets=(N_TOY,), rounds_per_chunk=4
+    num_slots=N_TOY,
+    max_model_len=16,
+    page_size=8,
+    rounds_per_chunk=4,
+    prefill_chunk=2048,
+    prefill_seqs=2048,
+    prefill_buckets=(2048,),
+    token_buckets=(N_TOY * 3,),
 )
 
 
@@ -259,6 +267,9 @@ class PerRequest:
     def init_carry(self, batch, gamma):
         return ()
 
+    def reset_slots(self, carry, mask_b):
+        return carry
+
     def step(self, conf_logits_bk, active_b, carry):
         def one(z_k, a):
             return self.inner.step(z_k[None], a[None], ())[0][0]
@@ -274,7 +285,7 @@ def toy():
 def _toy_law(target):
     """Exact joint law of (y1, y2) after the anchor S, from the toy target's own logits."""
     logp = filtered_logprobs(
-        target.logits(target(jnp.array([[P, S, A], [P, S, B]])).hidden_btd),
+        target.logits(target(jnp.array([[P, S, A], [P, S, B]])).hidden),
         SamplingConfig(temperature=1.0),
     )
     p1 = np.exp(np.asarray(logp[0, 1], np.float64))
@@ -284,8 +295,9 @@ def _toy_law(target):
 
 def _run_toy(toy, policy):
     target, drafter = toy
-    engine = Engine(target, drafter, TOY_CFG, SamplingConfig(temperature=1.0), PerRequest(policy))
-    results, _ = generate(engine, [Request([P], 3, seed=i) for i in range(N_TOY)], N_TOY)
+    engine = Engine(target, drafter, TOY_CFG, PerRequest(policy))
+    t1 = SamplingConfig(temperature=1.0)
+    results, _ = generate(engine, [Request([P], 3, seed=i, sampling=t1) for i in range(N_TOY)])
     tokens = np.array([r.tokens for r in results])
     assert np.all(tokens[:, 0] == S)
     assert np.all(np.isin(tokens[:, 1:], [A, B]))

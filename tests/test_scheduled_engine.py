@@ -1,6 +1,7 @@
 """The engine with confidence policies on the fixture models: greedy outputs are exactly the
 target's, the verified lengths are Algorithm 1's on the (STS-calibrated) confidences of each
-round, and STS artifacts of another drafter or temperature are refused."""
+round with the SPS table over total verified tokens, an STS artifact applies only to requests
+sampled at its temperature, and artifacts of another drafter or block size are refused."""
 
 import dataclasses
 
@@ -13,15 +14,21 @@ from test_scheduler import _reference_alg1, _survival
 from dspark_jax.calibration.sts import StsArtifact, StsArtifactMismatchError
 from dspark_jax.checkpoints.fingerprint import drafter_fingerprint
 from dspark_jax.decoding import policies
+from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
-from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.sampling import SamplingConfig
 
+# Steps/s per total verified tokens with a real trade-off: more tokens cost throughput.
+PROFILE = policies.SpsProfile((4, 8, 12, 16, 24, 32), [100, 96, 90, 82, 70, 55])
+# The four 48-token prompts are prefilled in one call, so the requests' rounds line up.
 CFG = EngineConfig(
-    max_len=256, max_new_tokens=128, prompt_buckets=(64,), batch_buckets=(4,), rounds_per_chunk=16
+    num_slots=4,
+    max_model_len=256,
+    prefill_chunk=256,
+    prefill_buckets=(256,),
+    rounds_per_chunk=16,
+    token_buckets=PROFILE.buckets,
 )
-# Steps/s per (batch, verify width) with a real trade-off: wider verification costs throughput.
-PROFILE = policies.SpsProfile((1, 4), (1, 2, 4, 8), [[100, 97, 93, 85], [96, 90, 78, 55]])
 STS_TEMPS = (1.5, 0.8, 1.2, 0.6, 1.0, 2.0, 0.9)
 
 
@@ -47,7 +54,7 @@ def _check_greedy(variant, results):
 )
 def test_greedy_output_is_the_target_greedy_output(policy):
     target, drafter = load_pair("vanilla")
-    results, _ = generate(Engine(target, drafter, CFG, policy=policy), _requests("vanilla"), 4)
+    results, _ = generate(Engine(target, drafter, CFG, policy=policy), _requests("vanilla"))
     _check_greedy("vanilla", results)
     verified = np.concatenate([r.verified for r in results])
     assert 0 < verified.mean() < drafter.cfg.block_size  # the policy really cuts blocks short
@@ -57,7 +64,7 @@ def test_greedy_output_is_the_target_greedy_output(policy):
 def test_engine_lengths_are_algorithm_1_and_greedy_is_exact(variant):
     """Each round's verified lengths equal the paper's Algorithm 1 loop (which asserts that it
     never admits position j of a request before j-1) run on that round's confidences after STS,
-    with the rectangle SPS table of the active requests; the output stays the greedy one."""
+    with the profile's SPS over total verified tokens; the output stays the greedy one."""
     target, drafter = load_pair(variant)
     fingerprint = drafter_fingerprint(drafter)
     sts = StsArtifact(STS_TEMPS, fingerprint, 0.0, n_records=1)
@@ -69,12 +76,12 @@ def test_engine_lengths_are_algorithm_1_and_greedy_is_exact(variant):
         sts=sts,
         drafter_fingerprint=fingerprint,
     )
-    assert engine.verify_buckets == PROFILE.buckets
-    results, _ = generate(engine, _requests(variant), 4)
+    assert engine.token_buckets == PROFILE.buckets
+    results, _ = generate(engine, _requests(variant))
     _check_greedy(variant, results)
 
     gamma = drafter.cfg.block_size
-    row = np.asarray(PROFILE.row(4), np.float32)
+    table = PROFILE.table(4 * (gamma + 1)).astype(np.float32)
     n_rounds = max(r.rounds for r in results)
     lengths_seen = set()
     for t in range(n_rounds):
@@ -83,9 +90,6 @@ def test_engine_lengths_are_algorithm_1_and_greedy_is_exact(variant):
         for b, r in enumerate(results):
             if active[b]:
                 conf[b] = jax.nn.sigmoid(r.conf_logits[t] / np.asarray(STS_TEMPS, np.float32))
-        table = np.asarray(
-            policies.rectangle_sps_table(row, PROFILE.buckets, int(active.sum()), 4 * (gamma + 1))
-        )
         want = _reference_alg1(_survival(conf), table, True, active)
         got = [r.verified[t] if active[b] else 0 for b, r in enumerate(results)]
         np.testing.assert_array_equal(got, want, err_msg=f"round {t}")
@@ -93,39 +97,49 @@ def test_engine_lengths_are_algorithm_1_and_greedy_is_exact(variant):
     assert len(lengths_seen) >= 3  # the schedule varies with the confidences
 
 
-def test_mismatched_sts_artifacts_are_refused():
+def test_sts_applies_to_requests_at_its_temperature():
+    """An artifact fitted at T=1 changes the lengths of T=1 requests and leaves greedy requests
+    in the same batch with their raw confidences; artifacts of another drafter or block size,
+    or without the fingerprint to check, are refused."""
     target, drafter = load_pair("vanilla")
     fingerprint = drafter_fingerprint(drafter)
+    # Temperatures far from 1 move many confidences across the threshold (not one of 0.5: scaling
+    # a logit keeps its sign).
+    policy = policies.ThresholdPolicy(0.7)
+    sharp = StsArtifact((0.05,) * 7, fingerprint, 1.0, n_records=1)
+    trace = reference_traces("vanilla")["traces"][0]
+    greedy = Request(trace["prompt"], 60)
+    hot = Request(trace["prompt"], 60, seed=3, sampling=SamplingConfig(temperature=1.0))
+    raw = Engine(target, drafter, CFG, policy=policy)
+    calibrated = Engine(
+        target, drafter, CFG, policy=policy, sts=sharp, drafter_fingerprint=fingerprint
+    )
+    (raw_greedy, raw_hot), _ = generate(raw, [greedy, hot])
+    (cal_greedy, cal_hot), _ = generate(calibrated, [greedy, hot])
+    np.testing.assert_array_equal(cal_greedy.verified, raw_greedy.verified)
+    assert cal_greedy.tokens == raw_greedy.tokens
+    rounds = min(raw_hot.rounds, cal_hot.rounds)
+    assert not np.array_equal(cal_hot.verified[:rounds], raw_hot.verified[:rounds])
+
     _, gated = load_pair("gated")
-    other = drafter_fingerprint(gated)
-    good = StsArtifact(STS_TEMPS, fingerprint, 1.0, n_records=1)
-    t1 = SamplingConfig(temperature=1.0)
-    Engine(target, drafter, CFG, t1, sts=good, drafter_fingerprint=fingerprint)
     with pytest.raises(StsArtifactMismatchError, match="calibrated for drafter"):
-        Engine(target, drafter, CFG, t1, sts=good, drafter_fingerprint=other)
-    with pytest.raises(StsArtifactMismatchError, match="sampling temperature 1.0"):
         Engine(
-            target,
-            drafter,
-            CFG,
-            SamplingConfig(temperature=0.7),
-            sts=good,
-            drafter_fingerprint=fingerprint,
+            target, drafter, CFG, sts=sharp, drafter_fingerprint=drafter_fingerprint(gated)
         )
-    short = dataclasses.replace(good, temperatures=STS_TEMPS[:5])
+    short = dataclasses.replace(sharp, temperatures=(0.05,) * 5)
     with pytest.raises(StsArtifactMismatchError, match="5 temperatures"):
-        Engine(target, drafter, CFG, t1, sts=short, drafter_fingerprint=fingerprint)
+        Engine(target, drafter, CFG, sts=short, drafter_fingerprint=fingerprint)
     with pytest.raises(EngineError, match="drafter_fingerprint"):
-        Engine(target, drafter, CFG, t1, sts=good)
+        Engine(target, drafter, CFG, sts=sharp)
     with pytest.raises(EngineError, match="needs a drafter"):
-        Engine(target, None, CFG, t1, sts=good, drafter_fingerprint=fingerprint)
+        Engine(target, None, CFG, sts=sharp, drafter_fingerprint=fingerprint)
 
 
 def test_profile_buckets_must_match_the_engine():
     target, drafter = load_pair("vanilla")
     policy = policies.PrefixSchedulePolicy(PROFILE)
     with pytest.raises(EngineError, match="differ from the SPS profile"):
-        Engine(target, drafter, dataclasses.replace(CFG, verify_buckets=(4, 8)), policy=policy)
-    small = policies.SpsProfile((4,), (1, 2, 4), [[3.0, 2.0, 1.0]])
-    with pytest.raises(EngineError, match="gamma \\+ 1"):
+        Engine(target, drafter, dataclasses.replace(CFG, token_buckets=(8, 32)), policy=policy)
+    small = policies.SpsProfile((4, 8, 16), [3.0, 2.0, 1.0])
+    with pytest.raises(EngineError, match="num_slots x \\(gamma \\+ 1\\)"):
         Engine(target, drafter, CFG, policy=policies.PrefixSchedulePolicy(small))

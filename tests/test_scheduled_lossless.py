@@ -24,8 +24,8 @@ from test_lossless import NEW_TOKENS, _cell_probabilities, _expected_cells, _mod
 
 from dspark_jax.decoding import policies
 from dspark_jax.decoding import verify as verify_module
+from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
-from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.sampling import SamplingConfig, filtered_logprobs
 
 ALPHA = 1e-3
@@ -37,11 +37,14 @@ MIN_EXPECTED = 5.0
 DETECT_TV = 0.02
 MIN_POWER = 0.9
 CFG = EngineConfig(
-    max_len=32,
-    max_new_tokens=NEW_TOKENS,
-    prompt_buckets=(24,),
-    batch_buckets=(BATCH,),
+    num_slots=BATCH,
+    max_model_len=32,
+    page_size=8,
     rounds_per_chunk=4,
+    prefill_chunk=len(PROMPT) * 512,
+    prefill_seqs=512,
+    prefill_buckets=(len(PROMPT) * 512,),
+    token_buckets=(BATCH * 8,),
 )
 # SPS(B) = 1 / (2R + B) for R = 4096 requests: admitting a candidate pays off while its survival
 # exceeds tau / (2R + B), about 1/3 at first, so lengths spread over 0..gamma.
@@ -51,20 +54,25 @@ N_SEQ = 1024
 SEQ_TOKENS = 32
 PIT_BINS = 20
 SEQ_CFG = EngineConfig(
-    max_len=64,
-    max_new_tokens=SEQ_TOKENS,
-    prompt_buckets=(24,),
-    batch_buckets=(N_SEQ,),
+    num_slots=N_SEQ,
+    max_model_len=64,
+    page_size=16,
     rounds_per_chunk=8,
+    prefill_chunk=len(PROMPT) * 256,
+    prefill_seqs=256,
+    prefill_buckets=(len(PROMPT) * 256,),
+    token_buckets=(N_SEQ * 8,),
 )
 SPS_1024 = 1.0 / (2 * N_SEQ + np.arange(N_SEQ * 8 + 1))
 
 
 def test_algorithm_1_first_tokens_match_target():
     target, drafter = _models()
-    engine = Engine(target, drafter, CFG, T1, policies.PrefixSchedulePolicy(SPS_4096))
-    requests = [Request(list(PROMPT), NEW_TOKENS, seed=i) for i in range(NUM_SAMPLES)]
-    results, _ = generate(engine, requests, batch_size=BATCH)
+    engine = Engine(target, drafter, CFG, policies.PrefixSchedulePolicy(SPS_4096))
+    requests = [
+        Request(list(PROMPT), NEW_TOKENS, seed=i, sampling=T1) for i in range(NUM_SAMPLES)
+    ]
+    results, _ = generate(engine, requests)
     verified = np.concatenate([r.verified for r in results])
     assert len(np.unique(verified)) >= 5, np.bincount(verified)
     # Rounds must end in rejections often, or the residual path would go untested.
@@ -93,14 +101,14 @@ def _pit_p_value(policy):
     """(chi-square p-value of the PIT values, results) for N_SEQ sequences under `policy`."""
     prompt = list(PROMPT)
     target, drafter = _models()
-    engine = Engine(target, drafter, SEQ_CFG, T1, policy)
-    requests = [Request(prompt, SEQ_TOKENS, seed=i) for i in range(N_SEQ)]
-    results, _ = generate(engine, requests, batch_size=N_SEQ)
+    engine = Engine(target, drafter, SEQ_CFG, policy)
+    requests = [Request(prompt, SEQ_TOKENS, seed=i, sampling=T1) for i in range(N_SEQ)]
+    results, _ = generate(engine, requests)
 
     ids = np.zeros((N_SEQ, len(prompt) + SEQ_TOKENS), np.int32)
     for i, r in enumerate(results):
         ids[i, : len(prompt) + len(r.tokens)] = prompt + r.tokens
-    logits = jax.jit(lambda x: target.logits(target(x).hidden_btd))(ids)
+    logits = jax.jit(lambda x: target.logits(target(x).hidden))(ids)
     probs = np.exp(np.asarray(filtered_logprobs(logits, T1), np.float64))
     rng = np.random.default_rng(0)
     u = []

@@ -20,14 +20,20 @@ from fixture_models import load_pair
 
 from dspark_jax.calibration import metrics, sts
 from dspark_jax.calibration.records import records_from_results
+from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
-from dspark_jax.decoding.generate import Request, generate
 from dspark_jax.sampling import SamplingConfig
 
 N_PROMPTS = 128
 PROMPT_BYTES = 48
 CFG = EngineConfig(
-    max_len=256, max_new_tokens=128, prompt_buckets=(64,), batch_buckets=(64,), rounds_per_chunk=32
+    num_slots=64,
+    max_model_len=192,
+    rounds_per_chunk=32,
+    prefill_chunk=PROMPT_BYTES * 32,
+    prefill_seqs=32,
+    prefill_buckets=(PROMPT_BYTES * 32,),
+    token_buckets=(64 * 8,),
 )
 HOLDOUT = 0.3
 
@@ -48,12 +54,13 @@ def python_source_prompts(n, length, seed=0):
 @functools.cache
 def _records(variant, temperature):
     target, drafter = load_pair(variant)
-    engine = Engine(target, drafter, CFG, SamplingConfig(temperature=temperature))
+    engine = Engine(target, drafter, CFG)
+    sampling = SamplingConfig(temperature=temperature)
     requests = [
-        Request(p, 128, seed=i)
+        Request(p, 128, seed=i, sampling=sampling)
         for i, p in enumerate(python_source_prompts(N_PROMPTS, PROMPT_BYTES))
     ]
-    results, _ = generate(engine, requests, batch_size=64)
+    results, _ = generate(engine, requests)
     return records_from_results(results)
 
 

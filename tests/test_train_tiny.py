@@ -88,15 +88,21 @@ def test_cli_trains_and_exports(tmp_path, capsys):
 
 def _engine_tau(target, drafter, prompts: list[list[int]]) -> tuple[float, np.ndarray]:
     """Greedy speculative decoding of held-out prompts: mean tau and per-position acceptance."""
+    from dspark_jax.decoding.batching import Request, generate
     from dspark_jax.decoding.engine import Engine, EngineConfig
-    from dspark_jax.decoding.generate import Request, generate
 
     engine = Engine(
         target,
         drafter,
-        EngineConfig(max_len=256, max_new_tokens=96, batch_buckets=(8,), prompt_buckets=(64,)),
+        EngineConfig(
+            num_slots=8,
+            max_model_len=256,
+            prefill_chunk=64,
+            prefill_buckets=(64,),
+            token_buckets=(8 * (drafter.cfg.block_size + 1),),
+        ),
     )
-    results, _ = generate(engine, [Request(p, max_new_tokens=96) for p in prompts], batch_size=8)
+    results, _ = generate(engine, [Request(p, max_new_tokens=96) for p in prompts])
     committed = np.concatenate([r.committed for r in results])
     accepted = np.concatenate([r.accepted for r in results])
     gamma = drafter.cfg.block_size

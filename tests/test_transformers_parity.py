@@ -10,6 +10,7 @@ from transformers import Qwen3ForCausalLM
 
 from dspark_jax.checkpoints.convert import DictSource, target_from_torch
 from dspark_jax.config import Qwen3Config
+from dspark_jax.models.paged import TokenBatch
 
 TOL = 1e-5
 
@@ -60,6 +61,18 @@ def _ours(hf_cfg, model):
     return target_from_torch(cfg, DictSource(tensors))
 
 
+def _packed(model, cache, chunks, starts):
+    """Runs slot b's tokens `chunks[b]` at positions starts[b].. in one packed forward; returns
+    each slot's logits rows and the updated cache."""
+    counts = np.array([len(c) for c in chunks])
+    batch = TokenBatch.per_slot(
+        jnp.asarray(starts, jnp.int32), jnp.asarray(counts, jnp.int32), int(counts.sum())
+    )
+    out = model.paged_forward(jnp.asarray(np.concatenate(chunks), jnp.int32), batch, cache)
+    rows = np.split(np.asarray(model.logits(out.hidden)), np.cumsum(counts)[:-1])
+    return rows, out.cache
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_and_hidden_states_match(case):
     hf_cfg, model = _hf_model(case)
@@ -67,38 +80,34 @@ def test_logits_and_hidden_states_match(case):
     ids = np.random.default_rng(0).integers(0, hf_cfg.vocab_size, (2, 40))
     with torch.no_grad():
         ref = model(torch.tensor(ids), output_hidden_states=True)
-    out = ours(jnp.asarray(ids, jnp.int32), None, tap_layer_ids=(-1, 0, 1))
-    assert max_rel_err(ours.logits(out.hidden_btd), ref.logits.numpy()) < TOL
-    taps = np.split(np.asarray(out.taps_btf), 3, axis=-1)
+    out = ours(jnp.asarray(ids, jnp.int32), tap_layer_ids=(-1, 0, 1))
+    assert max_rel_err(ours.logits(out.hidden), ref.logits.numpy()) < TOL
+    taps = np.split(np.asarray(out.taps), 3, axis=-1)
     for i, tap in enumerate(taps):
         assert max_rel_err(tap, ref.hidden_states[i].numpy()) < TOL
 
 
 @pytest.mark.parametrize("case", ["tied-gqa", "yarn"])
 def test_cached_decoding_equals_full_forward(case):
-    """Prefill of a ragged batch, then multi-token and single-token steps, equals one forward."""
+    """Prefill of ragged prompts in one packed batch, then multi-token and single-token steps
+    through the paged cache, equals one forward."""
     hf_cfg, model = _hf_model(case)
     ours = _ours(hf_cfg, model)
     ids = np.random.default_rng(1).integers(0, hf_cfg.vocab_size, (2, 30)).astype(np.int32)
-    full = ours.logits(ours(jnp.asarray(ids), None).hidden_btd)
+    full = ours.logits(ours(jnp.asarray(ids)).hidden)
 
-    prompt_len = np.array([9, 14], np.int32)
-    cache = ours.init_cache(2, 64)
-    padded = np.where(np.arange(16)[None] < prompt_len[:, None], ids[:, :16], 0)
-    out = ours(jnp.asarray(padded), cache)
-    cache = out.cache.replace(lengths=jnp.asarray(prompt_len))
-    got = [[ours.logits(out.hidden_btd)[b, : prompt_len[b]]] for b in range(2)]
+    pos = np.array([9, 14])
+    got, cache = _packed(ours, ours.new_cache(2, 64, page_size=8), [ids[0, :9], ids[1, :14]], [0, 0])
+    got = [[g] for g in got]
     # A 3-token step (as verification does), then single-token steps.
-    pos = prompt_len.copy()
     for width in (3, 1, 1, 1, 2):
-        step = np.stack([ids[b, pos[b] : pos[b] + width] for b in range(2)])
-        out = ours(jnp.asarray(step), cache)
-        logits = ours.logits(out.hidden_btd)
+        step = [ids[b, pos[b] : pos[b] + width] for b in range(2)]
+        rows, cache = _packed(ours, cache, step, pos)
         for b in range(2):
-            got[b].append(logits[b])
-        cache, pos = out.cache, pos + width
+            got[b].append(rows[b])
+        pos = pos + width
     for b in range(2):
-        stitched = np.concatenate([np.asarray(x) for x in got[b]])
+        stitched = np.concatenate(got[b])
         assert max_rel_err(stitched, full[b, : pos[b]]) < TOL
 
     with torch.no_grad():
@@ -107,29 +116,34 @@ def test_cached_decoding_equals_full_forward(case):
 
 
 def test_rejected_tokens_roll_back_by_length():
-    """Lowering the cache length forgets tokens: writing others there gives the right result."""
+    """Tokens written past a slot's length are forgotten: writing others there gives the right
+    result, exactly as rejected drafts are rolled back."""
     hf_cfg, model = _hf_model("untied-gqa")
     ours = _ours(hf_cfg, model)
     ids = np.random.default_rng(2).integers(0, hf_cfg.vocab_size, (1, 20)).astype(np.int32)
-    full = ours.logits(ours(jnp.asarray(ids), None).hidden_btd)
-    cache = ours(jnp.asarray(ids[:, :12]), ours.init_cache(1, 32)).cache
-    wrong = (ids[:, 12:16] + 1) % hf_cfg.vocab_size
-    cache = ours(jnp.asarray(wrong), cache).cache.replace(lengths=jnp.array([12]))
-    out = ours(jnp.asarray(ids[:, 12:20]), cache)
-    assert max_rel_err(ours.logits(out.hidden_btd), full[:, 12:20]) < TOL
+    full = ours.logits(ours(jnp.asarray(ids)).hidden)
+    _, cache = _packed(ours, ours.new_cache(1, 32, page_size=8), [ids[0, :12]], [0])
+    wrong = (ids[0, 12:16] + 1) % hf_cfg.vocab_size
+    _, cache = _packed(ours, cache, [wrong], [12])
+    (rows,), _ = _packed(ours, cache, [ids[0, 12:20]], [12])
+    assert max_rel_err(rows, full[0, 12:20]) < TOL
 
 
-def test_prefill_key_window_is_exact():
-    """A prefill that attends only to its own T keys equals one that scans the whole cache.
-
-    Masked keys contribute exact zeros, but the softmax sums over a different number of terms,
-    so agreement is to float rounding, not bitwise.
-    """
+def test_page_placement_does_not_matter():
+    """Which physical pages a slot owns changes nothing: a shuffled page table over a larger pool
+    gives the logits of the plain one."""
     hf_cfg, model = _hf_model("tied-gqa")
     ours = _ours(hf_cfg, model)
-    ids = jnp.asarray(np.random.default_rng(3).integers(0, hf_cfg.vocab_size, (2, 12)), jnp.int32)
-    whole = ours(ids, ours.init_cache(2, 48))
-    window = ours(ids, ours.init_cache(2, 48), key_window=12)
-    assert max_rel_err(window.hidden_btd, whole.hidden_btd) < TOL
-    for a, b in zip(window.cache.k, whole.cache.k, strict=True):
-        assert max_rel_err(a, b) < TOL
+    ids = np.random.default_rng(3).integers(0, hf_cfg.vocab_size, (2, 20)).astype(np.int32)
+    plain = ours.new_cache(2, 24, page_size=4)
+    big = ours.new_cache(2, 96, page_size=4)
+    order = np.random.default_rng(4).permutation(big.layout.num_pages)[:12].reshape(2, 6)
+    shuffled = big.replace(page_table_sp=jnp.asarray(order, jnp.int32))
+    want, plain = _packed(ours, plain, [ids[0, :11], ids[1, :17]], [0, 0])
+    got, shuffled = _packed(ours, shuffled, [ids[0, :11], ids[1, :17]], [0, 0])
+    for w, g in zip(want, got, strict=True):
+        assert max_rel_err(g, w) < TOL
+    want, _ = _packed(ours, plain, [ids[0, 11:14], ids[1, 17:20]], [11, 17])
+    got, _ = _packed(ours, shuffled, [ids[0, 11:14], ids[1, 17:20]], [11, 17])
+    for w, g in zip(want, got, strict=True):
+        assert max_rel_err(g, w) < TOL

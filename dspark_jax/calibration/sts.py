@@ -281,6 +281,10 @@ def reliability_series(
     return series
 
 
+# How close a request's sampling temperature must be to the calibration temperature.
+STS_TEMP_RTOL = 1e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class StsArtifact:
     """Fitted STS temperatures plus the provenance that decides where they may be used."""
@@ -323,9 +327,13 @@ class StsArtifact:
         return conf_logits.astype(jnp.float32) / self.temps()
 
     def check(
-        self, drafter_fingerprint: str, sampling_temperature: float, block_size: int | None = None
+        self,
+        drafter_fingerprint: str,
+        sampling_temperature: float | None,
+        block_size: int | None = None,
     ) -> None:
-        """Refuses the artifact for another drafter, sampling temperature or block size."""
+        """Refuses the artifact for another drafter, sampling temperature or block size (None:
+        not checked; an engine serving many temperatures applies it per request instead)."""
         if self.drafter_fingerprint != drafter_fingerprint:
             raise StsArtifactMismatchError(
                 f"the STS artifact was calibrated for drafter {self.drafter_fingerprint!r}, not "
@@ -336,14 +344,18 @@ class StsArtifact:
                 f"the STS artifact has {self.gamma} temperatures but the drafter's block size is "
                 f"{block_size}"
             )
-        if not math.isclose(
-            self.sampling_temperature, sampling_temperature, rel_tol=1e-6, abs_tol=1e-9
-        ):
+        if sampling_temperature is not None and not self.applies_to(sampling_temperature):
             raise StsArtifactMismatchError(
                 f"the STS artifact was calibrated at sampling temperature "
                 f"{self.sampling_temperature}, but decoding samples at {sampling_temperature}; "
                 "calibrate at this temperature"
             )
+
+    def applies_to(self, sampling_temperature: float) -> bool:
+        """Whether requests sampled at `sampling_temperature` may use these temperatures."""
+        return math.isclose(
+            self.sampling_temperature, sampling_temperature, rel_tol=STS_TEMP_RTOL, abs_tol=1e-9
+        )
 
     def save(self, path: str | Path) -> None:
         body = {

@@ -9,6 +9,7 @@ offline on a laptop; `--target` / `--draft` take any form `load_target` / `load_
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dspark_jax.calibration.sts import StsArtifact
@@ -26,6 +27,9 @@ from dspark_jax.sampling import SamplingConfig
 
 if TYPE_CHECKING:
     from dspark_jax.checkpoints.converted import DecodingModels
+
+# Room the chat template adds around each turn when sizing the cache for multi-turn prompts.
+TURN_OVERHEAD_TOKENS = 32
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = True) -> None:
@@ -67,11 +71,48 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0 = off)")
     group.add_argument("--seed", type=int, default=0, help="base seed of the requests (default 0)")
     group.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default 256)")
-    group.add_argument("--batch-size", type=int, default=8, help="requests per batch (default 8)")
     group.add_argument(
         "--thinking",
         action="store_true",
         help="render prompts with enable_thinking (off by default, as the drafters were trained)",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, max_model_len: int | None = None):
+    """Slots, cache sizing and chunking of the slot engine (`EngineConfig`)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=8,
+        help="requests decoded at once: the engine's slots (default 8)",
+    )
+    sized = "what the prompts need" if max_model_len is None else str(max_model_len)
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=max_model_len,
+        help=f"most positions one request may use: prompt + new tokens + one block (default "
+        f"{sized}; at most the model's max_position_embeddings)",
+    )
+    group.add_argument(
+        "--kv-pages",
+        type=int,
+        help="KV pages in the pool shared by all slots (default: every slot at max-model-len); "
+        "fewer pages make requests wait for memory rather than run out of it",
+    )
+    group.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
+    group.add_argument(
+        "--rounds-per-chunk",
+        type=int,
+        default=8,
+        help="decode rounds between two reads of the results (default 8)",
+    )
+    group.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="most prompt tokens per prefill call; longer prompts interleave with decoding (256)",
     )
 
 
@@ -80,12 +121,63 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
 
 
 def check_sizes(args: argparse.Namespace) -> None:
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for name in ("max_num_seqs", "max_new_tokens", "page_size", "rounds_per_chunk"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("max_model_len", "kv_pages", "prefill_chunk"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
+
+
+def engine_config(args: argparse.Namespace, max_model_len: int) -> EngineConfig:
+    """The engine settings of the command line, with `max_model_len` positions per request."""
+    return EngineConfig(
+        num_slots=args.max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=args.page_size,
+        num_pages=args.kv_pages,
+        rounds_per_chunk=args.rounds_per_chunk,
+        prefill_chunk=args.prefill_chunk,
+    )
+
+
+def model_len_for(
+    args: argparse.Namespace,
+    models: DecodingModels,
+    conversations: Sequence[Sequence[str]] = (),
+    id_prompts: Sequence[Sequence[int]] = (),
+) -> int:
+    """--max-model-len, or the positions the longest request needs: its prompt (every turn of a
+    conversation, earlier answers included) + new tokens + one block; rounded up to 64 and
+    capped at the model's context."""
+    from dspark_jax.tokenizer import encode_chat
+
+    if args.max_model_len is not None:
+        return args.max_model_len
+    if id_prompts:
+        longest = max(len(ids) for ids in id_prompts)
+    else:
+        longest = max(
+            sum(
+                len(
+                    encode_chat(
+                        models.tokenizer,
+                        [{"role": "user", "content": turn}],
+                        enable_thinking=args.thinking,
+                    )
+                )
+                + TURN_OVERHEAD_TOKENS * (len(turns) > 1)
+                for turn in turns
+            )
+            + args.max_new_tokens * (len(turns) - 1)
+            for turns in conversations
+        )
+    need = longest + args.max_new_tokens + models.gamma + 1
+    return min(-(-need // 64) * 64, models.target.cfg.max_position_embeddings)
 
 
 def load_models(args: argparse.Namespace, with_drafter: bool = True) -> DecodingModels:
@@ -101,20 +193,21 @@ def build_engine(
     models: DecodingModels,
     args: argparse.Namespace,
     cfg: EngineConfig,
-    sampling: SamplingConfig,
     speculative: bool = True,
 ) -> Engine:
     """The speculative engine (policy and STS from the command line) or the plain one."""
     if not speculative or models.drafter is None:
-        return Engine(models.target, None, cfg, sampling=sampling, stop_tokens=models.stop_tokens)
+        return Engine(models.target, None, cfg, stop_tokens=models.stop_tokens)
+    sts = load_sts(args)
+    if sts is not None:
+        sts.check(models.drafter_fingerprint, args.temperature, models.gamma)
     return Engine(
         models.target,
         models.drafter,
         cfg,
-        sampling=sampling,
         policy=build_policy(args, models.gamma),
         stop_tokens=models.stop_tokens,
-        sts=load_sts(args),
+        sts=sts,
         drafter_fingerprint=models.drafter_fingerprint,
     )
 
@@ -149,5 +242,5 @@ def build_policy(args: argparse.Namespace, block_size: int) -> Policy:
 
 
 def load_sts(args: argparse.Namespace) -> StsArtifact | None:
-    """The --sts artifact (the engine refuses it for another drafter or sampling temperature)."""
+    """The --sts artifact (checked against the drafter and temperature by `build_engine`)."""
     return StsArtifact.load(args.sts) if args.sts else None

@@ -22,7 +22,11 @@ RECORDS_NAME = "calibration_records.npz"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dspark_jax.cli.args import add_model_arguments, add_sampling_arguments
+    from dspark_jax.cli.args import (
+        add_engine_arguments,
+        add_model_arguments,
+        add_sampling_arguments,
+    )
 
     group = parser.add_argument_group("datasets")
     group.add_argument("files", nargs="*", help='JSONL files of {"turns": [...]} lines')
@@ -35,12 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--limit", type=int, help="conversations per dataset (default: all)")
     add_model_arguments(parser, allow_no_draft=False)
     add_sampling_arguments(parser)
-    parser.add_argument(
-        "--max-len",
-        type=int,
-        default=4096,
-        help="cache length per request; turns that do not fit are skipped and counted (4096)",
-    )
+    add_engine_arguments(parser)
     parser.add_argument(
         "--no-plain", action="store_true", help="skip the plain-decoding baseline (no speedup)"
     )
@@ -74,19 +73,22 @@ def _dataset_files(args: argparse.Namespace) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import time
+
     import jax
 
     from dspark_jax.calibration.records import records_from_results
     from dspark_jax.cli.args import (
         build_engine,
         check_sizes,
+        engine_config,
         load_models,
+        model_len_for,
         sampling_from_args,
     )
     from dspark_jax.cli.report import format_table, plot_reports
     from dspark_jax.conversations import read_turns
-    from dspark_jax.decoding.engine import EngineConfig, power_of_two_buckets
-    from dspark_jax.decoding.evaluate import WarmEngine, evaluate_dataset
+    from dspark_jax.decoding.evaluate import evaluate_dataset
 
     check_sizes(args)
     if args.limit is not None and args.limit < 1:
@@ -95,13 +97,18 @@ def run(args: argparse.Namespace) -> int:
     datasets = {f.stem: read_turns(f, args.limit) for f in files}
     sampling = sampling_from_args(args)
     models = load_models(args)
-    cfg = EngineConfig(
-        max_len=args.max_len,
-        max_new_tokens=args.max_new_tokens,
-        batch_buckets=power_of_two_buckets(args.batch_size),
-    )
-    spec = WarmEngine(build_engine(models, args, cfg, sampling))
-    plain = None if args.no_plain else WarmEngine(build_engine(models, args, cfg, sampling, False))
+    every = [turns for conversations in datasets.values() for turns in conversations]
+    # The same sizing as generate: what the longest conversation needs (turns that still do not
+    # fit the model's context are skipped and counted).
+    cfg = engine_config(args, model_len_for(args, models, every))
+    spec = build_engine(models, args, cfg)
+    plain = None if args.no_plain else build_engine(models, args, cfg, speculative=False)
+    start = time.perf_counter()
+    for engine in (spec, plain):
+        if engine is not None:
+            engine.warm_up()
+    compile_s = time.perf_counter() - start
+    print(f"compiled the engines in {compile_s:.1f} s", file=sys.stderr)
 
     reports, results = [], []
     for name, conversations in datasets.items():
@@ -113,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             plain,
             models.tokenizer,
             max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
+            sampling=sampling,
             seed=args.seed,
             enable_thinking=args.thinking,
             progress=True,
@@ -145,8 +152,9 @@ def run(args: argparse.Namespace) -> int:
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
         "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size,
-        "max_len": args.max_len,
+        "max_num_seqs": cfg.num_slots,
+        "max_model_len": cfg.max_model_len,
+        "compile_s": compile_s,
         "limit": args.limit,
         "seed": args.seed,
         "thinking": args.thinking,

@@ -17,12 +17,14 @@ from pathlib import Path
 from dspark_jax.errors import UserError
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
-# Room the template adds around each turn when sizing the cache for multi-turn prompts.
-TURN_OVERHEAD_TOKENS = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dspark_jax.cli.args import add_model_arguments, add_sampling_arguments
+    from dspark_jax.cli.args import (
+        add_engine_arguments,
+        add_model_arguments,
+        add_sampling_arguments,
+    )
 
     group = parser.add_argument_group("prompts (default: one built-in prompt)")
     group.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -39,11 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_model_arguments(parser)
     add_sampling_arguments(parser)
-    parser.add_argument(
-        "--max-len",
-        type=int,
-        help="cache length per request (default: what the prompts need)",
-    )
+    add_engine_arguments(parser)
     parser.add_argument("--json", metavar="OUT", help="write prompts, outputs and stats here")
 
 
@@ -80,46 +78,21 @@ class _Stream:
             self.out.flush()
 
 
-def _max_len(args, models, conversations, id_prompts) -> int:
-    from dspark_jax.tokenizer import encode_chat
-
-    if args.max_len is not None:
-        return args.max_len
-    if id_prompts:
-        longest = max(len(ids) for ids in id_prompts)
-    else:
-        # Every turn's prompt plus every earlier answer; rounding keeps the size tidy.
-        longest = max(
-            sum(
-                len(
-                    encode_chat(
-                        models.tokenizer,
-                        [{"role": "user", "content": turn}],
-                        enable_thinking=args.thinking,
-                    )
-                )
-                + TURN_OVERHEAD_TOKENS * (len(turns) > 1)
-                for turn in turns
-            )
-            + args.max_new_tokens * (len(turns) - 1)
-            for turns in conversations
-        )
-    need = longest + args.max_new_tokens + models.gamma + 1
-    return -(-need // 64) * 64
-
-
 def run(args: argparse.Namespace) -> int:
+    import time
+
     from dspark_jax.cli.args import (
         build_engine,
         check_sizes,
+        engine_config,
         load_models,
+        model_len_for,
         sampling_from_args,
     )
     from dspark_jax.cli.report import generation_summary, print_answer
     from dspark_jax.conversations import read_turns
-    from dspark_jax.decoding.engine import EngineConfig, power_of_two_buckets
-    from dspark_jax.decoding.evaluate import WarmEngine, answer_conversations
-    from dspark_jax.decoding.generate import Request, generate
+    from dspark_jax.decoding.batching import Request, generate
+    from dspark_jax.decoding.evaluate import answer_conversations
     from dspark_jax.decoding.stats import acceptance_stats
     from dspark_jax.tokenizer import decode_text
 
@@ -135,26 +108,23 @@ def run(args: argparse.Namespace) -> int:
         conversations = [[DEFAULT_PROMPT]]
 
     models = load_models(args, with_drafter=not args.no_draft)
-    cfg = EngineConfig(
-        max_len=_max_len(args, models, conversations, id_prompts),
-        max_new_tokens=args.max_new_tokens,
-        batch_buckets=power_of_two_buckets(args.batch_size),
-    )
-    engine = WarmEngine(build_engine(models, args, cfg, sampling))
+    cfg = engine_config(args, model_len_for(args, models, conversations, id_prompts))
+    engine = build_engine(models, args, cfg)
+    start = time.perf_counter()
+    engine.warm_up()
+    compile_s = time.perf_counter() - start
     single = len(id_prompts or conversations) == 1
     stream = _Stream(models.tokenizer, models.stop_tokens) if single else None
     records = []
 
     if id_prompts:
         requests = [
-            Request(ids, args.max_new_tokens, seed=args.seed + i)
+            Request(ids, args.max_new_tokens, seed=args.seed + i, sampling=sampling)
             for i, ids in enumerate(id_prompts)
         ]
-        engine.ensure(len(requests), args.batch_size)
         results, timing = generate(
-            engine.engine,
+            engine,
             requests,
-            batch_size=args.batch_size,
             on_tokens=(lambda i, new: stream(i, 0, new)) if single else None,
             progress=not single,
         )
@@ -175,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             models.tokenizer,
             conversations,
             max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
+            sampling=sampling,
             seed=args.seed,
             enable_thinking=args.thinking,
             on_tokens=stream,
@@ -196,10 +166,10 @@ def run(args: argparse.Namespace) -> int:
             )
     if single:
         print(flush=True)
-    stats = acceptance_stats(results, engine.engine.gamma) if engine.engine.gamma else None
-    print("\n".join(generation_summary(results, timing, stats)), file=sys.stderr)
+    stats = acceptance_stats(results, engine.gamma) if engine.gamma else None
+    print("\n".join(generation_summary(results, timing, stats, compile_s)), file=sys.stderr)
     if args.json:
-        _write_json(args, sampling, cfg, models, records, timing, stats)
+        _write_json(args, sampling, cfg, models, records, timing, stats, compile_s)
     return 0
 
 
@@ -215,7 +185,7 @@ def _result_json(result) -> dict:
     }
 
 
-def _write_json(args, sampling, cfg, models, records, timing, stats) -> None:
+def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s) -> None:
     out = {
         "settings": {
             "target": str(models.model_dir),
@@ -225,13 +195,16 @@ def _write_json(args, sampling, cfg, models, records, timing, stats) -> None:
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "max_new_tokens": args.max_new_tokens,
-            "batch_size": args.batch_size,
-            "max_len": cfg.max_len,
+            "max_num_seqs": cfg.num_slots,
+            "max_model_len": cfg.max_model_len,
+            "kv_pages": cfg.pool_pages,
+            "page_size": cfg.page_size,
             "seed": args.seed,
             "thinking": args.thinking,
             "stop_tokens": list(models.stop_tokens),
         },
         "timing": {
+            "compile_s": compile_s,
             "prefill_s": timing.prefill_s,
             "decode_s": timing.decode_s,
             "decoded_tokens": timing.decoded_tokens,

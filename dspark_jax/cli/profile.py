@@ -1,9 +1,11 @@
-"""`dspark-jax profile`: steps/s per batch size x verify bucket -> an SPS table for the
-hardware-aware scheduler (`--sps-table` of generate / eval / the throughput benchmark).
+"""`dspark-jax profile`: steps/s of the engine per token bucket -> the SPS table of the
+hardware-aware scheduler (`--sps-table` of generate / eval / serve / the throughput benchmark).
 
-`--mode verify` (default) times the target's verification forward; `--mode round` times whole
-speculative rounds (drafting included), which is what the scheduler trades against when the
-drafter's cost is not negligible (see `dspark_jax.decoding.profiling`)."""
+`--mode round` (default) times whole speculative rounds (drafting included), which is what the
+scheduler trades against; `--mode verify` times the target's packed forward alone (see
+`dspark_jax.decoding.profiling`). Without `--target` / `--config` it profiles the embedded pair,
+like every other command; `--config NAME` measures a named architecture with random weights
+(speed does not depend on the weights), e.g. `--config qwen3-4b` on a GPU."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import argparse
 
 # Short names for the configs one profiles most.
 ALIASES = {"tiny": "tiny-vanilla-target"}
-# The drafter config measured with a named target in round mode.
+# The drafter config measured with a named target.
 DRAFTER_OF = {
     "tiny-vanilla-target": "tiny-vanilla-dspark",
     "tiny-gated-target": "tiny-gated-dspark",
@@ -34,17 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--config",
-        default="qwen3-4b",
-        help="named target config, measured with random weights (default qwen3-4b; 'tiny' is "
-        "the byte-level test model, for CPU)",
+        help="named target config measured with random weights (e.g. qwen3-4b; 'tiny' is the "
+        "byte-level test model); default: the embedded pair",
     )
     source.add_argument("--target", help="a target checkpoint (converted folder, HF folder or id)")
-    parser.add_argument("--draft", help="drafter checkpoint for --mode round with --target")
+    parser.add_argument(
+        "--draft",
+        help="drafter checkpoint (with --target; default with neither: the embedded drafter). "
+        "Round mode runs it; verify mode takes its block size for the token buckets",
+    )
     parser.add_argument(
         "--mode",
-        choices=("verify", "round"),
-        default="verify",
-        help="time the target's verify forward (default) or whole rounds",
+        choices=("round", "verify"),
+        default="round",
+        help="time whole speculative rounds (default) or the target's packed forward alone",
     )
     parser.add_argument(
         "--temperature",
@@ -52,18 +57,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="sampling temperature of round-mode timings (default 0)",
     )
-    parser.add_argument("--dtype", help="parameter/compute dtype (default: the config's)")
+    parser.add_argument("--dtype", help="parameter/compute dtype (default: as stored)")
     parser.add_argument(
-        "--batch-sizes",
-        type=_ints,
-        default=(1, 8, 32, 64),
-        help="comma-separated batch sizes (default 1,8,32,64)",
+        "--max-num-seqs",
+        type=int,
+        default=8,
+        help="engine slots the table is for (default 8; profile each slot count you serve with)",
     )
     parser.add_argument(
         "--buckets",
         type=_ints,
-        default=(1, 2, 4, 8),
-        help="comma-separated verify widths, anchor included (default 1,2,4,8)",
+        help="comma-separated token buckets, anchors included (default: the engine's, derived "
+        "from the slots and the drafter's block size)",
     )
     parser.add_argument(
         "--context-len",
@@ -71,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="cached positions each verified token attends to (default 1024)",
     )
-    parser.add_argument("--steps", type=int, default=10, help="forwards per timing (default 10)")
-    parser.add_argument("--repeats", type=int, default=5, help="timings per cell (median; 5)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timing (default 10)")
+    parser.add_argument("--repeats", type=int, default=5, help="timings per bucket (median; 5)")
     parser.add_argument("--seed", type=int, default=0, help="random-weight seed")
     parser.add_argument("--out", required=True, help="SPS table JSON to write")
     parser.add_argument("--plot", help="PNG of steps/s and tokens/s against verified tokens")
@@ -89,17 +94,25 @@ def _build_models(args: argparse.Namespace):
     from dspark_jax.models.drafter import DSparkDrafter
     from dspark_jax.models.qwen3 import Qwen3
 
-    round_mode = args.mode == "round"
-    if args.target:
+    if args.config is None:
         from dspark_jax.checkpoints.converted import load_drafter, load_target
+        from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 
-        if round_mode and not args.draft:
-            raise ConfigError("--mode round with --target needs --draft")
-        _, target, _ = load_target(args.target, dtype=args.dtype, progress=False)
-        drafter = (
-            load_drafter(args.draft, dtype=args.dtype, progress=False)[1] if round_mode else None
-        )
-        return target, drafter, str(args.target)
+        if args.target is None and args.draft is not None:
+            raise ConfigError("--draft needs its --target")
+        target_path = args.target or EMBEDDED_TARGET
+        draft_path = args.draft or (EMBEDDED_DRAFT if args.target is None else None)
+        if args.mode == "round" and draft_path is None:
+            raise ConfigError("--mode round times speculative rounds: give --draft too")
+        _, target, _ = load_target(target_path, dtype=args.dtype, progress=False)
+        drafter = None
+        if draft_path is not None:
+            drafter = load_drafter(draft_path, dtype=args.dtype, progress=False)[1]
+            drafter.cfg.check_target(target.cfg)
+        names = str(target_path) + ("" if draft_path is None else f" + {draft_path}")
+        return target, drafter, names
+    if args.draft is not None:
+        raise ConfigError("--draft goes with --target, not with --config")
     name = ALIASES.get(args.config, args.config)
     cfg = named_config(name)
     if not isinstance(cfg, Qwen3Config):
@@ -107,8 +120,6 @@ def _build_models(args: argparse.Namespace):
     if args.dtype:
         cfg = dataclasses.replace(cfg, dtype=args.dtype)
     target = Qwen3(cfg, rngs=nnx.Rngs(args.seed))
-    if not round_mode:
-        return target, None, f"{name} (random weights)"
     drafter_name = DRAFTER_OF.get(name, f"dspark-{name}")
     drafter_cfg = named_config(drafter_name)
     drafter_cfg = dataclasses.replace(
@@ -120,23 +131,30 @@ def _build_models(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.cli.report import plot_profile
-    from dspark_jax.decoding.profiling import profile_target
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.decoding.engine import EngineConfig
+    from dspark_jax.decoding.profiling import profile_engine
+    from dspark_jax.errors import UserError
 
+    for name in ("max_num_seqs", "context_len", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     target, drafter, description = _build_models(args)
     print(
-        f"profiling {args.mode} steps of {description}, {target.dtype}, context {args.context_len}"
+        f"profiling {args.mode} steps of {description}, {target.dtype}, {args.max_num_seqs} "
+        f"slots, context {args.context_len}",
+        flush=True,
     )
-    profile = profile_target(
+    cfg = EngineConfig(num_slots=args.max_num_seqs, token_buckets=args.buckets)
+    profile = profile_engine(
         target,
-        args.batch_sizes,
-        args.buckets,
-        drafter=drafter,
-        sampling=SamplingConfig(temperature=args.temperature),
+        drafter,
+        cfg,
+        mode=args.mode,
+        temperature=args.temperature,
         context_len=args.context_len,
         steps=args.steps,
         repeats=args.repeats,
-        log=print,
+        log=lambda line: print(line, flush=True),
         config=description,
     )
     profile.save(args.out)

@@ -18,8 +18,8 @@ from numpy.typing import ArrayLike
 from dspark_jax.calibration import metrics
 
 if TYPE_CHECKING:
+    from dspark_jax.decoding.batching import LoopTiming, Result
     from dspark_jax.decoding.evaluate import DatasetReport
-    from dspark_jax.decoding.generate import BatchTiming, Result
     from dspark_jax.decoding.policies import SpsProfile
     from dspark_jax.decoding.stats import AcceptanceStats
 
@@ -38,14 +38,20 @@ def print_answer(label: str, prompt: str, text: str) -> None:
 
 
 def generation_summary(
-    results: Sequence[Result], timing: BatchTiming, stats: AcceptanceStats | None
+    results: Sequence[Result],
+    timing: LoopTiming,
+    stats: AcceptanceStats | None,
+    compile_s: float | None = None,
 ) -> list[str]:
-    """Lines of the summary after a generation: volume, speed, and acceptance when speculative."""
+    """Lines of the summary after a generation: volume, speed, and acceptance when speculative.
+
+    Compilation (the engine's warm-up) is reported apart from prefill and decode."""
     tokens = sum(len(r.tokens) for r in results)
+    compiled = "" if compile_s is None else f"compile {compile_s:.2f} s (once), "
     lines = [
         f"requests {len(results)}, generated {tokens} tokens ({timing.decoded_tokens} in decode "
         f"rounds), {sum(r.rounds for r in results)} request rounds, {timing.rounds} device rounds",
-        f"prefill {timing.prefill_s:.3f} s, decode {timing.decode_s:.3f} s: "
+        f"{compiled}prefill {timing.prefill_s:.3f} s, decode {timing.decode_s:.3f} s: "
         f"{timing.decode_tokens_per_s:.1f} decode tokens/s",
     ]
     if stats is None:
@@ -210,23 +216,29 @@ def reliability_diagram(
 
 # -- profile -----------------------------------------------------------------------------------
 def plot_profile(profile: SpsProfile, path: str | Path) -> None:
-    """PNG: steps/s and verified tokens/s against total verified tokens, a line per batch size."""
+    """PNG: steps/s and verified tokens/s against the total verified tokens of a step, with a
+    mark where the table is not monotonic (a bigger step measured faster: noise or padding)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 4))
     ax_sps, ax_tok = fig.subplots(1, 2)
-    for batch, row in zip(profile.batch_sizes, profile.sps_bw, strict=True):
-        tokens = batch * np.asarray(profile.buckets)
-        ax_sps.plot(tokens, row, marker="o", label=f"batch {batch}")
-        ax_tok.plot(tokens, tokens * row, marker="o", label=f"batch {batch}")
+    tokens = np.asarray(profile.buckets)
+    ax_sps.plot(tokens, profile.sps, marker="o")
+    ax_tok.plot(tokens, tokens * profile.sps, marker="o")
+    rising = np.flatnonzero(np.diff(profile.sps) > 0) + 1
+    if rising.size:
+        ax_sps.scatter(
+            tokens[rising], profile.sps[rising], color="red", zorder=3, label="faster than smaller"
+        )
+        ax_sps.legend(fontsize=7)
     for ax, label in ((ax_sps, "steps / s"), (ax_tok, "verified tokens / s")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("verified tokens per step (batch x bucket)")
+        ax.set_xlabel("verified tokens per step (token bucket, anchors included)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
     meta = profile.meta
-    where = f"{meta.get('device', '?')} ({meta.get('date', '')})"
-    fig.suptitle(f"{meta.get('mode', '')} SPS, {meta.get('config', '')} on {where}")
+    where = f"{meta.get('device', '?')}, {str(meta.get('date', ''))[:10]}"
+    slots = meta.get("num_slots", "?")
+    fig.suptitle(f"{meta.get('mode', '')} SPS, {slots} slots, {where}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

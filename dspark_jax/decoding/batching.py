@@ -37,8 +37,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspark_jax.decoding.slot_engine import Engine, EngineError, PrefillItem
-from dspark_jax.sampling import SamplingConfig
+from dspark_jax.decoding.engine import Engine, EngineError, PrefillItem
+from dspark_jax.sampling import GREEDY, SamplingConfig
 
 
 class QueueFullError(EngineError):
@@ -57,7 +57,7 @@ class Request:
     prompt_ids: Sequence[int]
     max_new_tokens: int = 256
     seed: int = 0
-    sampling: SamplingConfig = SamplingConfig()
+    sampling: SamplingConfig = GREEDY
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 

@@ -1,371 +1,228 @@
-"""The static-shape batched decode engine: prefill, speculative rounds and plain decoding.
+"""The slot engine: a fixed set of request slots over paged KV caches, driven chunk by chunk.
 
-Everything between prefill and the end of a chunk of rounds runs on device: the round is one
-traced function and the loop over rounds is a `lax.while_loop`, so the host only sees finished
-chunks. Shapes are bounded by buckets (batch size, prompt length, verification length), so the
-set of compiled programs is small and known after warm-up:
+Verbs (all jitted, state donated, no host sync inside):
 
-  prefill:  one program per (batch bucket, prompt bucket) used
-  decode:   one program per batch bucket used (speculative or plain, per sampling config)
+  prefill(state, batch)   writes up to `prefill_seqs` prompt chunks (packed, one token bucket)
+                          into their slots' pages; the last chunk of a prompt samples the
+                          request's first token and makes its slot live. The first chunk of a
+                          prompt also installs the request's page-table row and its settings.
+  decode_chunk(state)     runs up to `rounds_per_chunk` rounds over all slots (live or not) in a
+                          `lax.while_loop`; returns the new state and a small `ChunkOutput`
+                          (tokens committed this chunk, per-round statistics, finished flags)
+                          that the host reads without touching the caches.
+  release(state, mask)    ends the slots in `mask` (a cancelled request): they stop at once.
 
-Buffers (KV caches, output tokens, statistics) live in `DecodeState` and are donated to each
-call, so XLA updates them in place.
+Everything a request owns lives in its slot row: its page-table row (the pages are reserved by
+the host, see `batching`), committed length, anchor token, PRNG key, sampling settings
+(temperature, top-k, top-p as arrays: one program serves every mix), max new tokens, stop
+tokens, counters and its policy carry row.
 
-How many drafts each request verifies is decided by a policy (`dspark_jax.decoding.policies`)
-inside the round, from the drafter's confidence logits divided by the temperatures of an
-optional STS artifact; a policy's carry (e.g. the Section 5.2 history) lives in `DecodeState`.
+One speculative round: the drafter drafts a block for every slot; the policy picks how many
+drafts each live slot verifies (l_s); every live slot's anchor and l_s drafts are packed into one
+token axis padded to the smallest token bucket >= sum(l_s + 1), and the target runs over exactly
+that (a `lax.switch` over the buckets: only the chosen branch runs); rejection sampling accepts a
+prefix per slot; the accepted tokens' target features are appended to the drafter's context.
+Rejected tokens are rolled back by length alone. Plain decoding packs one token per live slot.
+
+Compiled programs: one prefill per token bucket of `prefill_buckets`, one decode chunk, one
+release and one state initialisation -- fixed at construction and all built by `warm_up()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from dspark_jax.calibration.sts import StsArtifact
+from dspark_jax.calibration.sts import STS_TEMP_RTOL, StsArtifact
 from dspark_jax.decoding.policies import FixedPolicy, Policy, PolicyError, SpsProfile
-from dspark_jax.decoding.verify import verify
+from dspark_jax.decoding.verify import verify_packed
 from dspark_jax.errors import UserError
+from dspark_jax.models import attention
 from dspark_jax.models.drafter import DSparkDrafter
-from dspark_jax.models.layers import KVCache
+from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import (
     NO_STOP_TOKEN,
     PAD_TOKEN,
     STREAM_DRAFT,
     STREAM_RESIDUAL,
-    SamplingConfig,
+    RowSampling,
+    filtered_logprobs,
     position_keys,
-    request_keys,
-    sample_tokens,
+    sample_from_logprobs,
 )
-
-GREEDY = SamplingConfig()
 
 
 class EngineError(UserError):
-    """A request the engine cannot serve as configured (e.g. a prompt that does not fit)."""
+    """A request or setting the engine cannot serve as configured."""
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Static shape settings. `max_len` bounds prompt + generated tokens per request."""
+    """Static shapes of the engine.
 
-    max_len: int = 2048
-    max_new_tokens: int = 512
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-    # Verification lengths (anchor + drafts) the target forward is padded to; None = gamma + 1 only.
-    verify_buckets: tuple[int, ...] | None = None
-    rounds_per_chunk: int = 32
+    num_slots: requests decoded at once. max_model_len: most positions one request may use
+    (prompt + generated tokens + one block). page_size: tokens per KV page. num_pages: the KV
+    pool shared by all slots (None: enough for every slot at max_model_len). prefill_chunk: most
+    prompt tokens per prefill call (longer prompts take several, interleaved with decode
+    chunks). prefill_seqs: most prompts (chunks) packed into one prefill call.
+    token_buckets: token counts the packed verification is padded to (None: derived from the
+    slots and block size). rounds_per_chunk: rounds per `decode_chunk` call.
+    """
 
-    def batch_bucket(self, n: int) -> int:
-        return _bucket(n, self.batch_buckets, "batch size")
+    num_slots: int = 8
+    max_model_len: int = 2048
+    page_size: int = 16
+    num_pages: int | None = None
+    rounds_per_chunk: int = 8
+    prefill_chunk: int = 256
+    prefill_seqs: int = 4
+    prefill_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
+    max_stop_tokens: int = 8
+    attention_impl: str | None = None
 
-    def prompt_bucket(self, n: int) -> int:
-        fitting = tuple(b for b in self.prompt_buckets if b <= self.max_len) + (self.max_len,)
-        return _bucket(n, fitting, "prompt length")
+    def __post_init__(self) -> None:
+        for name in ("num_slots", "max_model_len", "page_size", "rounds_per_chunk"):
+            if getattr(self, name) < 1:
+                raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prefill_chunk", "prefill_seqs", "max_stop_tokens"):
+            if getattr(self, name) < 1:
+                raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise EngineError(f"num_pages must be >= 1, got {self.num_pages}")
+
+    @property
+    def pages_per_slot(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        return self.num_pages or self.num_slots * self.pages_per_slot
+
+    def prefill_widths(self) -> tuple[int, ...]:
+        if self.prefill_buckets is not None:
+            widths = tuple(sorted(set(self.prefill_buckets)))
+            if widths[-1] < self.prefill_chunk:
+                raise EngineError(
+                    f"the largest prefill bucket {widths[-1]} is below prefill_chunk "
+                    f"{self.prefill_chunk}"
+                )
+            return widths
+        return _geometric(16, self.prefill_chunk)
 
 
-def power_of_two_buckets(batch_size: int) -> tuple[int, ...]:
-    """Powers of two below `batch_size`, and `batch_size` itself (for a last, partial batch)."""
-    return (*(1 << i for i in range((batch_size - 1).bit_length())), batch_size)
+def _geometric(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2 lo, 4 lo, ... below hi, then hi."""
+    out, w = [], lo
+    while w < hi:
+        out.append(w)
+        w *= 2
+    return (*out, hi)
 
 
-def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
-    for b in sorted(buckets):
-        if b >= n:
-            return b
-    raise EngineError(f"{what} {n} exceeds the largest bucket {max(buckets)}")
+def default_token_buckets(num_slots: int, gamma: int) -> tuple[int, ...]:
+    """Verification token buckets: powers of two (and 1.5x steps) up to num_slots * (gamma+1).
+
+    The smallest is num_slots (every live slot verifying only its anchor); finer steps keep the
+    padding of a packed step under a third of its tokens."""
+    top = num_slots * (gamma + 1)
+    out, w = set(), 1
+    while w < top:
+        out.update({w, w + w // 2})
+        w *= 2
+    return tuple(sorted(b for b in out | {top} if num_slots <= b <= top))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DecodeState:
-    """Per-slot decoding state; row b is one request. Rounds are indexed per request."""
+class SlotState:
+    """Per-slot decoding state (row s is slot s) plus the KV page pools."""
 
-    target_cache: KVCache  # lengths = position of the anchor (committed tokens before it)
-    draft_cache: KVCache | None  # drafter context K/V, same lengths; None for plain decoding
-    anchor_b: jax.Array  # last committed token, not yet in the target cache
-    keys_b: jax.Array  # per-request PRNG stream
-    max_new_b: jax.Array  # tokens to generate (including the first one from prefill)
-    num_generated_b: jax.Array
-    done_b: jax.Array
-    tokens_bn: jax.Array  # generated tokens, PAD_TOKEN past num_generated_b
-    rounds_b: jax.Array  # rounds run by each request
-    verified_bn: jax.Array  # per round: drafts verified
-    accepted_bn: jax.Array  # per round: drafts accepted (before stop truncation)
-    committed_bn: jax.Array  # per round: tokens committed (bonus included)
-    conf_logits_bnk: jax.Array  # per round: confidence logits of the drafted block (before STS)
-    policy_carry: Any = ()  # the length policy's own state, reset at prefill
+    target_pages: tuple  # per layer (see `attention.init_pages`)
+    draft_pages: tuple | None  # the drafter's context K/V, same page table
+    page_table_sp: jax.Array  # int32 [slots, pages_per_slot]: the slot's pages
+    lengths_s: jax.Array  # committed tokens in the cache = position of the anchor
+    anchor_s: jax.Array  # last committed token, not yet in the cache
+    keys_s: jax.Array  # the request's PRNG key
+    sampling_s: RowSampling
+    max_new_s: jax.Array  # tokens to generate, the first (from prefill) included
+    stop_sk: jax.Array  # stop token ids, NO_STOP_TOKEN-padded
+    num_generated_s: jax.Array
+    live_s: jax.Array  # holds a request that has not finished
+    rounds_s: jax.Array  # rounds the request has run
+    policy_carry: Any
 
-    def replace(self, **changes) -> DecodeState:
+    def replace(self, **changes) -> SlotState:
         return dataclasses.replace(self, **changes)
 
 
-def _init_state(
-    target: Qwen3,
-    drafter: DSparkDrafter | None,
-    cfg: EngineConfig,
-    batch: int,
-    gamma: int,
-    policy: Policy,
-) -> DecodeState:
-    cap = cfg.max_new_tokens + gamma + 1
-    rounds = cfg.max_new_tokens + 1
-    return DecodeState(
-        target_cache=target.init_cache(batch, cfg.max_len),
-        draft_cache=None if drafter is None else drafter.init_context_cache(batch, cfg.max_len),
-        anchor_b=jnp.zeros((batch,), jnp.int32),
-        keys_b=request_keys(0, jnp.arange(batch)),
-        max_new_b=jnp.zeros((batch,), jnp.int32),
-        num_generated_b=jnp.zeros((batch,), jnp.int32),
-        done_b=jnp.ones((batch,), bool),
-        tokens_bn=jnp.full((batch, cap), PAD_TOKEN, jnp.int32),
-        rounds_b=jnp.zeros((batch,), jnp.int32),
-        verified_bn=jnp.zeros((batch, rounds), jnp.int32),
-        accepted_bn=jnp.zeros((batch, rounds), jnp.int32),
-        committed_bn=jnp.zeros((batch, rounds), jnp.int32),
-        conf_logits_bnk=jnp.zeros((batch, rounds, max(gamma, 1)), jnp.float32),
-        policy_carry=policy.init_carry(batch, gamma),
-    )
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkOutput:
+    """What one decode chunk produced, small enough to copy to the host every chunk."""
+
+    tokens_sc: jax.Array  # tokens committed this chunk, left-aligned, PAD_TOKEN after count_s
+    count_s: jax.Array
+    verified_sr: jax.Array  # per round of the chunk: drafts verified (-1: the slot did not run)
+    accepted_sr: jax.Array  # drafts accepted (before stop truncation)
+    committed_sr: jax.Array  # tokens committed by the round, bonus included
+    conf_logits_srk: jax.Array  # confidence logits of the round's block (before STS)
+    finished_s: jax.Array  # the request ended during this chunk
+    stopped_s: jax.Array  # ... because it committed a stop token (else: length)
 
 
-def _is_stop(tokens, stop_tokens_s):
-    return jnp.any(tokens[..., None] == stop_tokens_s, axis=-1)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillOutput:
+    first_token_n: jax.Array  # the request's first token (sequences completing their prompt)
+    finished_n: jax.Array  # the request ended with its first token
+    stopped_n: jax.Array
 
 
-def _prefill(
-    target: Qwen3,
-    drafter: DSparkDrafter | None,
-    sampling: SamplingConfig,
-    policy: Policy,
-    state: DecodeState,
-    prompts_bp,
-    prompt_len_b,
-    max_new_b,
-    seeds_b,
-    active_b,
-    stop_tokens_s,
-) -> DecodeState:
-    """Runs the prompts (right-padded to one bucket) and samples each request's first token."""
-    batch = prompts_bp.shape[0]
-    target_cache = state.target_cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
-    taps = () if drafter is None else drafter.cfg.target_layer_ids
-    out = target(prompts_bp, target_cache, tap_layer_ids=taps, key_window=prompts_bp.shape[1])
-    last_b11 = (prompt_len_b - 1)[:, None, None]
-    last_hidden_bd = jnp.take_along_axis(out.hidden_btd, last_b11, axis=1)[:, 0]
-    keys_b = jax.vmap(lambda seed: jax.random.key(seed))(seeds_b)
-    first_keys = position_keys(keys_b, prompt_len_b, STREAM_RESIDUAL)
-    first_b = sample_tokens(first_keys, target.logits(last_hidden_bd), sampling)
-    draft_cache = state.draft_cache
-    if drafter is not None:
-        draft_cache = drafter.append_context(
-            draft_cache.replace(lengths=jnp.zeros((batch,), jnp.int32)), out.taps_btf, prompt_len_b
-        )
-    stopped_b = _is_stop(first_b, stop_tokens_s)
-    tokens_bn = jnp.full_like(state.tokens_bn, PAD_TOKEN).at[:, 0].set(first_b)
-    zeros_bn = jnp.zeros_like(state.verified_bn)
-    return state.replace(
-        target_cache=out.cache.replace(lengths=prompt_len_b),
-        draft_cache=draft_cache,
-        anchor_b=first_b,
-        keys_b=keys_b,
-        max_new_b=max_new_b,
-        num_generated_b=jnp.ones((batch,), jnp.int32),
-        done_b=~active_b | stopped_b | (max_new_b <= 1),
-        tokens_bn=tokens_bn,
-        rounds_b=jnp.zeros((batch,), jnp.int32),
-        verified_bn=zeros_bn,
-        accepted_bn=zeros_bn,
-        committed_bn=zeros_bn,
-        conf_logits_bnk=jnp.zeros_like(state.conf_logits_bnk),
-        policy_carry=policy.init_carry(batch, state.conf_logits_bnk.shape[2]),
-    )
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    """Host arrays of one prefill call (built by `Engine.pack_prefill`)."""
+
+    tokens_t: np.ndarray
+    batch: TokenBatch  # numpy fields
+    first_n: np.ndarray  # bool: the sequence's first chunk (install its slot)
+    last_row_n: np.ndarray  # int32: packed row of the prompt's last token, -1 if not final
+    page_rows_np: np.ndarray  # int32 [N, pages_per_slot]
+    temperature_n: np.ndarray
+    top_k_n: np.ndarray
+    top_p_n: np.ndarray
+    max_new_n: np.ndarray
+    stop_nk: np.ndarray
+    seed_n: np.ndarray  # uint32
+    prompt_len_n: np.ndarray
 
 
-def _record(buffer_bn, rounds_b, values_b, active_b):
-    """Writes row b's values (a scalar, or a vector for a [B, N, K] buffer) at its round."""
-    rows = jnp.arange(buffer_bn.shape[0])
-    cols = jnp.where(active_b, rounds_b, buffer_bn.shape[1])  # inactive rows write nowhere
-    return buffer_bn.at[rows, cols].set(values_b.astype(buffer_bn.dtype), mode="drop")
+@dataclasses.dataclass(frozen=True)
+class PrefillItem:
+    """One prompt chunk to prefill: tokens prompt[start:start+len(tokens)] of a request in slot."""
+
+    slot: int
+    tokens: np.ndarray
+    start: int
+    prompt_len: int
+    page_row: np.ndarray
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    stop_tokens: tuple[int, ...]
+    seed: int
 
 
-def _commit(
-    state: DecodeState,
-    tokens_bj,
-    num_committed_b,
-    stopped_b,
-    active_b,
-    max_len: int,
-    lookahead: int,
-) -> DecodeState:
-    """Appends committed tokens to the output and updates the per-request counters."""
-    rows = jnp.arange(tokens_bj.shape[0])[:, None]
-    cols = state.num_generated_b[:, None] + jnp.arange(tokens_bj.shape[1])[None, :]
-    cols = jnp.where(active_b[:, None], cols, state.tokens_bn.shape[1])
-    tokens_bn = state.tokens_bn.at[rows, cols].set(tokens_bj, mode="drop")
-    num_generated_b = state.num_generated_b + jnp.where(active_b, num_committed_b, 0)
-    # A request also ends when its next round could run past the preallocated cache.
-    full_b = state.target_cache.lengths + lookahead >= max_len
-    done_b = state.done_b | (active_b & (stopped_b | (num_generated_b >= state.max_new_b) | full_b))
-    return state.replace(
-        tokens_bn=tokens_bn,
-        num_generated_b=num_generated_b,
-        done_b=done_b,
-        rounds_b=state.rounds_b + active_b.astype(jnp.int32),
-    )
-
-
-def _verify_forward(target: Qwen3, tokens_bt, cache: KVCache, taps, buckets, n_rows, bucket_idx):
-    """Target forward over the first `buckets[bucket_idx]` verification slots, padded back out.
-
-    Each bucket is its own branch of a `lax.switch`, so one compiled program covers them all and
-    only the chosen branch runs.
-    """
-
-    def branch(width):
-        def run(cache):
-            out = target(tokens_bt[:, :width], cache, tap_layer_ids=taps)
-            logits = target.logits(out.hidden_btd)
-            pad = ((0, 0), (0, n_rows - width), (0, 0))
-            taps_btf = None if out.taps_btf is None else jnp.pad(out.taps_btf, pad)
-            return jnp.pad(logits, pad), taps_btf, out.cache
-
-        return run
-
-    if len(buckets) == 1:
-        return branch(buckets[0])(cache)
-    return jax.lax.switch(bucket_idx, [branch(w) for w in buckets], cache)
-
-
-def _spec_round(
-    target: Qwen3,
-    drafter: DSparkDrafter,
-    sampling: SamplingConfig,
-    policy: Policy,
-    sts: StsArtifact | None,
-    verify_buckets: tuple[int, ...],
-    max_len: int,
-    stop_tokens_s,
-    state: DecodeState,
-) -> DecodeState:
-    gamma = drafter.cfg.block_size
-    active_b = ~state.done_b
-    start_b = state.target_cache.lengths  # position of the anchor
-
-    h_bkd = drafter.draft_hidden(state.anchor_b, state.draft_cache)
-    slot_positions_bk = start_b[:, None] + 1 + jnp.arange(gamma)[None, :]
-    # Drafts past a rejection are drafted again next round at the same positions. Fresh noise per
-    # round keeps a policy carry that holds earlier rounds' confidences (hence their drafts)
-    # independent of this round's drafts, which losslessness of history-based policies needs.
-    round_keys_b = jax.vmap(jax.random.fold_in)(state.keys_b, state.rounds_b)
-    draft_keys_bk = position_keys(round_keys_b, slot_positions_bk, STREAM_DRAFT)
-    block = drafter.sample_block(h_bkd, state.anchor_b, draft_keys_bk, sampling)
-    policy_logits_bk = block.conf_logits_bk
-    if sts is not None:
-        policy_logits_bk = sts.calibrated_logits(block.conf_logits_bk)
-    lengths_b, policy_carry = policy.step(policy_logits_bk, active_b, state.policy_carry)
-    lengths_b = jnp.where(active_b, jnp.clip(lengths_b, 0, gamma), 0).astype(jnp.int32)
-
-    need = jnp.max(lengths_b) + 1
-    bucket_idx = jnp.sum(jnp.asarray(verify_buckets) < need)
-    verify_in = jnp.concatenate([state.anchor_b[:, None], block.tokens_bk], axis=1)
-    logits_bjv, taps_bjf, target_cache = _verify_forward(
-        target,
-        verify_in,
-        state.target_cache,
-        drafter.cfg.target_layer_ids,
-        verify_buckets,
-        gamma + 1,
-        bucket_idx,
-    )
-    result = verify(
-        block.tokens_bk,
-        block.logprobs_bkv,
-        logits_bjv,
-        lengths_b,
-        state.keys_b,
-        start_b + 1,
-        sampling,
-        stop_tokens_s,
-    )
-
-    # Commit: the cache keeps the anchor and the accepted drafts; the rest is rolled back by
-    # length alone. Their target features become the drafter's new context.
-    new_len_b = jnp.where(active_b, start_b + 1 + result.num_accepted_b, start_b)
-    draft_cache = drafter.append_context(
-        state.draft_cache, taps_bjf, jnp.where(active_b, 1 + result.num_accepted_b, 0)
-    )
-    conf_bk = (
-        block.conf_logits_bk
-        if block.conf_logits_bk is not None
-        else jnp.zeros((state.anchor_b.shape[0], gamma), jnp.float32)
-    )
-    state = state.replace(
-        target_cache=target_cache.replace(lengths=new_len_b),
-        draft_cache=draft_cache,
-        anchor_b=jnp.where(active_b, result.next_token_b, state.anchor_b),
-        verified_bn=_record(state.verified_bn, state.rounds_b, lengths_b, active_b),
-        accepted_bn=_record(state.accepted_bn, state.rounds_b, result.num_accepted_b, active_b),
-        committed_bn=_record(state.committed_bn, state.rounds_b, result.num_committed_b, active_b),
-        conf_logits_bnk=_record(state.conf_logits_bnk, state.rounds_b, conf_bk, active_b),
-        policy_carry=policy_carry,
-    )
-    return _commit(
-        state,
-        result.tokens_bj,
-        result.num_committed_b,
-        result.stopped_b,
-        active_b,
-        max_len,
-        lookahead=gamma + 1,
-    )
-
-
-def _plain_round(
-    target: Qwen3, sampling: SamplingConfig, max_len: int, stop_tokens_s, state: DecodeState
-) -> DecodeState:
-    """One target step per round: the baseline speculative decoding is measured against."""
-    active_b = ~state.done_b
-    start_b = state.target_cache.lengths
-    out = target(state.anchor_b[:, None], state.target_cache)
-    keys_b = position_keys(state.keys_b, start_b + 1, STREAM_RESIDUAL)
-    next_b = sample_tokens(keys_b, target.logits(out.hidden_btd[:, 0]), sampling)
-    stopped_b = _is_stop(next_b, stop_tokens_s)
-    ones_b = jnp.ones_like(next_b)
-    state = state.replace(
-        target_cache=out.cache.replace(lengths=jnp.where(active_b, start_b + 1, start_b)),
-        anchor_b=jnp.where(active_b, next_b, state.anchor_b),
-        committed_bn=_record(state.committed_bn, state.rounds_b, ones_b, active_b),
-    )
-    return _commit(state, next_b[:, None], ones_b, stopped_b, active_b, max_len, lookahead=1)
-
-
-def _run_chunk(round_fn, rounds_per_chunk: int, state: DecodeState) -> DecodeState:
-    def cond(carry):
-        i, s = carry
-        return (i < rounds_per_chunk) & jnp.any(~s.done_b)
-
-    def body(carry):
-        i, s = carry
-        return i + 1, round_fn(s)
-
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
-
-
-def _check_sts(
-    sts: StsArtifact,
-    drafter: DSparkDrafter | None,
-    fingerprint: str | None,
-    sampling: SamplingConfig,
-) -> None:
-    """Refuses an STS artifact the engine cannot apply, or one fitted for another drafter,
-    block size or sampling temperature."""
+def _check_sts(sts: StsArtifact, drafter: DSparkDrafter | None, fingerprint: str | None) -> None:
+    """Refuses an STS artifact the engine cannot apply or one fitted for another drafter or block
+    size. Its sampling temperature decides per request where it applies (see `_spec_round`)."""
     if drafter is None:
         raise EngineError("an STS artifact needs a drafter; plain decoding has no confidences")
     if drafter.confidence_head is None:
@@ -375,35 +232,44 @@ def _check_sts(
             "pass drafter_fingerprint (as returned by load_drafter) with an STS artifact, so the "
             "engine can check that the artifact belongs to this drafter"
         )
-    sts.check(fingerprint, sampling.temperature, drafter.cfg.block_size)
+    sts.check(fingerprint, None, drafter.cfg.block_size)
 
 
-def _engine_verify_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, ...]:
-    """The engine's verify buckets; a policy with a measured SPS profile must use its buckets,
-    since its SPS values describe exactly those widths."""
+def token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, ...]:
+    """The verification buckets; a policy with a measured SPS profile must use its buckets,
+    since its SPS values describe exactly those token counts."""
+    top = cfg.num_slots * (gamma + 1)
     profile = getattr(policy, "sps", None)
     if isinstance(profile, SpsProfile):
-        if cfg.verify_buckets is not None and tuple(sorted(cfg.verify_buckets)) != profile.buckets:
+        if cfg.token_buckets is not None and tuple(sorted(cfg.token_buckets)) != profile.buckets:
             raise EngineError(
-                f"verify_buckets {tuple(sorted(cfg.verify_buckets))} differ from the SPS "
-                f"profile's buckets {profile.buckets}; use the profile's (or leave them unset)"
+                f"token_buckets {tuple(sorted(cfg.token_buckets))} differ from the SPS profile's "
+                f"buckets {profile.buckets}; use the profile's (or leave them unset)"
             )
         buckets = profile.buckets
+    elif cfg.token_buckets is not None:
+        buckets = tuple(sorted(set(cfg.token_buckets)))
     else:
-        buckets = tuple(sorted(cfg.verify_buckets or (gamma + 1,)))
-    if buckets[-1] < gamma + 1:
-        raise EngineError(f"largest verify bucket {buckets[-1]} < gamma + 1 = {gamma + 1}")
+        buckets = default_token_buckets(cfg.num_slots, gamma)
+    if buckets[-1] < top:
+        raise EngineError(
+            f"the largest token bucket {buckets[-1]} is below num_slots x (gamma + 1) = {top}: a "
+            "round of all slots verifying their whole block would not fit"
+        )
     return buckets
 
 
+def _is_stop(tokens_s, stop_sk):
+    return jnp.any(tokens_s[:, None] == stop_sk, axis=-1)
+
+
 class Engine:
-    """Jitted prefill and decode chunks over a target (and optionally a drafter).
+    """Jitted slot verbs over a target (and optionally a drafter); see the module docstring.
 
     The models are split into (graphdef, state) once; the jitted functions are pure functions of
-    the parameter states and a donated `DecodeState`. `policy` (a `Policy`, default: verify the
-    whole block) chooses the verified lengths; `sts` (an `StsArtifact`,
-    checked against `drafter_fingerprint` and the sampling temperature) calibrates the
-    confidence logits the policy sees.
+    the parameter states and a donated `SlotState`. `policy` (default: verify the whole block)
+    chooses the verified lengths; `sts` (an `StsArtifact`, checked against
+    `drafter_fingerprint`) calibrates the confidence logits the policy sees.
     """
 
     def __init__(
@@ -411,24 +277,22 @@ class Engine:
         target: Qwen3,
         drafter: DSparkDrafter | None,
         cfg: EngineConfig,
-        sampling: SamplingConfig = GREEDY,
         policy: Policy | None = None,
         stop_tokens: tuple[int, ...] = (),
         sts: StsArtifact | None = None,
         drafter_fingerprint: str | None = None,
     ):
         self.cfg = cfg
-        self.sampling = sampling
         self.target_cfg = target.cfg
         self.speculative = drafter is not None
         self.gamma = drafter.cfg.block_size if drafter is not None else 0
         if drafter is not None:
             drafter.cfg.check_target(target.cfg)
         if sts is not None:
-            _check_sts(sts, drafter, drafter_fingerprint, sampling)
+            _check_sts(sts, drafter, drafter_fingerprint)
         self.sts = sts
         gamma = self.gamma
-        policy = FixedPolicy(gamma) if policy is None else policy
+        policy = policy if policy is not None else FixedPolicy(gamma)
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a Policy, got {type(policy).__name__}")
         if drafter is not None and policy.needs_confidence and drafter.confidence_head is None:
@@ -437,109 +301,551 @@ class Engine:
             )
         self.policy = policy
         self.stop_tokens = tuple(stop_tokens) or target.cfg.eos_token_ids
+        if len(self.stop_tokens) > cfg.max_stop_tokens:
+            raise EngineError(
+                f"{len(self.stop_tokens)} stop tokens exceed max_stop_tokens {cfg.max_stop_tokens}"
+            )
+        limit = target.cfg.max_position_embeddings
+        if cfg.max_model_len > limit:
+            raise EngineError(
+                f"max_model_len {cfg.max_model_len} exceeds the model's context "
+                f"(max_position_embeddings {limit})"
+            )
+        self.token_buckets = token_buckets(cfg, policy, gamma)
+        self.prefill_widths = cfg.prefill_widths()
+        impl = cfg.attention_impl or attention.default_impl()
+        self.target_layout = attention.PagedLayout(
+            cfg.pool_pages,
+            cfg.page_size,
+            target.cfg.num_key_value_heads,
+            target.cfg.head_dim,
+            impl,
+        )
+        self.draft_layout = (
+            None
+            if drafter is None
+            else attention.PagedLayout(
+                cfg.pool_pages,
+                cfg.page_size,
+                drafter.cfg.model.num_key_value_heads,
+                drafter.cfg.model.head_dim,
+                impl,
+            )
+        )
         self._target_graph, self.target_params = nnx.split(target)
         self._drafter_graph, self.drafter_params = (
             nnx.split(drafter) if drafter is not None else (None, None)
         )
-        verify_buckets = _engine_verify_buckets(cfg, policy, gamma) if self.speculative else ()
-        self.verify_buckets = verify_buckets
-        stop_s = jnp.asarray(self.stop_tokens or (NO_STOP_TOKEN,), jnp.int32)
+        layouts = (self.target_layout, self.draft_layout)
         tg, dg = self._target_graph, self._drafter_graph
+        taps = () if drafter is None else drafter.cfg.target_layer_ids
 
         def merge(target_params, drafter_params):
             t = nnx.merge(tg, target_params)
             d = nnx.merge(dg, drafter_params) if dg is not None else None
             return t, d
 
-        def prefill(
-            target_params,
-            drafter_params,
-            state,
-            prompts_bp,
-            prompt_len_b,
-            max_new_b,
-            seeds_b,
-            active_b,
-        ):
+        def init(target_params, drafter_params):
             t, d = merge(target_params, drafter_params)
-            return _prefill(
-                t,
-                d,
-                sampling,
-                policy,
-                state,
-                prompts_bp,
-                prompt_len_b,
-                max_new_b,
-                seeds_b,
-                active_b,
-                stop_s,
-            )
+            return self._init_state(t, d)
+
+        def prefill(target_params, drafter_params, state, host):
+            t, d = merge(target_params, drafter_params)
+            return _prefill(t, d, taps, policy, layouts, state, host)
 
         def decode(target_params, drafter_params, state):
             t, d = merge(target_params, drafter_params)
             if d is None:
-                round_fn = functools.partial(_plain_round, t, sampling, cfg.max_len, stop_s)
-            else:
-                round_fn = functools.partial(
-                    _spec_round,
-                    t,
-                    d,
-                    sampling,
-                    policy,
-                    sts,
-                    verify_buckets,
-                    cfg.max_len,
-                    stop_s,
+                round_fn = lambda s, o, r: _plain_round(  # noqa: E731
+                    t, self.token_buckets, layouts, s, o, r
                 )
-            return _run_chunk(round_fn, cfg.rounds_per_chunk, state)
+            else:
+                round_fn = lambda s, o, r: _spec_round(  # noqa: E731
+                    t, d, policy, sts, self.token_buckets, layouts, s, o, r
+                )
+            return _run_chunk(round_fn, cfg.rounds_per_chunk, gamma, state)
 
+        def release(state, mask_s):
+            return state.replace(live_s=state.live_s & ~mask_s)
+
+        self._init = jax.jit(init)
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
         self._decode = jax.jit(decode, donate_argnums=(2,))
-        self._init = {}
+        self._release = jax.jit(release, donate_argnums=(0,))
 
-    def init_state(self, batch: int) -> DecodeState:
-        if batch not in self._init:
-            self._init[batch] = jax.jit(
-                lambda tp, dp: _init_state(
-                    nnx.merge(self._target_graph, tp),
-                    nnx.merge(self._drafter_graph, dp) if self._drafter_graph else None,
-                    self.cfg,
-                    batch,
-                    self.gamma,
-                    self.policy,
-                )
-            )
-        return self._init[batch](self.target_params, self.drafter_params)
-
-    def check_fits(self, prompt_len: int, max_new: int) -> None:
-        need = prompt_len + max_new + self.gamma + 1
-        if prompt_len < 1:
-            raise EngineError("empty prompt: a request needs at least one token")
-        if max_new > self.cfg.max_new_tokens:
-            raise EngineError(
-                f"max_new_tokens {max_new} exceeds the engine's limit {self.cfg.max_new_tokens}"
-            )
-        if need > self.cfg.max_len:
-            raise EngineError(
-                f"a prompt of {prompt_len} tokens plus {max_new} new tokens (and {self.gamma + 1} "
-                f"verification slots) needs {need} cache positions; the engine's max_len is "
-                f"{self.cfg.max_len}"
-            )
-
-    def prefill(
-        self, state: DecodeState, prompts_bp, prompt_len_b, max_new_b, seeds_b, active_b
-    ) -> DecodeState:
-        return self._prefill(
-            self.target_params,
-            self.drafter_params,
-            state,
-            prompts_bp,
-            prompt_len_b,
-            max_new_b,
-            seeds_b,
-            active_b,
+    # -- state ---------------------------------------------------------------------------------
+    def _init_state(self, target: Qwen3, drafter: DSparkDrafter | None) -> SlotState:
+        cfg, s = self.cfg, self.cfg.num_slots
+        return SlotState(
+            target_pages=tuple(
+                attention.init_pages(self.target_layout, target.dtype)
+                for _ in range(target.cfg.num_hidden_layers)
+            ),
+            draft_pages=None
+            if drafter is None
+            else tuple(
+                attention.init_pages(self.draft_layout, drafter.dtype)
+                for _ in range(drafter.cfg.model.num_hidden_layers)
+            ),
+            page_table_sp=jnp.zeros((s, cfg.pages_per_slot), jnp.int32),
+            lengths_s=jnp.zeros((s,), jnp.int32),
+            anchor_s=jnp.zeros((s,), jnp.int32),
+            keys_s=jax.vmap(jax.random.key)(jnp.zeros((s,), jnp.uint32)),
+            sampling_s=RowSampling(
+                jnp.zeros((s,), jnp.float32),
+                jnp.zeros((s,), jnp.int32),
+                jnp.ones((s,), jnp.float32),
+            ),
+            max_new_s=jnp.zeros((s,), jnp.int32),
+            stop_sk=jnp.full((s, cfg.max_stop_tokens), NO_STOP_TOKEN, jnp.int32),
+            num_generated_s=jnp.zeros((s,), jnp.int32),
+            live_s=jnp.zeros((s,), bool),
+            rounds_s=jnp.zeros((s,), jnp.int32),
+            policy_carry=self.policy.init_carry(s, max(self.gamma, 1)),
         )
 
-    def decode_chunk(self, state: DecodeState) -> DecodeState:
+    def init_state(self) -> SlotState:
+        return self._init(self.target_params, self.drafter_params)
+
+    # -- verbs ---------------------------------------------------------------------------------
+    def prefill(self, state: SlotState, batch: PrefillBatch) -> tuple[SlotState, PrefillOutput]:
+        return self._prefill(self.target_params, self.drafter_params, state, batch_to_device(batch))
+
+    def decode_chunk(self, state: SlotState) -> tuple[SlotState, ChunkOutput]:
         return self._decode(self.target_params, self.drafter_params, state)
+
+    def release(self, state: SlotState, mask_s: np.ndarray) -> SlotState:
+        return self._release(state, jnp.asarray(mask_s, bool))
+
+    # -- host helpers --------------------------------------------------------------------------
+    def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache positions a request can touch: its prompt, its tokens and one block beyond."""
+        return prompt_len + max_new_tokens + self.gamma + 1
+
+    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        return -(-self.positions_needed(prompt_len, max_new_tokens) // self.cfg.page_size)
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raises EngineError for a request this engine can never serve."""
+        if prompt_len < 1:
+            raise EngineError("empty prompt: a request needs at least one token")
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        need = self.positions_needed(prompt_len, max_new_tokens)
+        if need > self.cfg.max_model_len:
+            raise EngineError(
+                f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens (and "
+                f"{self.gamma + 1} verification positions) needs {need} positions; the engine's "
+                f"max_model_len is {self.cfg.max_model_len}"
+            )
+        pages = self.pages_needed(prompt_len, max_new_tokens)
+        if pages > self.cfg.pool_pages:
+            raise EngineError(
+                f"the request needs {pages} KV pages; the pool holds {self.cfg.pool_pages}"
+            )
+
+    def pack_prefill(self, items: list[PrefillItem]) -> PrefillBatch:
+        """Host arrays of one prefill call over `items` (<= prefill_seqs chunks whose tokens fit
+        the largest prefill bucket)."""
+        cfg = self.cfg
+        n = cfg.prefill_seqs
+        if not 1 <= len(items) <= n:
+            raise EngineError(f"a prefill call takes 1..{n} chunks, got {len(items)}")
+        total = sum(len(it.tokens) for it in items)
+        width = next((w for w in self.prefill_widths if w >= total), None)
+        if width is None:
+            raise EngineError(f"{total} prompt tokens exceed the largest prefill bucket")
+        tokens = np.zeros((width,), np.int32)
+        slot_t = np.zeros((width,), np.int32)
+        pos_t = np.zeros((width,), np.int32)
+        valid_t = np.zeros((width,), bool)
+        seq_slot = np.zeros((n,), np.int32)
+        cu = np.zeros((n + 1,), np.int32)
+        kv_lens = np.zeros((n,), np.int32)
+        first = np.zeros((n,), bool)
+        last_row = np.full((n,), -1, np.int32)
+        page_rows = np.zeros((n, cfg.pages_per_slot), np.int32)
+        temperature = np.zeros((n,), np.float32)
+        top_k = np.zeros((n,), np.int32)
+        top_p = np.ones((n,), np.float32)
+        max_new = np.zeros((n,), np.int32)
+        stop = np.full((n, cfg.max_stop_tokens), NO_STOP_TOKEN, np.int32)
+        seed = np.zeros((n,), np.uint32)
+        prompt_len = np.zeros((n,), np.int32)
+        at = 0
+        for i, it in enumerate(items):
+            c = len(it.tokens)
+            tokens[at : at + c] = it.tokens
+            slot_t[at : at + c] = it.slot
+            pos_t[at : at + c] = np.arange(it.start, it.start + c)
+            valid_t[at : at + c] = True
+            seq_slot[i] = it.slot
+            cu[i + 1] = at + c
+            kv_lens[i] = it.start + c
+            first[i] = it.start == 0
+            if it.start + c == it.prompt_len:
+                last_row[i] = at + c - 1
+            page_rows[i, : len(it.page_row)] = it.page_row
+            temperature[i], top_k[i], top_p[i] = it.temperature, it.top_k, it.top_p
+            max_new[i] = it.max_new_tokens
+            if len(it.stop_tokens) > cfg.max_stop_tokens:
+                raise EngineError(
+                    f"{len(it.stop_tokens)} stop tokens exceed max_stop_tokens "
+                    f"{cfg.max_stop_tokens}"
+                )
+            stop[i, : len(it.stop_tokens)] = it.stop_tokens
+            seed[i] = it.seed
+            prompt_len[i] = it.prompt_len
+            at += c
+        cu[len(items) + 1 :] = at
+        batch = TokenBatch(
+            slot_t=slot_t,
+            pos_t=pos_t,
+            valid_t=valid_t,
+            seq_slot_n=seq_slot,
+            cu_q_lens_n1=cu,
+            kv_lens_n=kv_lens,
+            num_seqs=np.int32(len(items)),
+        )
+        return PrefillBatch(
+            tokens,
+            batch,
+            first,
+            last_row,
+            page_rows,
+            temperature,
+            top_k,
+            top_p,
+            max_new,
+            stop,
+            seed,
+            prompt_len,
+        )
+
+    def warm_up(self) -> None:
+        """Compiles every program (each prefill bucket, the decode chunk, release) on a scratch
+        state, so that nothing compiles while requests are served."""
+        state = self.init_state()
+        for width in self.prefill_widths:
+            # Never the prompt's last chunk, so no slot is made live.
+            item = PrefillItem(
+                0,
+                np.zeros((width,), np.int32),
+                0,
+                width + 1,
+                np.zeros(1, np.int32),
+                0.0,
+                0,
+                1.0,
+                1,
+                (),
+                0,
+            )
+            state, out = self.prefill(state, self.pack_prefill([item]))
+        state, chunk = self.decode_chunk(state)
+        state = self.release(state, np.zeros((self.cfg.num_slots,), bool))
+        jax.block_until_ready((state.live_s, chunk.count_s, out.first_token_n))
+
+    def compiled_programs(self) -> int:
+        """How many programs the jitted verbs hold (for tests of 'no compilation after warm-up')."""
+        return sum(
+            f._cache_size() for f in (self._init, self._prefill, self._decode, self._release)
+        )
+
+
+def batch_to_device(batch: PrefillBatch) -> dict[str, Any]:
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(PrefillBatch)}
+
+
+# -- programs ------------------------------------------------------------------------------------
+def _caches(state: SlotState, layouts) -> tuple[PagedCache, PagedCache | None]:
+    target_layout, draft_layout = layouts
+    target = PagedCache(state.target_pages, state.page_table_sp, target_layout)
+    if state.draft_pages is None:
+        return target, None
+    return target, PagedCache(state.draft_pages, state.page_table_sp, draft_layout)
+
+
+def _prefill(
+    target: Qwen3,
+    drafter: DSparkDrafter | None,
+    taps: tuple[int, ...],
+    policy: Policy,
+    layouts,
+    state: SlotState,
+    host: dict[str, Any],
+) -> tuple[SlotState, PrefillOutput]:
+    num_slots = state.live_s.shape[0]
+    batch: TokenBatch = host["batch"]
+    seq_slot_n = batch.seq_slot_n
+    n = seq_slot_n.shape[0]
+    in_call_n = jnp.arange(n) < batch.num_seqs
+    # Sequences starting their prompt install the request in its slot (other rows write nowhere).
+    install_n = jnp.where(in_call_n & host["first_n"], seq_slot_n, num_slots)
+    put = lambda a, v: a.at[install_n].set(v, mode="drop")  # noqa: E731
+    keys_n = jax.vmap(jax.random.key)(host["seed_n"])
+    sampling = state.sampling_s
+    sampling = RowSampling(
+        put(sampling.temperature, host["temperature_n"]),
+        put(sampling.top_k, host["top_k_n"]),
+        put(sampling.top_p, host["top_p_n"]),
+    )
+    installed_s = jnp.zeros((num_slots,), bool).at[install_n].set(True, mode="drop")
+    state = state.replace(
+        page_table_sp=put(state.page_table_sp, host["page_rows_np"]),
+        keys_s=put(state.keys_s, keys_n),
+        sampling_s=sampling,
+        max_new_s=put(state.max_new_s, host["max_new_n"]),
+        stop_sk=put(state.stop_sk, host["stop_nk"]),
+        num_generated_s=put(state.num_generated_s, 0),
+        live_s=put(state.live_s, False),
+        rounds_s=put(state.rounds_s, 0),
+        policy_carry=policy.reset_slots(state.policy_carry, installed_s),
+    )
+    target_cache, draft_cache = _caches(state, layouts)
+    out = target.paged_forward(host["tokens_t"], batch, target_cache, taps)
+    if drafter is not None:
+        draft_cache = drafter.append_context(draft_cache, out.taps, batch)
+
+    # Prompts completed by this call sample their first token at position prompt_len.
+    last_row_n = host["last_row_n"]
+    final_n = in_call_n & (last_row_n >= 0)
+    hidden_nd = out.hidden[jnp.maximum(last_row_n, 0)]
+    slot_rows = state.sampling_s.take(seq_slot_n)
+    logp_nv = filtered_logprobs(target.logits(hidden_nd), slot_rows)
+    prompt_len_n = host["prompt_len_n"]
+    first_keys = position_keys(state.keys_s[seq_slot_n], prompt_len_n, STREAM_RESIDUAL)
+    first_n = sample_from_logprobs(first_keys, logp_nv, slot_rows.greedy)
+    stopped_n = _is_stop(first_n, state.stop_sk[seq_slot_n])
+    finished_n = stopped_n | (state.max_new_s[seq_slot_n] <= 1)
+    final_slot_n = jnp.where(final_n, seq_slot_n, num_slots)
+    put = lambda a, v: a.at[final_slot_n].set(v, mode="drop")  # noqa: E731
+    state = state.replace(
+        target_pages=out.cache.pages,
+        draft_pages=None if draft_cache is None else draft_cache.pages,
+        anchor_s=put(state.anchor_s, first_n),
+        lengths_s=put(state.lengths_s, prompt_len_n),
+        num_generated_s=put(state.num_generated_s, 1),
+        live_s=put(state.live_s, ~finished_n),
+    )
+    return state, PrefillOutput(first_n, finished_n & final_n, stopped_n & final_n)
+
+
+def _empty_output(num_slots: int, rounds: int, width: int, conf_k: int) -> ChunkOutput:
+    return ChunkOutput(
+        tokens_sc=jnp.full((num_slots, rounds * width), PAD_TOKEN, jnp.int32),
+        count_s=jnp.zeros((num_slots,), jnp.int32),
+        verified_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
+        accepted_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
+        committed_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
+        conf_logits_srk=jnp.zeros((num_slots, rounds, conf_k), jnp.float32),
+        finished_s=jnp.zeros((num_slots,), bool),
+        stopped_s=jnp.zeros((num_slots,), bool),
+    )
+
+
+def _run_chunk(round_fn, rounds: int, gamma: int, state: SlotState):
+    num_slots = state.live_s.shape[0]
+    out = _empty_output(num_slots, rounds, gamma + 1, max(gamma, 1))
+
+    def cond(carry):
+        r, s, _ = carry
+        return (r < rounds) & jnp.any(s.live_s)
+
+    def body(carry):
+        r, s, o = carry
+        s, o = round_fn(s, o, r)
+        return r + 1, s, o
+
+    _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out))
+    return state, out
+
+
+def _commit(
+    state: SlotState,
+    out: ChunkOutput,
+    r,
+    live_s,
+    tokens_sj,
+    num_committed_s,
+    stopped_s,
+    next_anchor_s,
+    new_len_s,
+    verified_s,
+    accepted_s,
+    conf_sk,
+) -> tuple[SlotState, ChunkOutput]:
+    """Books one round: output tokens (cut at max new tokens), counters, finished slots."""
+    remaining_s = state.max_new_s - state.num_generated_s
+    kept_s = jnp.where(live_s, jnp.minimum(num_committed_s, remaining_s), 0)
+    stopped_s = live_s & stopped_s & (num_committed_s <= remaining_s)
+    num_generated_s = state.num_generated_s + kept_s
+    done_s = live_s & (stopped_s | (num_generated_s >= state.max_new_s))
+
+    num_slots, width = tokens_sj.shape
+    rows = jnp.arange(num_slots)[:, None]
+    j = jnp.arange(width)[None, :]
+    cols = jnp.where(j < kept_s[:, None], out.count_s[:, None] + j, out.tokens_sc.shape[1])
+    record = lambda buf, v: buf.at[:, r].set(jnp.where(live_s, v, buf[:, r]))  # noqa: E731
+    out = ChunkOutput(
+        tokens_sc=out.tokens_sc.at[rows, cols].set(tokens_sj, mode="drop"),
+        count_s=out.count_s + kept_s,
+        verified_sr=record(out.verified_sr, verified_s),
+        accepted_sr=record(out.accepted_sr, accepted_s),
+        committed_sr=record(out.committed_sr, num_committed_s),
+        conf_logits_srk=out.conf_logits_srk.at[:, r].set(
+            jnp.where(live_s[:, None], conf_sk, out.conf_logits_srk[:, r])
+        ),
+        finished_s=out.finished_s | done_s,
+        stopped_s=out.stopped_s | stopped_s,
+    )
+    state = state.replace(
+        lengths_s=jnp.where(live_s, new_len_s, state.lengths_s),
+        anchor_s=jnp.where(live_s, next_anchor_s, state.anchor_s),
+        num_generated_s=num_generated_s,
+        live_s=state.live_s & ~done_s,
+        rounds_s=state.rounds_s + live_s.astype(jnp.int32),
+    )
+    return state, out
+
+
+def _switch_on_tokens(buckets: tuple[int, ...], total, make_branch, operands):
+    """Runs `make_branch(width)` for the smallest bucket >= total (one compiled `lax.switch`)."""
+    if len(buckets) == 1:
+        return make_branch(buckets[0])(operands)
+    index = jnp.minimum(jnp.sum(jnp.asarray(buckets) < total), len(buckets) - 1)
+    return jax.lax.switch(index, [make_branch(w) for w in buckets], operands)
+
+
+def _spec_round(
+    target: Qwen3,
+    drafter: DSparkDrafter,
+    policy: Policy,
+    sts: StsArtifact | None,
+    buckets: tuple[int, ...],
+    layouts,
+    state: SlotState,
+    out: ChunkOutput,
+    r,
+) -> tuple[SlotState, ChunkOutput]:
+    gamma = drafter.cfg.block_size
+    live_s = state.live_s
+    start_s = state.lengths_s  # position of the anchor
+    target_cache, draft_cache = _caches(state, layouts)
+    h_skd, draft_cache = drafter.draft_hidden(state.anchor_s, start_s, live_s, draft_cache)
+    # Drafts past a rejection are drafted again next round at the same positions. Fresh noise per
+    # round keeps a policy carry that holds earlier rounds' confidences (hence their drafts)
+    # independent of this round's drafts, which losslessness of history-based policies needs.
+    round_keys_s = jax.vmap(jax.random.fold_in)(state.keys_s, state.rounds_s)
+    slot_positions_sk = start_s[:, None] + 1 + jnp.arange(gamma)[None, :]
+    draft_keys_sk = position_keys(round_keys_s, slot_positions_sk, STREAM_DRAFT)
+    block = drafter.sample_block(h_skd, state.anchor_s, draft_keys_sk, state.sampling_s)
+    conf_sk = (
+        block.conf_logits_bk
+        if block.conf_logits_bk is not None
+        else jnp.zeros((state.anchor_s.shape[0], gamma), jnp.float32)
+    )
+    policy_logits_sk = block.conf_logits_bk
+    if sts is not None:
+        # The artifact is calibrated for one sampling temperature: it applies to the slots
+        # sampling at that temperature; the others see their raw confidences.
+        calibrated_s = jnp.isclose(
+            state.sampling_s.temperature, sts.sampling_temperature, rtol=STS_TEMP_RTOL, atol=1e-9
+        )
+        scaled_sk = sts.calibrated_logits(block.conf_logits_bk)
+        policy_logits_sk = jnp.where(calibrated_s[:, None], scaled_sk, block.conf_logits_bk)
+    lengths_s, policy_carry = policy.step(policy_logits_sk, live_s, state.policy_carry)
+    lengths_s = jnp.where(live_s, jnp.clip(lengths_s, 0, gamma), 0).astype(jnp.int32)
+    count_s = jnp.where(live_s, lengths_s + 1, 0)
+    verify_in_sj = jnp.concatenate([state.anchor_s[:, None], block.tokens_bk], axis=1)
+
+    def branch(width):
+        def run(operands):
+            target_cache, draft_cache = operands
+            batch = TokenBatch.per_slot(start_s, count_s, width)
+            j_t = batch.pos_t - start_s[batch.slot_t]
+            tokens_t = verify_in_sj[batch.slot_t, jnp.clip(j_t, 0, gamma)]
+            fwd = target.paged_forward(tokens_t, batch, target_cache, drafter.cfg.target_layer_ids)
+            logits_tv = target.logits(fwd.hidden)
+            logp_tv = filtered_logprobs(logits_tv, state.sampling_s.take(batch.slot_t))
+            rows_sj = batch.cu_q_lens_n1[:-1, None] + jnp.arange(gamma + 1)[None, :]
+            result = verify_packed(
+                block.tokens_bk,
+                block.logprobs_bkv,
+                logp_tv,
+                rows_sj,
+                lengths_s,
+                state.keys_s,
+                start_s + 1,
+                state.sampling_s,
+                state.stop_sk,
+            )
+            # The verified tokens' target features become the drafter's context; those of
+            # rejected drafts land past the new length, where they are masked and overwritten.
+            draft_cache = drafter.append_context(draft_cache, fwd.taps, batch)
+            return fwd.cache, draft_cache, result
+
+        return run
+
+    target_cache, draft_cache, result = _switch_on_tokens(
+        buckets, jnp.sum(count_s), branch, (target_cache, draft_cache)
+    )
+    state = state.replace(
+        target_pages=target_cache.pages, draft_pages=draft_cache.pages, policy_carry=policy_carry
+    )
+    return _commit(
+        state,
+        out,
+        r,
+        live_s,
+        result.tokens_bj,
+        result.num_committed_b,
+        result.stopped_b,
+        result.next_token_b,
+        start_s + 1 + result.num_accepted_b,
+        lengths_s,
+        result.num_accepted_b,
+        conf_sk,
+    )
+
+
+def _plain_round(
+    target: Qwen3, buckets: tuple[int, ...], layouts, state: SlotState, out: ChunkOutput, r
+) -> tuple[SlotState, ChunkOutput]:
+    """One target step per live slot, packed: the baseline speculative decoding is measured
+    against."""
+    live_s = state.live_s
+    start_s = state.lengths_s
+    count_s = live_s.astype(jnp.int32)
+
+    def branch(width):
+        def run(target_cache):
+            batch = TokenBatch.per_slot(start_s, count_s, width)
+            fwd = target.paged_forward(state.anchor_s[batch.slot_t], batch, target_cache)
+            row_s = jnp.clip(batch.cu_q_lens_n1[:-1], 0, width - 1)
+            logits_sv = target.logits(fwd.hidden[row_s])
+            logp_sv = filtered_logprobs(logits_sv, state.sampling_s)
+            keys_s = position_keys(state.keys_s, start_s + 1, STREAM_RESIDUAL)
+            return fwd.cache, sample_from_logprobs(keys_s, logp_sv, state.sampling_s.greedy)
+
+        return run
+
+    target_cache, next_s = _switch_on_tokens(
+        buckets, jnp.sum(count_s), branch, _caches(state, layouts)[0]
+    )
+    state = state.replace(target_pages=target_cache.pages)
+    ones_s = jnp.ones_like(next_s)
+    return _commit(
+        state,
+        out,
+        r,
+        live_s,
+        next_s[:, None],
+        ones_s,
+        _is_stop(next_s, state.stop_sk),
+        next_s,
+        start_s + 1,
+        jnp.zeros_like(next_s),
+        jnp.zeros_like(next_s),
+        jnp.zeros((next_s.shape[0], 1), jnp.float32),
+    )

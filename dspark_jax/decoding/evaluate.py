@@ -1,57 +1,24 @@
 """The evaluation driver: turn-by-turn answering of prompt datasets, and its baseline replay.
 
-`answer_conversations` answers multi-turn prompts the way a chat user would see them: every
-conversation's turn i is generated in one batched `generate` call, and the model's own answer to
-turn i goes into the context of turn i+1. `replay` times another engine (plain decoding, the
-baseline) on exactly the prompts of such a run. Decode throughput excludes prefill and, after
-`warm_up`, compilation. Statistics are `stats`'s; tables and plots are the CLI's
+`answer_conversations` answers multi-turn prompts the way a chat user would see them: the model's
+own answer to turn i goes into the context of turn i+1, and every conversation runs through one
+continuously batched loop. `replay` times another engine (plain decoding, the baseline) on
+exactly the prompts of such a run. Decode throughput excludes prefill and (engines are warmed up
+by their callers) compilation. Statistics are `stats`'s; tables and plots are the CLI's
 (`dspark_jax.cli.report`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from dspark_jax.decoding.batching import Batcher, LoopTiming, Request, Result, generate
 from dspark_jax.decoding.engine import Engine, EngineError
-from dspark_jax.decoding.generate import BatchTiming, Request, Result, generate
-from dspark_jax.decoding.stats import AcceptanceStats, acceptance_stats, add_timing
+from dspark_jax.decoding.stats import AcceptanceStats, acceptance_stats
+from dspark_jax.sampling import GREEDY, SamplingConfig
 from dspark_jax.tokenizer import decode_text, encode_chat
-
-
-# -- warm-up -----------------------------------------------------------------------------------
-def batch_buckets_needed(engine: Engine, num_requests: int, batch_size: int) -> set[int]:
-    """The batch buckets `generate(engine, <num_requests>, batch_size)` will use."""
-    if num_requests <= 0:
-        return set()
-    sizes = {min(batch_size, num_requests)}
-    if num_requests % batch_size:
-        sizes.add(num_requests % batch_size)
-    return {engine.cfg.batch_bucket(n) for n in sizes}
-
-
-def warm_up(engine: Engine, batch_buckets: Iterable[int]) -> None:
-    """Compiles the decode program of each batch bucket, so timed runs exclude compilation.
-
-    A freshly initialised state has every row done, so the compiled loop returns at once.
-    """
-    for batch in sorted(set(batch_buckets)):
-        state = engine.decode_chunk(engine.init_state(batch))
-        state.done_b.block_until_ready()
-
-
-class WarmEngine:
-    """An engine plus the batch buckets already compiled for it."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.warm: set[int] = set()
-
-    def ensure(self, num_requests: int, batch_size: int) -> None:
-        needed = batch_buckets_needed(self.engine, num_requests, batch_size) - self.warm
-        warm_up(self.engine, needed)
-        self.warm |= needed
 
 
 # -- turn-by-turn generation -------------------------------------------------------------------
@@ -67,7 +34,7 @@ class Turn:
 @dataclasses.dataclass
 class ConversationRun:
     turns: list[Turn]
-    timing: BatchTiming
+    timing: LoopTiming
     skipped: list[str]  # why a conversation stopped early (its prompt did not fit)
 
     def results(self) -> list[Result]:
@@ -79,12 +46,12 @@ TurnCallback = Callable[[Turn], None]
 
 
 def answer_conversations(
-    engine: WarmEngine,
+    engine: Engine,
     tokenizer,
     conversations: Sequence[Sequence[str]],
     *,
     max_new_tokens: int,
-    batch_size: int = 8,
+    sampling: SamplingConfig = GREEDY,
     seed: int = 0,
     enable_thinking: bool = False,
     on_tokens: TokenCallback | None = None,
@@ -94,68 +61,69 @@ def answer_conversations(
 ) -> ConversationRun:
     """Answers every conversation turn by turn; see the module docstring.
 
-    A prompt that does not fit the engine raises `EngineError`, or with `skip_unfit` ends its
-    conversation there and is listed in `skipped`. Request seeds are
-    `seed + conversation * max_turns + turn`.
+    Conversations advance independently: the moment a conversation's answer to turn i is done,
+    its turn i+1 (with that answer in its context) joins the running batch. A prompt that does
+    not fit the engine raises `EngineError`, or with `skip_unfit` ends its conversation there
+    and is listed in `skipped`. Request seeds are `seed + conversation * max_turns + turn`.
     """
     max_turns = max((len(c) for c in conversations), default=0)
-    history: list[list[dict[str, str]]] = [[] for _ in conversations]
-    alive = [True] * len(conversations)
-    run = ConversationRun(turns=[], timing=BatchTiming(), skipped=[])
-    stop = engine.engine.stop_tokens
-    for turn in range(max_turns):
-        index, requests = [], []
-        for c, turns in enumerate(conversations):
-            if not alive[c] or turn >= len(turns):
-                continue
-            messages = history[c] + [{"role": "user", "content": turns[turn]}]
-            ids = encode_chat(tokenizer, messages, enable_thinking=enable_thinking)
-            try:
-                engine.engine.check_fits(len(ids), max_new_tokens)
-            except EngineError as e:
-                if not skip_unfit:
-                    raise EngineError(f"conversation {c} turn {turn}: {e}") from None
-                alive[c] = False
-                run.skipped.append(f"conversation {c} turn {turn}: {e}")
-                continue
-            index.append(c)
-            requests.append(Request(ids, max_new_tokens, seed=seed + c * max_turns + turn))
-        if not requests:
-            break
-        engine.ensure(len(requests), batch_size)
-        stream = None if on_tokens is None else _turn_stream(on_tokens, index, turn)
-        results, timing = generate(
-            engine.engine, requests, batch_size=batch_size, on_tokens=stream, progress=progress
+    batcher = Batcher(engine, max_waiting=max(len(conversations), 1), timed=True)
+    run = ConversationRun(turns=[], timing=batcher.timing, skipped=[])
+    stop = engine.stop_tokens
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(len(c) for c in conversations), unit="turn", desc="generate")
+
+    def send(c: int, turn: int, history: list[dict[str, str]]) -> None:
+        messages = history + [{"role": "user", "content": conversations[c][turn]}]
+        ids = encode_chat(tokenizer, messages, enable_thinking=enable_thinking)
+        request = Request(
+            ids, max_new_tokens, seed=seed + c * max_turns + turn, sampling=sampling
         )
-        add_timing(run.timing, timing)
-        for c, request, result in zip(index, requests, results, strict=True):
-            text = decode_text(tokenizer, result.tokens, stop)
-            history[c] = history[c] + [
-                {"role": "user", "content": conversations[c][turn]},
-                {"role": "assistant", "content": text},
-            ]
-            record = Turn(c, turn, request, result, text)
-            run.turns.append(record)
-            if on_turn is not None:
-                on_turn(record)
+        try:
+            engine.check_request(len(ids), max_new_tokens)
+        except EngineError as e:
+            if not skip_unfit:
+                raise EngineError(f"conversation {c} turn {turn}: {e}") from None
+            run.skipped.append(f"conversation {c} turn {turn}: {e}")
+            if bar is not None:
+                bar.update(len(conversations[c]) - turn)
+            return
+
+        def on_event(kind: str, payload) -> None:
+            if kind == "tokens" and on_tokens is not None:
+                on_tokens(c, turn, payload)
+            elif kind == "error":
+                raise payload
+            elif kind == "done":
+                text = decode_text(tokenizer, payload.tokens, stop)
+                record = Turn(c, turn, request, payload, text)
+                run.turns.append(record)
+                if bar is not None:
+                    bar.update(1)
+                if on_turn is not None:
+                    on_turn(record)
+                if turn + 1 < len(conversations[c]):
+                    answer = {"role": "assistant", "content": text}
+                    send(c, turn + 1, messages + [answer])
+
+        batcher.submit(request, on_event)
+
+    for c in range(len(conversations)):
+        if conversations[c]:
+            send(c, 0, [])
+    batcher.run_until_idle()
+    if bar is not None:
+        bar.close()
+    run.turns.sort(key=lambda t: (t.conversation, t.turn))
     return run
 
 
-def _turn_stream(on_tokens: TokenCallback, index: list[int], turn: int):
-    return lambda row, new: on_tokens(index[row], turn, new)
-
-
-def replay(engine: WarmEngine, run: ConversationRun, batch_size: int = 8) -> BatchTiming:
-    """Times `engine` on the prompts of `run`, turn by turn, with the same lengths and seeds."""
-    timing = BatchTiming()
-    by_turn: dict[int, list[Request]] = {}
-    for t in run.turns:
-        by_turn.setdefault(t.turn, []).append(t.request)
-    for turn in sorted(by_turn):
-        requests = by_turn[turn]
-        engine.ensure(len(requests), batch_size)
-        add_timing(timing, generate(engine.engine, requests, batch_size=batch_size)[1])
-    return timing
+def replay(engine: Engine, run: ConversationRun) -> LoopTiming:
+    """Times `engine` on the prompts of `run` with the same lengths, settings and seeds."""
+    return generate(engine, [t.request for t in run.turns])[1]
 
 
 # -- per-dataset report ------------------------------------------------------------------------
@@ -166,8 +134,8 @@ class DatasetReport:
     turns: int
     skipped: list[str]
     stats: AcceptanceStats
-    spec_timing: BatchTiming
-    plain_timing: BatchTiming | None
+    spec_timing: LoopTiming
+    plain_timing: LoopTiming | None
 
     @property
     def speedup(self) -> float | None:
@@ -177,7 +145,7 @@ class DatasetReport:
         return self.spec_timing.decode_tokens_per_s / self.plain_timing.decode_tokens_per_s
 
     def to_json(self) -> dict[str, Any]:
-        def timing(t: BatchTiming | None):
+        def timing(t: LoopTiming | None):
             if t is None:
                 return None
             return {
@@ -202,12 +170,12 @@ class DatasetReport:
 def evaluate_dataset(
     name: str,
     conversations: Sequence[Sequence[str]],
-    spec: WarmEngine,
-    plain: WarmEngine | None,
+    spec: Engine,
+    plain: Engine | None,
     tokenizer,
     *,
     max_new_tokens: int,
-    batch_size: int = 8,
+    sampling: SamplingConfig = GREEDY,
     seed: int = 0,
     enable_thinking: bool = False,
     progress: bool = False,
@@ -218,19 +186,19 @@ def evaluate_dataset(
         tokenizer,
         conversations,
         max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
+        sampling=sampling,
         seed=seed,
         enable_thinking=enable_thinking,
         progress=progress,
         skip_unfit=True,
     )
-    plain_timing = replay(plain, run, batch_size) if plain is not None else None
+    plain_timing = replay(plain, run) if plain is not None else None
     report = DatasetReport(
         name=name,
         conversations=len(conversations),
         turns=len(run.turns),
         skipped=run.skipped,
-        stats=acceptance_stats(run.results(), spec.engine.gamma),
+        stats=acceptance_stats(run.results(), spec.gamma),
         spec_timing=run.timing,
         plain_timing=plain_timing,
     )

@@ -31,18 +31,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.policies import SpsProfile, profile_meta
-from dspark_jax.decoding.slot_engine import (
-    NO_STOP,
+from dspark_jax.decoding.engine import (
     Engine,
     EngineConfig,
     SlotState,
     token_buckets,
 )
+from dspark_jax.decoding.policies import SpsProfile, profile_meta
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sampling import NO_STOP_TOKEN
 
 
 class ProfileError(UserError):
@@ -101,7 +101,7 @@ def _profile_state(engine: Engine, context_len: int, temperature: float) -> Slot
         page_table_sp=jnp.asarray(table),
         lengths_s=jnp.full((s,), context_len, jnp.int32),
         max_new_s=jnp.full((s,), np.iinfo(np.int32).max // 2, jnp.int32),
-        stop_sk=jnp.full_like(state.stop_sk, NO_STOP),
+        stop_sk=jnp.full_like(state.stop_sk, NO_STOP_TOKEN),
         sampling_s=dataclasses.replace(
             state.sampling_s, temperature=jnp.full((s,), temperature, jnp.float32)
         ),
@@ -155,7 +155,7 @@ def _verify_seconds(
             out = model.paged_forward(jnp.zeros((width,), jnp.int32), batch, cache)
             # A reduction over the whole vocabulary, as verification does, keeps XLA from
             # dropping or slicing the lm_head.
-            return out.cache.pages, checksum + jnp.max(model.logits(out.hidden_btd))
+            return out.cache.pages, checksum + jnp.max(model.logits(out.hidden))
 
         return jax.lax.fori_loop(0, steps, body, (pages, jnp.float32(0)))
 

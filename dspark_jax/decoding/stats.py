@@ -15,7 +15,7 @@ import numpy as np
 
 from dspark_jax.calibration.records import records_from_results
 from dspark_jax.calibration.sts import conditional_events, survival_events
-from dspark_jax.decoding.generate import BatchTiming, Result
+from dspark_jax.decoding.batching import Result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +79,3 @@ def acceptance_stats(results: Iterable[Result], gamma: int) -> AcceptanceStats:
         survival=survival,
         survival_n=survival_n,
     )
-
-
-def add_timing(total: BatchTiming, part: BatchTiming) -> None:
-    """Accumulates `part` into `total`."""
-    total.prefill_s += part.prefill_s
-    total.decode_s += part.decode_s
-    total.decoded_tokens += part.decoded_tokens
-    total.rounds += part.rounds

@@ -1,81 +1,609 @@
-"""TEMPORARY dense reference of the paged attention interface (replaced by the attention branch)."""
+"""Paged KV storage and ragged attention that reads only the pages in use.
+
+The KV cache of one layer is a pool of `num_pages` fixed-size pages. A slot (a request) owns one
+row of a page table `page_table_sp` [num_slots, pages_per_slot]: logical page p of slot s lives
+in physical page `page_table_sp[s, p]`. Attention runs over a packed (ragged) token axis: query
+token t belongs to one sequence, and each sequence is one slot's contiguous run of new query
+tokens, whose keys and values `write_kv` has already stored.
+
+Implementations (`PagedLayout.impl`; `default_impl` picks one per backend):
+
+- "dense": the reference. Every query gathers all `pages_per_slot` pages of its slot and calls
+  `layers.attention` with a mask, so it is exact against the contiguous-cache code and its cost
+  follows the page table width, not the keys in use. Tests only.
+- "jax" (CPU default): pure JAX. A `lax.fori_loop` over chunks of `kv_chunk_pages` pages whose
+  trip count is the longest visible length in the batch divided by the chunk (a traced bound),
+  with an online softmax (running max and sum). Query tokens are folded `queries_per_fold` at a
+  time per sequence (as extra heads), and each fold gathers only its own slot's pages of the
+  current chunk, so the cost is folds x longest visible length: it does not depend on the pool
+  size or on `pages_per_slot`. On CPU it is the fastest path here (benchmarks/attention_paths.py:
+  flat over an 8x larger pool, about 2x per doubling of the keys in use); on an accelerator the
+  gathered copies cost a second trip through memory, which is why the kernels below exist.
+- "pallas_tpu": `jax.experimental.pallas.ops.tpu.ragged_paged_attention`, the kernel built for
+  mixed prefill/decode over packed tokens and pages (what vLLM's TPU backend uses). Causal
+  attention maps one to one onto it; each sequence's pages are DMA'd once per block of query
+  tokens. Non-causal attention (the drafter's block) folds `queries_per_fold` query tokens of a
+  sequence into the head axis and presents each fold as a one-token sequence that sees all its
+  keys. The kernel wants K and V interleaved along the head axis of one array and a head dim
+  that is a multiple of 128, so this layout pads head_dim (a no-op for Qwen3's 128).
+  Not verified on this machine: JAX's TPU interpreter (0.10.2, and at JAX main as of 2026-08)
+  cannot interpret this kernel (it reshapes a VMEM ref, and the interpreter only understands
+  indexing transforms), so the tests check everything we feed the kernel by substituting the
+  kernel's own shipped pure-JAX reference, `ref_ragged_paged_attention`, for it. Expected to be
+  fast on TPU v4+ (the shipped tuned block sizes cover v5e/v6e); never measured here.
+- "pallas_gpu": the shipped Triton kernels. The public `ops.gpu.paged_attention` returns only the
+  normalised output, but its kernel body (`paged_attention_kernel`) writes the softmax residuals
+  (running max m and sum l) per split, so this module runs that same kernel body under its own
+  `pallas_call` to keep them. A verification step of up to `queries_per_fold` tokens per
+  sequence is split into (a) all of the sequence's queries against the keys before its new
+  tokens, folded into the kernel's head axis so those pages are read once per fold, not once per
+  query, and (b) causal attention among the new tokens themselves, done by the shipped flash
+  attention `ops.gpu.attention.mha` over the packed token axis with one segment id per sequence
+  (it returns the log-sum-exp); the two are merged by log-sum-exp. Non-causal attention is part
+  (a) over all keys. Part (b) costs (tokens)^2 / 2 per step, small for verification and decode;
+  a long prefill chunk is one segment and needs that work anyway. The kernel has no softmax
+  scale argument, so queries are scaled before it (one extra rounding in bfloat16). Both
+  modules are deprecated from JAX 0.11.1 on (their import warns; tokamax is the announced
+  successor); the warning is silenced at import. Verified on CPU in Pallas interpret mode
+  against the dense reference; speed on a GPU was not measured in this work (none was at
+  hand): expected memory-bound decode/verification reading each slot's pages about once per
+  step. Triton needs head_dim and page_size to be powers of two, and page_size >= 16 keeps
+  every key block at Triton's minimum dot size whatever the page table width.
+
+Every path computes scores and softmax in float32 and returns q's dtype. A query token with no
+visible key (padding past `cu_q_lens[num_seqs]`, or a sequence whose kv length is 0) gets zeros.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.layers import MASK_VALUE
+from dspark_jax.models.layers import MASK_VALUE, attention
+
+IMPLS = ("dense", "jax", "pallas_tpu", "pallas_gpu")
+
+# Lane width of TPU vector registers: the ragged kernel broadcasts its softmax statistics over
+# 128 lanes onto the head dim, so the head dim it sees must be a multiple of it.
+_TPU_LANES = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
+    """Static description of one layer's page pool (hashable, so it can be a jit static arg).
+
+    `kv_chunk_pages` is the "jax" path's loop step (0: about 128 keys per step);
+    `queries_per_fold` is how many query tokens of one sequence the "jax", "pallas_gpu" and
+    (non-causal) "pallas_tpu" paths fold into the head axis so that they share one read of the
+    sequence's pages.
+    """
+
     num_pages: int
     page_size: int
     num_kv_heads: int
     head_dim: int
-    impl: str = "dense"
+    impl: str
     interpret: bool = False
+    kv_chunk_pages: int = 0
+    queries_per_fold: int = 8
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown attention impl {self.impl!r}; expected one of {IMPLS}")
+        for name in ("num_pages", "page_size", "num_kv_heads", "head_dim", "queries_per_fold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_chunk_pages < 0:
+            raise ValueError(f"kv_chunk_pages must be >= 0, got {self.kv_chunk_pages}")
+
+    @property
+    def chunk_pages(self) -> int:
+        return self.kv_chunk_pages or max(1, 128 // self.page_size)
+
+    @property
+    def physical_head_dim(self) -> int:
+        if self.impl == "pallas_tpu":
+            return -(-self.head_dim // _TPU_LANES) * _TPU_LANES
+        return self.head_dim
+
+    @property
+    def split_kv(self) -> bool:
+        """True when K and V live in two arrays (the GPU kernel's layout)."""
+        return self.impl == "pallas_gpu"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """One layer's K/V pages in the physical layout of its `PagedLayout.impl`.
+
+    - "dense", "jax", "pallas_tpu": one array [num_pages, page_size, 2 * num_kv_heads, hd], the
+      key of KV head h at head index 2h and its value at 2h + 1 (the ragged TPU kernel's
+      layout; hd is head_dim, padded to a multiple of 128 for "pallas_tpu").
+    - "pallas_gpu": two arrays (K, V), each [num_kv_heads, num_pages, page_size, head_dim].
+    """
+
+    arrays: tuple[jax.Array, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.arrays)
 
 
 def default_impl(backend: str | None = None) -> str:
-    return "dense"
+    """The attention path for a JAX backend name (the default backend when None)."""
+    backend = (backend or jax.default_backend()).lower()
+    if backend == "tpu":
+        return "pallas_tpu"
+    if backend in ("gpu", "cuda", "rocm"):
+        return "pallas_gpu"
+    return "jax"
 
 
-def init_pages(layout: PagedLayout, dtype):
-    shape = (layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
-    return (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+def init_pages(layout: PagedLayout, dtype) -> Pages:
+    """A zeroed page pool for one layer."""
+    if layout.split_kv:
+        shape = (layout.num_kv_heads, layout.num_pages, layout.page_size, layout.head_dim)
+        return Pages((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+    shape = (layout.num_pages, layout.page_size, 2 * layout.num_kv_heads, layout.physical_head_dim)
+    return Pages((jnp.zeros(shape, dtype),))
 
 
-def write_kv(pages, layout, k_thd, v_thd, page_table_sp, slot_t, pos_t, valid_t):
-    k_pages, v_pages = pages
-    page_t = page_table_sp[slot_t, pos_t // layout.page_size]
-    page_t = jnp.where(valid_t, page_t, layout.num_pages)
-    off_t = pos_t % layout.page_size
-    k_pages = k_pages.at[page_t, off_t].set(k_thd.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page_t, off_t].set(v_thd.astype(v_pages.dtype), mode="drop")
-    return (k_pages, v_pages)
+def _interleave_kv(k_thd, v_thd, head_dim_out: int):
+    """[T, KV, D] x2 -> [T, 2KV, D'] with K of head h at 2h and V at 2h+1, zero padded to D'."""
+    t, kv, d = k_thd.shape
+    kv_thd = jnp.stack([k_thd, v_thd], axis=2).reshape(t, 2 * kv, d)
+    return jnp.pad(kv_thd, ((0, 0), (0, 0), (0, head_dim_out - d)))
 
 
-def ragged_paged_attention(
-    q_thd,
-    pages,
-    layout,
-    page_table_sp,
-    seq_slot_n,
-    cu_q_lens_n1,
-    kv_lens_n,
-    num_seqs,
-    *,
-    scale,
-    causal,
-):
-    k_pages, v_pages = pages
-    t = q_thd.shape[0]
-    n = seq_slot_n.shape[0]
-    tok = jnp.arange(t)
-    seq_t = jnp.clip(jnp.searchsorted(cu_q_lens_n1, tok, side="right") - 1, 0, n - 1)
-    in_seq_t = (tok < cu_q_lens_n1[jnp.minimum(num_seqs, n)]) & (seq_t < num_seqs)
-    slot_t = seq_slot_n[seq_t]
-    kv_len_t = jnp.where(in_seq_t, kv_lens_n[seq_t], 0)
-    q_len_t = cu_q_lens_n1[seq_t + 1] - cu_q_lens_n1[seq_t]
-    qpos_t = kv_len_t - q_len_t + (tok - cu_q_lens_n1[seq_t])
+def write_kv(pages: Pages, layout: PagedLayout, k_thd, v_thd, page_table_sp, slot_t, pos_t,
+             valid_t) -> Pages:
+    """Stores token t's key/value at position pos_t of slot slot_t.
+
+    Invalid tokens, and positions outside the slot's page table, are scattered to the
+    out-of-range page `num_pages` with mode="drop": they write nothing, never a real page.
+    """
     pages_per_slot = page_table_sp.shape[1]
-    max_keys = pages_per_slot * layout.page_size
-    k = k_pages[page_table_sp[slot_t]].reshape(t, max_keys, layout.num_kv_heads, layout.head_dim)
-    v = v_pages[page_table_sp[slot_t]].reshape(t, max_keys, layout.num_kv_heads, layout.head_dim)
-    key_pos = jnp.arange(max_keys)
-    mask_ts = key_pos[None, :] < kv_len_t[:, None]
+    page_size = layout.page_size
+    ok_t = valid_t & (pos_t >= 0) & (pos_t < pages_per_slot * page_size)
+    logical_t = jnp.clip(pos_t // page_size, 0, pages_per_slot - 1)
+    slot_t = jnp.clip(slot_t, 0, page_table_sp.shape[0] - 1)
+    page_t = jnp.where(ok_t, page_table_sp[slot_t, logical_t], layout.num_pages)
+    offset_t = pos_t % page_size
+    if layout.split_kv:
+        k_pages, v_pages = pages.arrays
+        k_ktd = jnp.swapaxes(k_thd, 0, 1).astype(k_pages.dtype)
+        v_ktd = jnp.swapaxes(v_thd, 0, 1).astype(v_pages.dtype)
+        return Pages((
+            k_pages.at[:, page_t, offset_t].set(k_ktd, mode="drop"),
+            v_pages.at[:, page_t, offset_t].set(v_ktd, mode="drop"),
+        ))
+    (kv_pages,) = pages.arrays
+    kv_thd = _interleave_kv(k_thd, v_thd, layout.physical_head_dim).astype(kv_pages.dtype)
+    return Pages((kv_pages.at[page_t, offset_t].set(kv_thd, mode="drop"),))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Ragged:
+    """Per-sequence and per-token bookkeeping of a packed batch (all traced, static shapes)."""
+
+    cu_q_n1: jax.Array  # cu_q_lens with entries past num_seqs pinned to the total
+    q_len_n: jax.Array
+    kv_len_n: jax.Array  # 0 for sequences >= num_seqs
+    num_seqs: jax.Array
+    seq_t: jax.Array  # owning sequence, clipped into range (meaningless where not valid)
+    valid_t: jax.Array  # t < cu_q_lens[num_seqs]
+    offset_t: jax.Array  # index of the token inside its sequence
+    pos_t: jax.Array  # absolute position of the token: kv_len - q_len + offset
+    limit_t: jax.Array  # the token sees keys at positions < limit_t (0: none)
+
+
+def _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal) -> _Ragged:
+    n = seq_slot_n.shape[0]
+    num_seqs = jnp.clip(jnp.asarray(num_seqs, jnp.int32).reshape(()), 0, n)
+    cu = cu_q_lens_n1.astype(jnp.int32)
+    cu = jnp.where(jnp.arange(n + 1) <= num_seqs, cu, cu[num_seqs])
+    live_n = jnp.arange(n) < num_seqs
+    q_len_n = cu[1:] - cu[:-1]
+    kv_len_n = jnp.where(live_n, kv_lens_n.astype(jnp.int32), 0)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_t = jnp.sum(cu[1:][None, :] <= t[:, None], axis=1, dtype=jnp.int32)
+    valid_t = t < cu[num_seqs]
+    seq_t = jnp.minimum(seq_t, n - 1)
+    offset_t = t - cu[seq_t]
+    kv_len_t = kv_len_n[seq_t]
+    pos_t = kv_len_t - q_len_n[seq_t] + offset_t
+    limit_t = jnp.clip(pos_t + 1, 0, kv_len_t) if causal else kv_len_t
+    limit_t = jnp.where(valid_t, limit_t, 0)
+    return _Ragged(cu, q_len_n, kv_len_n, num_seqs, seq_t, valid_t, offset_t, pos_t, limit_t)
+
+
+def ragged_paged_attention(q_thd, pages: Pages, layout: PagedLayout, page_table_sp, seq_slot_n,
+                           cu_q_lens_n1, kv_lens_n, num_seqs, *, scale: float, causal: bool):
+    """Attention of packed query tokens over their slots' paged keys.
+
+    Sequence i < num_seqs (a traced scalar; n = len(seq_slot_n) is the static maximum) owns
+    query tokens cu_q_lens[i]:cu_q_lens[i+1] and the first kv_lens[i] keys of slot
+    seq_slot[i]; kv_lens[i] >= its query count, since its new tokens were written first.
+    causal: query j of sequence i sits at position kv_lens[i] - q_len_i + j and sees the keys
+    at positions <= its own (prefill chunks, verification). Otherwise every query of sequence
+    i sees all kv_lens[i] keys (the drafter's block). q_thd [T, H, D] with H a multiple of
+    num_kv_heads; returns [T, H, D] in q's dtype, zeros for tokens that see no key.
+    """
+    num_tokens, num_heads, head_dim = q_thd.shape
+    if head_dim != layout.head_dim or num_heads % layout.num_kv_heads:
+        raise ValueError(
+            f"q heads/head_dim {num_heads}/{head_dim} do not fit the layout's "
+            f"{layout.num_kv_heads} KV heads of dim {layout.head_dim}"
+        )
+    rag = _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal)
+    if layout.impl == "dense":
+        out_thd = _dense(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale)
+    elif layout.impl == "jax":
+        out_thd = _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale)
+    elif layout.impl == "pallas_tpu":
+        out_thd = _pallas_tpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal)
+    else:
+        out_thd = _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal)
+    sees_keys_t = rag.limit_t > 0
+    return jnp.where(sees_keys_t[:, None, None], out_thd, 0).astype(q_thd.dtype)
+
+
+def _split_combined(kv_x2hd, num_kv_heads: int, head_dim: int):
+    """[..., 2KV, hd] interleaved -> K, V [..., KV, head_dim]."""
+    kv = kv_x2hd.reshape(*kv_x2hd.shape[:-2], num_kv_heads, 2, kv_x2hd.shape[-1])
+    return kv[..., 0, :head_dim], kv[..., 1, :head_dim]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Folds:
+    """Query tokens grouped `queries_per_fold` at a time within each sequence.
+
+    Sequence i owns folds cu_f[i]:cu_f[i+1]; fold f holds tokens tok_fr (tok_valid_fr marks
+    the real ones). Token t sits in fold fold_t at place place_t.
+    """
+
+    cu_f_n1: jax.Array
+    seq_f: jax.Array
+    valid_f: jax.Array
+    num_folds: jax.Array
+    tok_fr: jax.Array
+    tok_valid_fr: jax.Array
+    fold_t: jax.Array
+    place_t: jax.Array
+
+
+def _folds(rag: _Ragged, num_tokens: int, per_fold: int) -> _Folds:
+    n = rag.q_len_n.shape[0]
+    # sum_i ceil(q_i / R) <= (sum_i q_i + n (R - 1)) / R bounds the folds statically.
+    max_folds = (num_tokens + n * (per_fold - 1)) // per_fold
+    folds_n = (rag.q_len_n + per_fold - 1) // per_fold
+    cu_f = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(folds_n, dtype=jnp.int32)])
+    f = jnp.arange(max_folds, dtype=jnp.int32)
+    num_folds = cu_f[rag.num_seqs]
+    seq_f = jnp.minimum(jnp.sum(cu_f[1:][None, :] <= f[:, None], axis=1, dtype=jnp.int32), n - 1)
+    valid_f = f < num_folds
+    start_f = rag.cu_q_n1[seq_f] + (f - cu_f[seq_f]) * per_fold
+    tok_fr = start_f[:, None] + jnp.arange(per_fold)[None, :]
+    tok_valid_fr = valid_f[:, None] & (tok_fr < rag.cu_q_n1[seq_f + 1][:, None])
+    tok_fr = jnp.clip(tok_fr, 0, num_tokens - 1)
+    fold_t = jnp.clip(cu_f[rag.seq_t] + rag.offset_t // per_fold, 0, max_folds - 1)
+    place_t = rag.offset_t % per_fold
+    return _Folds(cu_f, seq_f, valid_f, num_folds, tok_fr, tok_valid_fr, fold_t, place_t)
+
+
+def _fold_queries(q_thd, folds: _Folds, kv_heads: int):
+    """[T, H, D] -> [F, KV, R * G, D]: a fold's queries as extra heads of each KV head."""
+    num_tokens, num_heads, head_dim = q_thd.shape
+    q_frhd = jnp.where(folds.tok_valid_fr[..., None, None], q_thd[folds.tok_fr], 0)
+    f, r = q_frhd.shape[:2]
+    q_frkgd = q_frhd.reshape(f, r, kv_heads, num_heads // kv_heads, head_dim)
+    return jnp.transpose(q_frkgd, (0, 2, 1, 3, 4)).reshape(f, kv_heads, -1, head_dim)
+
+
+def _unfold(x_fkrg, folds: _Folds, num_groups: int):
+    """[F, KV, R * G, ...] -> [T, KV * G, ...], the inverse of `_fold_queries` per token."""
+    f, kv_heads, rg = x_fkrg.shape[:3]
+    x_fkrgx = x_fkrg.reshape(f, kv_heads, rg // num_groups, num_groups, *x_fkrg.shape[3:])
+    x_tkgx = x_fkrgx[folds.fold_t, :, folds.place_t]
+    return x_tkgx.reshape(x_tkgx.shape[0], kv_heads * num_groups, *x_tkgx.shape[3:])
+
+
+def _dense(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
+    (kv_pages,) = pages.arrays
+    slot_t = seq_slot_n[rag.seq_t]
+    kv_tpsxd = kv_pages[page_table_sp[slot_t]]
+    t, pps, page_size = kv_tpsxd.shape[:3]
+    kv_tsxd = kv_tpsxd.reshape(t, pps * page_size, *kv_tpsxd.shape[3:])
+    k_tskd, v_tskd = _split_combined(kv_tsxd, layout.num_kv_heads, layout.head_dim)
+    mask_t1s = (jnp.arange(pps * page_size)[None, :] < rag.limit_t[:, None])[:, None, :]
+    return attention(q_thd[:, None], k_tskd, v_tskd, mask_t1s, scale)[:, 0]
+
+
+def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
+    """Online softmax over chunks of pages; the loop stops after the longest visible length.
+
+    Queries are folded (`queries_per_fold` tokens of a sequence as extra heads), so each chunk
+    of a sequence's pages is gathered once per fold rather than once per query token.
+    """
+    (kv_pages,) = pages.arrays
+    num_tokens, num_heads, head_dim = q_thd.shape
+    kv_heads = layout.num_kv_heads
+    groups = num_heads // kv_heads
+    pages_per_slot = page_table_sp.shape[1]
+    chunk_pages = min(layout.chunk_pages, pages_per_slot)
+    chunk_keys = chunk_pages * layout.page_size
+    folds = _folds(rag, num_tokens, layout.queries_per_fold)
+    q_fkqd = _fold_queries(q_thd, folds, kv_heads)
+    limit_fr = jnp.where(folds.tok_valid_fr, rag.limit_t[folds.tok_fr], 0)
+    limit_fq = jnp.repeat(limit_fr, groups, axis=1)  # fold order is (token, group)
+    slot_f = seq_slot_n[folds.seq_f]
+    num_chunks = (jnp.max(rag.limit_t) + chunk_keys - 1) // chunk_keys
+
+    def step(c, carry):
+        m_fkq, l_fkq, acc_fkqd = carry
+        logical_c = jnp.minimum(c * chunk_pages + jnp.arange(chunk_pages), pages_per_slot - 1)
+        kv_fcpxd = kv_pages[page_table_sp[slot_f[:, None], logical_c[None, :]]]
+        kv_fsxd = kv_fcpxd.reshape(kv_fcpxd.shape[0], chunk_keys, *kv_fcpxd.shape[3:])
+        k_fskd, v_fskd = _split_combined(kv_fsxd, kv_heads, head_dim)
+        s_fkqs = jnp.einsum("fkqd,fskd->fkqs", q_fkqd, k_fskd,
+                            preferred_element_type=jnp.float32) * scale
+        key_pos_s = c * chunk_keys + jnp.arange(chunk_keys)
+        mask_f1qs = (key_pos_s[None, None, :] < limit_fq[:, :, None])[:, None]
+        s_fkqs = jnp.where(mask_f1qs, s_fkqs, MASK_VALUE)
+        m_new = jnp.maximum(m_fkq, jnp.max(s_fkqs, axis=-1))
+        p_fkqs = jnp.where(mask_f1qs, jnp.exp(s_fkqs - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m_fkq - m_new)
+        l_new = alpha * l_fkq + jnp.sum(p_fkqs, axis=-1)
+        pv_fkqd = jnp.einsum("fkqs,fskd->fkqd", p_fkqs, v_fskd.astype(jnp.float32))
+        return m_new, l_new, alpha[..., None] * acc_fkqd + pv_fkqd
+
+    shape_fkq = q_fkqd.shape[:-1]
+    init = (
+        jnp.full(shape_fkq, MASK_VALUE, jnp.float32),
+        jnp.zeros(shape_fkq, jnp.float32),
+        jnp.zeros(q_fkqd.shape, jnp.float32),
+    )
+    _, l_fkq, acc_fkqd = jax.lax.fori_loop(0, num_chunks, step, init)
+    out_fkqd = acc_fkqd / jnp.where(l_fkq > 0, l_fkq, 1.0)[..., None]
+    return _unfold(out_fkqd, folds, groups)
+
+
+def _tpu_kernel(layout: PagedLayout, num_tokens: int, pages_per_slot: int):
+    """The shipped ragged kernel, with explicit block sizes when interpreting (its tuned-size
+    lookup queries the TPU generation, which does not exist off a TPU)."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    if not layout.interpret:
+        return rpa.ragged_paged_attention
+    kernel = functools.partial(
+        rpa.ragged_paged_attention,
+        num_kv_pages_per_block=min(pages_per_slot, 4),
+        num_queries_per_block=min(num_tokens, 8),
+    )
+
+    def interpreted(*args, **kwargs):
+        from jax.experimental.pallas import tpu as pltpu
+
+        with pltpu.force_tpu_interpret_mode():
+            return kernel(*args, **kwargs)
+
+    return interpreted
+
+
+def _pallas_tpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal,
+                kernel=None):
+    """`kernel` defaults to the shipped ragged kernel; tests pass its shipped reference."""
+    (kv_pages,) = pages.arrays
+    num_tokens, num_heads, head_dim = q_thd.shape
+    pages_per_slot = page_table_sp.shape[1]
+    capacity = pages_per_slot * layout.page_size
+    pad = ((0, 0), (0, 0), (0, layout.physical_head_dim - head_dim))
+    q_thd = jnp.pad(q_thd, pad).astype(kv_pages.dtype)
+    if kernel is None:
+        kernel = _tpu_kernel(layout, num_tokens, pages_per_slot)
     if causal:
-        mask_ts &= key_pos[None, :] <= qpos_t[:, None]
-    h = q_thd.shape[1]
-    kvh = layout.num_kv_heads
-    q = q_thd.reshape(t, kvh, h // kvh, layout.head_dim)
-    scores = jnp.einsum("tkgd,tskd->tkgs", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask_ts[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask_ts[:, None, None], probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("tkgs,tskd->tkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(t, h, layout.head_dim).astype(q_thd.dtype)
+        # The kernel's DMA chain prefetches the next sequence's first block before that
+        # sequence's own loop starts; a sequence with no key block would leave that copy
+        # unconsumed and hand its data to the following sequence. At least one block per live
+        # sequence keeps the chain aligned; such tokens are zeroed by the caller.
+        live_n = jnp.arange(seq_slot_n.shape[0]) < rag.num_seqs
+        kv_lens_n = jnp.where(live_n, jnp.clip(rag.kv_len_n, jnp.maximum(rag.q_len_n, 1),
+                                               capacity), 0)
+        out_thd = kernel(q_thd, kv_pages, kv_lens_n, page_table_sp[seq_slot_n], rag.cu_q_n1,
+                         rag.num_seqs.reshape(1), sm_scale=scale)
+        return out_thd[..., :head_dim]
+    folds = _folds(rag, num_tokens, layout.queries_per_fold)
+    q_fkqd = _fold_queries(q_thd, folds, layout.num_kv_heads)
+    num_folds_total = q_fkqd.shape[0]
+    q_fhd = q_fkqd.reshape(num_folds_total, -1, q_fkqd.shape[-1])
+    kv_lens_f = jnp.where(folds.valid_f, jnp.clip(rag.kv_len_n[folds.seq_f], 1, capacity), 0)
+    cu_f = jnp.minimum(jnp.arange(num_folds_total + 1, dtype=jnp.int32), folds.num_folds)
+    out_fhd = kernel(q_fhd, kv_pages, kv_lens_f, page_table_sp[seq_slot_n[folds.seq_f]], cu_f,
+                     folds.num_folds.reshape(1), sm_scale=scale)
+    out_fkqd = out_fhd.reshape(q_fkqd.shape)
+    return _unfold(out_fkqd, folds, num_heads // layout.num_kv_heads)[..., :head_dim]
+
+
+def _gpu_modules():
+    """The shipped Triton kernels; JAX >= 0.11.1 warns on import that they are deprecated."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas import triton as plgpu
+        from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+        from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+    return plgpu, gpu_attention, gpu_paged
+
+
+def _largest_divisor(n: int, at_most: int, power_of_two: bool = False) -> int:
+    for d in range(min(n, at_most), 0, -1):
+        if n % d == 0 and (not power_of_two or d & (d - 1) == 0):
+            return d
+    return 1
+
+
+def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: bool):
+    """One fold against its slot's pages: unnormalised output and softmax residuals.
+
+    Runs the kernel body of `ops.gpu.paged_attention` under our own pallas_call: the same grid
+    (KV heads, head blocks, splits of the page table) and block specs as the shipped wrapper,
+    but returning each split's running max m and sum l, combined here in float32.
+    """
+    plgpu, _, gpu_paged = _gpu_modules()
+    from jax.experimental import pallas as pl
+
+    kv_heads, queries, head_dim = q_kqd.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    pages_per_slot = table_p.shape[0]
+    block_h = min(64, max(16, pl.next_power_of_2(queries)))
+    padded = -(-queries // block_h) * block_h
+    q_kqd = jnp.pad(q_kqd, ((0, 0), (0, padded - queries), (0, 0)))
+    k_splits = _largest_divisor(pages_per_slot, 16)
+    pages_per_split = pages_per_slot // k_splits
+    pages_per_block = _largest_divisor(pages_per_split, 8, power_of_two=True)
+    kernel = functools.partial(
+        gpu_paged.paged_attention_kernel,
+        num_heads=queries,
+        pages_per_compute_block=pages_per_block,
+        mask_value=MASK_VALUE,
+        attn_logits_soft_cap=None,
+    )
+    pages_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, i, k: (h, 0, 0, 0))
+    o_skqd, l_skq, m_skq = pl.pallas_call(
+        kernel,
+        grid=(kv_heads, padded // block_h, k_splits),
+        in_specs=[
+            pl.BlockSpec((None, block_h, head_dim), lambda h, i, k: (h, i, 0)),
+            pages_spec,
+            None,
+            pages_spec,
+            None,
+            pl.BlockSpec((None, pages_per_split), lambda h, i, k: (k, 0)),
+            pl.BlockSpec((1,), lambda h, i, k: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_h, head_dim), lambda h, i, k: (k, h, i, 0)),
+            pl.BlockSpec((None, None, block_h), lambda h, i, k: (k, h, i)),
+            pl.BlockSpec((None, None, block_h), lambda h, i, k: (k, h, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((k_splits, kv_heads, padded, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, kv_heads, padded), jnp.float32),
+            jax.ShapeDtypeStruct((k_splits, kv_heads, padded), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=8 if head_dim > 64 else 4, num_stages=2),
+        name="dspark_paged_attention_partials",
+    )(q_kqd, k_pages, None, v_pages, None, table_p.reshape(k_splits, pages_per_split),
+      length.reshape(1))
+    m_kq = jnp.max(m_skq, axis=0)
+    correction_skq = jnp.exp(m_skq - m_kq[None])
+    l_kq = jnp.sum(l_skq * correction_skq, axis=0)
+    o_kqd = jnp.sum(o_skqd * correction_skq[..., None], axis=0)
+    return o_kqd[:, :queries], l_kq[:, :queries], m_kq[:, :queries]
+
+
+def _new_token_attention(q_thd, k_pages, v_pages, page_table_sp, seq_slot_n, rag, scale, *,
+                         interpret: bool):
+    """Causal attention among the packed new tokens of each sequence, with its log-sum-exp.
+
+    Keys are the new tokens themselves (read back from their pages); one segment id per
+    sequence keeps sequences apart, and packed order is position order inside a sequence, so
+    the kernel's causal mask over the packed axis is the positional one.
+    """
+    _, gpu_attention, _ = _gpu_modules()
+    num_tokens, num_heads, head_dim = q_thd.shape
+    kv_heads = k_pages.shape[0]
+    page_size = k_pages.shape[2]
+    pages_per_slot = page_table_sp.shape[1]
+    slot_t = seq_slot_n[rag.seq_t]
+    pos_t = jnp.clip(rag.pos_t, 0, pages_per_slot * page_size - 1)
+    page_t = page_table_sp[slot_t, pos_t // page_size]
+    offset_t = pos_t % page_size
+    groups = num_heads // kv_heads
+    k_thd = jnp.repeat(jnp.swapaxes(k_pages[:, page_t, offset_t], 0, 1), groups, axis=1)
+    v_thd = jnp.repeat(jnp.swapaxes(v_pages[:, page_t, offset_t], 0, 1), groups, axis=1)
+    padded = -(-num_tokens // 16) * 16
+    block = _largest_divisor(padded, 128, power_of_two=True)
+    pad = ((0, padded - num_tokens), (0, 0), (0, 0))
+    segment_t = jnp.pad(jnp.where(rag.valid_t, rag.seq_t, -1), (0, padded - num_tokens),
+                        constant_values=-1)
+    out_bthd, lse2_bht = gpu_attention.mha(
+        jnp.pad(q_thd, pad)[None],
+        jnp.pad(k_thd.astype(q_thd.dtype), pad)[None],
+        jnp.pad(v_thd.astype(q_thd.dtype), pad)[None],
+        segment_t[None],
+        sm_scale=scale,
+        causal=True,
+        block_sizes=gpu_attention.BlockSizes(block_q=block, block_k=block),
+        interpret=interpret,
+        return_residuals=True,
+    )
+    # mha works in base 2 (scores scaled by log2 e): its residual is log2 of the softmax sum.
+    lse_th = jnp.swapaxes(lse2_bht[0], 0, 1)[:num_tokens] * math.log(2.0)
+    return out_bthd[0, :num_tokens].astype(jnp.float32), lse_th
+
+
+def _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal):
+    k_pages, v_pages = pages.arrays
+    num_tokens, num_heads, head_dim = q_thd.shape
+    kv_heads = layout.num_kv_heads
+    folds = _folds(rag, num_tokens, layout.queries_per_fold)
+    q_scaled = (q_thd.astype(jnp.float32) * scale).astype(k_pages.dtype)
+    q_fkqd = _fold_queries(q_scaled, folds, kv_heads)
+    kv_len_f = rag.kv_len_n[folds.seq_f]
+    # Causal: part (a) covers the keys before the sequence's new tokens, part (b) the rest.
+    prefix_f = kv_len_f - rag.q_len_n[folds.seq_f] if causal else kv_len_f
+    capacity = page_table_sp.shape[1] * layout.page_size
+    length_f = jnp.where(folds.valid_f, jnp.clip(prefix_f, 0, capacity), 0)
+    table_fp = page_table_sp[seq_slot_n[folds.seq_f]]
+    partials = functools.partial(_gpu_paged_partials, interpret=layout.interpret)
+    o_fkqd, l_fkq, m_fkq = jax.vmap(partials, in_axes=(0, None, None, 0, 0))(
+        q_fkqd, k_pages, v_pages, table_fp, length_f
+    )
+    groups = num_heads // kv_heads
+    o_thd = _unfold(o_fkqd, folds, groups)
+    l_th = _unfold(l_fkq, folds, groups)
+    m_th = _unfold(m_fkq, folds, groups)
+    has_prefix_th = l_th > 0
+    l_safe_th = jnp.where(has_prefix_th, l_th, 1.0)
+    if not causal:
+        return o_thd / l_safe_th[..., None]
+    o_new_thd, lse_new_th = _new_token_attention(
+        q_thd, k_pages, v_pages, page_table_sp, seq_slot_n, rag, scale,
+        interpret=layout.interpret,
+    )
+    lse_prefix_th = jnp.where(has_prefix_th, m_th + jnp.log(l_safe_th), -jnp.inf)
+    top_th = jnp.maximum(lse_prefix_th, lse_new_th)
+    w_prefix_th = jnp.exp(lse_prefix_th - top_th)
+    w_new_th = jnp.exp(lse_new_th - top_th)
+    out_thd = (w_prefix_th[..., None] * o_thd / l_safe_th[..., None]
+               + w_new_th[..., None] * o_new_thd)
+    return out_thd / (w_prefix_th + w_new_th)[..., None]
+
+
+def gather_slot_kv(pages: Pages, layout: PagedLayout, page_table_sp):
+    """Every slot's keys and values as contiguous [slots, pages_per_slot * page_size, KV, D]
+    arrays (for tests and debugging: its cost follows the page table, not the keys in use)."""
+    if layout.split_kv:
+        k_pages, v_pages = pages.arrays
+
+        def contiguous(x_knpd):
+            x_skppd = x_knpd[:, page_table_sp]
+            kv, s, p, ps, d = x_skppd.shape
+            return jnp.transpose(x_skppd, (1, 2, 3, 0, 4)).reshape(s, p * ps, kv, d)
+
+        return contiguous(k_pages), contiguous(v_pages)
+    (kv_pages,) = pages.arrays
+    x_sppxd = kv_pages[page_table_sp]
+    s, p, ps = x_sppxd.shape[:3]
+    x_ssxd = x_sppxd.reshape(s, p * ps, *x_sppxd.shape[3:])
+    return _split_combined(x_ssxd, layout.num_kv_heads, layout.head_dim)
+

@@ -3,7 +3,8 @@
 One block is [anchor, MASK x (gamma-1)] at positions start..start+gamma-1; output k predicts the
 token at start+k+1. Every layer's keys/values are [k/v_proj(context) ; k/v_proj(block)], where the
 context is hidden_norm(fc(target taps)) at absolute positions 0..start-1. Context K/V depend only
-on the context features, so inference caches them (`KVCache`) and appends new ones each round.
+on the context features, so inference caches them in pages (`paged.PagedCache`, sharing the
+target's page table) and appends new ones each round.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from flax import nnx
 from dspark_jax.config import DrafterConfig
 from dspark_jax.models import paged
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
-from dspark_jax.models.layers import Embed, KVCache, Linear, RMSNorm, attention, write_rows
-from dspark_jax.models.paged import PagedCache, TokenBatch
+from dspark_jax.models.layers import Embed, Linear, RMSNorm, attention
+from dspark_jax.models.paged import PagedCache, TokenBatch, new_cache
 from dspark_jax.models.qwen3 import DecoderLayer
 from dspark_jax.sampling import (
     RowSampling,
@@ -86,22 +87,13 @@ class DSparkDrafter(nnx.Module):
         ctx = self.hidden_norm(self.fc(features_bsf.astype(self.dtype)))
         return [layer.self_attn.key_value(ctx, positions_bs) for layer in self.layers]
 
-    def init_context_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.init(self.cfg.model, batch, max_len)
+    def new_context_cache(
+        self, num_slots: int, max_len: int, page_size: int = 16, impl: str | None = None
+    ) -> PagedCache:
+        """A paged context cache where each slot owns pages for `max_len` positions."""
+        return new_cache(self.cfg.model, num_slots, max_len, self.dtype, page_size, impl)
 
-    def append_context(self, cache: KVCache, features_btf, num_new_b) -> KVCache:
-        """Appends the first num_new_b[b] feature rows of each request at positions lengths+t."""
-        t = features_btf.shape[1]
-        positions_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        new_k, new_v = zip(*self.context_kv(features_btf, positions_bt), strict=True)
-        start_b = cache.lengths
-        return cache.replace(
-            k=tuple(write_rows(c, k, start_b) for c, k in zip(cache.k, new_k, strict=True)),
-            v=tuple(write_rows(c, v, start_b) for c, v in zip(cache.v, new_v, strict=True)),
-            lengths=start_b + num_new_b.astype(jnp.int32),
-        )
-
-    def paged_append_context(self, cache: PagedCache, features_tf, batch: TokenBatch) -> PagedCache:
+    def append_context(self, cache: PagedCache, features_tf, batch: TokenBatch) -> PagedCache:
         """Writes the context K/V of packed target features at their slots and positions."""
         positions_1t = batch.pos_t[None]
         kv = self.context_kv(features_tf[None], positions_1t)
@@ -111,7 +103,7 @@ class DSparkDrafter(nnx.Module):
         )
         return cache.replace(pages=pages)
 
-    def paged_draft_hidden(self, anchor_s, start_s, live_s, cache: PagedCache):
+    def draft_hidden(self, anchor_s, start_s, live_s, cache: PagedCache):
         """Backbone over one block per slot at positions start_s.. -> h [S, gamma, D].
 
         The block's own keys/values are written into the slot's pages at the block positions
@@ -152,22 +144,6 @@ class DSparkDrafter(nnx.Module):
         gamma = self.cfg.block_size
         masks = jnp.full((anchor_b.shape[0], gamma - 1), self.cfg.mask_token_id, jnp.int32)
         return jnp.concatenate([anchor_b[:, None].astype(jnp.int32), masks], axis=1)
-
-    def draft_hidden(self, anchor_b, cache: KVCache):
-        """Backbone over one block per request, starting at position cache.lengths[b]."""
-        gamma = self.cfg.block_size
-        b = anchor_b.shape[0]
-        positions_bk = cache.lengths[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None, :]
-        ctx_mask_b1s = jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None]
-        mask_bks = jnp.concatenate(
-            [
-                jnp.broadcast_to(ctx_mask_b1s, (b, gamma, cache.max_len)),
-                jnp.ones((b, gamma, gamma), bool),
-            ],
-            axis=-1,
-        )
-        tokens_bk = self.block_tokens(anchor_b)
-        return self.backbone(tokens_bk, positions_bk, cache.k, cache.v, mask_bks)
 
     def base_logits(self, h_xd):
         return self.lm_head.attend(h_xd)

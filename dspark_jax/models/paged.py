@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.config import Qwen3Config
 from dspark_jax.models import attention
 from dspark_jax.models.attention import PagedLayout
 
@@ -93,4 +94,31 @@ def attend(cache: PagedCache, layer_pages, q_thd, batch: TokenBatch, *, scale, c
         batch.num_seqs,
         scale=scale,
         causal=causal,
+    )
+
+
+def new_cache(
+    cfg: Qwen3Config,
+    num_slots: int,
+    max_len: int,
+    dtype,
+    page_size: int = 16,
+    impl: str | None = None,
+) -> PagedCache:
+    """A cache for the layers of `cfg` in which slot s owns the consecutive pages
+    s * pages_per_slot..: the simplest table, for callers that manage no pool (the engine
+    allocates pages per request instead)."""
+    pages_per_slot = -(-max_len // page_size)
+    layout = PagedLayout(
+        num_slots * pages_per_slot,
+        page_size,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        impl or attention.default_impl(),
+    )
+    table = jnp.arange(num_slots * pages_per_slot, dtype=jnp.int32).reshape(num_slots, -1)
+    return PagedCache(
+        tuple(attention.init_pages(layout, dtype) for _ in range(cfg.num_hidden_layers)),
+        table,
+        layout,
     )

@@ -1,4 +1,4 @@
-"""The Qwen3 target: causal decoder with a KV cache and hidden-state taps for the drafter."""
+"""The Qwen3 target: causal decoder with a paged KV cache and hidden-state taps for the drafter."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from flax import nnx
 
 from dspark_jax.config import Qwen3Config
 from dspark_jax.models import paged
-from dspark_jax.models.layers import MLP, Attention, Embed, KVCache, RMSNorm, attention, write_rows
-from dspark_jax.models.paged import PagedCache, TokenBatch
+from dspark_jax.models.layers import MLP, Attention, Embed, RMSNorm, attention
+from dspark_jax.models.paged import PagedCache, TokenBatch, new_cache
 
 
 class DecoderLayer(nnx.Module):
@@ -25,23 +25,14 @@ class DecoderLayer(nnx.Module):
             cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype
         )
 
-    def __call__(self, x_btd, positions_bt, mask_fn, cache_kv, key_window=None):
-        """`cache_kv` is (k_bshd, v_bshd, start_b) or None for a cache-free causal forward.
-
-        `key_window` (static) limits attention to the first cache positions.
-        """
+    def __call__(self, x_btd, positions_bt, mask_btk):
+        """A cache-free forward (training, parity checks) with an explicit attention mask."""
         h = self.input_layernorm(x_btd)
         q = self.self_attn.query(h, positions_bt)
         k, v = self.self_attn.key_value(h, positions_bt)
-        if cache_kv is not None:
-            k_cache, v_cache, start_b = cache_kv
-            k_cache, v_cache = write_rows(k_cache, k, start_b), write_rows(v_cache, v, start_b)
-            k, v = k_cache[:, :key_window], v_cache[:, :key_window]
-            cache_kv = (k_cache, v_cache)
-        o = attention(q, k, v, mask_fn(k.shape[1]), self.self_attn.scale)
+        o = attention(q, k, v, mask_btk, self.self_attn.scale)
         x_btd = x_btd + self.self_attn.output(o)
-        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
-        return x_btd, cache_kv
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd))
 
     def paged(self, x_1td, batch: TokenBatch, cache: PagedCache, layer_pages, causal: bool = True):
         """The layer over a packed batch: its keys/values are written to `layer_pages` first, then
@@ -58,9 +49,9 @@ class DecoderLayer(nnx.Module):
 
 
 class TargetOutput(NamedTuple):
-    hidden_btd: jax.Array  # final hidden state after the final norm (what lm_head reads)
-    taps_btf: jax.Array | None  # concatenated hidden states of the tapped layers
-    cache: KVCache | None
+    hidden: jax.Array  # final hidden state after the final norm (what lm_head reads)
+    taps: jax.Array | None  # concatenated hidden states of the tapped layers
+    cache: PagedCache | None  # the updated cache (paged forwards)
 
 
 class Qwen3(nnx.Module):
@@ -89,51 +80,33 @@ class Qwen3(nnx.Module):
     def dtype(self):
         return jnp.dtype(self.cfg.dtype)
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.init(self.cfg, batch, max_len)
+    def new_cache(
+        self, num_slots: int, max_len: int, page_size: int = 16, impl: str | None = None
+    ) -> PagedCache:
+        """A paged cache where each of `num_slots` slots owns pages for `max_len` positions."""
+        return new_cache(self.cfg, num_slots, max_len, self.dtype, page_size, impl)
 
-    def __call__(
-        self,
-        tokens_bt,
-        cache: KVCache | None = None,
-        tap_layer_ids: tuple[int, ...] = (),
-        key_window: int | None = None,
-    ) -> TargetOutput:
-        """Runs the decoder over `tokens_bt`.
+    def __call__(self, tokens_bt, tap_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        """The decoder over whole sequences at positions 0..T-1 with a causal mask (training,
+        parity checks): hidden [B, T, D], taps [B, T, F].
 
-        Without a cache: positions 0..T-1 with a causal mask (training, parity checks). With a
-        cache: row b's tokens sit at positions cache.lengths[b] + t, are written into the cache
-        and attend to everything before them; the returned cache has lengths + T (callers that
-        padded or later reject tokens set `lengths` themselves). A prefill into an empty cache
-        can pass `key_window=T` so attention reads T keys instead of the whole cache.
         `tap_layer_ids` follow the transformers `hidden_states` convention shifted by one: -1 is
         the embedding output and i the output of layer i.
         """
         b, t = tokens_bt.shape
-        start_b = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
-        positions_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-
-        def mask_fn(num_keys):
-            return jnp.arange(num_keys)[None, None, :] <= positions_bt[:, :, None]
-
+        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+        causal_btk = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
         x_btd = self.embed_tokens(tokens_bt, self.dtype)
         layer_out_btd = {-1: x_btd}
-        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i], start_b)
-            x_btd, layer_cache = layer(x_btd, positions_bt, mask_fn, layer_cache, key_window)
-            if layer_cache is not None:
-                new_k.append(layer_cache[0])
-                new_v.append(layer_cache[1])
+            x_btd = layer(x_btd, positions_bt, causal_btk)
             layer_out_btd[i] = x_btd
         taps_btf = (
             jnp.concatenate([layer_out_btd[i] for i in tap_layer_ids], axis=-1)
             if tap_layer_ids
             else None
         )
-        if cache is not None:
-            cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=start_b + t)
-        return TargetOutput(self.norm(x_btd), taps_btf, cache)
+        return TargetOutput(self.norm(x_btd), taps_btf, None)
 
     def paged_forward(
         self, tokens_t, batch: TokenBatch, cache: PagedCache, tap_layer_ids: tuple[int, ...] = ()
@@ -142,7 +115,9 @@ class Qwen3(nnx.Module):
 
         Token t sits at position batch.pos_t[t] of slot batch.slot_t[t]; its keys and values are
         written into the slot's pages (padding tokens write nothing) and it attends causally to
-        its slot's keys. Returns hidden states [T, D], taps [T, F] and the updated cache.
+        its slot's keys. Returns hidden states [T, D], taps [T, F] and the updated cache. Rolling
+        a slot back (rejected drafts) is only a matter of the lengths its next batch states: keys
+        past them are never read and are overwritten later.
         """
         x_1td = self.embed_tokens(tokens_t[None], self.dtype)
         layer_out = {-1: x_1td}

@@ -318,9 +318,9 @@ def target_features(
 ) -> tuple[jax.Array, jax.Array]:
     """(final normed hidden states, tapped features) of the frozen target, without gradient."""
     target = nnx.merge(models.target, target_state)
-    out = target(tokens_bl, None, tap_layer_ids=models.drafter_cfg.target_layer_ids)
-    hidden = constrain(out.hidden_btd, ("batch", "length", None), mesh)
-    taps = constrain(out.taps_btf, ("batch", "length", "features"), mesh)
+    out = target(tokens_bl, tap_layer_ids=models.drafter_cfg.target_layer_ids)
+    hidden = constrain(out.hidden, ("batch", "length", None), mesh)
+    taps = constrain(out.taps, ("batch", "length", "features"), mesh)
     return jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(taps)
 
 

@@ -1,0 +1,149 @@
+"""Time of each paged-attention path against the kv length in use and against the pool size.
+
+    PYTHONPATH=. python benchmarks/attention_paths.py --json attention_paths.json
+
+A verification-shaped step: `--slots` sequences of `--q-len` query tokens each (causal, the
+new tokens already written), every sequence holding `kv_len` keys. Two sweeps:
+
+- kv sweep: kv_len doubles while the pool and the page table stay fixed (room for
+  `--capacity` positions per slot). A path whose cost follows the keys in use roughly doubles.
+- pool sweep: kv_len stays at `--fixed-kv` while the per-slot capacity (so pages_per_slot and
+  num_pages) doubles. A path whose cost follows the keys in use stays flat; the dense
+  reference, which reads every page of the table, grows.
+
+Paths: "dense" and "jax" everywhere, plus the backend's kernel path ("pallas_gpu" /
+"pallas_tpu") on an accelerator. Interpret-mode kernels are not timed: that measures the
+interpreter. A cell is the median over --repeats calls of one compiled program; calls
+alternate between cells so that load from elsewhere on the machine hits every cell alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from provenance import git_commit
+
+from dspark_jax.models import attention as attn
+
+
+def build(impl, *, slots, q_len, kv_len, capacity, page_size, kv_heads, groups, head_dim, dtype,
+          seed=0):
+    """Pages filled for `slots` sequences of kv_len keys and the packed query batch."""
+    pages_per_slot = capacity // page_size
+    layout = attn.PagedLayout(slots * pages_per_slot, page_size, kv_heads, head_dim, impl)
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(slots * pages_per_slot).reshape(slots, pages_per_slot)
+    table = jnp.asarray(table, jnp.int32)
+    tokens = slots * kv_len
+    slot_t = jnp.repeat(jnp.arange(slots, dtype=jnp.int32), kv_len)
+    pos_t = jnp.tile(jnp.arange(kv_len, dtype=jnp.int32), slots)
+    k = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
+    pages = jax.jit(attn.write_kv, static_argnums=1)(
+        attn.init_pages(layout, dtype), layout, k, v, table, slot_t, pos_t,
+        jnp.ones((tokens,), bool))
+    q = jnp.asarray(rng.standard_normal((slots * q_len, kv_heads * groups, head_dim)), dtype)
+    meta = (
+        table,
+        jnp.arange(slots, dtype=jnp.int32),
+        jnp.arange(slots + 1, dtype=jnp.int32) * q_len,
+        jnp.full((slots,), kv_len, jnp.int32),
+        jnp.int32(slots),
+    )
+    return layout, pages, q, meta
+
+
+def time_paths(configs, repeats) -> list[float]:
+    """Median ms per config. Calls go round-robin over the configs, so load from other work on
+    the machine drifts into every cell alike instead of into whichever sweep ran during it."""
+    runs = []
+    for impl, shape in configs:
+        layout, pages, q, meta = build(impl, **shape)
+        step = jax.jit(attn.ragged_paged_attention, static_argnums=2,
+                       static_argnames=("scale", "causal"))
+        call = functools.partial(step, q, pages, layout, *meta, scale=shape["head_dim"] ** -0.5,
+                                 causal=True)
+        call().block_until_ready()
+        runs.append(call)
+    times = [[] for _ in configs]
+    for _ in range(repeats):
+        for call, cell in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            call().block_until_ready()
+            cell.append(time.perf_counter() - start)
+    return [statistics.median(cell) * 1e3 for cell in times]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--q-len", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-lens", default="128,256,512,1024")
+    parser.add_argument("--capacity", type=int, default=2048)
+    parser.add_argument("--fixed-kv", type=int, default=256)
+    parser.add_argument("--capacities", default="512,1024,2048,4096")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--impls", default=None,
+                        help="comma-separated; default dense, jax and the backend's kernel path")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    impls = args.impls.split(",") if args.impls else ["dense", "jax"]
+    if args.impls is None and attn.default_impl() != "jax":
+        impls.append(attn.default_impl())
+    common = dict(slots=args.slots, q_len=args.q_len, page_size=args.page_size,
+                  kv_heads=args.kv_heads, groups=args.groups, head_dim=args.head_dim,
+                  dtype=jnp.dtype(args.dtype))
+    rows = []
+    for impl in impls:
+        for kv_len in (int(x) for x in args.kv_lens.split(",")):
+            rows.append(dict(sweep="kv", impl=impl, kv_len=kv_len, capacity=args.capacity))
+        for capacity in (int(x) for x in args.capacities.split(",")):
+            rows.append(dict(sweep="pool", impl=impl, kv_len=args.fixed_kv, capacity=capacity))
+    configs = [(row["impl"], dict(kv_len=row["kv_len"], capacity=row["capacity"], **common))
+               for row in rows]
+    for row, ms in zip(rows, time_paths(configs, args.repeats), strict=True):
+        row["ms"] = ms
+
+    device = jax.devices()[0]
+    print(f"device {device.device_kind} ({jax.default_backend()}), commit {git_commit()}, "
+          f"{args.slots} slots x {args.q_len} queries, {args.kv_heads * args.groups}/"
+          f"{args.kv_heads} heads, head_dim {args.head_dim}, page {args.page_size}, {args.dtype}")
+    print(f"{'sweep':<6}{'impl':<12}{'kv_len':>8}{'capacity':>10}{'pages':>8}{'ms':>10}"
+          f"{'x first':>9}")
+    first = {}
+    for row in rows:
+        base = first.setdefault((row["sweep"], row["impl"]), row["ms"])
+        row["num_pages"] = args.slots * row["capacity"] // args.page_size
+        row["ratio_to_first"] = row["ms"] / base
+        print(f"{row['sweep']:<6}{row['impl']:<12}{row['kv_len']:>8}{row['capacity']:>10}"
+              f"{row['num_pages']:>8}{row['ms']:>10.2f}{row['ratio_to_first']:>9.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            benchmark="attention_paths",
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            commit=git_commit(),
+            device=device.device_kind,
+            backend=jax.default_backend(),
+            settings={k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()
+                      if k != "json"},
+            rows=rows,
+        ), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,454 @@
+"""Paged KV storage and ragged paged attention (dspark_jax.models.attention).
+
+The chain of trust: the "dense" reference is held to `layers.attention` (today's contiguous-cache
+code) on the same keys; every other path is held to the dense reference. Kernel paths run in
+Pallas interpret mode on CPU, except the ragged TPU kernel, which JAX cannot interpret (see the
+module docstring): everything we feed it is checked through its shipped pure-JAX reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.models import attention as attn
+from dspark_jax.models.layers import attention as contiguous_attention
+
+SCALE = 0.3
+
+
+@dataclasses.dataclass
+class Case:
+    """A packed batch over a paged pool, plus the same keys as contiguous per-slot caches."""
+
+    k_sckd: np.ndarray  # [slots, capacity, KV, D]: position p of slot s (garbage past kv_len)
+    v_sckd: np.ndarray
+    q_thd: np.ndarray
+    page_table_sp: np.ndarray
+    seq_slot_n: np.ndarray
+    cu_q_lens_n1: np.ndarray
+    kv_lens_n: np.ndarray
+    num_seqs: int
+    num_pages: int
+    page_size: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_sckd.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_sckd.shape[3]
+
+    def layout(self, impl: str, **kw) -> attn.PagedLayout:
+        return attn.PagedLayout(self.num_pages, self.page_size, self.kv_heads, self.head_dim,
+                                impl, **kw)
+
+    def args(self):
+        return (
+            jnp.asarray(self.page_table_sp),
+            jnp.asarray(self.seq_slot_n),
+            jnp.asarray(self.cu_q_lens_n1),
+            jnp.asarray(self.kv_lens_n),
+            jnp.int32(self.num_seqs),
+        )
+
+
+def make_case(seed, *, groups, kv_heads=2, head_dim=16, page_size=4, seqs=None, pad_tokens=3):
+    """`seqs`: (kv_len, q_len) per live sequence. Includes, by default, an empty slot, a
+    sequence without keys, a one-token decode, a verification run and a prefill-like chunk."""
+    rng = np.random.default_rng(seed)
+    seqs = seqs or [(9, 3), (0, 0), (1, 1), (17, 8), (0, 2), (6, 6)]
+    num_seqs = len(seqs)
+    n = num_seqs + 2  # static maximum above num_seqs: trailing entries must be ignored
+    num_slots = num_seqs + 1
+    capacity_pages = max(-(-kv // page_size) for kv, _ in seqs) + 1
+    capacity = capacity_pages * page_size
+    owned = [-(-kv // page_size) for kv, _ in seqs]
+    num_pages = sum(owned) + 3
+    physical = rng.permutation(num_pages)
+    # Unowned entries point at page 0, which belongs to someone: reading one would show.
+    page_table = np.zeros((num_slots, capacity_pages), np.int32)
+    slots = rng.permutation(num_slots)[:num_seqs]
+    used = 0
+    for slot, count in zip(slots, owned, strict=True):
+        page_table[slot, :count] = physical[used:used + count]
+        used += count
+    q_lens = [q for _, q in seqs]
+    total = sum(q_lens)
+    cu = np.zeros(n + 1, np.int32)
+    cu[1:num_seqs + 1] = np.cumsum(q_lens)
+    cu[num_seqs + 1:] = [1, 0][: n - num_seqs]  # garbage past num_seqs
+    kv_lens = np.full(n, 5, np.int32)  # garbage past num_seqs
+    kv_lens[:num_seqs] = [kv for kv, _ in seqs]
+    seq_slot = np.full(n, slots[0], np.int32)
+    seq_slot[:num_seqs] = slots
+    heads = kv_heads * groups
+    return Case(
+        k_sckd=rng.standard_normal((num_slots, capacity, kv_heads, head_dim)).astype(np.float32),
+        v_sckd=rng.standard_normal((num_slots, capacity, kv_heads, head_dim)).astype(np.float32),
+        q_thd=rng.standard_normal((total + pad_tokens, heads, head_dim)).astype(np.float32),
+        page_table_sp=page_table,
+        seq_slot_n=seq_slot,
+        cu_q_lens_n1=cu,
+        kv_lens_n=kv_lens,
+        num_seqs=num_seqs,
+        num_pages=num_pages,
+        page_size=page_size,
+    )
+
+
+def fill(case: Case, layout: attn.PagedLayout, dtype=jnp.float32) -> attn.Pages:
+    """Writes every slot's keys below its kv length, packed, with invalid tokens mixed in."""
+    slot_t, pos_t = [], []
+    for i in range(case.num_seqs):
+        slot = case.seq_slot_n[i]
+        for p in range(case.kv_lens_n[i]):
+            slot_t.append(slot)
+            pos_t.append(p)
+    valid_t = [True] * len(slot_t) + [False] * 3
+    slot_t += [0, 1, 0]
+    pos_t += [0, 2, 1]
+    k_thd = case.k_sckd[slot_t, pos_t]
+    v_thd = case.v_sckd[slot_t, pos_t]
+    # Invalid tokens carry huge values: if one landed anywhere, outputs would show it.
+    k_thd[-3:] = 1e4
+    v_thd[-3:] = 1e4
+    pages = attn.init_pages(layout, dtype)
+    write = jax.jit(attn.write_kv, static_argnames="layout")
+    return write(pages, layout=layout, k_thd=jnp.asarray(k_thd), v_thd=jnp.asarray(v_thd),
+                 page_table_sp=jnp.asarray(case.page_table_sp), slot_t=jnp.asarray(slot_t),
+                 pos_t=jnp.asarray(pos_t), valid_t=jnp.asarray(valid_t))
+
+
+def contiguous_reference(case: Case, causal: bool, dtype=jnp.float32) -> np.ndarray:
+    """`layers.attention` over each sequence's contiguous slot cache row, masked the way the
+    current engine masks a [max_len] cache (one batched call, a row per sequence); zeros for
+    tokens that see no key."""
+    q_lens = np.diff(case.cu_q_lens_n1[: case.num_seqs + 1])
+    q_max, capacity = max(int(q_lens.max()), 1), case.k_sckd.shape[1]
+    kv_lens = case.kv_lens_n[: case.num_seqs]
+    slots = case.seq_slot_n[: case.num_seqs]
+    q_bqhd = np.zeros((case.num_seqs, q_max, *case.q_thd.shape[1:]), np.float32)
+    for i, (start, q_len) in enumerate(zip(case.cu_q_lens_n1, q_lens, strict=False)):
+        q_bqhd[i, :q_len] = case.q_thd[start:start + q_len]
+    key_s = np.arange(capacity)
+    if causal:
+        pos_bq = (kv_lens - q_lens)[:, None] + np.arange(q_max)[None, :]
+        mask_bqs = key_s[None, None, :] <= pos_bq[:, :, None]
+    else:
+        mask_bqs = np.ones((case.num_seqs, q_max, capacity), bool)
+    mask_bqs &= key_s[None, None, :] < kv_lens[:, None, None]
+    o_bqhd = contiguous_attention(
+        jnp.asarray(q_bqhd, dtype), jnp.asarray(case.k_sckd[slots], dtype),
+        jnp.asarray(case.v_sckd[slots], dtype), jnp.asarray(mask_bqs), SCALE)
+    out = np.zeros(case.q_thd.shape, np.float32)
+    for i, (start, q_len) in enumerate(zip(case.cu_q_lens_n1, q_lens, strict=False)):
+        if kv_lens[i] > 0:
+            out[start:start + q_len] = np.asarray(o_bqhd[i, :q_len], np.float32)
+    return out
+
+
+_attend = jax.jit(attn.ragged_paged_attention, static_argnames=("layout", "scale", "causal"))
+
+
+def run(case: Case, layout: attn.PagedLayout, causal: bool, dtype=jnp.float32) -> np.ndarray:
+    pages = fill(case, layout, dtype)
+    out = _attend(jnp.asarray(case.q_thd, dtype), pages, layout, *case.args(), scale=SCALE,
+                  causal=causal)
+    assert out.dtype == dtype
+    return np.asarray(out, np.float32)
+
+
+def f32_tolerance(case: Case) -> float:
+    # Same keys, different summation order and an online softmax: a few float32 ulps of the
+    # output's scale, which is bounded by max |v|.
+    return 32 * float(np.finfo(np.float32).eps) * float(np.abs(case.v_sckd).max())
+
+
+def assert_padding_zero(case: Case, out: np.ndarray):
+    assert np.isfinite(out).all()
+    total = case.cu_q_lens_n1[case.num_seqs]
+    np.testing.assert_array_equal(out[total:], 0.0)
+
+
+RATIOS = [1, 3, 4]
+PAGE_SIZES = {1: 8, 3: 4, 4: 1}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("groups", RATIOS)
+def test_dense_reference_matches_layers_attention(groups, causal):
+    case = make_case(groups, groups=groups, page_size=PAGE_SIZES[groups])
+    out = run(case, case.layout("dense"), causal)
+    np.testing.assert_allclose(out, contiguous_reference(case, causal), rtol=0,
+                               atol=f32_tolerance(case))
+    assert_padding_zero(case, out)
+
+
+@pytest.mark.parametrize("chunk_pages", [0, 1, 3])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("groups", RATIOS)
+def test_jax_path_matches_dense(groups, causal, chunk_pages):
+    case = make_case(10 + groups, groups=groups, page_size=PAGE_SIZES[groups])
+    ref = run(case, case.layout("dense"), causal)
+    out = run(case, case.layout("jax", kv_chunk_pages=chunk_pages), causal)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=f32_tolerance(case))
+    assert_padding_zero(case, out)
+
+
+def _gpu_cases():
+    fast = [(3, True, 8), (4, False, 8), (1, True, 2)]
+    slow = [(g, c, r) for g in RATIOS for c in (True, False) for r in (1, 3, 8)]
+    return [*fast, *(pytest.param(*p, marks=pytest.mark.slow) for p in slow if p not in fast)]
+
+
+@pytest.mark.parametrize(("groups", "causal", "per_fold"), _gpu_cases())
+def test_pallas_gpu_matches_dense(groups, causal, per_fold):
+    case = make_case(20 + groups, groups=groups, page_size=PAGE_SIZES[groups])
+    ref = run(case, case.layout("dense"), causal)
+    layout = case.layout("pallas_gpu", interpret=True, queries_per_fold=per_fold)
+    out = run(case, layout, causal)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=f32_tolerance(case))
+    assert_padding_zero(case, out)
+
+
+def _shipped_tpu_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
+    """The ragged kernel's own reference, padded back to the packed token count. It loops over
+    sequences in Python, slicing with the lengths, so those are host constants here and the
+    rest is compiled as one program."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        ref_ragged_paged_attention,
+    )
+
+    lens, cu, count = np.asarray(kv_lens), np.asarray(cu_q_lens), np.asarray(num_seqs)
+
+    def reference(q, kv_pages, page_indices):
+        out = ref_ragged_paged_attention(q, kv_pages, lens, page_indices, cu, count,
+                                         sm_scale=sm_scale)
+        return jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
+
+    return jax.jit(reference)(q, kv_pages, page_indices)
+
+
+def run_tpu_inputs(case: Case, causal: bool, dtype=jnp.float32, **layout_kw) -> np.ndarray:
+    """The pallas_tpu path with the kernel replaced by its shipped reference: a first pass
+    captures what the path hands the kernel, the reference runs on it, and a second pass feeds
+    the reference's output back through the path's unpacking."""
+    layout = case.layout("pallas_tpu", **layout_kw)
+    pages = fill(case, layout, dtype)
+    q = jnp.asarray(case.q_thd, dtype)
+
+    def path(q, pages, table, seq_slot, cu, kv_lens, num_seqs, kernel):
+        rag = attn._ragged(q.shape[0], seq_slot, cu, kv_lens, num_seqs, causal)
+        out = attn._pallas_tpu(q, pages, layout, table, seq_slot, rag, SCALE, causal,
+                               kernel=kernel)
+        return jnp.where(rag.limit_t[:, None, None] > 0, out, 0)
+
+    @jax.jit
+    def kernel_inputs(*args):
+        captured = []
+
+        def capture(*kernel_args, sm_scale):
+            assert sm_scale == SCALE
+            captured.append(kernel_args)
+            return jnp.zeros(kernel_args[0].shape, kernel_args[0].dtype)
+
+        path(*args, kernel=capture)
+        return captured[0]
+
+    @jax.jit
+    def unpack(kernel_out, *args):
+        return path(*args, kernel=lambda *_, sm_scale: kernel_out)
+
+    args = (q, pages, *case.args())
+    kernel_out = _shipped_tpu_reference(*kernel_inputs(*args), sm_scale=SCALE)
+    return np.asarray(unpack(kernel_out, *args), np.float32)
+
+
+def _tpu_cases():
+    fast = [(3, True, 8), (4, False, 3)]
+    slow = [(g, c, r) for g in RATIOS for c in (True, False) for r in (1, 8)]
+    return [*fast, *(pytest.param(*p, marks=pytest.mark.slow) for p in slow if p not in fast)]
+
+
+@pytest.mark.parametrize(("groups", "causal", "per_fold"), _tpu_cases())
+def test_pallas_tpu_kernel_inputs_match_dense(groups, causal, per_fold):
+    case = make_case(30 + groups, groups=groups, page_size=PAGE_SIZES[groups])
+    ref = run(case, case.layout("dense"), causal)
+    out = run_tpu_inputs(case, causal, queries_per_fold=per_fold)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=f32_tolerance(case))
+
+
+def test_pallas_tpu_pages_pad_head_dim_to_lanes():
+    layout = attn.PagedLayout(8, 4, 2, 64, "pallas_tpu")
+    (kv_pages,) = attn.init_pages(layout, jnp.bfloat16).arrays
+    assert kv_pages.shape == (8, 4, 4, 128)
+    assert attn.PagedLayout(8, 4, 2, 128, "pallas_tpu").physical_head_dim == 128
+
+
+def test_pallas_tpu_interpret_mode_runs_or_hits_known_interpreter_gap():
+    """JAX's TPU interpreter cannot run the ragged kernel (it reshapes a VMEM ref; the
+    interpreter only handles indexing transforms). Pin that: the day it runs, it must match."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    case = make_case(40, groups=2, head_dim=128, seqs=[(5, 2), (3, 3)], pad_tokens=1)
+    ref = run(case, case.layout("dense"), True)
+    try:
+        out = run(case, case.layout("pallas_tpu", interpret=True), True)
+    except Exception as err:  # noqa: BLE001 - the interpreter surfaces it as a runtime error
+        pltpu.reset_tpu_interpret_mode_state()
+        assert "ReshapeTransform" in str(err), err
+        return
+    np.testing.assert_allclose(out, ref, rtol=0, atol=f32_tolerance(case))
+
+
+# bfloat16: inputs are bf16 values; the truth is float32 attention on those same values. Error
+# sources: rounding the probabilities (dense) or the scaled queries (pallas_gpu) to bf16, each a
+# relative error of at most u = 2^-8 on every weight, and rounding the output, another u; all
+# scale with max |v|. 4u covers them with a factor of two to spare.
+BF16_U = 2.0**-8
+
+
+@pytest.mark.parametrize(
+    ("impl", "layout_kw"),
+    [("dense", {}), ("jax", {}), ("pallas_gpu", {"interpret": True}), ("pallas_tpu", {})],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_bfloat16_within_bf16_rounding_of_float32_truth(impl, layout_kw, causal):
+    case = make_case(50, groups=4)
+    as_bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    case = dataclasses.replace(case, q_thd=as_bf16(case.q_thd), k_sckd=as_bf16(case.k_sckd),
+                               v_sckd=as_bf16(case.v_sckd))
+    truth = contiguous_reference(case, causal)
+    if impl == "pallas_tpu":
+        out = run_tpu_inputs(case, causal, jnp.bfloat16)
+    else:
+        out = run(case, case.layout(impl, **layout_kw), causal, jnp.bfloat16)
+    np.testing.assert_allclose(out, truth, rtol=0,
+                               atol=4 * BF16_U * float(np.abs(case.v_sckd).max()))
+    assert_padding_zero(case, out)
+
+
+@pytest.mark.parametrize("impl", ["dense", "jax", "pallas_tpu", "pallas_gpu"])
+def test_write_kv_drops_invalid_tokens_and_leaves_other_slots_alone(impl):
+    page_size, pages_per_slot = 4, 3
+    layout = attn.PagedLayout(10, page_size, 2, 8, impl)
+    table = jnp.array([[3, 7, 0], [5, 1, 0]], jnp.int32)  # slot 0 owns 3,7; slot 1 owns 5,1
+    rng = np.random.default_rng(0)
+    before = attn.Pages(tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype)
+                              for a in attn.init_pages(layout, jnp.float32).arrays))
+    k_thd = jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32)
+    v_thd = jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32)
+    slot_t = jnp.array([0, 0, 1, 1, 0], jnp.int32)
+    pos_t = jnp.array([5, 0, 2, 3, pages_per_slot * page_size], jnp.int32)
+    valid_t = jnp.array([True, False, True, False, True])  # the last is past the page table
+    after = jax.jit(attn.write_kv, static_argnames="layout")(
+        before, layout, k_thd, v_thd, table, slot_t, pos_t, valid_t)
+    k_old, v_old = attn.gather_slot_kv(before, layout, table)
+    k_new, v_new = attn.gather_slot_kv(after, layout, table)
+    expect_k, expect_v = np.array(k_old), np.array(v_old)
+    for t in (0, 2):
+        expect_k[slot_t[t], pos_t[t]] = k_thd[t]
+        expect_v[slot_t[t], pos_t[t]] = v_thd[t]
+    # Slot rows hold logical page 2 -> physical 0 for both slots; compare owned pages only.
+    np.testing.assert_array_equal(np.asarray(k_new)[:, :8], expect_k[:, :8])
+    np.testing.assert_array_equal(np.asarray(v_new)[:, :8], expect_v[:, :8])
+    # No page other than the two written ones changed anywhere in the pool.
+    untouched_pages = [p for p in range(10) if p not in (7, 5)]
+    for a, b in zip(before.arrays, after.arrays, strict=True):
+        page_axis = 1 if layout.split_kv else 0
+        np.testing.assert_array_equal(np.take(np.asarray(a), untouched_pages, axis=page_axis),
+                                      np.take(np.asarray(b), untouched_pages, axis=page_axis))
+
+
+@pytest.mark.parametrize(
+    ("impl", "layout_kw"), [("dense", {}), ("jax", {}), ("pallas_gpu", {"interpret": True})]
+)
+def test_one_program_across_lengths(impl, layout_kw):
+    def attend_fn(*args, **kwargs):  # a fresh function: jit caches are per function object
+        return attn.ragged_paged_attention(*args, **kwargs)
+
+    attend = jax.jit(attend_fn, static_argnums=2, static_argnames=("scale", "causal"))
+    shapes = None
+    for seed, seqs in enumerate([[(9, 3), (4, 4), (1, 1)], [(2, 1), (0, 0), (17, 8)],
+                                 [(12, 5), (6, 1), (3, 3)]]):
+        case = make_case(60 + seed, groups=2, seqs=seqs, pad_tokens=14 - sum(q for _, q in seqs))
+        # Same static shapes for every batch: pad the pool and tables to a common size.
+        case = dataclasses.replace(
+            case,
+            num_pages=16,
+            page_table_sp=np.pad(case.page_table_sp,
+                                 ((0, 0), (0, 6 - case.page_table_sp.shape[1]))),
+            k_sckd=np.pad(case.k_sckd, ((0, 0), (0, 24 - case.k_sckd.shape[1]), (0, 0), (0, 0))),
+            v_sckd=np.pad(case.v_sckd, ((0, 0), (0, 24 - case.v_sckd.shape[1]), (0, 0), (0, 0))),
+        )
+        layout = case.layout(impl, **layout_kw)
+        pages = fill(case, layout)
+        q = jnp.asarray(case.q_thd)
+        args = case.args()
+        now = (q.shape, tuple(a.shape for a in args))
+        assert shapes in (None, now)
+        shapes = now
+        out = attend(q, pages, layout, *args, scale=SCALE, causal=True)
+        np.testing.assert_allclose(np.asarray(out), contiguous_reference(case, True), rtol=0,
+                                   atol=f32_tolerance(case))
+    assert attend._cache_size() == 1
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """The largest array any equation of a jaxpr (or its sub-jaxprs) produces."""
+    biggest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            biggest = max(biggest, int(np.prod(var.aval.shape, dtype=np.int64)))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    biggest = max(biggest, _largest_intermediate(sub.jaxpr))
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    biggest = max(biggest, _largest_intermediate(sub))
+    return biggest
+
+
+@pytest.mark.parametrize(("impl", "follows_pool"), [("jax", False), ("dense", True)])
+def test_work_per_step_does_not_follow_pool_or_table_width(impl, follows_pool):
+    """The jax path's arrays are sized by the chunk, whatever the pool or page table size
+    (its trip count follows the longest visible length); the dense reference's are not."""
+    sizes = []
+    for num_pages, pages_per_slot in ((64, 16), (1024, 256)):
+        layout = attn.PagedLayout(num_pages, 4, 2, 16, impl, kv_chunk_pages=2)
+        pages = attn.init_pages(layout, jnp.float32)
+        jaxpr = jax.make_jaxpr(
+            lambda q, p, t, layout=layout: attn.ragged_paged_attention(
+                q, p, layout, t, jnp.arange(3, dtype=jnp.int32),
+                jnp.array([0, 2, 5, 6], jnp.int32), jnp.array([7, 9, 3], jnp.int32),
+                jnp.int32(3), scale=SCALE, causal=True))(
+            jnp.ones((8, 4, 16)), pages, jnp.zeros((4, pages_per_slot), jnp.int32))
+        sizes.append(_largest_intermediate(jaxpr.jaxpr))
+    assert (sizes[1] > sizes[0]) == follows_pool, sizes
+
+
+def test_default_impl_by_backend():
+    assert attn.default_impl("cpu") == "jax"
+    assert attn.default_impl("tpu") == "pallas_tpu"
+    assert attn.default_impl("gpu") == "pallas_gpu"
+    assert attn.default_impl("cuda") == "pallas_gpu"
+    assert attn.default_impl() == "jax"  # the tests run on CPU
+
+
+def test_layout_rejects_unknown_impl_and_mismatched_queries():
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        attn.PagedLayout(4, 4, 2, 16, "flash")
+    layout = attn.PagedLayout(4, 4, 2, 16, "jax")
+    pages = attn.init_pages(layout, jnp.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        attn.ragged_paged_attention(
+            jnp.ones((2, 3, 16)), pages, layout, jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1,), jnp.int32), jnp.array([0, 2], jnp.int32), jnp.array([2], jnp.int32),
+            1, scale=SCALE, causal=True)
