@@ -6,9 +6,10 @@ Qwen3-4B target and the released 4B DSpark drafter config, in bf16, at batch 1, 
     python benchmarks/decode_speed.py                  # Qwen3-4B + DSpark drafter
     python benchmarks/decode_speed.py --config tiny    # fixture-sized, for CPU
 
-Each batch size gets a prompt of --context random tokens per request, then `--rounds` decode
-rounds run in one compiled chunk (the engine's on-device while_loop); a cell is the median over
---repeats timed chunks of chunk time / rounds. Reported:
+Each batch size gets an engine with that many slots, every slot holding a request at --context
+cached positions, then `--rounds` decode rounds run in one compiled chunk (the engine's on-device
+while_loop); a cell is the median over --repeats timed chunks of chunk time / rounds (the slots
+are rolled back to --context between chunks). Reported:
 
 - plain step: one target step of autoregressive decoding (one token per request).
 - spec round: one speculative round (draft a block of gamma tokens, verify gamma + 1 in one
@@ -16,11 +17,11 @@ rounds run in one compiled chunk (the engine's on-device while_loop); a cell is 
   nothing, so throughput is projected for the acceptance lengths tau the paper reports
   (tau tokens per round per request): tok/s = batch * tau / round time, speedup over plain =
   tau * step time / round time.
-- floor: (weight bytes read + KV-cache bytes read) / HBM bandwidth for one target step. Weight
-  bytes exclude lookup-only tables (an untied input embedding); KV bytes are the whole
-  preallocated cache (max_len positions), which the engine's attention reads.
-- programs: XLA compilations during warm-up (prefill, decode chunk and state init per batch);
-  the timed chunks must compile nothing.
+- floor: (weight bytes read + KV bytes read) / HBM bandwidth for one target step. Weight bytes
+  exclude lookup-only tables (an untied input embedding); KV bytes are the keys and values in
+  use (batch x context positions): the paged attention reads only those, whatever the pool.
+- programs: XLA compilations during warm-up (every program of the engine); the timed chunks
+  must compile nothing.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from provenance import git_commit
 
 from dspark_jax import configs
 from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.profiling import filled_state
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.sampling import SamplingConfig
 
 CONFIGS = {
     "qwen3-4b": ("qwen3-4b", "dspark-qwen3-4b"),
@@ -133,10 +134,11 @@ def bytes_read_per_step(model, lookup_only: tuple[str, ...], tied: bool = False)
     return total
 
 
-def cache_bytes(init_cache) -> int:
-    """Bytes of the K/V arrays of a cache built by `init_cache()` (shapes only, no allocation)."""
-    cache = jax.eval_shape(init_cache)
-    return sum(a.size * a.dtype.itemsize for a in (*cache.k, *cache.v))
+def kv_bytes_per_position(cfg) -> int:
+    """Bytes of keys and values one cached position holds across all layers of `cfg`."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (
+        jnp.dtype(cfg.dtype).itemsize
+    )
 
 
 class CompileCounter:
@@ -150,37 +152,36 @@ class CompileCounter:
             self.count += 1
 
 
-def time_chunks(engine: Engine, batch: int, context: int, max_new: int, repeats: int, seed: int):
+def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
     """(median seconds per round, committed tokens per request-round, warm-up compiles,
-    compiles while timing)."""
-    rng = np.random.default_rng(seed)
-    vocab = engine.target_cfg.vocab_size
-    prompts = rng.integers(0, vocab, (batch, context)).astype(np.int32)
-    prompt_len = np.full((batch,), context, np.int32)
-    max_new_b = np.full((batch,), max_new, np.int32)
-    active = np.ones((batch,), bool)
+    compiles while timing) with every slot live at `context` cached positions."""
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
+    slots = engine.cfg.num_slots
     try:
-        state = engine.init_state(batch)
-        seeds = np.arange(batch, dtype=np.uint32)
-        state = engine.prefill(state, prompts, prompt_len, max_new_b, seeds, active)
-        state = engine.decode_chunk(state)
-        jax.block_until_ready(state)
+        engine.warm_up()
+        state = filled_state(engine, context, temperature)
         warm_compiles, counter.count = counter.count, 0
         per_round, tokens = [], []
-        for rep in range(repeats):
-            seeds = np.arange(batch, dtype=np.uint32) + np.uint32((rep + 1) * batch)
-            state = engine.prefill(state, prompts, prompt_len, max_new_b, seeds, active)
-            jax.block_until_ready(state)
+        for rep in range(repeats + 1):
+            state = state.replace(
+                live_s=jnp.ones((slots,), bool),
+                lengths_s=jnp.full((slots,), context, jnp.int32),
+                num_generated_s=jnp.zeros((slots,), jnp.int32),
+                keys_s=jax.vmap(jax.random.key)(jnp.arange(slots, dtype=jnp.uint32) + rep * slots),
+            )
+            jax.block_until_ready(state.lengths_s)
             start = time.perf_counter()
-            state = engine.decode_chunk(state)
-            jax.block_until_ready(state)
+            state, out = engine.decode_chunk(state)
+            jax.block_until_ready(out.count_s)
             elapsed = time.perf_counter() - start
-            rounds = int(np.max(np.asarray(state.rounds_b)))
-            generated = np.asarray(state.num_generated_b) - 1
+            if rep == 0:
+                # The first chunk also compiles the small eager ops that reset the state above.
+                counter.count = 0
+                continue
+            rounds = int(np.sum(np.asarray(out.step_tokens_r) > 0))
             per_round.append(elapsed / rounds)
-            tokens.append(float(np.sum(generated)) / (rounds * batch))
+            tokens.append(float(np.sum(np.asarray(out.count_s))) / (rounds * slots))
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
     return statistics.median(per_round), statistics.median(tokens), warm_compiles, counter.count
@@ -195,8 +196,8 @@ def run(args: argparse.Namespace) -> dict:
     )
     context = args.context or (128 if args.config == "tiny" else 1024)
     gamma = drafter_cfg.block_size
-    max_new = args.rounds * (gamma + 1) + 1  # no request reaches its length inside a chunk
-    max_len = -(-(context + max_new + gamma + 1) // 128) * 128
+    # Room for one chunk of rounds past the context: the slots are rolled back between chunks.
+    max_len = -(-(context + (args.rounds + 1) * (gamma + 1)) // 128) * 128
     device = jax.devices()[0]
     bandwidth = args.bandwidth_gbs or default_bandwidth_gbs(device.device_kind)
 
@@ -210,32 +211,27 @@ def run(args: argparse.Namespace) -> dict:
         target, LOOKUP_ONLY["target"], tied=target_cfg.tie_word_embeddings
     )
     drafter_weights = bytes_read_per_step(drafter, LOOKUP_ONLY["drafter"])
-    cfg = EngineConfig(
-        max_len=max_len,
-        max_new_tokens=max_new,
-        batch_buckets=tuple(sorted(set(args.batch_sizes))),
-        prompt_buckets=(context,),
-        rounds_per_chunk=args.rounds,
-    )
-    sampling = SamplingConfig(temperature=args.temperature)
-    engines = {
-        "plain": Engine(target, None, cfg, sampling=sampling),
-        "spec": Engine(target, drafter, cfg, sampling=sampling),
-    }
-
     rows = []
     for batch in args.batch_sizes:
+        cfg = EngineConfig(
+            num_slots=batch,
+            max_model_len=max_len,
+            rounds_per_chunk=args.rounds,
+            prefill_chunk=16,
+            prefill_buckets=(16,),
+        )
+        engines = {"plain": Engine(target, None, cfg), "spec": Engine(target, drafter, cfg)}
         row: dict = {"batch": batch}
         for mode, engine in engines.items():
             seconds, tokens, compiles, late = time_chunks(
-                engine, batch, context, max_new, args.repeats, args.seed
+                engine, context, args.repeats, args.temperature
             )
             row[f"{mode}_ms"] = seconds * 1e3
             row[f"{mode}_tokens_per_round"] = tokens
             row[f"{mode}_programs"] = compiles
             row[f"{mode}_compiles_while_timing"] = late
-        kv = cache_bytes(lambda b=batch: target.init_cache(b, max_len))
-        draft_kv = cache_bytes(lambda b=batch: drafter.init_context_cache(b, max_len))
+        kv = batch * context * kv_bytes_per_position(target_cfg)
+        draft_kv = batch * context * kv_bytes_per_position(drafter_cfg.model)
         row["target_step_bytes"] = target_weights + kv
         row["spec_round_bytes"] = target_weights + kv + drafter_weights + draft_kv
         row["floor_ms"] = row["target_step_bytes"] / (bandwidth * 1e9) * 1e3 if bandwidth else None
@@ -308,7 +304,7 @@ def format_table(result: dict) -> str:
     lines.append(f"compilations while timing: {late}")
     lines.append(
         f"{result['device']} ({result['platform']}), {result['target']} + {result['drafter']}, "
-        f"{result['dtype']}, gamma {result['gamma']}, context {result['context']}, max_len "
+        f"{result['dtype']}, gamma {result['gamma']}, context {result['context']}, max_model_len "
         f"{result['max_len']}, bandwidth {fmt(bandwidth, '.0f')} GB/s, commit "
         f"{result['commit']}, {result['date']}"
     )

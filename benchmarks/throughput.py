@@ -39,8 +39,8 @@ from provenance import git_commit
 from dspark_jax.conversations import load_conversations
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Observer, Request
-from dspark_jax.decoding.profiling import profile_engine
 from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.profiling import profile_engine
 from dspark_jax.embedded import EMBEDDED_DIR
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.tokenizer import ByteTokenizer, encode_chat
@@ -211,7 +211,7 @@ def main() -> None:
             cell = run_cell(engine, prompts, lengths, args.requests_per_client, args.temperature)
             return {**cell, "setting": setting}
 
-        def spec(policy):
+        def spec(policy, cfg=cfg):
             return Engine(target, drafter, cfg, policy=policy, stop_tokens=models.stop_tokens)
 
         cells = {"no speculation": measure(Engine(target, None, cfg))}
@@ -284,7 +284,8 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     ax = fig.subplots()
     for mode in dict.fromkeys(r["mode"] for r in rows):
         pts = [r for r in rows if r["mode"] == mode]
-        ax.plot([r["per_user"] for r in pts], [r["throughput"] for r in pts], marker="o", label=mode)
+        xs, ys = [r["per_user"] for r in pts], [r["throughput"] for r in pts]
+        ax.plot(xs, ys, marker="o", label=mode)
         for r in pts:
             ax.annotate(str(r["concurrency"]), (r["per_user"], r["throughput"]), fontsize=7)
     ax.set_xscale("log")

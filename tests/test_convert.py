@@ -28,6 +28,7 @@ from dspark_jax.checkpoints.safetensors_io import (
 )
 from dspark_jax.cli import main
 from dspark_jax.config import ConfigError
+from dspark_jax.models.paged import TokenBatch
 from dspark_jax.sampling import SamplingConfig
 
 REPO = Path(__file__).parents[1]

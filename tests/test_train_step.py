@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dspark_jax.models.paged import TokenBatch
 from dspark_jax.training import step as S
 from dspark_jax.training.loss import DSPARK_WEIGHTS, sample_anchors
 from tests.fixture_models import load_pair
@@ -89,9 +90,17 @@ def _independent_blocks(drafter, hidden_bld, taps_blf, target, tokens, loss_mask
     seq_len = tokens.shape[1]
     rows = np.repeat(np.arange(tokens.shape[0]), anchors.shape[1])
     starts = anchors.reshape(-1)
-    cache = drafter.init_context_cache(len(starts), seq_len)
-    cache = drafter.append_context(cache, taps_blf[rows], jnp.asarray(starts))
-    h = drafter.draft_hidden(jnp.asarray(tokens[rows, starts]), cache)
+    n = len(starts)
+    context = TokenBatch.per_slot(jnp.zeros(n, jnp.int32), jnp.asarray(starts), int(starts.sum()))
+    features = jnp.concatenate([taps_blf[r, :s] for r, s in zip(rows, starts, strict=True)])
+    # Room for the block after the last context position: its keys are written there. The dense
+    # attention path, because the reference is differentiated (the paged loop's trip count is
+    # dynamic).
+    cache = drafter.new_context_cache(n, seq_len + GAMMA, impl="dense")
+    cache = drafter.append_context(cache, features, context)
+    h, _ = drafter.draft_hidden(
+        jnp.asarray(tokens[rows, starts]), jnp.asarray(starts), jnp.ones(n, bool), cache
+    )
     pos = np.minimum(starts[:, None] + np.arange(GAMMA), seq_len - 1)
     label_pos = starts[:, None] + 1 + np.arange(GAMMA)
     clipped = np.minimum(label_pos, seq_len - 1)

@@ -97,7 +97,8 @@ def test_cached_decoding_equals_full_forward(case):
     full = ours.logits(ours(jnp.asarray(ids)).hidden)
 
     pos = np.array([9, 14])
-    got, cache = _packed(ours, ours.new_cache(2, 64, page_size=8), [ids[0, :9], ids[1, :14]], [0, 0])
+    cache = ours.new_cache(2, 64, page_size=8)
+    got, cache = _packed(ours, cache, [ids[0, :9], ids[1, :14]], [0, 0])
     got = [[g] for g in got]
     # A 3-token step (as verification does), then single-token steps.
     for width in (3, 1, 1, 1, 2):

@@ -98,8 +98,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_model_len: int | N
     group.add_argument(
         "--kv-pages",
         type=int,
-        help="KV pages in the pool shared by all slots (default: every slot at max-model-len); "
-        "fewer pages make requests wait for memory rather than run out of it",
+        help="KV pages in the pool shared by all slots (default: what the largest requests that "
+        "can run at once reserve); fewer pages make requests wait for memory, never run out",
     )
     group.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
     group.add_argument(
@@ -133,35 +133,50 @@ def check_sizes(args: argparse.Namespace) -> None:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
 
 
-def engine_config(args: argparse.Namespace, max_model_len: int) -> EngineConfig:
-    """The engine settings of the command line, with `max_model_len` positions per request."""
+def engine_config(args: argparse.Namespace, positions: Sequence[int], limit: int) -> EngineConfig:
+    """The engine settings of an offline run (generate, eval) of requests needing `positions`
+    cache positions each (prompt + new tokens + one block; see `request_positions`).
+
+    Unless given, --max-model-len is what the longest request needs and the KV pool holds what the
+    `--max-num-seqs` largest requests reserve together: the cache follows the tokens the run asks
+    for, not slots x a preallocated length. No more slots than requests, and one prefill bucket,
+    keep compilation to what the run uses. `limit` is the model's context."""
+    page = args.page_size
+    need = max(positions)
+    slots = min(args.max_num_seqs, len(positions))
+    prefill = min(args.prefill_chunk, -(-need // 64) * 64)
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = min(-(-need // 64) * 64, limit)
+    pages = args.kv_pages
+    if pages is None:
+        largest = sorted((-(-p // page) for p in positions), reverse=True)[:slots]
+        pages = max(sum(largest), -(-min(need, max_model_len) // page))
     return EngineConfig(
-        num_slots=args.max_num_seqs,
+        num_slots=slots,
         max_model_len=max_model_len,
-        page_size=args.page_size,
-        num_pages=args.kv_pages,
+        page_size=page,
+        num_pages=pages,
         rounds_per_chunk=args.rounds_per_chunk,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=prefill,
+        prefill_buckets=(prefill,),
     )
 
 
-def model_len_for(
+def request_positions(
     args: argparse.Namespace,
     models: DecodingModels,
     conversations: Sequence[Sequence[str]] = (),
     id_prompts: Sequence[Sequence[int]] = (),
-) -> int:
-    """--max-model-len, or the positions the longest request needs: its prompt (every turn of a
-    conversation, earlier answers included) + new tokens + one block; rounded up to 64 and
-    capped at the model's context."""
+) -> list[int]:
+    """Cache positions each request (a conversation: every turn's prompt, earlier answers
+    included) needs: prompt + new tokens + one block."""
     from dspark_jax.tokenizer import encode_chat
 
-    if args.max_model_len is not None:
-        return args.max_model_len
     if id_prompts:
-        longest = max(len(ids) for ids in id_prompts)
+        lengths = [len(ids) for ids in id_prompts]
     else:
-        longest = max(
+        lengths = [
             sum(
                 len(
                     encode_chat(
@@ -175,9 +190,8 @@ def model_len_for(
             )
             + args.max_new_tokens * (len(turns) - 1)
             for turns in conversations
-        )
-    need = longest + args.max_new_tokens + models.gamma + 1
-    return min(-(-need // 64) * 64, models.target.cfg.max_position_embeddings)
+        ]
+    return [n + args.max_new_tokens + models.gamma + 1 for n in lengths]
 
 
 def load_models(args: argparse.Namespace, with_drafter: bool = True) -> DecodingModels:

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         check_sizes,
         engine_config,
         load_models,
-        model_len_for,
+        request_positions,
         sampling_from_args,
     )
     from dspark_jax.cli.report import format_table, plot_reports
@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     every = [turns for conversations in datasets.values() for turns in conversations]
     # The same sizing as generate: what the longest conversation needs (turns that still do not
     # fit the model's context are skipped and counted).
-    cfg = engine_config(args, model_len_for(args, models, every))
+    positions = request_positions(args, models, every)
+    cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings)
     spec = build_engine(models, args, cfg)
     plain = None if args.no_plain else build_engine(models, args, cfg, speculative=False)
     start = time.perf_counter()

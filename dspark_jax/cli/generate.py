@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         check_sizes,
         engine_config,
         load_models,
-        model_len_for,
+        request_positions,
         sampling_from_args,
     )
     from dspark_jax.cli.report import generation_summary, print_answer
@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         conversations = [[DEFAULT_PROMPT]]
 
     models = load_models(args, with_drafter=not args.no_draft)
-    cfg = engine_config(args, model_len_for(args, models, conversations, id_prompts))
+    positions = request_positions(args, models, conversations, id_prompts)
+    cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings)
     engine = build_engine(models, args, cfg)
     start = time.perf_counter()
     engine.warm_up()

@@ -126,17 +126,17 @@ def _geometric(lo: int, hi: int) -> tuple[int, ...]:
     return (*out, hi)
 
 
-def default_token_buckets(num_slots: int, gamma: int) -> tuple[int, ...]:
-    """Verification token buckets: powers of two (and 1.5x steps) up to num_slots * (gamma+1).
+def default_token_buckets(num_slots: int, gamma: int, smallest: int) -> tuple[int, ...]:
+    """Verification token buckets: `smallest`, doubling, up to num_slots * (gamma + 1).
 
-    The smallest is num_slots (every live slot verifying only its anchor); finer steps keep the
-    padding of a packed step under a third of its tokens."""
+    Each bucket is a branch of the decode program (compiled once, but compiled), so doublings
+    trade at most half a step of padding against compile time and program size."""
     top = num_slots * (gamma + 1)
-    out, w = set(), 1
+    out, w = [], min(smallest, top)
     while w < top:
-        out.update({w, w + w // 2})
+        out.append(w)
         w *= 2
-    return tuple(sorted(b for b in out | {top} if num_slots <= b <= top))
+    return (*out, top)
 
 
 @jax.tree_util.register_dataclass
@@ -173,6 +173,8 @@ class ChunkOutput:
     accepted_sr: jax.Array  # drafts accepted (before stop truncation)
     committed_sr: jax.Array  # tokens committed by the round, bonus included
     conf_logits_srk: jax.Array  # confidence logits of the round's block (before STS)
+    step_tokens_r: jax.Array  # tokens the round verified in total (its packed width before
+    # padding to a token bucket; 0 for rounds not run)
     finished_s: jax.Array  # the request ended during this chunk
     stopped_s: jax.Array  # ... because it committed a stop token (else: length)
 
@@ -250,7 +252,15 @@ def token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, .
     elif cfg.token_buckets is not None:
         buckets = tuple(sorted(set(cfg.token_buckets)))
     else:
-        buckets = default_token_buckets(cfg.num_slots, gamma)
+        # Plain decoding packs one token per live slot; a policy verifying whole blocks packs
+        # multiples of a block; other policies start at one token per slot.
+        if gamma == 0:
+            smallest = 1
+        elif isinstance(policy, FixedPolicy) and policy.gamma >= gamma:
+            smallest = gamma + 1
+        else:
+            smallest = cfg.num_slots
+        buckets = default_token_buckets(cfg.num_slots, gamma, smallest)
     if buckets[-1] < top:
         raise EngineError(
             f"the largest token bucket {buckets[-1]} is below num_slots x (gamma + 1) = {top}: a "
@@ -639,6 +649,7 @@ def _empty_output(num_slots: int, rounds: int, width: int, conf_k: int) -> Chunk
         accepted_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
         committed_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
         conf_logits_srk=jnp.zeros((num_slots, rounds, conf_k), jnp.float32),
+        step_tokens_r=jnp.zeros((rounds,), jnp.int32),
         finished_s=jnp.zeros((num_slots,), bool),
         stopped_s=jnp.zeros((num_slots,), bool),
     )
@@ -674,6 +685,7 @@ def _commit(
     verified_s,
     accepted_s,
     conf_sk,
+    step_tokens,
 ) -> tuple[SlotState, ChunkOutput]:
     """Books one round: output tokens (cut at max new tokens), counters, finished slots."""
     remaining_s = state.max_new_s - state.num_generated_s
@@ -696,6 +708,7 @@ def _commit(
         conf_logits_srk=out.conf_logits_srk.at[:, r].set(
             jnp.where(live_s[:, None], conf_sk, out.conf_logits_srk[:, r])
         ),
+        step_tokens_r=out.step_tokens_r.at[r].set(step_tokens),
         finished_s=out.finished_s | done_s,
         stopped_s=out.stopped_s | stopped_s,
     )
@@ -787,8 +800,9 @@ def _spec_round(
 
         return run
 
+    step_tokens = jnp.sum(count_s)
     target_cache, draft_cache, result = _switch_on_tokens(
-        buckets, jnp.sum(count_s), branch, (target_cache, draft_cache)
+        buckets, step_tokens, branch, (target_cache, draft_cache)
     )
     state = state.replace(
         target_pages=target_cache.pages, draft_pages=draft_cache.pages, policy_carry=policy_carry
@@ -806,6 +820,7 @@ def _spec_round(
         lengths_s,
         result.num_accepted_b,
         conf_sk,
+        step_tokens,
     )
 
 
@@ -830,8 +845,9 @@ def _plain_round(
 
         return run
 
+    step_tokens = jnp.sum(count_s)
     target_cache, next_s = _switch_on_tokens(
-        buckets, jnp.sum(count_s), branch, _caches(state, layouts)[0]
+        buckets, step_tokens, branch, _caches(state, layouts)[0]
     )
     state = state.replace(target_pages=target_cache.pages)
     ones_s = jnp.ones_like(next_s)
@@ -848,4 +864,5 @@ def _plain_round(
         jnp.zeros_like(next_s),
         jnp.zeros_like(next_s),
         jnp.zeros((next_s.shape[0], 1), jnp.float32),
+        step_tokens,
     )

@@ -50,7 +50,7 @@ class ProfileError(UserError):
 
 
 @dataclasses.dataclass(frozen=True)
-class _CarriedLengths:
+class CarriedLengths:
     """A policy whose per-slot lengths are whatever its carry holds (set by the profiler)."""
 
     needs_confidence: ClassVar[bool] = False
@@ -91,8 +91,10 @@ def _median_step_seconds(run_once: Callable[[], None], steps: int, repeats: int)
     return statistics.median(times)
 
 
-def _profile_state(engine: Engine, context_len: int, temperature: float) -> SlotState:
-    """Every slot holding a request at `context_len` that never finishes, on its own pages."""
+def filled_state(engine: Engine, context_len: int, temperature: float = 0.0) -> SlotState:
+    """Every slot holding a request at `context_len` that never finishes, on its own pages (the
+    caches hold zeros: timings do not depend on their values). Set `live_s` to choose the slots
+    that run."""
     cfg = engine.cfg
     s = cfg.num_slots
     state = engine.init_state()
@@ -198,7 +200,7 @@ def profile_engine(
     gamma = drafter.cfg.block_size if drafter is not None else 0
     if gamma == 0 and cfg.token_buckets is None:
         raise ProfileError("without a drafter give the token buckets to measure")
-    buckets = token_buckets(cfg, _CarriedLengths(), gamma)
+    buckets = token_buckets(cfg, CarriedLengths(), gamma)
     # Enough drafts per slot to fill the largest bucket (verify mode may have no drafter).
     room = max(gamma, -(-buckets[-1] // cfg.num_slots) - 1)
     max_model_len = context_len + (steps + 1) * (room + 1) + room + 1
@@ -216,8 +218,8 @@ def profile_engine(
         token_buckets=buckets,
     )
     round_mode = mode == "round"
-    engine = Engine(target, drafter if round_mode else None, cfg, policy=_CarriedLengths())
-    state = _profile_state(engine, context_len, temperature)
+    engine = Engine(target, drafter if round_mode else None, cfg, policy=CarriedLengths())
+    state = filled_state(engine, context_len, temperature)
     sps = np.zeros((len(buckets),))
     for i, width in enumerate(buckets):
         lengths = split_tokens(min(width, cfg.num_slots * (room + 1)), cfg.num_slots, room)
