@@ -89,7 +89,7 @@ def _draft_block_jit(graphdef, state):
     cache = drafter.append_context(drafter.new_context_cache(2, 16), features, context)
     anchor = jnp.array([65, 10], jnp.int32)
     keys = jax.random.split(jax.random.key(0), (2, cfg.block_size))
-    h, _ = drafter.draft_hidden(anchor, lengths, jnp.array([True, True]), cache)
+    h = drafter.draft_hidden(anchor, lengths, jnp.array([True, True]), cache)
     return drafter.sample_block(h, anchor, keys, SamplingConfig(temperature=0.0))
 
 

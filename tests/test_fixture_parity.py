@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from fixture_models import VARIANTS, load_pair, max_rel_err, reference_arrays, reference_traces
 
+from dspark_jax.models import paged
 from dspark_jax.models.paged import TokenBatch
 from dspark_jax.sampling import SamplingConfig
 
@@ -23,8 +24,9 @@ def _prefill_and_draft(variant, prompt_ids):
     features = jnp.concatenate([taps[i + 1] for i in layer_ids], axis=-1)
     n = ids.shape[1]
     context = TokenBatch.per_slot(jnp.zeros(1, jnp.int32), jnp.array([n], jnp.int32), n)
-    cache = drafter.append_context(drafter.new_context_cache(1, n + 16), features[0], context)
-    h, _ = drafter.draft_hidden(anchor, jnp.array([n]), jnp.array([True]), cache)
+    cache = drafter.new_context_cache(1, n + 16, impl="dense")
+    cache = drafter.append_context(cache, features[0], context)
+    h = drafter.draft_hidden(anchor, jnp.array([n]), jnp.array([True]), cache)
     keys = jax.random.split(jax.random.key(0), drafter.cfg.block_size)[None]
     block = drafter.sample_block(h, anchor, keys, SamplingConfig(temperature=0.0))
     return out, logits, taps, features, anchor, h, block
@@ -62,7 +64,9 @@ def test_first_round_of_every_trace(variant):
         prompt = jnp.asarray(trace["prompt"], jnp.int32)
         n = prompt.shape[0]
         batch = TokenBatch.per_slot(jnp.zeros(1, jnp.int32), jnp.array([n], jnp.int32), n)
-        pre = target.paged_forward(prompt, batch, target.new_cache(1, n + 16))
+        cache = target.new_cache(1, n + 16, impl="dense")
+        pre = target.paged_forward(prompt, batch, cache)
+        cache = paged.write(cache, pre.kv, batch)
         anchor = jnp.argmax(target.logits(pre.hidden[-1:]), axis=-1).astype(jnp.int32)
         assert int(anchor[0]) == trace["output"][0]
 
@@ -72,7 +76,7 @@ def test_first_round_of_every_trace(variant):
         verify_in = jnp.concatenate([anchor[:, None], block.tokens_bk], axis=1)[0]
         width = verify_in.shape[0]
         batch = TokenBatch.per_slot(jnp.array([n]), jnp.array([width], jnp.int32), width)
-        ver = target.paged_forward(verify_in, batch, pre.cache)
+        ver = target.paged_forward(verify_in, batch, cache)
         greedy = np.asarray(jnp.argmax(target.logits(ver.hidden), axis=-1))
         n_acc = 0
         while n_acc < len(drafts) and drafts[n_acc] == greedy[n_acc]:

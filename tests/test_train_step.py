@@ -98,7 +98,7 @@ def _independent_blocks(drafter, hidden_bld, taps_blf, target, tokens, loss_mask
     # dynamic).
     cache = drafter.new_context_cache(n, seq_len + GAMMA, impl="dense")
     cache = drafter.append_context(cache, features, context)
-    h, _ = drafter.draft_hidden(
+    h = drafter.draft_hidden(
         jnp.asarray(tokens[rows, starts]), jnp.asarray(starts), jnp.ones(n, bool), cache
     )
     pos = np.minimum(starts[:, None] + np.arange(GAMMA), seq_len - 1)

@@ -10,6 +10,7 @@ from transformers import Qwen3ForCausalLM
 
 from dspark_jax.checkpoints.convert import DictSource, target_from_torch
 from dspark_jax.config import Qwen3Config
+from dspark_jax.models import paged
 from dspark_jax.models.paged import TokenBatch
 
 TOL = 1e-5
@@ -70,7 +71,7 @@ def _packed(model, cache, chunks, starts):
     )
     out = model.paged_forward(jnp.asarray(np.concatenate(chunks), jnp.int32), batch, cache)
     rows = np.split(np.asarray(model.logits(out.hidden)), np.cumsum(counts)[:-1])
-    return rows, out.cache
+    return rows, paged.write(cache, out.kv, batch)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -97,7 +98,7 @@ def test_cached_decoding_equals_full_forward(case):
     full = ours.logits(ours(jnp.asarray(ids)).hidden)
 
     pos = np.array([9, 14])
-    cache = ours.new_cache(2, 64, page_size=8)
+    cache = ours.new_cache(2, 64, page_size=8, impl="dense")
     got, cache = _packed(ours, cache, [ids[0, :9], ids[1, :14]], [0, 0])
     got = [[g] for g in got]
     # A 3-token step (as verification does), then single-token steps.
@@ -123,7 +124,7 @@ def test_rejected_tokens_roll_back_by_length():
     ours = _ours(hf_cfg, model)
     ids = np.random.default_rng(2).integers(0, hf_cfg.vocab_size, (1, 20)).astype(np.int32)
     full = ours.logits(ours(jnp.asarray(ids)).hidden)
-    _, cache = _packed(ours, ours.new_cache(1, 32, page_size=8), [ids[0, :12]], [0])
+    _, cache = _packed(ours, ours.new_cache(1, 32, page_size=8, impl="dense"), [ids[0, :12]], [0])
     wrong = (ids[0, 12:16] + 1) % hf_cfg.vocab_size
     _, cache = _packed(ours, cache, [wrong], [12])
     (rows,), _ = _packed(ours, cache, [ids[0, 12:20]], [12])

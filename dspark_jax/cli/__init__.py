@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "dspark_jax.cli.train",
         "train a DSpark/DFlash drafter with the frozen target run online",
     ),
-    "serve": ("dspark_jax.cli.serve", "serve batched speculative generation over HTTP"),
+    "serve": ("dspark_jax.cli.serve", "an OpenAI-compatible server with continuous batching"),
 }
 
 # Bad input, reported in one line without a traceback; any other exception keeps its traceback.

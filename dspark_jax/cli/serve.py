@@ -1,100 +1,348 @@
-"""`dspark-jax serve`: an HTTP server for batched speculative generation (`dspark_jax.serving`)."""
+"""`dspark-jax serve`: the OpenAI-compatible server on the slot engine.
+
+Every setting is checked before anything heavy happens, in this order, each failure one line:
+numbers and files first, then the listening socket (a port in use), then the models, the engine
+(its shapes against the model) and the memory its KV pool will take. The server listens at
+once; `/health` answers 503 while warm-up compiles every program and 200 once nothing is left
+to compile. SIGTERM or Ctrl-C drains (see `http_server`) and exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import math
+import os
+import sys
+from pathlib import Path
 
 from dspark_jax.errors import UserError
 
+DEFAULT_MAX_MODEL_LEN = 2048
+# Headroom left to activations and compiled programs when sizing the KV pool against memory.
+MEMORY_FRACTION = 0.9
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    from dspark_jax.cli.args import add_policy_arguments
+
+    models = parser.add_argument_group("models")
+    models.add_argument(
         "--target", help="target folder or hub id (default: the embedded tiny model)"
     )
-    parser.add_argument(
+    models.add_argument(
         "--draft",
-        help="drafter folder or hub id (default: the embedded tiny drafter when "
-        "--target is not given either; without it a --target serves plain decoding only)",
+        help="drafter folder or hub id (default: the embedded tiny drafter when --target is not "
+        "given either; a --target without --draft serves plain decoding)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
-    parser.add_argument("--batch-size", type=int, default=8, help="most requests per batch")
-    parser.add_argument(
-        "--max-len",
+    models.add_argument(
+        "--no-draft", action="store_true", help="plain decoding with the target alone"
+    )
+    models.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="parameter / compute dtype (default: as stored)",
+    )
+    models.add_argument(
+        "--served-model-name",
+        help="the model id clients send and /v1/models lists (default: the target folder name)",
+    )
+    add_policy_arguments(parser)
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--max-num-seqs", type=int, default=8, help="slots: requests decoded at once (default 8)"
+    )
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        help=f"most positions per request, prompt + answer + one block (default: "
+        f"{DEFAULT_MAX_MODEL_LEN} or the model's context if smaller)",
+    )
+    engine.add_argument(
+        "--kv-pages",
+        type=int,
+        help="KV pages shared by all slots (default: every slot at --max-model-len)",
+    )
+    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
+    engine.add_argument(
+        "--rounds-per-chunk",
+        type=int,
+        default=8,
+        help="decode rounds between two host reads: fewer stream sooner, more keep the device "
+        "busier (default 8)",
+    )
+    engine.add_argument(
+        "--prefill-chunk", type=int, default=256, help="most prompt tokens per prefill call"
+    )
+    engine.add_argument(
+        "--prefill-buckets",
+        help="comma-separated prefill widths (default: 16, 32, ... up to --prefill-chunk)",
+    )
+    engine.add_argument(
+        "--token-buckets",
+        help="comma-separated verification token buckets (default: derived from the slots and "
+        "block size; an SPS table brings its own)",
+    )
+
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    http.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests queued for a slot before new ones get 503 (default 256)",
+    )
+    http.add_argument(
+        "--max-connections",
         type=int,
         default=2048,
-        help="cache positions per request: prompt + new tokens + block + 1",
+        help="open connections before new requests get 503 (default 2048)",
     )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=512,
-        help="most new tokens a request may ask for (and the default)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        help="cast parameters and compute in this dtype (default: as stored)",
-    )
-    parser.add_argument(
-        "--max-wait-ms",
+    http.add_argument(
+        "--read-timeout",
         type=float,
-        default=5.0,
-        help="how long a batch waits for more requests after its first",
+        default=30.0,
+        help="seconds a request head, and then its body, may take to arrive (default 30)",
     )
-    parser.add_argument(
-        "--max-engines",
-        type=int,
-        default=4,
-        help="engines (one per sampling config) kept compiled, least recently used dropped first",
+    http.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM / Ctrl-C, seconds running requests get to finish (default 30)",
     )
-    parser.add_argument(
-        "--rounds-per-chunk", type=int, default=8, help="decode rounds between streamed chunks"
+    http.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="log level; info includes one access-log line per request (default info)",
     )
+
+
+def _buckets(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(p) for p in text.replace(",", " ").split())
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{flag} {text!r}: expected one or more positive integers")
+    return values
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuses out-of-range numbers and missing files before anything is loaded."""
+    positive = {
+        "--max-num-seqs": args.max_num_seqs,
+        "--max-model-len": args.max_model_len,
+        "--kv-pages": args.kv_pages,
+        "--page-size": args.page_size,
+        "--rounds-per-chunk": args.rounds_per_chunk,
+        "--prefill-chunk": args.prefill_chunk,
+        "--max-waiting": args.max_waiting,
+        "--max-connections": args.max_connections,
+    }
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    # Engine arrays are int32 and per-chunk outputs grow with rounds x slots: bound the knobs
+    # far above any useful value, below what would overflow or exhaust the host.
+    limits = {"--max-num-seqs": 65536, "--rounds-per-chunk": 4096, "--page-size": 65536}
+    for flag, top in limits.items():
+        value = positive[flag]
+        if value > top:
+            raise UserError(f"{flag} must be <= {top}, got {value}")
+    if not (math.isfinite(args.read_timeout) and args.read_timeout > 0):
+        raise UserError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
+    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+        raise UserError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    for flag, path in (("--sps-table", args.sps_table), ("--sts", args.sts)):
+        if path is not None and not Path(path).is_file():
+            raise UserError(f"{flag} {path}: no such file")
+    if args.draft is not None and args.no_draft:
+        raise UserError("--draft and --no-draft contradict each other")
+    if args.draft is not None and args.target is None:
+        raise UserError("a drafter needs its target: give --target too")
+    speculation_only = {
+        "--policy": args.policy != "fixed",
+        "--gamma": args.gamma is not None,
+        "--threshold": args.threshold is not None,
+        "--sps-table": args.sps_table is not None,
+        "--sts": args.sts is not None,
+    }
+    given = [flag for flag, set_ in speculation_only.items() if set_]
+    plain = args.no_draft or (args.target is not None and args.draft is None)
+    if plain and given:
+        raise UserError(f"{', '.join(given)} need a drafter; this server decodes plainly")
+    _buckets(args.prefill_buckets, "--prefill-buckets")
+    _buckets(args.token_buckets, "--token-buckets")
+
+
+def _model_paths(args: argparse.Namespace):
+    from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_NAME, EMBEDDED_TARGET
+
+    if args.target is None:
+        target, draft = EMBEDDED_TARGET, EMBEDDED_DRAFT
+        name = EMBEDDED_NAME
+    else:
+        target, draft = args.target, args.draft
+        name = Path(str(args.target).rstrip("/")).name or str(args.target)
+    return target, (None if args.no_draft else draft), args.served_model_name or name
+
+
+def _available_bytes() -> tuple[int | None, str]:
+    """Free memory of the device the KV pool goes to, when it can be known."""
+    import jax
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), str(device)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "host memory"
+    except OSError:
+        pass
+    return None, str(device)
+
+
+def check_memory(engine) -> int:
+    """The bytes the engine's slot state (KV pool included) will take; refuses a pool that does
+    not fit the free memory of the device, naming the options that size it."""
+    import jax
+
+    shapes = jax.eval_shape(engine.init_state)
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+    free, where = _available_bytes()
+    if free is not None and need > MEMORY_FRACTION * free:
+        cfg = engine.cfg
+        raise UserError(
+            f"the KV cache needs {need / 2**30:.2f} GiB ({cfg.pool_pages} pages of "
+            f"{cfg.page_size} tokens) but {where} has {free / 2**30:.2f} GiB free; lower "
+            "--kv-pages, --max-num-seqs or --max-model-len"
+        )
+    return need
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
+    check_arguments(args)
+    from dspark_jax.serving.http_server import bind_socket
 
+    # Bound before loading, so a port in use fails in a second rather than after the models.
+    sock = bind_socket(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.checkpoints.converted import load_decoding_models
-    from dspark_jax.decoding.engine import EngineConfig, power_of_two_buckets
-    from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
-    from dspark_jax.serving.server import DSparkServer, ServerConfig, log
+    from dspark_jax.cli.args import build_policy
+    from dspark_jax.decoding.slot_engine import Engine, EngineConfig
+    from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
+    from dspark_jax.serving.http_server import HttpServer, build_app_server
 
-    # An imported library already configured the root logger, so the access log gets its own.
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    cfg = ServerConfig(
-        batch_size=args.batch_size,
-        max_wait_s=args.max_wait_ms / 1000.0,
-        max_engines=args.max_engines,
-        engine=EngineConfig(
-            max_len=args.max_len,
-            max_new_tokens=args.max_new_tokens,
-            batch_buckets=power_of_two_buckets(args.batch_size),
-            rounds_per_chunk=args.rounds_per_chunk,
-        ),
+    _configure_logging(args.log_level)
+    target, draft, name = _model_paths(args)
+    models = load_decoding_models(target, draft, dtype=args.dtype, progress=False)
+    context = models.target.cfg.max_position_embeddings
+    max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, context)
+    cfg = EngineConfig(
+        num_slots=args.max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=args.page_size,
+        num_pages=args.kv_pages,
+        rounds_per_chunk=args.rounds_per_chunk,
+        prefill_chunk=args.prefill_chunk,
+        prefill_buckets=_buckets(args.prefill_buckets, "--prefill-buckets"),
+        token_buckets=_buckets(args.token_buckets, "--token-buckets"),
     )
-    target, draft = args.target, args.draft
-    if target is None and draft is None:
-        target, draft = EMBEDDED_TARGET, EMBEDDED_DRAFT
-    if target is None:
-        raise UserError("a drafter needs its target: give --target too")
-    model = load_decoding_models(target, draft, args.dtype)
-    server = DSparkServer(model, cfg, args.host, args.port)
+    if cfg.pool_pages < cfg.pages_per_slot:
+        raise UserError(
+            f"--kv-pages {cfg.pool_pages} cannot hold one request of --max-model-len "
+            f"{max_model_len} ({cfg.pages_per_slot} pages of {cfg.page_size} tokens)"
+        )
+    policy = sts = None
+    if models.drafter is not None:
+        policy = build_policy(args, models.gamma)
+        sts = _load_sts(args.sts, models.drafter_fingerprint)
+    engine = Engine(
+        models.target,
+        models.drafter,
+        cfg,
+        policy=policy,
+        stop_tokens=models.stop_tokens,
+        sts=sts,
+        drafter_fingerprint=models.drafter_fingerprint,
+    )
+    kv_bytes = check_memory(engine)
+    model = ServedModel(
+        name=name,
+        tokenizer=models.tokenizer,
+        vocab_size=models.target.cfg.vocab_size,
+        max_model_len=max_model_len,
+        gamma=engine.gamma,
+        stop_tokens=engine.stop_tokens,
+        defaults=SamplingDefaults.from_model_dir(models.model_dir),
+    )
+    app_server = build_app_server(
+        engine,
+        model,
+        max_waiting=args.max_waiting,
+        limits=HttpLimits(read_timeout_s=args.read_timeout),
+    )
+    server = HttpServer(
+        app_server,
+        sock,
+        read_timeout_s=args.read_timeout,
+        drain_timeout_s=args.drain_timeout,
+        max_connections=args.max_connections,
+        log_level=args.log_level,
+    )
     host, port = server.address
-    mode = "speculative" if model.drafter is not None else "plain decoding only"
+    mode = (
+        f"speculative, block {engine.gamma}, policy {args.policy}"
+        if models.drafter is not None
+        else "plain decoding"
+    )
     print(
-        f"serving {target} ({mode}) on http://{host}:{port}  (Ctrl-C stops)",
+        f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} positions, KV "
+        f"{kv_bytes / 2**20:.0f} MiB) on http://{host}:{port}/v1 -- warming up, /health turns "
+        "200 when ready; SIGTERM or Ctrl-C drains and stops",
         flush=True,
     )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("shutting down: finishing the running batch", flush=True)
-    finally:
-        server.shutdown()
-    return 0
+    status = server.serve()
+    if app_server.runner.alive:
+        # Warm-up cannot be interrupted mid-compilation; leaving the interpreter while XLA runs
+        # on another thread can crash in teardown, so end the process here.
+        print("stopped during warm-up", flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    print("stopped", flush=True)
+    return status
+
+
+def _load_sts(path: str | None, fingerprint: str | None):
+    """The STS artifact, checked against the drafter; the engine applies it to the requests
+    sampling at the artifact's temperature."""
+    if path is None:
+        return None
+    from dspark_jax.calibration.sts import StsArtifact
+
+    sts = StsArtifact.load(path)
+    sts.check(fingerprint, None)
+    return sts
+
+
+def _configure_logging(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("dspark_jax.serving")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False

@@ -19,7 +19,7 @@ under policies that size verification by the whole batch (the schedulers), which
 output distribution but not the exact tokens.
 
 Threads: `submit` and `cancel` may be called from any thread; everything else runs on the thread
-that drives the loop (`run_until_idle` for offline work, or `start()`'s background thread).
+that drives the loop (`run_until_idle` for offline work; the server's engine thread calls `step`).
 Callbacks run on that thread and must be quick.
 """
 
@@ -41,12 +41,8 @@ from dspark_jax.decoding.engine import Engine, EngineError, PrefillItem
 from dspark_jax.sampling import GREEDY, SamplingConfig
 
 
-class QueueFullError(EngineError):
-    """The waiting queue is full; try again later."""
-
-
-class BatcherClosedError(RuntimeError):
-    """The loop is shutting down and takes no more requests."""
+class QueueFullError(RuntimeError):
+    """The waiting queue is full; try again later (not a fault of the request)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,19 +197,15 @@ class Batcher:
         self.waiting: collections.deque[Handle] = collections.deque()
         self.prefilling: collections.deque[Handle] = collections.deque()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted (inbox + waiting)
-        self._closed = False
-        self._stop = False
         self._pending: tuple[Any, list[Handle | None]] | None = None
-        self._thread: threading.Thread | None = None
 
     # -- any thread ----------------------------------------------------------------------------
     def submit(self, request: Request, on_event: EventCallback) -> Handle:
         """Queues a request. Raises EngineError for one that can never run, QueueFullError when
-        the queue is full, BatcherClosedError while shutting down."""
+        the queue is full."""
         self.engine.check_request(len(request.prompt_ids), request.max_new_tokens)
         stop_ids = tuple(
             dict.fromkeys(
@@ -226,8 +218,6 @@ class Batcher:
                 f"{self.engine.cfg.max_stop_tokens}"
             )
         with self._lock:
-            if self._closed:
-                raise BatcherClosedError("the server is shutting down")
             if self._queued >= self.max_waiting:
                 raise QueueFullError(
                     f"{self._queued} requests are already waiting (limit {self.max_waiting})"
@@ -235,13 +225,11 @@ class Batcher:
             self._queued += 1
             handle = Handle(next(self._ids), request, on_event, stop_ids, time.monotonic())
             self._inbox.put(("submit", handle))
-        self._wake.set()
         return handle
 
     def cancel(self, handle: Handle) -> None:
         """Ends a request early (finish reason "abort"); its slot and pages are freed."""
         self._inbox.put(("cancel", handle))
-        self._wake.set()
 
     @property
     def num_waiting(self) -> int:
@@ -291,37 +279,6 @@ class Batcher:
         """Drives the loop on this thread until every submitted request has finished."""
         while self.step():
             pass
-
-    def start(self) -> Batcher:
-        """Runs the loop on a background thread until `stop`."""
-        self._thread = threading.Thread(target=self._serve, name="dspark-engine", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Refuses new requests, lets every admitted and queued one finish, ends the thread."""
-        with self._lock:
-            self._closed = True
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def abort_all(self, reason: Exception) -> None:
-        """Fails every queued request (used when shutting down without draining)."""
-        self._drain_inbox()
-        for handle in list(self.waiting):
-            self.waiting.remove(handle)
-            self._fail(handle, reason)
-
-    def _serve(self) -> None:
-        while True:
-            busy = self.step()
-            if not busy:
-                if self._stop:
-                    return
-                self._wake.wait(0.05)
-                self._wake.clear()
 
     # -- internals -----------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -513,12 +470,6 @@ class Batcher:
         )
         self.observer.on_finish(reason, result.prompt_len, len(result.tokens))
         self._call(handle, "done", result)
-
-    def _fail(self, handle: Handle, error: Exception) -> None:
-        handle.finished = True
-        with self._lock:
-            self._queued -= 1
-        self._call(handle, "error", error)
 
     @staticmethod
     def _call(handle: Handle, kind: str, payload: Any) -> None:

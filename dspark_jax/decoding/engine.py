@@ -42,7 +42,7 @@ from dspark_jax.calibration.sts import STS_TEMP_RTOL, StsArtifact
 from dspark_jax.decoding.policies import FixedPolicy, Policy, PolicyError, SpsProfile
 from dspark_jax.decoding.verify import verify_packed
 from dspark_jax.errors import UserError
-from dspark_jax.models import attention
+from dspark_jax.models import attention, paged
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import Qwen3
@@ -613,14 +613,24 @@ def _prefill(
         policy_carry=policy.reset_slots(state.policy_carry, installed_s),
     )
     target_cache, draft_cache = _caches(state, layouts)
-    out = target.paged_forward(host["tokens_t"], batch, target_cache, taps)
+
+    def forward(_):
+        out = target.paged_forward(host["tokens_t"], batch, target_cache, taps)
+        context_kv = None if drafter is None else drafter.packed_context_kv(out.taps, batch)
+        return out.hidden, out.kv, context_kv
+
+    # Reads of the pools inside a conditional, writes after it: see `_switch_on_tokens`.
+    hidden_td, target_kv, context_kv = _switch_on_tokens(
+        (batch.slot_t.shape[0],), batch.num_seqs, lambda width: forward
+    )
+    target_cache = paged.write(target_cache, target_kv, batch, after=hidden_td)
     if drafter is not None:
-        draft_cache = drafter.append_context(draft_cache, out.taps, batch)
+        draft_cache = paged.write(draft_cache, context_kv, batch, after=hidden_td)
 
     # Prompts completed by this call sample their first token at position prompt_len.
     last_row_n = host["last_row_n"]
     final_n = in_call_n & (last_row_n >= 0)
-    hidden_nd = out.hidden[jnp.maximum(last_row_n, 0)]
+    hidden_nd = hidden_td[jnp.maximum(last_row_n, 0)]
     slot_rows = state.sampling_s.take(seq_slot_n)
     logp_nv = filtered_logprobs(target.logits(hidden_nd), slot_rows)
     prompt_len_n = host["prompt_len_n"]
@@ -631,7 +641,7 @@ def _prefill(
     final_slot_n = jnp.where(final_n, seq_slot_n, num_slots)
     put = lambda a, v: a.at[final_slot_n].set(v, mode="drop")  # noqa: E731
     state = state.replace(
-        target_pages=out.cache.pages,
+        target_pages=target_cache.pages,
         draft_pages=None if draft_cache is None else draft_cache.pages,
         anchor_s=put(state.anchor_s, first_n),
         lengths_s=put(state.lengths_s, prompt_len_n),
@@ -722,12 +732,19 @@ def _commit(
     return state, out
 
 
-def _switch_on_tokens(buckets: tuple[int, ...], total, make_branch, operands):
-    """Runs `make_branch(width)` for the smallest bucket >= total (one compiled `lax.switch`)."""
-    if len(buckets) == 1:
-        return make_branch(buckets[0])(operands)
+def _switch_on_tokens(buckets: tuple[int, ...], total, make_branch, operands=None):
+    """Runs `make_branch(width)` for the smallest bucket >= total (one compiled `lax.switch`;
+    only the chosen branch runs).
+
+    The forward inside reads the page pools and the caller writes them after: a conditional
+    around the reads lets XLA update the pools in place, where the same reads in straight-line
+    code (their inner `while` loops carrying the pools) make it copy every pool each step. So
+    even a single bucket goes through a conditional, whose second branch never runs."""
+    branches = [make_branch(w) for w in buckets]
+    if len(branches) == 1:
+        return jax.lax.cond(total >= 0, branches[0], branches[0], operands)
     index = jnp.minimum(jnp.sum(jnp.asarray(buckets) < total), len(buckets) - 1)
-    return jax.lax.switch(index, [make_branch(w) for w in buckets], operands)
+    return jax.lax.switch(index, branches, operands)
 
 
 def _spec_round(
@@ -745,7 +762,7 @@ def _spec_round(
     live_s = state.live_s
     start_s = state.lengths_s  # position of the anchor
     target_cache, draft_cache = _caches(state, layouts)
-    h_skd, draft_cache = drafter.draft_hidden(state.anchor_s, start_s, live_s, draft_cache)
+    h_skd = drafter.draft_hidden(state.anchor_s, start_s, live_s, draft_cache)
     # Drafts past a rejection are drafted again next round at the same positions. Fresh noise per
     # round keeps a policy carry that holds earlier rounds' confidences (hence their drafts)
     # independent of this round's drafts, which losslessness of history-based policies needs.
@@ -771,14 +788,17 @@ def _spec_round(
     lengths_s = jnp.where(live_s, jnp.clip(lengths_s, 0, gamma), 0).astype(jnp.int32)
     count_s = jnp.where(live_s, lengths_s + 1, 0)
     verify_in_sj = jnp.concatenate([state.anchor_s[:, None], block.tokens_bk], axis=1)
+    # Built at the widest bucket; each branch takes its first `width` tokens (the packing of
+    # the first tokens does not depend on the width).
+    top = count_s.shape[0] * (gamma + 1)
+    full = TokenBatch.per_slot(start_s, count_s, top)
+    tokens_t = verify_in_sj[full.slot_t, jnp.clip(full.pos_t - start_s[full.slot_t], 0, gamma)]
+    taps = drafter.cfg.target_layer_ids
 
     def branch(width):
-        def run(operands):
-            target_cache, draft_cache = operands
-            batch = TokenBatch.per_slot(start_s, count_s, width)
-            j_t = batch.pos_t - start_s[batch.slot_t]
-            tokens_t = verify_in_sj[batch.slot_t, jnp.clip(j_t, 0, gamma)]
-            fwd = target.paged_forward(tokens_t, batch, target_cache, drafter.cfg.target_layer_ids)
+        def run(_):
+            batch = full.head(width)
+            fwd = target.paged_forward(tokens_t[:width], batch, target_cache, taps)
             logits_tv = target.logits(fwd.hidden)
             logp_tv = filtered_logprobs(logits_tv, state.sampling_s.take(batch.slot_t))
             rows_sj = batch.cu_q_lens_n1[:-1, None] + jnp.arange(gamma + 1)[None, :]
@@ -793,17 +813,18 @@ def _spec_round(
                 state.sampling_s,
                 state.stop_sk,
             )
-            # The verified tokens' target features become the drafter's context; those of
+            # Keys, values and the drafter's context of every verified token leave the branch
+            # to be written after it (writing the pool inside a conditional copies it). Those of
             # rejected drafts land past the new length, where they are masked and overwritten.
-            draft_cache = drafter.append_context(draft_cache, fwd.taps, batch)
-            return fwd.cache, draft_cache, result
+            context_kv = drafter.packed_context_kv(fwd.taps, batch)
+            return paged.pad_kv(fwd.kv, top), paged.pad_kv(context_kv, top), result
 
         return run
 
     step_tokens = jnp.sum(count_s)
-    target_cache, draft_cache, result = _switch_on_tokens(
-        buckets, step_tokens, branch, (target_cache, draft_cache)
-    )
+    target_kv, context_kv, result = _switch_on_tokens(buckets, step_tokens, branch, None)
+    target_cache = paged.write(target_cache, target_kv, full, after=result)
+    draft_cache = paged.write(draft_cache, context_kv, full, after=result)
     state = state.replace(
         target_pages=target_cache.pages, draft_pages=draft_cache.pages, policy_carry=policy_carry
     )
@@ -833,22 +854,26 @@ def _plain_round(
     start_s = state.lengths_s
     count_s = live_s.astype(jnp.int32)
 
+    top = count_s.shape[0]
+    full = TokenBatch.per_slot(start_s, count_s, top)
+    target_cache = _caches(state, layouts)[0]
+
     def branch(width):
-        def run(target_cache):
-            batch = TokenBatch.per_slot(start_s, count_s, width)
+        def run(_):
+            batch = full.head(width)
             fwd = target.paged_forward(state.anchor_s[batch.slot_t], batch, target_cache)
             row_s = jnp.clip(batch.cu_q_lens_n1[:-1], 0, width - 1)
             logits_sv = target.logits(fwd.hidden[row_s])
             logp_sv = filtered_logprobs(logits_sv, state.sampling_s)
             keys_s = position_keys(state.keys_s, start_s + 1, STREAM_RESIDUAL)
-            return fwd.cache, sample_from_logprobs(keys_s, logp_sv, state.sampling_s.greedy)
+            next_s = sample_from_logprobs(keys_s, logp_sv, state.sampling_s.greedy)
+            return paged.pad_kv(fwd.kv, top), next_s
 
         return run
 
     step_tokens = jnp.sum(count_s)
-    target_cache, next_s = _switch_on_tokens(
-        buckets, step_tokens, branch, _caches(state, layouts)[0]
-    )
+    target_kv, next_s = _switch_on_tokens(buckets, step_tokens, branch, None)
+    target_cache = paged.write(target_cache, target_kv, full, after=next_s)
     state = state.replace(target_pages=target_cache.pages)
     ones_s = jnp.ones_like(next_s)
     return _commit(

@@ -39,6 +39,7 @@ from dspark_jax.decoding.engine import (
 )
 from dspark_jax.decoding.policies import SpsProfile, profile_meta
 from dspark_jax.errors import UserError
+from dspark_jax.models import paged
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import Qwen3
@@ -157,7 +158,9 @@ def _verify_seconds(
             out = model.paged_forward(jnp.zeros((width,), jnp.int32), batch, cache)
             # A reduction over the whole vocabulary, as verification does, keeps XLA from
             # dropping or slicing the lm_head.
-            return out.cache.pages, checksum + jnp.max(model.logits(out.hidden))
+            logits_max = jnp.max(model.logits(out.hidden))
+            pages = paged.write(cache, out.kv, batch, after=logits_max).pages
+            return pages, checksum + logits_max
 
         return jax.lax.fori_loop(0, steps, body, (pages, jnp.float32(0)))
 

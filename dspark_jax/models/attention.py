@@ -225,16 +225,25 @@ def _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal) -
 
 
 def ragged_paged_attention(q_thd, pages: Pages, layout: PagedLayout, page_table_sp, seq_slot_n,
-                           cu_q_lens_n1, kv_lens_n, num_seqs, *, scale: float, causal: bool):
+                           cu_q_lens_n1, kv_lens_n, num_seqs, *, scale: float, causal: bool,
+                           new_kv=None):
     """Attention of packed query tokens over their slots' paged keys.
 
     Sequence i < num_seqs (a traced scalar; n = len(seq_slot_n) is the static maximum) owns
     query tokens cu_q_lens[i]:cu_q_lens[i+1] and the first kv_lens[i] keys of slot
-    seq_slot[i]; kv_lens[i] >= its query count, since its new tokens were written first.
+    seq_slot[i]; its last q_len_i keys are its own new tokens (kv_lens[i] >= q_len_i).
     causal: query j of sequence i sits at position kv_lens[i] - q_len_i + j and sees the keys
     at positions <= its own (prefill chunks, verification). Otherwise every query of sequence
     i sees all kv_lens[i] keys (the drafter's block). q_thd [T, H, D] with H a multiple of
     num_kv_heads; returns [T, H, D] in q's dtype, zeros for tokens that see no key.
+
+    new_kv: None when the new tokens' keys and values are already in the pages (`write_kv`
+    first). Otherwise (k_thd, v_thd) [T, KV, D], the new tokens' own keys and values in the
+    packed order of the queries: the pages are then read only before each sequence's new tokens
+    (positions < kv_lens - q_len) and the new tokens' part is computed from `new_kv`, the two
+    merged by log-sum-exp. The caller writes `new_kv` afterwards. This is what the engine uses:
+    a program that writes the pool inside a conditional (its token-bucket `lax.switch`) makes
+    XLA copy the whole pool per step, while one that only reads it there does not.
     """
     num_tokens, num_heads, head_dim = q_thd.shape
     if head_dim != layout.head_dim or num_heads % layout.num_kv_heads:
@@ -243,16 +252,83 @@ def ragged_paged_attention(q_thd, pages: Pages, layout: PagedLayout, page_table_
             f"{layout.num_kv_heads} KV heads of dim {layout.head_dim}"
         )
     rag = _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal)
-    if layout.impl == "dense":
+    if new_kv is not None:
+        out_thd = _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale,
+                                  causal, new_kv)
+    elif layout.impl == "dense":
         out_thd = _dense(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale)
     elif layout.impl == "jax":
-        out_thd = _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale)
+        out_thd = _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale)[0]
     elif layout.impl == "pallas_tpu":
         out_thd = _pallas_tpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal)
     else:
         out_thd = _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal)
     sees_keys_t = rag.limit_t > 0
     return jnp.where(sees_keys_t[:, None, None], out_thd, 0).astype(q_thd.dtype)
+
+
+def _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal, new_kv):
+    """Attention over (paged prefix) + (new tokens from `new_kv`), merged by log-sum-exp."""
+    k_thd, v_thd = new_kv
+    prefix_n = jnp.maximum(rag.kv_len_n - rag.q_len_n, 0)
+    # Every query sees the whole prefix: it lies before all of its sequence's new tokens.
+    pre = dataclasses.replace(
+        rag,
+        kv_len_n=prefix_n,
+        limit_t=jnp.where(rag.valid_t, prefix_n[rag.seq_t], 0),
+    )
+    if layout.impl == "dense":
+        o_pre, lse_pre = _dense_lse(q_thd, pages, layout, page_table_sp, seq_slot_n, pre, scale)
+    elif layout.impl == "pallas_gpu":
+        o_pre, lse_pre = _pallas_gpu_prefix(q_thd, pages, layout, page_table_sp, seq_slot_n, pre,
+                                            scale)
+    else:
+        # The ragged TPU kernel returns no softmax residuals, so it cannot be merged: TPU uses
+        # the pure-JAX path here.
+        o_pre, lse_pre = _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, pre, scale)
+    if layout.impl == "pallas_gpu":
+        o_new, lse_new = _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal,
+                                              interpret=layout.interpret)
+    else:
+        o_new, lse_new = _local_attention(q_thd, k_thd, v_thd, rag, scale, causal)
+    return _merge(o_pre, lse_pre, o_new, lse_new)
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """softmax-weighted union of two normalised attention outputs [T, H, D] by their [T, H]
+    log-sum-exps (-inf where a part saw no key)."""
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w_a = jnp.exp(lse_a - top)
+    w_b = jnp.exp(lse_b - top)
+    total = w_a + w_b
+    out = w_a[..., None] * o_a + w_b[..., None] * o_b
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _local_attention(q_thd, k_thd, v_thd, rag, scale, causal):
+    """Each token against its own sequence's new tokens (causally, or all of them): dense over
+    the packed axis, which holds only this step's tokens. Returns (out, lse) in float32."""
+    num_tokens, num_heads, head_dim = q_thd.shape
+    kv_heads = k_thd.shape[1]
+    groups = num_heads // kv_heads
+    same_tt = (rag.seq_t[:, None] == rag.seq_t[None, :]) & rag.valid_t[:, None] & rag.valid_t
+    if causal:
+        same_tt &= rag.offset_t[None, :] <= rag.offset_t[:, None]
+    q = q_thd.reshape(num_tokens, kv_heads, groups, head_dim)
+    s_kgts = jnp.einsum("tkgd,skd->kgts", q, k_thd, preferred_element_type=jnp.float32) * scale
+    s_kgts = jnp.where(same_tt[None, None], s_kgts, MASK_VALUE)
+    m_kgt = jnp.max(s_kgts, axis=-1)
+    p_kgts = jnp.where(same_tt[None, None], jnp.exp(s_kgts - m_kgt[..., None]), 0.0)
+    l_kgt = jnp.sum(p_kgts, axis=-1)
+    o_tkgd = jnp.einsum("kgts,skd->tkgd", p_kgts, v_thd.astype(jnp.float32))
+    l_tkg = jnp.transpose(l_kgt, (2, 0, 1))
+    m_tkg = jnp.transpose(m_kgt, (2, 0, 1))
+    seen = l_tkg > 0
+    o_tkgd = o_tkgd / jnp.where(seen, l_tkg, 1.0)[..., None]
+    lse_tkg = jnp.where(seen, m_tkg + jnp.log(jnp.where(seen, l_tkg, 1.0)), -jnp.inf)
+    return (o_tkgd.reshape(num_tokens, num_heads, head_dim),
+            lse_tkg.reshape(num_tokens, num_heads))
 
 
 def _split_combined(kv_x2hd, num_kv_heads: int, head_dim: int):
@@ -327,8 +403,33 @@ def _dense(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
     return attention(q_thd[:, None], k_tskd, v_tskd, mask_t1s, scale)[:, 0]
 
 
+def _dense_lse(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
+    """`_dense` with its log-sum-exp: (out [T, H, D] float32, lse [T, H], -inf: no key)."""
+    (kv_pages,) = pages.arrays
+    slot_t = seq_slot_n[rag.seq_t]
+    kv_tpsxd = kv_pages[page_table_sp[slot_t]]
+    t, pps, page_size = kv_tpsxd.shape[:3]
+    kv_tsxd = kv_tpsxd.reshape(t, pps * page_size, *kv_tpsxd.shape[3:])
+    k_tskd, v_tskd = _split_combined(kv_tsxd, layout.num_kv_heads, layout.head_dim)
+    num_heads = q_thd.shape[1]
+    groups = num_heads // layout.num_kv_heads
+    q = q_thd.reshape(t, layout.num_kv_heads, groups, q_thd.shape[-1])
+    s_tkgs = jnp.einsum("tkgd,tskd->tkgs", q, k_tskd, preferred_element_type=jnp.float32) * scale
+    mask_ts = jnp.arange(pps * page_size)[None, :] < rag.limit_t[:, None]
+    s_tkgs = jnp.where(mask_ts[:, None, None], s_tkgs, MASK_VALUE)
+    m_tkg = jnp.max(s_tkgs, axis=-1)
+    p_tkgs = jnp.where(mask_ts[:, None, None], jnp.exp(s_tkgs - m_tkg[..., None]), 0.0)
+    l_tkg = jnp.sum(p_tkgs, axis=-1)
+    o_tkgd = jnp.einsum("tkgs,tskd->tkgd", p_tkgs, v_tskd.astype(jnp.float32))
+    seen = l_tkg > 0
+    o_tkgd = o_tkgd / jnp.where(seen, l_tkg, 1.0)[..., None]
+    lse_tkg = jnp.where(seen, m_tkg + jnp.log(jnp.where(seen, l_tkg, 1.0)), -jnp.inf)
+    return o_tkgd.reshape(q_thd.shape), lse_tkg.reshape(t, num_heads)
+
+
 def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
     """Online softmax over chunks of pages; the loop stops after the longest visible length.
+    Returns (out [T, H, D] float32, log-sum-exp [T, H]; -inf where no key is visible).
 
     Queries are folded (`queries_per_fold` tokens of a sequence as extra heads), so each chunk
     of a sequence's pages is gathered once per fold rather than once per query token.
@@ -371,9 +472,11 @@ def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
         jnp.zeros(shape_fkq, jnp.float32),
         jnp.zeros(q_fkqd.shape, jnp.float32),
     )
-    _, l_fkq, acc_fkqd = jax.lax.fori_loop(0, num_chunks, step, init)
-    out_fkqd = acc_fkqd / jnp.where(l_fkq > 0, l_fkq, 1.0)[..., None]
-    return _unfold(out_fkqd, folds, groups)
+    m_fkq, l_fkq, acc_fkqd = jax.lax.fori_loop(0, num_chunks, step, init)
+    seen = l_fkq > 0
+    out_fkqd = acc_fkqd / jnp.where(seen, l_fkq, 1.0)[..., None]
+    lse_fkq = jnp.where(seen, m_fkq + jnp.log(jnp.where(seen, l_fkq, 1.0)), -jnp.inf)
+    return _unfold(out_fkqd, folds, groups), _unfold(lse_fkq, folds, groups)
 
 
 def _tpu_kernel(layout: PagedLayout, num_tokens: int, pages_per_slot: int):
@@ -510,26 +613,16 @@ def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: 
     return o_kqd[:, :queries], l_kq[:, :queries], m_kq[:, :queries]
 
 
-def _new_token_attention(q_thd, k_pages, v_pages, page_table_sp, seq_slot_n, rag, scale, *,
-                         interpret: bool):
-    """Causal attention among the packed new tokens of each sequence, with its log-sum-exp.
-
-    Keys are the new tokens themselves (read back from their pages); one segment id per
-    sequence keeps sequences apart, and packed order is position order inside a sequence, so
-    the kernel's causal mask over the packed axis is the positional one.
-    """
+def _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal, *, interpret: bool):
+    """Attention among the packed new tokens of each sequence (causal or not), with its
+    log-sum-exp, by the shipped flash attention: one segment id per sequence keeps sequences
+    apart, and packed order is position order inside a sequence, so the kernel's causal mask
+    over the packed axis is the positional one."""
     _, gpu_attention, _ = _gpu_modules()
     num_tokens, num_heads, head_dim = q_thd.shape
-    kv_heads = k_pages.shape[0]
-    page_size = k_pages.shape[2]
-    pages_per_slot = page_table_sp.shape[1]
-    slot_t = seq_slot_n[rag.seq_t]
-    pos_t = jnp.clip(rag.pos_t, 0, pages_per_slot * page_size - 1)
-    page_t = page_table_sp[slot_t, pos_t // page_size]
-    offset_t = pos_t % page_size
-    groups = num_heads // kv_heads
-    k_thd = jnp.repeat(jnp.swapaxes(k_pages[:, page_t, offset_t], 0, 1), groups, axis=1)
-    v_thd = jnp.repeat(jnp.swapaxes(v_pages[:, page_t, offset_t], 0, 1), groups, axis=1)
+    groups = num_heads // k_thd.shape[1]
+    k_thd = jnp.repeat(k_thd, groups, axis=1)
+    v_thd = jnp.repeat(v_thd, groups, axis=1)
     padded = -(-num_tokens // 16) * 16
     block = _largest_divisor(padded, 128, power_of_two=True)
     pad = ((0, padded - num_tokens), (0, 0), (0, 0))
@@ -541,28 +634,28 @@ def _new_token_attention(q_thd, k_pages, v_pages, page_table_sp, seq_slot_n, rag
         jnp.pad(v_thd.astype(q_thd.dtype), pad)[None],
         segment_t[None],
         sm_scale=scale,
-        causal=True,
+        causal=causal,
         block_sizes=gpu_attention.BlockSizes(block_q=block, block_k=block),
         interpret=interpret,
         return_residuals=True,
     )
     # mha works in base 2 (scores scaled by log2 e): its residual is log2 of the softmax sum.
     lse_th = jnp.swapaxes(lse2_bht[0], 0, 1)[:num_tokens] * math.log(2.0)
+    lse_th = jnp.where(rag.valid_t[:, None], lse_th, -jnp.inf)
     return out_bthd[0, :num_tokens].astype(jnp.float32), lse_th
 
 
-def _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal):
+def _pallas_gpu_prefix(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
+    """Every query against all rag.kv_len keys of its sequence by the paged kernel (queries
+    folded so a sequence's pages are read once per fold): (out float32, lse)."""
     k_pages, v_pages = pages.arrays
-    num_tokens, num_heads, head_dim = q_thd.shape
+    num_tokens, num_heads, _ = q_thd.shape
     kv_heads = layout.num_kv_heads
     folds = _folds(rag, num_tokens, layout.queries_per_fold)
     q_scaled = (q_thd.astype(jnp.float32) * scale).astype(k_pages.dtype)
     q_fkqd = _fold_queries(q_scaled, folds, kv_heads)
-    kv_len_f = rag.kv_len_n[folds.seq_f]
-    # Causal: part (a) covers the keys before the sequence's new tokens, part (b) the rest.
-    prefix_f = kv_len_f - rag.q_len_n[folds.seq_f] if causal else kv_len_f
     capacity = page_table_sp.shape[1] * layout.page_size
-    length_f = jnp.where(folds.valid_f, jnp.clip(prefix_f, 0, capacity), 0)
+    length_f = jnp.where(folds.valid_f, jnp.clip(rag.kv_len_n[folds.seq_f], 0, capacity), 0)
     table_fp = page_table_sp[seq_slot_n[folds.seq_f]]
     partials = functools.partial(_gpu_paged_partials, interpret=layout.interpret)
     o_fkqd, l_fkq, m_fkq = jax.vmap(partials, in_axes=(0, None, None, 0, 0))(
@@ -572,21 +665,34 @@ def _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, cau
     o_thd = _unfold(o_fkqd, folds, groups)
     l_th = _unfold(l_fkq, folds, groups)
     m_th = _unfold(m_fkq, folds, groups)
-    has_prefix_th = l_th > 0
-    l_safe_th = jnp.where(has_prefix_th, l_th, 1.0)
+    seen = l_th > 0
+    l_safe = jnp.where(seen, l_th, 1.0)
+    lse_th = jnp.where(seen & rag.valid_t[:, None], m_th + jnp.log(l_safe), -jnp.inf)
+    return o_thd / l_safe[..., None], lse_th
+
+
+def _new_kv_from_pages(pages, layout, page_table_sp, seq_slot_n, rag):
+    """The new tokens' keys and values read back from their pages (for callers that wrote
+    them first)."""
+    k_pages, v_pages = pages.arrays
+    page_size = layout.page_size
+    pages_per_slot = page_table_sp.shape[1]
+    slot_t = seq_slot_n[rag.seq_t]
+    pos_t = jnp.clip(rag.pos_t, 0, pages_per_slot * page_size - 1)
+    page_t = page_table_sp[slot_t, pos_t // page_size]
+    offset_t = pos_t % page_size
+    return (jnp.swapaxes(k_pages[:, page_t, offset_t], 0, 1),
+            jnp.swapaxes(v_pages[:, page_t, offset_t], 0, 1))
+
+
+def _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal):
     if not causal:
-        return o_thd / l_safe_th[..., None]
-    o_new_thd, lse_new_th = _new_token_attention(
-        q_thd, k_pages, v_pages, page_table_sp, seq_slot_n, rag, scale,
-        interpret=layout.interpret,
-    )
-    lse_prefix_th = jnp.where(has_prefix_th, m_th + jnp.log(l_safe_th), -jnp.inf)
-    top_th = jnp.maximum(lse_prefix_th, lse_new_th)
-    w_prefix_th = jnp.exp(lse_prefix_th - top_th)
-    w_new_th = jnp.exp(lse_new_th - top_th)
-    out_thd = (w_prefix_th[..., None] * o_thd / l_safe_th[..., None]
-               + w_new_th[..., None] * o_new_thd)
-    return out_thd / (w_prefix_th + w_new_th)[..., None]
+        return _pallas_gpu_prefix(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale)[0]
+    # Part (a): the keys before each sequence's new tokens, from the pages by the paged kernel;
+    # part (b): the new tokens among themselves; merged by log-sum-exp.
+    new_kv = _new_kv_from_pages(pages, layout, page_table_sp, seq_slot_n, rag)
+    return _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal,
+                           new_kv)
 
 
 def gather_slot_kv(pages: Pages, layout: PagedLayout, page_table_sp):

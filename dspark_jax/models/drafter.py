@@ -93,23 +93,23 @@ class DSparkDrafter(nnx.Module):
         """A paged context cache where each slot owns pages for `max_len` positions."""
         return new_cache(self.cfg.model, num_slots, max_len, self.dtype, page_size, impl)
 
+    def packed_context_kv(self, features_tf, batch: TokenBatch) -> tuple:
+        """Every layer's context (k, v) [T, KV, D] of packed target features at their
+        positions, to be written into the context cache (`paged.write`)."""
+        kv = self.context_kv(features_tf[None], batch.pos_t[None])
+        return tuple((k[0], v[0]) for k, v in kv)
+
     def append_context(self, cache: PagedCache, features_tf, batch: TokenBatch) -> PagedCache:
         """Writes the context K/V of packed target features at their slots and positions."""
-        positions_1t = batch.pos_t[None]
-        kv = self.context_kv(features_tf[None], positions_1t)
-        pages = tuple(
-            paged.write(cache, layer_pages, k[0], v[0], batch)
-            for layer_pages, (k, v) in zip(cache.pages, kv, strict=True)
-        )
-        return cache.replace(pages=pages)
+        return paged.write(cache, self.packed_context_kv(features_tf, batch), batch)
 
     def draft_hidden(self, anchor_s, start_s, live_s, cache: PagedCache):
         """Backbone over one block per slot at positions start_s.. -> h [S, gamma, D].
 
-        The block's own keys/values are written into the slot's pages at the block positions
-        (they are overwritten by the next context append, and masked by length until then) and
-        the block attends bidirectionally to context + block: kv_len = start + gamma. Slots that
-        are not live write nothing and attend to nothing.
+        The block attends bidirectionally to its slot's context (the cached positions before
+        start_s) and to the whole block, whose keys and values are never stored: the next
+        round's context append overwrites those positions with the target's features. Slots that
+        are not live attend to nothing.
         """
         gamma = self.cfg.block_size
         num_slots = anchor_s.shape[0]
@@ -125,12 +125,9 @@ class DSparkDrafter(nnx.Module):
             num_seqs=jnp.int32(num_slots),
         )
         x_1td = self.embed_tokens(self.block_tokens(anchor_s).reshape(1, -1), self.dtype)
-        pages = []
         for layer, layer_pages in zip(self.layers, cache.pages, strict=True):
-            x_1td, layer_pages = layer.paged(x_1td, batch, cache, layer_pages, causal=False)
-            pages.append(layer_pages)
-        h_skd = self.norm(x_1td[0]).reshape(num_slots, gamma, -1)
-        return h_skd, cache.replace(pages=tuple(pages))
+            x_1td, _ = layer.paged(x_1td, batch, cache, layer_pages, causal=False)
+        return self.norm(x_1td[0]).reshape(num_slots, gamma, -1)
 
     # -- backbone --------------------------------------------------------------------------
     def backbone(self, tokens_bt, positions_bt, ctx_k, ctx_v, mask_bts):

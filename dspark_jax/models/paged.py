@@ -66,23 +66,51 @@ class TokenBatch:
             num_seqs=jnp.int32(num_slots),
         )
 
+    def head(self, width: int) -> TokenBatch:
+        """The first `width` tokens (a batch built wider than its tokens, cut to a bucket)."""
+        return dataclasses.replace(
+            self, slot_t=self.slot_t[:width], pos_t=self.pos_t[:width], valid_t=self.valid_t[:width]
+        )
 
-def write(cache: PagedCache, layer_pages, k_thd, v_thd, batch: TokenBatch):
-    """`layer_pages` with the batch's valid tokens' keys and values written at their positions."""
-    return attention.write_kv(
-        layer_pages,
-        cache.layout,
-        k_thd,
-        v_thd,
-        cache.page_table_sp,
-        batch.slot_t,
-        batch.pos_t,
-        batch.valid_t,
+
+def pad_kv(kv: tuple, width: int) -> tuple:
+    """Every layer's (k, v) [T, ...] zero-padded to `width` tokens."""
+    return jax.tree.map(
+        lambda a: jnp.pad(a, ((0, width - a.shape[0]),) + ((0, 0),) * (a.ndim - 1)), kv
     )
 
 
-def attend(cache: PagedCache, layer_pages, q_thd, batch: TokenBatch, *, scale, causal: bool):
-    """Each valid query attends to its sequence's keys (see `attention.ragged_paged_attention`)."""
+def write(cache: PagedCache, kv: tuple, batch: TokenBatch, after=None) -> PagedCache:
+    """`cache` with every layer's (k, v) [T, KV, D] stored at the batch's valid tokens' slots and
+    positions (padding tokens write nothing).
+
+    `after`: values computed from reads of the same pages (e.g. the forward's hidden states). The
+    write is ordered after them: otherwise XLA may schedule it before a read of the old pages and
+    keep both versions alive, copying the whole pool every step.
+    """
+    if after is not None:
+        kv = jax.lax.optimization_barrier((kv, after))[0]
+    pages = tuple(
+        attention.write_kv(
+            layer_pages,
+            cache.layout,
+            k_thd,
+            v_thd,
+            cache.page_table_sp,
+            batch.slot_t,
+            batch.pos_t,
+            batch.valid_t,
+        )
+        for layer_pages, (k_thd, v_thd) in zip(cache.pages, kv, strict=True)
+    )
+    return cache.replace(pages=pages)
+
+
+def attend(
+    cache: PagedCache, layer_pages, q_thd, batch: TokenBatch, *, scale, causal: bool, new_kv
+):
+    """Each valid query attends to its sequence's cached keys before its new tokens and to the
+    new tokens `new_kv` (see `attention.ragged_paged_attention`)."""
     return attention.ragged_paged_attention(
         q_thd,
         layer_pages,
@@ -94,6 +122,7 @@ def attend(cache: PagedCache, layer_pages, q_thd, batch: TokenBatch, *, scale, c
         batch.num_seqs,
         scale=scale,
         causal=causal,
+        new_kv=new_kv,
     )
 
 

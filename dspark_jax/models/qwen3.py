@@ -35,23 +35,25 @@ class DecoderLayer(nnx.Module):
         return x_btd + self.mlp(self.post_attention_layernorm(x_btd))
 
     def paged(self, x_1td, batch: TokenBatch, cache: PagedCache, layer_pages, causal: bool = True):
-        """The layer over a packed batch: its keys/values are written to `layer_pages` first, then
-        every token attends to its sequence's keys (causally for the target's own tokens)."""
+        """The layer over a packed batch: every token attends to its sequence's keys in
+        `layer_pages` before its new tokens, and to the new tokens themselves (causally for the
+        target); returns (x, this layer's new (k [T, KV, D], v)) for the caller to write."""
         positions_1t = batch.pos_t[None]
         h = self.input_layernorm(x_1td)
         q = self.self_attn.query(h, positions_1t)
         k, v = self.self_attn.key_value(h, positions_1t)
-        layer_pages = paged.write(cache, layer_pages, k[0], v[0], batch)
-        o = paged.attend(cache, layer_pages, q[0], batch, scale=self.self_attn.scale, causal=causal)
+        new_kv = (k[0], v[0])
+        scale = self.self_attn.scale
+        o = paged.attend(cache, layer_pages, q[0], batch, scale=scale, causal=causal, new_kv=new_kv)
         x_1td = x_1td + self.self_attn.output(o[None])
         x_1td = x_1td + self.mlp(self.post_attention_layernorm(x_1td))
-        return x_1td, layer_pages
+        return x_1td, new_kv
 
 
 class TargetOutput(NamedTuple):
     hidden: jax.Array  # final hidden state after the final norm (what lm_head reads)
     taps: jax.Array | None  # concatenated hidden states of the tapped layers
-    cache: PagedCache | None  # the updated cache (paged forwards)
+    kv: tuple | None  # paged forwards: every layer's new (k, v) [T, KV, D], to be written
 
 
 class Qwen3(nnx.Module):
@@ -113,25 +115,26 @@ class Qwen3(nnx.Module):
     ) -> TargetOutput:
         """Runs the decoder over a packed batch (prefill chunks and verification alike).
 
-        Token t sits at position batch.pos_t[t] of slot batch.slot_t[t]; its keys and values are
-        written into the slot's pages (padding tokens write nothing) and it attends causally to
-        its slot's keys. Returns hidden states [T, D], taps [T, F] and the updated cache. Rolling
-        a slot back (rejected drafts) is only a matter of the lengths its next batch states: keys
-        past them are never read and are overwritten later.
+        Token t sits at position batch.pos_t[t] of slot batch.slot_t[t] and attends causally to
+        its slot's keys: those in the cache before its sequence's new tokens, and the new tokens
+        of this batch. Returns hidden states [T, D], taps [T, F] and every layer's new keys and
+        values, which `paged.write` stores (the cache itself is only read here). Rolling a slot
+        back (rejected drafts) is only a matter of the lengths its next batch states: keys past
+        them are never read and are overwritten later.
         """
         x_1td = self.embed_tokens(tokens_t[None], self.dtype)
         layer_out = {-1: x_1td}
-        pages = []
+        new_kv = []
         for i, layer in enumerate(self.layers):
-            x_1td, layer_pages = layer.paged(x_1td, batch, cache, cache.pages[i])
-            pages.append(layer_pages)
+            x_1td, kv = layer.paged(x_1td, batch, cache, cache.pages[i])
+            new_kv.append(kv)
             layer_out[i] = x_1td
         taps_tf = (
             jnp.concatenate([layer_out[i][0] for i in tap_layer_ids], axis=-1)
             if tap_layer_ids
             else None
         )
-        return TargetOutput(self.norm(x_1td[0]), taps_tf, cache.replace(pages=tuple(pages)))
+        return TargetOutput(self.norm(x_1td[0]), taps_tf, tuple(new_kv))
 
     def logits(self, hidden_xd):
         head = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -1,7 +1,17 @@
-"""Incremental detokenization: token ids arriving chunk by chunk -> text deltas.
+"""Streamed token ids to text: incremental detokenization and stop strings.
 
-Used wherever tokens are shown as they are generated: the server's event stream and the
+Used wherever tokens are shown as they are generated: the server's event streams and the
 `dspark-jax generate` console stream.
+
+`TextStream` decodes only a short window of recent tokens per step instead of the whole answer
+(whose cost would grow with its length at every chunk): the text a step adds is the window's
+text minus the text of the window's first part, which also keeps tokenizers right whose pieces
+decode differently at the start of a string (a leading space). Text ending in U+FFFD is an
+incomplete UTF-8 sequence so far and waits for the next step. `stop_tokens` are left out of the
+text.
+
+`StopStrings` finds stop strings in that text as it grows and holds back the tail that could
+still become one, so a streamed client never sees part of a stop string.
 """
 
 from __future__ import annotations
@@ -11,35 +21,75 @@ from typing import Any
 
 from dspark_jax.tokenizer import decode_text
 
+_INCOMPLETE = "\ufffd"
+
 
 class TextStream:
-    """Turns streamed token ids into text deltas that never split a multi-byte character.
-
-    The whole text is decoded again each time, so pieces that only make sense together come out
-    right; a tail of U+FFFD (an incomplete UTF-8 sequence so far) is held back until a later chunk
-    completes it or the stream ends, and so is any text while decoding more tokens rewrites what
-    was already sent. `stop_tokens` are left out of the text.
-    """
-
     def __init__(self, tokenizer: Any, stop_tokens: Sequence[int] = ()):
         self._tokenizer = tokenizer
         self._stop_tokens = tuple(stop_tokens)
         self._ids: list[int] = []
-        self._sent = ""
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text was already returned
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return decode_text(self._tokenizer, self._ids[start:end], self._stop_tokens)
 
     def push(self, ids: Sequence[int]) -> str:
-        """The text the new `ids` complete (possibly empty)."""
-        self._ids += ids
-        stable = decode_text(self._tokenizer, self._ids, self._stop_tokens).rstrip("\ufffd")
-        if not stable.startswith(self._sent):
+        """The text `ids` add (possibly empty while a character is incomplete)."""
+        self._ids.extend(ids)
+        done = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix)
+        if len(text) <= len(done) or text.endswith(_INCOMPLETE):
             return ""
-        delta = stable[len(self._sent) :]
-        self._sent = stable
-        return delta
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done) :]
 
     def flush(self) -> str:
-        """The rest of the text, incomplete characters included: the stream has ended."""
-        text = decode_text(self._tokenizer, self._ids, self._stop_tokens)
-        delta = text[len(self._sent) :]
-        self._sent = text
-        return delta
+        """Everything not yet returned, incomplete characters included (the stream ended)."""
+        done = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix)
+        self._prefix = self._read = len(self._ids)
+        return text[len(done) :]
+
+
+class StopStrings:
+    def __init__(self, stops: Sequence[str]):
+        self._stops = tuple(stops)
+        self._held = ""
+        self.matched = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self._stops)
+
+    def feed(self, text: str) -> str:
+        """The part of the text so far that can be released; after a match (`matched`), the
+        text up to the stop string, and nothing ever again."""
+        if self.matched:
+            return ""
+        if not self._stops:
+            return text
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.matched = True
+            self._held = ""
+            return buf[: min(hits)]
+        keep = self._partial_tail(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def finish(self) -> str:
+        """The held-back tail, released when generation ends without a match."""
+        held, self._held = self._held, ""
+        return "" if self.matched else held
+
+    def _partial_tail(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that a stop string starts with."""
+        longest = max(len(s) for s in self._stops) - 1
+        for size in range(min(longest, len(buf)), 0, -1):
+            tail = buf[len(buf) - size :]
+            if any(s.startswith(tail) for s in self._stops):
+                return size
+        return 0

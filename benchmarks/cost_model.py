@@ -1,0 +1,194 @@
+"""What a decoding step costs, against what it should follow.
+
+Three sweeps on the slot engine (random weights: speed does not depend on weight values):
+
+1. context: a plain step of every slot at growing context lengths, the pool fixed -- the paged
+   attention reads only the keys in use, so time should grow with the context;
+2. preallocation: the same 48-token context with growing `max_model_len` (the per-request limit
+   that sizes the page table) -- time should stay flat;
+3. packed verification: one speculative round of `--slots` live slots in which no slot verifies a
+   draft, one slot verifies its whole block, or every slot does -- the round packs the verified
+   tokens, so one slot verifying 7 drafts should cost close to none verifying.
+
+    python benchmarks/cost_model.py                      # tiny architecture, CPU
+    python benchmarks/cost_model.py --config qwen3-4b    # real shapes (GPU/TPU)
+
+Each cell is the median over --repeats timed chunks of --rounds rounds each (the slots are rolled
+back between chunks, so every round sees the same context), after a warm-up chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from decode_speed import CONFIGS, random_model
+from flax import nnx
+from provenance import git_commit
+
+from dspark_jax import configs
+from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.profiling import CarriedLengths, filled_state
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.qwen3 import Qwen3
+
+
+def round_ms(engine: Engine, context: int, lengths: np.ndarray, repeats: int) -> float:
+    """Median ms per round with slots `lengths >= 0` live at `context`, slot s verifying
+    lengths[s] drafts (ignored by plain engines)."""
+    state = filled_state(engine, context)
+    slots = engine.cfg.num_slots
+    times = []
+    for rep in range(repeats + 1):
+        state = state.replace(
+            live_s=jnp.asarray(lengths >= 0),
+            policy_carry=jnp.asarray(np.maximum(lengths, 0))
+            if engine.speculative
+            else state.policy_carry,
+            lengths_s=jnp.full((slots,), context, jnp.int32),
+            num_generated_s=jnp.zeros((slots,), jnp.int32),
+        )
+        jax.block_until_ready(state.lengths_s)
+        start = time.perf_counter()
+        state, out = engine.decode_chunk(state)
+        jax.block_until_ready(out.count_s)
+        rounds = int(np.sum(np.asarray(out.step_tokens_r) > 0))
+        if rep:
+            times.append((time.perf_counter() - start) / rounds * 1e3)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict:
+    target_name, drafter_name = CONFIGS[args.config]
+    # Random weights at a raised context limit: the sweep reaches past the real model's.
+    target_cfg = dataclasses.replace(
+        configs.get(target_name), dtype=args.dtype, max_position_embeddings=1 << 16
+    )
+    drafter_cfg = configs.get(drafter_name)
+    drafter_cfg = dataclasses.replace(
+        drafter_cfg,
+        model=dataclasses.replace(
+            target_cfg,
+            num_hidden_layers=drafter_cfg.model.num_hidden_layers,
+            tie_word_embeddings=False,
+        ),
+    )
+    target = random_model(
+        lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed
+    )
+    drafter = random_model(
+        lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed + 1
+    )
+    gamma = drafter_cfg.block_size
+    room = (args.rounds + 1) * (gamma + 1)
+    small = dict(prefill_chunk=16, prefill_buckets=(16,), rounds_per_chunk=args.rounds)
+    all_live = np.zeros((args.slots,), np.int32)
+
+    context_rows = []
+    longest = max(args.contexts)
+    cfg = EngineConfig(num_slots=args.slots, max_model_len=longest + room, **small)
+    plain = Engine(target, None, cfg)
+    plain.warm_up()
+    for context in args.contexts:
+        context_rows.append(
+            {"context": context, "ms": round_ms(plain, context, all_live, args.repeats)}
+        )
+        print(f"context {context}: {context_rows[-1]['ms']:.3f} ms/step", flush=True)
+
+    prealloc_rows = []
+    for max_len in args.max_lens:
+        cfg = EngineConfig(num_slots=args.slots, max_model_len=max_len, **small)
+        plain = Engine(target, None, cfg)
+        plain.warm_up()
+        ms = round_ms(plain, 48, all_live, args.repeats)
+        prealloc_rows.append({"max_model_len": max_len, "pool_pages": cfg.pool_pages, "ms": ms})
+        print(f"max_model_len {max_len}: {ms:.3f} ms/step", flush=True)
+
+    cfg = EngineConfig(num_slots=args.packed_slots, max_model_len=64 + room, **small)
+    spec = Engine(target, drafter, cfg, policy=CarriedLengths())
+    spec.warm_up()
+    none = np.zeros((args.packed_slots,), np.int32)
+    one = none.copy()
+    one[0] = gamma
+    every = np.full((args.packed_slots,), gamma, np.int32)
+    packed = {
+        name: round_ms(spec, 64, lengths, args.repeats)
+        for name, lengths in (("none", none), ("one", one), ("all", every))
+    }
+    print(f"packed round ms: {packed}", flush=True)
+
+    device = jax.devices()[0]
+    return {
+        "benchmark": "cost_model",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "device": device.device_kind,
+        "platform": device.platform,
+        "config": args.config,
+        "dtype": args.dtype,
+        "slots": args.slots,
+        "packed_slots": args.packed_slots,
+        "gamma": gamma,
+        "token_buckets": list(spec.token_buckets),
+        "context": context_rows,
+        "preallocation": prealloc_rows,
+        "preallocation_ratio": prealloc_rows[0]["ms"] / prealloc_rows[-1]["ms"],
+        "packed_ms": packed,
+        "packed_one_over_none": packed["one"] / packed["none"],
+        "packed_all_over_none": packed["all"] / packed["none"],
+    }
+
+
+def format_table(r: dict) -> str:
+    lines = [f"{r['device']} ({r['platform']}), {r['config']} {r['dtype']}, commit {r['commit']}"]
+    lines.append(f"1. plain step, {r['slots']} slots, by context in use (pool fixed)")
+    lines += [f"   context {x['context']:>6}: {x['ms']:8.3f} ms" for x in r["context"]]
+    lines.append(f"2. plain step, {r['slots']} slots at context 48, by max_model_len")
+    lines += [
+        f"   max_model_len {x['max_model_len']:>6} ({x['pool_pages']:>6} pages): {x['ms']:8.3f} ms"
+        for x in r["preallocation"]
+    ]
+    lines.append(
+        f"   speed at the largest / at the smallest: {r['preallocation_ratio']:.2f} (1 = flat)"
+    )
+    p = r["packed_ms"]
+    lines.append(
+        f"3. speculative round, {r['packed_slots']} live slots, token buckets {r['token_buckets']}"
+    )
+    lines.append(
+        f"   none verifying {p['none']:.3f} ms, one verifying {r['gamma']} {p['one']:.3f} ms "
+        f"({r['packed_one_over_none']:.2f}x), all verifying {p['all']:.3f} ms "
+        f"({r['packed_all_over_none']:.2f}x)"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--packed-slots", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--max-lens", type=int, nargs="+", default=[256, 2048, 8192])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="cost_model.json")
+    args = parser.parse_args()
+    result = run(args)
+    print(format_table(result))
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,678 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over one `EngineRunner`.
+
+Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
+server-sent events in the OpenAI chunk format, ending with `data: [DONE]`), `GET /health`
+(503 until warm-up has compiled every program, and again while draining) and `GET /metrics`
+(Prometheus text).
+
+A request's path: the body is read with a size limit and a deadline (a body shorter than its
+Content-Length gets 408 instead of holding the connection), validated by the strict schemas of
+`protocol`, tokenized (chat through the target's template) off the event loop, and submitted to
+the engine runner, which refuses at once what can never run (400) and what does not fit the
+queue (503). The engine thread's events are moved onto the event loop; text is detokenized
+incrementally and searched for stop strings there, and a matched stop string cancels the
+request so its slot frees at once. A streamed response sends its headers with the first token,
+so a request refused or shed before it started still gets a proper status code.
+
+A client that goes away cancels its request: a watcher per request waits for the ASGI
+disconnect message. Draining (SIGTERM, Ctrl-C) refuses new requests, answers 503 to those that
+have not produced a token yet, and lets the others finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from dspark_jax.config import read_config_json
+from dspark_jax.decoding.batching import QueueFullError, Request
+from dspark_jax.decoding.engine import EngineError
+from dspark_jax.errors import UserError
+from dspark_jax.sampling import SamplingConfig
+from dspark_jax.serving import protocol as api
+from dspark_jax.serving.metrics import ServingMetrics
+from dspark_jax.serving.runtime import EngineRunner, ServiceUnavailable
+from dspark_jax.serving.text_stream import StopStrings, TextStream
+from dspark_jax.tokenizer import encode_chat
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling used for fields a request leaves out: the model's generation_config.json when it
+    names them (as vLLM does), else the OpenAI defaults."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> SamplingDefaults:
+        path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        gen = read_config_json(path)
+        defaults = cls(
+            temperature=float(gen.get("temperature", cls.temperature)),
+            top_p=float(gen.get("top_p", cls.top_p)),
+            top_k=max(int(gen.get("top_k", cls.top_k)), 0),
+        )
+        # Out-of-range values in the model's file are refused at start-up, not per request.
+        SamplingConfig(defaults.temperature, defaults.top_k, defaults.top_p)
+        return defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What the HTTP layer needs to know about the model behind the engine."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    gamma: int  # drafts per block (0: plain decoding)
+    stop_tokens: tuple[int, ...]  # end-of-generation ids the engine stops at (unless ignore_eos)
+    defaults: SamplingDefaults = SamplingDefaults()
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Seconds a request body may take to arrive (its headers have their own deadline, see
+    # http_server).
+    read_timeout_s: float = 30.0
+
+
+class ApiError(Exception):
+    """Answered as an OpenAI error object with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.body = api.ErrorResponse(
+            error=api.ErrorBody(message=message, type=kind, param=param, code=code)
+        )
+        self.headers = headers or {}
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body.model_dump(), status_code=error.status, headers=error.headers)
+
+
+def _unavailable(message: str) -> ApiError:
+    return ApiError(
+        503, message, kind="service_unavailable", code="unavailable", headers={"Retry-After": "1"}
+    )
+
+
+class _ClientGone(Exception):
+    """The client disconnected; there is nobody to answer."""
+
+
+# Status for the access log and metrics when the client left first (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+class _Live:
+    """One request in flight as the event loop sees it: the engine thread's events, moved onto
+    the loop, plus interruptions (client gone, shed by a drain) that cut in ahead of them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, runner: EngineRunner):
+        self.loop = loop
+        self.runner = runner
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.handle = None
+        self.started = False  # a token has arrived
+        self.ended = False
+
+    def on_event(self, kind: str, payload: Any) -> None:
+        """Called on the engine thread."""
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            self.loop.call_soon_threadsafe(self._put, kind, payload)
+
+    def _put(self, kind: str, payload: Any) -> None:
+        if kind == "tokens":
+            self.started = True
+        elif kind in ("done", "error"):
+            self.ended = True
+        self.queue.put_nowait((kind, payload))
+
+    def interrupt(self, kind: str) -> None:
+        """Ends the request early: `kind` ("disconnected", "shed") reaches the reader next."""
+        self.queue.put_nowait((kind, None))
+        self.cancel()
+
+    def cancel(self) -> None:
+        if not self.ended and self.handle is not None:
+            self.ended = True
+            self.runner.cancel(self.handle)
+
+
+class _Generation:
+    """Reads one request's events: text deltas cut at stop strings, token ids, finish reason."""
+
+    def __init__(self, live: _Live, tokenizer: Any, stop_strings, hidden_ids: frozenset[int]):
+        self.live = live
+        self.text = TextStream(tokenizer)
+        self.stops = StopStrings(stop_strings)
+        self.hidden_ids = hidden_ids  # stop token ids: they end the text, they are not text
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+
+    async def next_piece(self) -> tuple[str, list[int]] | None:
+        """The next (text, token ids) piece, or None once finished. Raises ApiError when the
+        engine failed or a drain shed the request, _ClientGone when the client left."""
+        if self.finish_reason is not None:
+            return None
+        kind, payload = await self.live.queue.get()
+        if kind == "tokens":
+            return self._tokens(payload)
+        if kind == "done":
+            text = self.stops.feed(self.text.flush())
+            text += self.stops.finish()
+            self.finish_reason = "stop" if self.stops.matched else payload.finish_reason
+            return text, []
+        if kind == "error":
+            raise ApiError(500, str(payload), kind="server_error", code="engine_failed")
+        if kind == "shed":
+            raise _unavailable("the server is shutting down; this request did not start")
+        raise _ClientGone
+
+    def _tokens(self, ids: list[int]) -> tuple[str, list[int]]:
+        if not self.stops.active:
+            self.token_ids += ids
+            return self.text.push([t for t in ids if t not in self.hidden_ids]), ids
+        # Token by token, so the answer ends with the token that completed the stop string (as
+        # if generation had stopped there), not with the rest of its chunk.
+        texts = []
+        for n, token in enumerate(ids, 1):
+            shown = [] if token in self.hidden_ids else [token]
+            texts.append(self.stops.feed(self.text.push(shown)))
+            if self.stops.matched:
+                self.finish_reason = "stop"
+                self.live.cancel()
+                ids = ids[:n]
+                break
+        self.token_ids += ids
+        return "".join(texts), ids
+
+    def usage(self, prompt_tokens: int) -> api.Usage:
+        completion = len(self.token_ids)
+        return api.Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+        )
+
+
+# -- response shapes ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """How one endpoint's results look: whole responses and stream chunks."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+    with_ids: bool
+
+    def _ids(self, ids: list[int]) -> list[int] | None:
+        return ids if self.with_ids else None
+
+    def response(self, text: str, gen: _Generation, usage: api.Usage) -> BaseModel:
+        ids = self._ids(gen.token_ids)
+        if self.chat:
+            choice = api.ChatChoice(
+                message=api.AssistantMessage(content=text),
+                finish_reason=gen.finish_reason,
+                token_ids=ids,
+            )
+            return api.ChatCompletion(
+                id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            )
+        choice = api.CompletionChoice(text=text, finish_reason=gen.finish_reason, token_ids=ids)
+        return api.Completion(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        )
+
+    def opening(self) -> BaseModel | None:
+        """The chat stream's first chunk announces the assistant role."""
+        if not self.chat:
+            return None
+        return self._chat_chunk(api.ChatChunkChoice(delta=api.ChatDelta(role="assistant")))
+
+    def chunk(self, text: str, ids: list[int], finish_reason: str | None = None) -> BaseModel:
+        if self.chat:
+            ending = finish_reason is not None and not text
+            delta = api.ChatDelta() if ending else api.ChatDelta(content=text)
+            return self._chat_chunk(
+                api.ChatChunkChoice(
+                    delta=delta, finish_reason=finish_reason, token_ids=self._ids(ids)
+                )
+            )
+        return api.Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                api.CompletionChoice(
+                    text=text, finish_reason=finish_reason, token_ids=self._ids(ids)
+                )
+            ],
+        )
+
+    def usage_chunk(self, usage: api.Usage) -> BaseModel:
+        if self.chat:
+            return api.ChatCompletionChunk(
+                id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+            )
+        return api.Completion(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def _chat_chunk(self, choice: api.ChatChunkChoice) -> api.ChatCompletionChunk:
+        return api.ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[choice]
+        )
+
+    def dump(self, model: BaseModel) -> dict[str, Any]:
+        exclude = None if self.with_ids else {"choices": {"__all__": {"token_ids"}}}
+        return model.model_dump(mode="json", exclude=exclude)
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+def _validation_message(error: ValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in error.errors(include_url=False):
+        loc = ".".join(str(x) for x in e["loc"])
+        param = param or (loc or None)
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts), param
+
+
+class OpenAIServer:
+    """The request handlers and the drain; `create_app` puts them behind FastAPI."""
+
+    def __init__(
+        self,
+        runner: EngineRunner,
+        model: ServedModel,
+        metrics: ServingMetrics,
+        limits: HttpLimits = HttpLimits(),
+    ):
+        self.runner = runner
+        self.model = model
+        self.metrics = metrics
+        self.limits = limits
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.live: set[_Live] = set()
+        self.draining = False
+        self.created = int(time.time())
+        metrics.ready.set_function(lambda: float(self.status == "ok"))
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """(On the event loop.) Refuses new requests and sheds those that have not started."""
+        self.draining = True
+        self.runner.close()
+        for live in list(self.live):
+            if not live.started:
+                live.interrupt("shed")
+
+    def request_drain(self) -> None:
+        """`drain` from any thread (or a signal handler)."""
+        if self.loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.drain)
+
+    @property
+    def status(self) -> str:
+        return "draining" if self.draining else self.runner.status
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        status = self.status
+        body = {"status": status, "model": self.model.name}
+        if self.runner.warmup_s is not None:
+            body["warmup_s"] = round(self.runner.warmup_s, 3)
+        return (200 if status == "ok" else 503), body
+
+    def models(self) -> api.ModelList:
+        card = api.ModelCard(
+            id=self.model.name, created=self.created, max_model_len=self.model.max_model_len
+        )
+        return api.ModelList(data=[card])
+
+    # -- requests ------------------------------------------------------------------------------
+    async def read_body(self, request: HttpRequest) -> bytes:
+        limit = self.limits.max_body_bytes
+        # The HTTP layer has already refused a malformed Content-Length.
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > limit:
+            raise _too_large(int(length), limit)
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.limits.read_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise _too_large(len(body), limit)
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {self.limits.read_timeout_s:g} s "
+                f"({len(body)} of {length or 'unknown'} bytes received)",
+                kind="timeout",
+                headers=_CLOSE,
+            ) from None
+        except ClientDisconnect:
+            raise _ClientGone from None
+        return bytes(body)
+
+    def parse(self, schema: type[api.GenerationRequest], body: bytes) -> api.GenerationRequest:
+        if not body:
+            raise ApiError(400, "a JSON body is required")
+        try:
+            req = schema.model_validate_json(body)
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            raise ApiError(400, message, param=param) from None
+        if req.model is not None and req.model != self.model.name:
+            raise ApiError(
+                404,
+                f"the model {req.model!r} does not exist; this server serves {self.model.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return req
+
+    async def prompt_ids(self, req: api.GenerationRequest) -> list[int]:
+        tokenizer = self.model.tokenizer
+        if isinstance(req, api.ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+
+            def render() -> list[int]:
+                return encode_chat(tokenizer, messages, enable_thinking=req.enable_thinking)
+
+            try:
+                return await run_in_threadpool(render)
+            except (UserError, jinja2.TemplateError) as e:
+                raise ApiError(400, f"the chat template refused the messages: {e}") from None
+        if isinstance(req.prompt, str):
+            return await run_in_threadpool(tokenizer.encode, req.prompt)
+        vocab = self.model.vocab_size
+        bad = [t for t in req.prompt if t >= vocab]
+        if bad:
+            raise ApiError(400, f"token ids must be < {vocab} (the vocabulary); got {bad[:5]}")
+        return list(req.prompt)
+
+    def engine_request(self, req: api.GenerationRequest, prompt_ids: list[int]) -> Request:
+        model = self.model
+        defaults = model.defaults
+        limit = req.token_limit if isinstance(req, api.ChatCompletionRequest) else req.max_tokens
+        if limit is None:
+            # What fits the context (vLLM's default): the engine also needs one block beyond.
+            limit = model.max_model_len - len(prompt_ids) - model.gamma - 1
+            if limit < 1:
+                raise ApiError(
+                    400,
+                    f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate "
+                    f"within max_model_len {model.max_model_len}",
+                    code="context_length_exceeded",
+                )
+        bad = [t for t in req.stop_token_ids or () if t >= model.vocab_size]
+        if bad:
+            raise ApiError(400, f"stop_token_ids must be < {model.vocab_size}; got {bad[:5]}")
+        top_k = defaults.top_k if req.top_k is None else max(req.top_k, 0)  # -1 means off
+        sampling = SamplingConfig(
+            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            top_k=top_k,
+            top_p=defaults.top_p if req.top_p is None else req.top_p,
+        )
+        return Request(
+            prompt_ids=prompt_ids,
+            max_new_tokens=limit,
+            seed=secrets.randbelow(2**32) if req.seed is None else req.seed,
+            sampling=sampling,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+
+    async def generate(self, http: HttpRequest, req: api.GenerationRequest, chat: bool) -> Response:
+        arrived = time.monotonic()
+        if self.draining:
+            raise _unavailable("the server is shutting down")
+        prompt_ids = await self.prompt_ids(req)
+        engine_req = self.engine_request(req, prompt_ids)
+        live = _Live(asyncio.get_running_loop(), self.runner)
+        try:
+            live.handle = self.runner.submit(engine_req, live.on_event)
+        except QueueFullError as e:
+            raise _unavailable(f"the queue is full: {e}") from None
+        except EngineError as e:
+            raise ApiError(400, str(e)) from None
+        except ServiceUnavailable as e:
+            raise _unavailable(str(e)) from None
+        self.live.add(live)
+        finished = False
+
+        def finish() -> None:
+            # Idempotent: called by whichever ends the request first (the response, or the
+            # watcher when a streamed response was cancelled before its body ever started).
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            watcher.cancel()
+            live.cancel()
+            self.live.discard(live)
+            self.metrics.e2e.observe(time.monotonic() - arrived)
+
+        watcher = asyncio.create_task(self._watch_disconnect(http, live, finish))
+
+        hidden = frozenset(engine_req.stop_token_ids) | (
+            frozenset() if req.ignore_eos else frozenset(self.model.stop_tokens)
+        )
+        gen = _Generation(live, self.model.tokenizer, req.stop_strings, hidden)
+        prefix = "chatcmpl" if chat else "cmpl"
+        shape = _Shape(
+            chat,
+            f"{prefix}-{uuid.uuid4().hex}",
+            int(time.time()),
+            self.model.name,
+            req.return_token_ids,
+        )
+        prompt_len = len(prompt_ids)
+        if not req.stream:
+            try:
+                return await self._whole(gen, shape, prompt_len)
+            finally:
+                finish()
+        try:
+            first = await gen.next_piece()
+        except _ClientGone:
+            finish()
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException:
+            finish()
+            raise
+        return StreamingResponse(
+            self._stream(gen, shape, first, prompt_len, req.include_usage, finish),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _whole(self, gen: _Generation, shape: _Shape, prompt_len: int) -> Response:
+        texts = []
+        try:
+            while (piece := await gen.next_piece()) is not None:
+                texts.append(piece[0])
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        body = shape.response("".join(texts), gen, gen.usage(prompt_len))
+        return JSONResponse(shape.dump(body))
+
+    async def _stream(
+        self,
+        gen: _Generation,
+        shape: _Shape,
+        first: tuple[str, list[int]] | None,
+        prompt_len: int,
+        include_usage: bool,
+        finish: Callable[[], None],
+    ) -> AsyncIterator[bytes]:
+        try:
+            opening = shape.opening()
+            if opening is not None:
+                yield _sse(shape.dump(opening))
+            piece = first
+            while piece is not None:
+                text, ids = piece
+                if text or (ids and shape.with_ids):
+                    yield _sse(shape.dump(shape.chunk(text, ids)))
+                piece = await gen.next_piece()
+            yield _sse(shape.dump(shape.chunk("", [], gen.finish_reason)))
+            if include_usage:
+                yield _sse(shape.dump(shape.usage_chunk(gen.usage(prompt_len))))
+            yield _sse("[DONE]")
+        except ApiError as e:
+            yield _sse(e.body.model_dump())
+            yield _sse("[DONE]")
+        except _ClientGone:
+            return
+        finally:
+            finish()
+
+    @staticmethod
+    async def _watch_disconnect(http: HttpRequest, live: _Live, finish: Callable[[], None]) -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        live.interrupt("disconnected")
+        finish()
+
+
+_CLOSE = {"Connection": "close"}
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the body of {size} bytes exceeds the limit of {limit}", headers=_CLOSE)
+
+
+class _CountStatus:
+    """ASGI wrapper counting responses by status code (outermost, so errors count too)."""
+
+    def __init__(self, app, metrics: ServingMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        answered = False
+
+        async def counting_send(message):
+            nonlocal answered
+            if message["type"] == "http.response.start":
+                answered = True
+                self.metrics.http_responses.labels(str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if not answered:
+                self.metrics.http_responses.labels(str(CLIENT_CLOSED)).inc()
+
+
+def create_app(server: OpenAIServer):
+    """The ASGI app: FastAPI routes over `server`, wrapped to count response codes."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        server.loop = asyncio.get_running_loop()
+        yield
+
+    app = FastAPI(
+        title="dspark-jax", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, error: ApiError):
+        return _error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(
+            ApiError(error.status_code, str(error.detail), kind=kind, headers=error.headers)
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, error: Exception):
+        log.error("request failed", exc_info=error)
+        return _error_response(
+            ApiError(500, f"internal error: {type(error).__name__}", kind="server_error")
+        )
+
+    @app.get("/health")
+    async def health():
+        status, body = server.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse(server.models().model_dump(mode="json"))
+
+    async def endpoint(http: HttpRequest, schema, chat: bool) -> Response:
+        try:
+            body = await server.read_body(http)
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        return await server.generate(http, server.parse(schema, body), chat)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await endpoint(http, api.CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await endpoint(http, api.ChatCompletionRequest, chat=True)
+
+    return _CountStatus(app, server.metrics)

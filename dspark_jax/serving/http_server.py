@@ -1,0 +1,209 @@
+"""uvicorn under the app: a socket bound up front, deadlines on slow clients, drain on signals.
+
+- The listening socket is bound before the models load (`bind_socket`), so a port in use is a
+  one-line error at once, and port 0 resolves to the real port before anything is printed.
+- Connections are asyncio protocol objects, not threads, so a slow client holds no thread; it
+  still holds a socket and a buffer, so every read has a deadline. uvicorn bounds the request
+  head's size (h11's incomplete-event limit, 16 KiB) and closes idle keep-alive connections
+  (`timeout_keep_alive`), but a client that sends its head one byte at a time (slow loris) is
+  never timed out: `_HeadDeadline` answers 408 and closes when a request head is not complete
+  `read_timeout_s` after the connection opened (or after its first bytes, on a kept-alive
+  connection). Bodies have their own deadline in the app (`HttpLimits.read_timeout_s`).
+- SIGTERM and SIGINT (Ctrl-C) drain: the app stops taking requests and sheds those not started
+  (503), uvicorn stops accepting connections and waits up to `drain_timeout_s` for the running
+  ones, then cancels what is left. A second Ctrl-C stops waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import signal
+import socket
+import threading
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from dspark_jax.decoding.engine import Engine
+from dspark_jax.errors import UserError
+from dspark_jax.serving.app import HttpLimits, OpenAIServer, ServedModel, create_app
+from dspark_jax.serving.metrics import ServingMetrics
+from dspark_jax.serving.runtime import FAILED, EngineRunner
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+class ServerStartError(UserError):
+    """The server cannot listen where it was asked to."""
+
+
+def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free one."""
+    if not 0 <= port <= 65535:
+        raise ServerStartError(f"--port must be in 0..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServerStartError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServerStartError(f"port {port} on {host} is already in use") from None
+        raise ServerStartError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def build_app_server(
+    engine: Engine, model: ServedModel, *, max_waiting: int, limits: HttpLimits | None = None
+) -> OpenAIServer:
+    """The app's handlers over a runner for `engine` (not started) and its metrics."""
+    limits = limits or HttpLimits()
+    metrics = ServingMetrics(engine.cfg.num_slots, engine.cfg.pool_pages, engine.gamma)
+    runner = EngineRunner(engine, max_waiting=max_waiting, observer=metrics)
+    return OpenAIServer(runner, model, metrics, limits)
+
+
+class _HeadDeadline(H11Protocol):
+    """h11 with a deadline on each request head; see the module docstring.
+
+    The clock starts when a connection opens or when the first bytes of a later request head
+    arrive; bytes that follow do not reset it. An idle keep-alive connection is left to uvicorn's
+    keep-alive timeout, which closes it silently (answering it could race a new request)."""
+
+    read_timeout_s: float = 30.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A pipelined head already partly buffered starts its clock now.
+        pending = self.conn.trailing_data[0]
+        if pending and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.read_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _expired(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.write(_TIMEOUT_408)
+            self.transport.close()
+
+
+def _protocol(read_timeout_s: float) -> type[H11Protocol]:
+    return type("HeadDeadlineProtocol", (_HeadDeadline,), {"read_timeout_s": read_timeout_s})
+
+
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_signal):
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Not uvicorn's own: once shut down it raises the signal again, so SIGTERM would end the
+        # process with the signal's status instead of the drain's exit 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+            self._on_signal()
+
+
+class HttpServer:
+    """Serves `app_server` on `sock` with uvicorn until a signal or `shutdown()`."""
+
+    def __init__(
+        self,
+        app_server: OpenAIServer,
+        sock: socket.socket,
+        *,
+        read_timeout_s: float = 30.0,
+        drain_timeout_s: float = 30.0,
+        max_connections: int = 2048,
+        log_level: str = "info",
+        access_log: bool = True,
+    ):
+        self.app_server = app_server
+        self.sock = sock
+        self.drain_timeout_s = drain_timeout_s
+        config = uvicorn.Config(
+            create_app(app_server),
+            http=_protocol(read_timeout_s),
+            lifespan="on",
+            log_level=log_level,
+            access_log=access_log,
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=drain_timeout_s,
+            limit_concurrency=max_connections,
+        )
+        self._server = _Uvicorn(config, app_server.request_drain)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.sock.getsockname()[:2]
+        return str(host), int(port)
+
+    def serve(self) -> int:
+        """Serves on this thread until drained; returns the exit status (1: the engine failed).
+        On the main thread, SIGTERM and SIGINT start the drain."""
+        runner = self.app_server.runner
+        runner.on_stop = self._engine_stopped
+        runner.start()
+        self._server.run(sockets=[self.sock])
+        runner.stop(timeout=self.drain_timeout_s)
+        return 1 if runner.status == FAILED else 0
+
+    def start(self) -> HttpServer:
+        """Serves on a background thread (tests); `shutdown()` drains and ends it."""
+        self._thread = threading.Thread(target=self.serve, name="dspark-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """What a signal does, from any thread; with `start()`, also waits for the end."""
+        self._server.handle_exit(signal.SIGTERM, None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def started(self) -> bool:
+        return self._server.started
+
+    def _engine_stopped(self) -> None:
+        if self.app_server.runner.status == FAILED:
+            log.error("the engine failed; shutting down")
+            self._server.handle_exit(signal.SIGTERM, None)

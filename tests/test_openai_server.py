@@ -1,0 +1,547 @@
+"""The OpenAI-compatible server, in-process (uvicorn on a thread, port 0) on the embedded pair.
+
+Black-box through HTTP: continuous batching (short requests overtake a long one), no
+compilation after warm-up whatever the sampling settings, greedy equal to the engine's offline
+`generate` and to the reference's plain greedy decoding, seeded sampling independent of the
+traffic around it, cancellation on disconnect, a full queue, a short load run, and hostile
+clients (slow heads and bodies, short bodies, deep JSON, non-finite numbers).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from fixture_models import fixture_dir, reference_traces
+from serving_helpers import DONE, SMALL_ENGINE, metrics, sse_events, wait_idle, wait_until
+
+from dspark_jax.checkpoints.jax_format import load_decoding_models
+from dspark_jax.decoding.batching import Request, generate
+from dspark_jax.decoding.engine import Engine
+from dspark_jax.sampling import SamplingConfig
+from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
+from dspark_jax.serving.http_server import HttpServer, bind_socket, build_app_server
+from dspark_jax.serving.metrics import compile_count, watch_compilations
+
+READ_TIMEOUT_S = 2.0
+MODEL = "tiny-vanilla"
+SEEDED = dict(temperature=0.9, top_p=0.9, seed=1234, max_tokens=48, ignore_eos=True)
+
+
+@dataclasses.dataclass
+class Served:
+    url: str
+    app_server: object
+    traces: list
+    offline_greedy: list
+    offline_seeded: list
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def served():
+    watch_compilations()
+    # The vanilla fixture is the embedded pair (the same files).
+    root = fixture_dir("vanilla")
+    models = load_decoding_models(root / "target", root / "draft", progress=False)
+    engine = Engine(models.target, models.drafter, SMALL_ENGINE, stop_tokens=models.stop_tokens)
+    traces = reference_traces("vanilla")["traces"]
+    # The engine's offline path, run on the same engine before the server takes it over.
+    greedy, _ = generate(engine, [Request(t["prompt"], max_new_tokens=96) for t in traces])
+    seeded_sampling = SamplingConfig(SEEDED["temperature"], 0, SEEDED["top_p"])
+    seeded, _ = generate(
+        engine,
+        [
+            Request(
+                list(b"def parse_args(argv):\n"),
+                max_new_tokens=SEEDED["max_tokens"],
+                seed=SEEDED["seed"],
+                sampling=seeded_sampling,
+                ignore_eos=True,
+            )
+        ],
+    )
+    model = ServedModel(
+        name=MODEL,
+        tokenizer=models.tokenizer,
+        vocab_size=models.target.cfg.vocab_size,
+        max_model_len=SMALL_ENGINE.max_model_len,
+        gamma=engine.gamma,
+        stop_tokens=engine.stop_tokens,
+        defaults=SamplingDefaults.from_model_dir(models.model_dir),
+    )
+    app_server = build_app_server(
+        engine, model, max_waiting=64, limits=HttpLimits(read_timeout_s=READ_TIMEOUT_S)
+    )
+    server = HttpServer(
+        app_server,
+        bind_socket("127.0.0.1", 0),
+        read_timeout_s=READ_TIMEOUT_S,
+        drain_timeout_s=10,
+        log_level="warning",
+    ).start()
+    host, port = server.address
+    assert app_server.runner.wait_ready(600), app_server.runner.error
+    assert compile_count() > 0  # the counter sees compilations on this JAX version
+    yield Served(
+        f"http://{host}:{port}",
+        app_server,
+        traces,
+        [r.tokens for r in greedy],
+        seeded[0].tokens,
+    )
+    server.shutdown(60)
+
+
+def _complete(url: str, timeout: float = 120, **body) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_tokens(
+    http: httpx.Client, log: list, name: str, go: threading.Event | None = None, **body
+) -> dict:
+    """Streams a completion (after `go`, if given); appends (name, token count so far) to `log`
+    per chunk."""
+    body = {"model": MODEL, "stream": True, "return_token_ids": True, **body}
+    ids, finish = [], None
+    if go is not None:
+        go.wait()
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for event in sse_events(r):
+            if event == DONE:
+                break
+            choice = event["choices"][0]
+            ids += choice.get("token_ids") or []
+            finish = choice["finish_reason"] or finish
+            log.append((name, len(ids)))
+    return {"token_ids": ids, "finish_reason": finish}
+
+
+def _clients(url: str, n: int) -> list[httpx.Client]:
+    """HTTP clients with their connection already open."""
+    clients = [httpx.Client(base_url=url, timeout=300) for _ in range(n)]
+    for c in clients:
+        assert c.get("/health").status_code == 200
+    return clients
+
+
+def test_models_and_health(served):
+    assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == SMALL_ENGINE.max_model_len
+
+
+def test_greedy_equals_offline_generate_and_plain_greedy(served):
+    """All four prompts in flight together; each answer equals the engine's offline generate
+    and the PyTorch reference's target-only greedy decoding, token for token."""
+
+    def ask(trace):
+        body = _complete(
+            served.url, prompt=trace["prompt"], max_tokens=96, temperature=0, return_token_ids=True
+        )
+        return body["choices"][0]["token_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(served.traces)) as pool:
+        answers = list(pool.map(ask, served.traces))
+    for trace, answer, offline in zip(served.traces, answers, served.offline_greedy, strict=True):
+        assert answer == offline
+        assert answer == trace["greedy"]
+
+
+def test_seeded_sampling_alone_or_in_a_busy_server(served):
+    prompt = "def parse_args(argv):\n"
+    alone = _complete(served.url, prompt=prompt, return_token_ids=True, **SEEDED)
+    assert alone["choices"][0]["token_ids"] == served.offline_seeded
+    log: list = []
+    clients = _clients(served.url, 3)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        busy = [
+            pool.submit(
+                _stream_tokens,
+                clients[i],
+                log,
+                f"bg{i}",
+                prompt=f"class Thing{i}:\n",
+                max_tokens=480,
+                ignore_eos=True,
+                temperature=t,
+                top_p=p,
+                seed=i,
+            )
+            for i, (t, p) in enumerate([(1.0, 1.0), (0.0, 1.0), (0.6, 0.8)])
+        ]
+        assert wait_until(lambda: len(log) >= 3, 120, interval=0.001)
+        joined = _complete(served.url, prompt=prompt, return_token_ids=True, **SEEDED)
+        events_at_join = len(log)
+        for f in busy:
+            assert f.result()["finish_reason"] == "length"
+    assert len(log) > events_at_join  # the others were still running when it finished
+    assert joined["choices"][0]["token_ids"] == served.offline_seeded
+
+
+def test_short_requests_overtake_a_long_one(served):
+    """Continuous batching, black-box: requests sent while a long one streams start within a
+    couple of its chunks and finish long before it."""
+    log: list = []
+    long_tokens = 480
+    go = threading.Event()
+    # Connections and threads exist before the clock starts: what is measured is the server.
+    clients = _clients(served.url, 4)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        long = pool.submit(
+            _stream_tokens,
+            clients[0],
+            log,
+            "long",
+            prompt="import os\n",
+            max_tokens=long_tokens,
+            ignore_eos=True,
+            temperature=0.7,
+            seed=5,
+        )
+        shorts = [
+            pool.submit(
+                _stream_tokens,
+                clients[1 + i],
+                log,
+                f"short{i}",
+                go,
+                prompt=f"x = {i}\n",
+                max_tokens=8,
+                ignore_eos=True,
+                temperature=0.5 * i,
+                seed=i,
+            )
+            for i in range(3)
+        ]
+        assert wait_until(lambda: len(log) >= 2, 120, interval=0.001)
+        sent_at = len(log)
+        go.set()
+        for f in shorts:
+            assert f.result()["finish_reason"] == "length"
+        assert len(long.result()["token_ids"]) == long_tokens
+    for i in range(3):
+        name = f"short{i}"
+        first = next(k for k, (n, _) in enumerate(log) if n == name)
+        last = max(k for k, (n, _) in enumerate(log) if n == name)
+        long_chunks_before_first = sum(n == "long" for n, _ in log[sent_at:first])
+        # Typically 2: the chunk in flight when the request arrives, and the one dispatched
+        # ahead of its prefill (the loop reads a chunk behind); one more when host threads lag.
+        long_done_by_then = max(c for n, c in log[: last + 1] if n == "long")
+        assert long_chunks_before_first <= 4, (sent_at, log)
+        assert long_done_by_then < long_tokens / 2, log
+
+
+def test_unseen_sampling_settings_compile_nothing(served):
+    before = compile_count()
+    mixes = [
+        dict(temperature=0.123, top_p=0.77, top_k=5, seed=99),
+        dict(temperature=1.87, top_p=0.31, seed=7),
+        dict(temperature=0.0, top_k=3),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(mixes)) as pool:
+        futures = [
+            pool.submit(_complete, served.url, prompt="for i in range(", max_tokens=24, **mix)
+            for mix in mixes
+        ]
+        for f in futures:
+            assert f.result()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert compile_count() == before
+    assert metrics(served.url)["dspark:jax_compilations_total"] == before
+
+
+def test_stop_strings_cut_text_and_free_the_slot(served):
+    prompt = "def main():\n    "
+    free = _complete(served.url, prompt=prompt, max_tokens=60, temperature=0, ignore_eos=True)
+    text = free["choices"][0]["text"]
+    stop = text[10:12]
+    cut = _complete(
+        served.url,
+        prompt=prompt,
+        max_tokens=60,
+        temperature=0,
+        ignore_eos=True,
+        stop=[stop, "\x00never"],
+        return_token_ids=True,
+    )
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == text[: text.index(stop)]
+    # The answer ends with the token that completed the stop string.
+    assert bytes(choice["token_ids"]).decode() == text[: text.index(stop) + len(stop)]
+    assert cut["usage"]["completion_tokens"] == len(choice["token_ids"])
+    # Streamed, the text arrives in pieces and never shows part of the stop string.
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": 60,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop": stop,
+            "stream": True,
+        },
+        timeout=120,
+    ) as r:
+        events = list(sse_events(r))
+    assert events[-1] == DONE
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == choice["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    wait_idle(served.url)
+
+
+def test_streaming_chat_with_usage_through_the_openai_client(served):
+    client = served.client
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "# utils\n"}, {"role": "user", "content": "def "}],
+        max_completion_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "# utils\n"}, {"role": "user", "content": "def "}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert whole.choices[0].message.content == text
+    assert whole.usage.prompt_tokens == len(b"# utils\ndef ")
+
+
+def test_client_disconnect_cancels_its_request(served):
+    before = metrics(served.url).get("dspark:request_success_total{finished_reason=abort}", 0)
+    # 480 tokens take several tenths of a second even on a fast host: both give up long before.
+    body = {"prompt": "while True:\n", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as r:
+        events = sse_events(r)
+        next(events)
+        next(events)
+    # A non-streaming client that gives up (read timeout) closes its connection too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{served.url}/v1/completions",
+            json={"prompt": "while True:\n", "max_tokens": 480, "ignore_eos": True},
+            timeout=httpx.Timeout(10, read=0.2),
+        )
+    after = wait_idle(served.url)
+    assert wait_until(lambda: not served.app_server.live, 10)
+    assert after["dspark:request_success_total{finished_reason=abort}"] == before + 2
+
+
+def test_full_queue_answers_503_at_once(served):
+    batcher = served.app_server.runner.batcher
+    limit = batcher.max_waiting
+    log: list = []
+    clients = _clients(served.url, SMALL_ENGINE.num_slots)
+    body = dict(prompt="x", max_tokens=480, ignore_eos=True)
+    with concurrent.futures.ThreadPoolExecutor(SMALL_ENGINE.num_slots) as pool:
+        streams = [  # every slot busy
+            pool.submit(_stream_tokens, c, log, f"s{i}", **body) for i, c in enumerate(clients)
+        ]
+        assert wait_until(lambda: len(log) >= SMALL_ENGINE.num_slots, 120, interval=0.001)
+        batcher.max_waiting = 0  # a queue with no room left
+        try:
+            t0 = time.monotonic()
+            refused = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
+            waited = time.monotonic() - t0
+        finally:
+            batcher.max_waiting = limit
+        for f in streams:
+            assert f.result()["finish_reason"] == "length"
+    assert refused.status_code == 503
+    assert waited < 5
+    assert refused.headers["retry-after"] == "1"
+    assert "queue is full" in refused.json()["error"]["message"]
+    wait_idle(served.url)
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (b'{"prompt": "x", "temperature": 1e400}', 400, "finite"),
+        (b'{"prompt": "x", "top_p": NaN}', 400, "finite"),
+        (b'{"prompt": "x", "temperature": "hot"}', 400, "temperature"),
+        (b'{"prompt": "x", "max_tokens": 100000000000000000000}', 400, "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": 600}', 400, "max_model_len"),
+        (b'{"prompt": "x", "seed": -1}', 400, "seed"),
+        (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+        (b'{"prompt": "x", "n": 2}', 400, "n=2"),
+        (b'{"prompt": "x", "stream": 1}', 400, "stream"),
+        (b'{"prompt": "x", "frobnicate": true}', 400, "frobnicate"),
+        (b'{"prompt": [1, 2, 300]}', 400, "< 288"),
+        (b'{"prompt": ""}', 400, "empty"),
+        (b'{"prompt": ["a", "b"]}', 400, "one per request"),
+        (b'{"prompt": "x", "stop_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}', 400, "stop token"),
+        (b'{"prompt": "x", "model": "gpt-4"}', 404, "does not exist"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "recursion"),
+        (b'{"prompt": "x",', 400, "JSON"),
+        (b"\xff\xfe\x00", 400, "JSON"),
+        (b"", 400, "body is required"),
+        (b"[]", 400, "object"),
+    ],
+)
+def test_bad_completion_bodies_get_4xx(served, body, status, fragment):
+    r = httpx.post(
+        f"{served.url}/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment.lower() in error["message"].lower(), error
+    assert error["type"]
+
+
+def test_bad_chat_bodies_and_routes_get_4xx(served):
+    url = served.url
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "wizard"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+    )
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/completions").status_code == 405
+    r = httpx.get(f"{url}/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    c = _open(url)
+    try:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n")
+        assert _answer(c).startswith(b"HTTP/1.1 413")
+    finally:
+        c.close()
+
+
+def _open(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _answer(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_slow_heads_time_out_without_a_thread_each(served):
+    threads = threading.active_count()
+    clients = [_open(served.url) for _ in range(60)]
+    try:
+        for c in clients:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        # The server still answers others at once, and holds no thread per slow client.
+        t0 = time.monotonic()
+        assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 1.0
+        assert threading.active_count() - threads < 5
+        for c in clients[:30]:  # half of them keep dribbling: the deadline is not reset by bytes
+            c.sendall(b"X-")
+        t0 = time.monotonic()
+        answers = [_answer(c) for c in clients]
+        waited = time.monotonic() - t0
+    finally:
+        for c in clients:
+            c.close()
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers), {a[:40] for a in answers}
+    assert waited < READ_TIMEOUT_S + 5
+
+
+def test_short_bodies_time_out_with_408_without_a_thread_each(served):
+    threads = threading.active_count()
+    clients = [_open(served.url) for _ in range(30)]
+    try:
+        for c in clients:
+            c.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n" + b'{"prompt": "x"'
+            )
+        assert threading.active_count() - threads < 5
+        t0 = time.monotonic()
+        answers = [_answer(c) for c in clients]
+        waited = time.monotonic() - t0
+    finally:
+        for c in clients:
+            c.close()
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers), {a[:40] for a in answers}
+    assert all(b"did not arrive" in a for a in answers)
+    assert waited < READ_TIMEOUT_S + 5
+
+
+def test_short_load_run(served):
+    """16 clients for a few rounds each: streaming, cancelled and plain requests with rotating
+    temperatures and top-p. No errors, no refused connection, no compilation, nothing leaks."""
+    compiles = compile_count()
+    before_all = metrics(served.url)
+    codes_before = {k: v for k, v in before_all.items() if "http_responses_total" in k}
+    temperatures = (0.0, 0.5, 0.8, 1.0, 1.3)
+    top_ps = (1.0, 0.9, 0.7)
+
+    def client(i: int) -> list[str]:
+        outcomes = []
+        with httpx.Client(base_url=served.url, timeout=300) as http:
+            for j in range(3):
+                k = i * 3 + j
+                body = {
+                    "prompt": f"def f{k}(x):\n",
+                    "max_tokens": (8, 16, 32)[k % 3],
+                    "temperature": temperatures[k % 5],
+                    "top_p": top_ps[k % 3],
+                    "seed": k,
+                }
+                kind = ("stream", "cancel", "plain")[(i + j) % 3]
+                if kind == "plain":
+                    r = http.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    outcomes.append(r.json()["choices"][0]["finish_reason"])
+                    continue
+                with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    assert r.status_code == 200
+                    events = sse_events(r)
+                    first = next(events)
+                    if kind == "cancel":
+                        outcomes.append("cancelled")
+                        continue
+                    last = [first, *events]
+                    assert last[-1] == DONE
+                    outcomes.append(last[-2]["choices"][0]["finish_reason"])
+        return outcomes
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outcomes = [o for f in [pool.submit(client, i) for i in range(16)] for o in f.result()]
+    assert len(outcomes) == 48
+    assert set(outcomes) <= {"stop", "length", "cancelled"}
+    after = wait_idle(served.url)
+    assert wait_until(lambda: not served.app_server.live, 10)  # no request left behind
+    codes = {k: v - codes_before.get(k, 0) for k, v in after.items() if "http_responses_total" in k}
+    assert all(v == 0 for k, v in codes.items() if "code=5" in k), codes
+    assert compile_count() == compiles
+    slot_turns = after["dspark:slot_rounds_total"] - before_all["dspark:slot_rounds_total"]
+    rounds = after["dspark:device_rounds_total"] - before_all["dspark:device_rounds_total"]
+    assert 0 < slot_turns <= rounds * SMALL_ENGINE.num_slots  # occupancy in (0, 1]

@@ -1,0 +1,249 @@
+"""`dspark-jax serve` as a real process: the official openai client, start-up validation, drain.
+
+One server process on the embedded pair serves the openai-client checks (models, completions and
+chat, streaming and not, mixed temperatures / top-p / seeds in flight together), then takes a
+SIGTERM with requests running and queued: the queued ones get 503, the running ones finish, the
+process exits 0. Bad settings fail before anything loads, in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+from serving_helpers import (
+    DONE,
+    SMALL_SERVE_FLAGS,
+    metrics,
+    serve_command,
+    sse_events,
+    wait_until,
+)
+
+from dspark_jax.errors import UserError
+from dspark_jax.serving import command
+
+MODEL = "tiny-vanilla"
+# Long enough that the running requests are still running when the drain starts.
+MAX_MODEL_LEN = 2048
+LONG_TOKENS = 1900
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--rounds-per-chunk", "0"], "--rounds-per-chunk must be >= 1"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--max-num-seqs", "1000000"], "--max-num-seqs must be <="),
+        (["--kv-pages", "-3"], "--kv-pages must be >= 1"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1"),
+        (["--max-waiting", "0"], "--max-waiting must be >= 1"),
+        (["--read-timeout", "nan"], "--read-timeout must be > 0"),
+        (["--read-timeout", "0"], "--read-timeout must be > 0"),
+        (["--drain-timeout", "inf"], "--drain-timeout must be >= 0"),
+        (["--sps-table", "/no/such/sps.json"], "no such file"),
+        (["--sts", "/no/such/sts.json"], "no such file"),
+        (["--draft", "somewhere"], "needs its target"),
+        (["--no-draft", "--policy", "threshold", "--threshold", "0.5"], "need a drafter"),
+        (["--token-buckets", "8,x"], "comma-separated integers"),
+        (["--prefill-buckets", "0"], "positive integers"),
+    ],
+)
+def test_bad_settings_are_refused_before_loading(argv, fragment):
+    with pytest.raises(UserError, match=fragment):
+        command.check_arguments(_args(*argv))
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--host", "no-such-host.invalid"], "cannot resolve"),
+        (["--max-model-len", "100000"], "max_position_embeddings"),
+        (["--kv-pages", "3"], "cannot hold one request"),
+        (["--max-num-seqs", "60000", "--max-model-len", "4096"], "lower --kv-pages"),
+    ],
+)
+def test_bad_settings_are_refused_before_serving(argv, fragment):
+    """Checked after the socket or the models, still before warm-up: no compilation, no wait."""
+    with pytest.raises(UserError, match=fragment):
+        command.run(_args("--port", "0", *argv))
+
+
+def _start(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - lives as long as the process
+    proc = subprocess.Popen(
+        serve_command("--port=0", "--log-level=warning", *SMALL_SERVE_FLAGS, *flags),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert "serving tiny-vanilla" in line, (line, (tmp_path / "serve.log").read_text())
+    url = line.split(" on ")[1].split("/v1")[0]
+    return proc, url
+
+
+def _openai_checks(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    greedy = client.completions.create(
+        model=MODEL, prompt="def add(a, b):\n", max_tokens=24, temperature=0
+    )
+    assert greedy.choices[0].finish_reason in ("stop", "length")
+    assert greedy.usage.prompt_tokens == len(b"def add(a, b):\n")
+
+    def completion(stream: bool, **kw):
+        if not stream:
+            r = client.completions.create(model=MODEL, prompt="import ", max_tokens=32, **kw)
+            return r.choices[0].text, r.choices[0].finish_reason
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt="import ", max_tokens=32, stream=True, **kw
+            )
+        )
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    def chat(stream: bool, **kw):
+        messages = [{"role": "user", "content": "for x in "}]
+        if not stream:
+            r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, **kw)
+            return r.choices[0].message.content, r.choices[0].finish_reason
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=32, stream=True, **kw
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        return text, chunks[-1].choices[0].finish_reason
+
+    jobs = [
+        (completion, True, dict(temperature=0.7, top_p=0.9, seed=1)),
+        (completion, False, dict(temperature=0.7, top_p=0.9, seed=1)),
+        (completion, False, dict(temperature=1.2, seed=2)),
+        (chat, True, dict(temperature=0.0)),
+        (chat, False, dict(temperature=0.0)),
+        (chat, True, dict(temperature=0.5, top_p=0.8, seed=3)),
+        (chat, False, dict(temperature=0.5, top_p=0.8, seed=3)),
+        (completion, True, dict(temperature=1.0, top_p=0.5, seed=4)),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(fn, stream, **kw) for fn, stream, kw in jobs]
+        answers = [f.result() for f in futures]
+    for text, finish in answers:
+        assert finish in ("stop", "length")
+        assert text or finish == "stop"
+    # The same request streamed or not, concurrently with the others: the same answer.
+    assert answers[0] == answers[1]
+    assert answers[3] == answers[4]
+    assert answers[5] == answers[6]
+
+
+def _stream_until_done(url: str, first_token: list) -> dict:
+    body = {"prompt": "x", "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        events = list(_note_first(sse_events(r), first_token))
+    return {"done": events[-1] == DONE, "finish": events[-2]["choices"][0]["finish_reason"]}
+
+
+def _note_first(events, first_token: list):
+    for i, e in enumerate(events):
+        if i == 0:
+            first_token.append(True)
+        yield e
+
+
+def test_serve_openai_client_and_sigterm_drain(tmp_path):
+    proc, url = _start(tmp_path, f"--max-model-len={MAX_MODEL_LEN}")
+    try:
+        statuses = []
+
+        def healthy() -> bool:
+            try:
+                statuses.append(httpx.get(f"{url}/health", timeout=5).status_code)
+            except httpx.TransportError:
+                return False
+            return statuses[-1] == 200
+
+        assert wait_until(healthy, 600, interval=0.2), (tmp_path / "serve.log").read_text()
+        assert statuses[0] == 503  # warming up: listening, not yet compiled
+
+        # A second server on the same port: one line, no traceback, before loading anything.
+        port = url.rsplit(":", 1)[1]
+        clash = subprocess.run(
+            serve_command(f"--port={port}"), capture_output=True, text=True, timeout=120
+        )
+        assert clash.returncode == 2
+        assert f"port {port} on 127.0.0.1 is already in use" in clash.stderr
+        assert "Traceback" not in clash.stderr and len(clash.stderr.strip().splitlines()) == 1
+
+        _openai_checks(url)
+
+        # Drain: both slots busy with long streams, two requests queued, then SIGTERM.
+        started: list = []
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(_stream_until_done, url, started) for _ in range(2)]
+            assert wait_until(lambda: len(started) == 2, 120, interval=0.01)
+            queued = [
+                pool.submit(
+                    httpx.post,
+                    f"{url}/v1/completions",
+                    json={"prompt": "q", "max_tokens": 8},
+                    timeout=120,
+                )
+                for _ in range(2)
+            ]
+            assert wait_until(lambda: metrics(url)["dspark:num_requests_waiting"] == 2, 60)
+            proc.send_signal(signal.SIGTERM)
+            for f in queued:
+                r = f.result()
+                assert r.status_code == 503, r.text
+                assert "shutting down" in r.json()["error"]["message"]
+            for f in running:
+                assert f.result() == {"done": True, "finish": "length"}
+        assert proc.wait(120) == 0
+        assert "stopped" in proc.stdout.read()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ctrl_c_during_warm_up_exits_promptly(tmp_path):
+    """Warm-up cannot be interrupted mid-compilation; Ctrl-C still ends the process at once
+    (after --drain-timeout), with status 0 and no traceback."""
+    proc, url = _start(tmp_path, "--drain-timeout=1")
+    try:
+        assert wait_until(lambda: _health(url) == 503, 120, interval=0.05)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert time.monotonic() - t0 < 20
+        assert "stopped during warm-up" in proc.stdout.read()
+        assert "Traceback" not in (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None

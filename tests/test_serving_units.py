@@ -1,0 +1,182 @@
+"""Pieces of the server that need no engine: text assembly, schemas, metrics, the failure path."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from _chat_tokenizer import build_chat_tokenizer
+from pydantic import ValidationError
+
+from dspark_jax.decoding.batching import Handle
+from dspark_jax.serving import runtime
+from dspark_jax.serving.app import ApiError, OpenAIServer, ServedModel
+from dspark_jax.serving.http_server import HttpServer, bind_socket
+from dspark_jax.serving.metrics import ServingMetrics
+from dspark_jax.serving.protocol import ChatCompletionRequest, CompletionRequest
+from dspark_jax.serving.runtime import EngineRunner
+from dspark_jax.serving.text_stream import StopStrings, TextStream
+from dspark_jax.tokenizer import ByteTokenizer
+
+
+def test_incremental_text_never_splits_a_character():
+    text = "naïve — 数据 ok"
+    ids = list(text.encode())
+    stream = TextStream(ByteTokenizer())
+    pieces = [stream.push([i]) for i in ids]
+    assert "".join(pieces) + stream.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    # A character cut by the end of the stream still comes out (as a replacement character).
+    stream = TextStream(ByteTokenizer())
+    assert stream.push(list("é".encode())[:1]) == ""
+    assert stream.flush() == "\ufffd"
+
+
+def test_incremental_text_skips_special_tokens():
+    stream = TextStream(ByteTokenizer())
+    assert stream.push([104, 105, 256, 33]) == "hi!"
+
+
+def test_stop_strings_hold_back_what_could_become_one():
+    stops = StopStrings(["STOP", "\n\n"])
+    assert stops.feed("abc S") == "abc "
+    assert stops.feed("T") == ""
+    assert stops.feed("x\n") == "STx"
+    assert not stops.matched
+    assert stops.feed("\nrest") == ""
+    assert stops.matched
+    assert stops.feed("more") == "" and stops.finish() == ""
+
+
+def test_stop_strings_release_the_held_tail_at_the_end():
+    stops = StopStrings(["STOP"])
+    assert stops.feed("abST") == "ab"
+    assert stops.finish() == "ST"
+    assert StopStrings([]).feed("anything") == "anything"
+
+
+def test_schemas():
+    req = CompletionRequest.model_validate_json(b'{"prompt": [[5, 6]], "stop": "x"}')
+    assert req.prompt == [5, 6] and req.stop_strings == ("x",)
+    chat = ChatCompletionRequest.model_validate_json(
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+        b' {"type": "text", "text": "b"}]}], "max_tokens": 9, "max_completion_tokens": 3}'
+    )
+    assert chat.messages[0].text() == "ab" and chat.token_limit == 3
+    for body in (
+        b'{"prompt": "x", "stream_options": {"include_usage": true}}',
+        b'{"prompt": "x", "echo": true}',
+        b'{"prompt": "x", "logprobs": 2}',
+        b'{"prompt": "x", "top_k": -2}',
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+    ):
+        schema = ChatCompletionRequest if b"messages" in body else CompletionRequest
+        with pytest.raises(ValidationError):
+            schema.model_validate_json(body)
+
+
+def test_spec_decode_counters_per_position():
+    m = ServingMetrics(num_slots=2, kv_pages=10, gamma=3)
+    m.on_rounds(np.array([3, 2, 0]), np.array([3, 1, 0]), 3)
+    m.on_rounds(np.array([1]), np.array([0]), 3)
+    assert m.drafts._value.get() == 4
+    assert m.draft_tokens._value.get() == 12
+    assert m.verified_tokens._value.get() == 6
+    assert m.accepted_tokens._value.get() == 4
+    assert [m.accepted_per_pos.labels(str(k))._value.get() for k in range(3)] == [2, 1, 1]
+    assert [m.verified_per_pos.labels(str(k))._value.get() for k in range(3)] == [3, 2, 1]
+    assert m.mean_acceptance._value.get() == pytest.approx(1 + 4 / 4)
+
+
+class _Cfg:
+    num_slots = 1
+    pool_pages = 1
+
+
+class _Engine:
+    cfg = _Cfg()
+    gamma = 0
+
+    def warm_up(self) -> None:
+        pass
+
+    def compiled_programs(self) -> int:
+        return 0
+
+
+class _ExplodingBatcher:
+    """Takes requests like a Batcher; its loop step fails once a request has arrived."""
+
+    def __init__(self, engine, max_waiting, observer):
+        self.arrived = threading.Event()
+
+    def submit(self, request, on_event):
+        self.arrived.set()
+        return Handle(0, request, on_event, (), 0.0)
+
+    def cancel(self, handle):
+        pass
+
+    def step(self) -> bool:
+        if self.arrived.wait(0.01):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
+        return False
+
+
+def test_engine_failure_answers_in_flight_requests_and_stops_the_server(monkeypatch):
+    monkeypatch.setattr(runtime, "Batcher", _ExplodingBatcher)
+    model = ServedModel("m", ByteTokenizer(), 288, 64, 0, (256,))
+    app_server = OpenAIServer(
+        EngineRunner(_Engine(), max_waiting=4), model, ServingMetrics(1, 1, 0)
+    )
+    server = HttpServer(app_server, bind_socket("127.0.0.1", 0), log_level="critical")
+    host, port = server.address
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(server.serve()))
+    thread.start()
+    assert app_server.runner.wait_ready(30)
+    r = httpx.post(f"http://{host}:{port}/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "engine_failed"
+    assert "RESOURCE_EXHAUSTED" in r.json()["error"]["message"]
+    thread.join(30)
+    assert status == [1]
+    assert app_server.runner.status == runtime.FAILED
+    with pytest.raises(runtime.ServiceUnavailable):
+        app_server.runner.submit(None, lambda kind, payload: None)
+
+
+def _chat_server(tokenizer) -> OpenAIServer:
+    model = ServedModel("m", tokenizer, tokenizer.vocab_size, 256, 0, (tokenizer.eos_token_id,))
+    return OpenAIServer(EngineRunner(_Engine(), max_waiting=1), model, ServingMetrics(1, 1, 0))
+
+
+def test_chat_template_and_enable_thinking():
+    tokenizer = build_chat_tokenizer()
+    server = _chat_server(tokenizer)
+
+    def rendered(body: bytes) -> str:
+        req = ChatCompletionRequest.model_validate_json(body)
+        return tokenizer.decode(asyncio.run(server.prompt_ids(req)))
+
+    messages = b'"messages": [{"role": "user", "content": "hi"}]'
+    plain = rendered(b"{" + messages + b"}")
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    thinking = rendered(b"{" + messages + b', "chat_template_kwargs": {"enable_thinking": true}}')
+    assert thinking == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # Streamed text leaves special tokens out and keeps the think markers (no reasoning parser).
+    stream = TextStream(tokenizer)
+    ids = tokenizer.encode("<think>ok</think> done<|im_end|>")
+    assert "".join(stream.push([i]) for i in ids) + stream.flush() == "<think>ok</think> done"
+
+
+def test_a_template_that_refuses_the_messages_is_a_400():
+    tokenizer = build_chat_tokenizer("{{ raise_exception('roles must alternate') }}")
+    server = _chat_server(tokenizer)
+    req = ChatCompletionRequest.model_validate_json(b'{"messages": [{"role": "user"}]}')
+    with pytest.raises(ApiError, match="roles must alternate") as caught:
+        asyncio.run(server.prompt_ids(req))
+    assert caught.value.status == 400
