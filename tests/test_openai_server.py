@@ -21,7 +21,7 @@ import pytest
 from fixture_models import fixture_dir, reference_traces
 from serving_helpers import DONE, SMALL_ENGINE, metrics, sse_events, wait_idle, wait_until
 
-from dspark_jax.checkpoints.jax_format import load_decoding_models
+from dspark_jax.checkpoints.converted import load_decoding_models
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.sampling import SamplingConfig

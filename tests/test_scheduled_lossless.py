@@ -53,17 +53,20 @@ SPS_4096 = 1.0 / (2 * BATCH + np.arange(BATCH * 8 + 1))
 N_SEQ = 1024
 SEQ_TOKENS = 32
 PIT_BINS = 20
+# Half as many slots as sequences: requests join as others finish, so slots change hands while
+# the batch's confidence history is in use.
 SEQ_CFG = EngineConfig(
-    num_slots=N_SEQ,
+    num_slots=N_SEQ // 2,
     max_model_len=64,
     page_size=16,
     rounds_per_chunk=8,
     prefill_chunk=len(PROMPT) * 256,
     prefill_seqs=256,
     prefill_buckets=(len(PROMPT) * 256,),
-    token_buckets=(N_SEQ * 8,),
+    token_buckets=(N_SEQ // 2 * 8,),
 )
-SPS_1024 = 1.0 / (2 * N_SEQ + np.arange(N_SEQ * 8 + 1))
+SLOTS = N_SEQ // 2
+SPS_SEQ = 1.0 / (2 * SLOTS + np.arange(SLOTS * 8 + 1))
 
 
 def test_algorithm_1_first_tokens_match_target():
@@ -123,7 +126,7 @@ def _pit_p_value(policy):
 
 
 def test_async_scheduler_sequences_match_target():
-    p_value, results = _pit_p_value(policies.AsyncSchedulePolicy(SPS_1024))
+    p_value, results = _pit_p_value(policies.AsyncSchedulePolicy(SPS_SEQ))
     # Every request ran past the two warm-up rounds, so the history-based capacity was used.
     assert min(r.rounds for r in results) >= 3
     verified = np.concatenate([r.verified[2:] for r in results])
@@ -139,11 +142,11 @@ def _broken_correction(target_logp_bv, draft_logp_bv, rejected_b):
 @pytest.mark.slow
 def test_sequence_test_detects_a_broken_verifier(monkeypatch):
     monkeypatch.setattr(verify_module, "_correction_logprobs", _broken_correction)
-    p_value, _ = _pit_p_value(policies.AsyncSchedulePolicy(SPS_1024))
+    p_value, _ = _pit_p_value(policies.AsyncSchedulePolicy(SPS_SEQ))
     assert p_value < ALPHA, f"a broken verifier passed the PIT test: p = {p_value:.2e}"
 
 
 @pytest.mark.slow
 def test_algorithm_1_sequences_match_target():
-    p_value, _ = _pit_p_value(policies.PrefixSchedulePolicy(SPS_1024))
+    p_value, _ = _pit_p_value(policies.PrefixSchedulePolicy(SPS_SEQ))
     assert p_value > ALPHA, f"PIT chi-square p = {p_value:.2e}"

@@ -26,8 +26,8 @@ from serving_helpers import (
     wait_until,
 )
 
+from dspark_jax.cli import serve as command
 from dspark_jax.errors import UserError
-from dspark_jax.serving import command
 
 MODEL = "tiny-vanilla"
 # Long enough that the running requests are still running when the drain starts.

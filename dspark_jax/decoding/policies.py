@@ -256,7 +256,21 @@ class HistoryCarry:
 class AsyncSchedulePolicy:
     """Section 5.2: capacity K from the confidences of two rounds before (global search, no
     early stop), then this round admits its top-K candidates by current survival. The first two
-    rounds of a batch have no history and use Algorithm 1 with early stop."""
+    rounds of the engine have no history and use Algorithm 1 with early stop.
+
+    The history is the batch's, kept per slot: round t's capacity comes from the confidences
+    every slot had at round t-2, whoever held it then, and a slot taken over by a new request
+    drops its old occupant's entries (`reset_slots`). Why that keeps continuous batching
+    lossless: a draft x_{s,j} of round t is verified iff fewer than K candidates outrank it.
+    K is a function of round t-2's confidences only, which came from drafts drawn with that
+    round's noise (the engine folds the round into every draft key) and from tokens committed
+    before round t -- none of it depends on x_{s,j}. The candidates that can outrank (s, j) are
+    other slots' (their drafts are independent of slot s's) and slot s's own earlier positions,
+    whose survivals depend on x_{s,<j} only. So whether x_{s,j} is verified is decided without
+    looking at x_{s,j}, which is all rejection sampling needs; joins and departures only change
+    which independent draws feed K. A per-request history would be lossless too, but a request
+    joining mid-batch would then wait two rounds for a capacity, and the batch's capacity is
+    what the step cost (SPS over the batch's verified tokens) is about."""
 
     sps: SpsProfile | jax.Array
     needs_confidence: ClassVar[bool] = True
