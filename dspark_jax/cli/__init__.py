@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +31,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # Bad input, reported in one line without a traceback; any other exception keeps its traceback.
 USER_ERRORS = (UserError, FileExistsError)
+# Commands that compile programs, and so gain from the persistent compilation cache.
+COMPILING = frozenset({"generate", "eval", "calibrate", "profile", "train", "serve"})
+CACHE_ENV = "DSPARK_JAX_COMPILATION_CACHE"
+
+
+def use_compilation_cache() -> None:
+    """Keeps compiled programs across runs (JAX's persistent cache), so that running a command
+    again does not compile again. DSPARK_JAX_COMPILATION_CACHE=off disables it, a path moves it (default
+    ~/.cache/dspark-jax/xla); a cache directory set through JAX's own configuration wins."""
+    setting = os.environ.get(CACHE_ENV, "")
+    if setting.lower() in ("0", "off", "false", "no"):
+        return
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    jax.config.update(
+        "jax_compilation_cache_dir", setting or os.path.join(base, "dspark-jax", "xla")
+    )
 
 
 def _parser(selected: str | None) -> argparse.ArgumentParser:
@@ -55,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
+        if args.command in COMPILING:
+            use_compilation_cache()
         return module.run(args)
     except USER_ERRORS as e:
         print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
