@@ -38,8 +38,9 @@ CACHE_ENV = "DSPARK_JAX_COMPILATION_CACHE"
 
 def use_compilation_cache() -> None:
     """Keeps compiled programs across runs (JAX's persistent cache), so that running a command
-    again does not compile again. DSPARK_JAX_COMPILATION_CACHE=off disables it, a path moves it (default
-    ~/.cache/dspark-jax/xla); a cache directory set through JAX's own configuration wins."""
+    again does not compile again. DSPARK_JAX_COMPILATION_CACHE=off disables it, a path moves it
+    (default ~/.cache/dspark-jax/xla); a cache directory set through JAX's own configuration
+    wins."""
     setting = os.environ.get(CACHE_ENV, "")
     if setting.lower() in ("0", "off", "false", "no"):
         return
