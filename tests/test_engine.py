@@ -201,3 +201,38 @@ def test_stop_tokens_end_requests(setup):
     assert res[0].tokens == trace["output"][: first + 1]
     assert res[0].finish_reason == "stop"
     np.testing.assert_array_equal(res[0].accepted <= res[0].verified, True)
+
+
+def _trace_prefix(variant, impl, interpret, num_tokens):
+    """Two reference prompts batched through an engine on `impl`: (traces, results), each result
+    `num_tokens` long."""
+    target, drafter = load_pair(variant)
+    traces = reference_traces(variant)["traces"][:2]
+    cfg = dataclasses.replace(CFG, attention_impl=impl, attention_interpret=interpret)
+    requests = [Request(t["prompt"], max_new_tokens=num_tokens) for t in traces]
+    results, _ = generate(Engine(target, drafter, cfg), requests)
+    return traces, results
+
+
+@pytest.mark.parametrize(
+    "impl, interpret",
+    [("dense", False), ("pallas_gpu", True)],
+    ids=["dense", "pallas_gpu-interpret"],
+)
+def test_attention_paths_reproduce_the_traces(impl, interpret):
+    """The engine's other attention paths -- the dense reference and the Pallas GPU kernels run
+    in interpret mode -- give the reference's greedy tokens, prefill, packed verification and
+    the drafter's context included. 24 tokens of two batched traces bound the interpreter's
+    cost here; the slow test below runs the whole traces."""
+    traces, results = _trace_prefix(VARIANTS[0], impl, interpret, 24)
+    for trace, res in zip(traces, results, strict=True):
+        assert res.tokens == trace["output"][:24]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_path_reproduces_whole_traces_in_interpret_mode(variant):
+    traces, results = _trace_prefix(variant, "pallas_gpu", True, REFERENCE_NEW_TOKENS)
+    for trace, res in zip(traces, results, strict=True):
+        assert res.tokens[:96] == trace["output"]
+        assert res.committed.tolist() == trace["acceptance_lengths"]

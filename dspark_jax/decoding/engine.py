@@ -72,7 +72,9 @@ class EngineConfig:
     prompt tokens per prefill call (longer prompts take several, interleaved with decode
     chunks). prefill_seqs: most prompts (chunks) packed into one prefill call.
     token_buckets: token counts the packed verification is padded to (None: derived from the
-    slots and block size). rounds_per_chunk: rounds per `decode_chunk` call.
+    slots and block size). rounds_per_chunk: rounds per `decode_chunk` call. attention_impl:
+    the paged attention path ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
+    attention_interpret runs the Pallas paths in interpret mode (tests on CPU).
     """
 
     num_slots: int = 8
@@ -86,6 +88,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     max_stop_tokens: int = 8
     attention_impl: str | None = None
+    attention_interpret: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_model_len", "page_size", "rounds_per_chunk"):
@@ -330,6 +333,7 @@ class Engine:
             target.cfg.num_key_value_heads,
             target.cfg.head_dim,
             impl,
+            interpret=cfg.attention_interpret,
         )
         self.draft_layout = (
             None
@@ -340,6 +344,7 @@ class Engine:
                 drafter.cfg.model.num_key_value_heads,
                 drafter.cfg.model.head_dim,
                 impl,
+                interpret=cfg.attention_interpret,
             )
         )
         self._target_graph, self.target_params = nnx.split(target)
