@@ -154,7 +154,8 @@ def contiguous_reference(case: Case, causal: bool, dtype=jnp.float32) -> np.ndar
     return out
 
 
-_attend = jax.jit(attn.ragged_paged_attention, static_argnames=("layout", "scale", "causal"))
+_attend = jax.jit(attn.ragged_paged_attention,
+                  static_argnames=("layout", "scale", "causal", "max_q_len"))
 
 
 def run(case: Case, layout: attn.PagedLayout, causal: bool, dtype=jnp.float32) -> np.ndarray:
@@ -452,3 +453,38 @@ def test_layout_rejects_unknown_impl_and_mismatched_queries():
             jnp.ones((2, 3, 16)), pages, layout, jnp.zeros((1, 1), jnp.int32),
             jnp.zeros((1,), jnp.int32), jnp.array([0, 2], jnp.int32), jnp.array([2], jnp.int32),
             1, scale=SCALE, causal=True)
+
+
+def _new_kv(case: Case):
+    """Each packed query token's own key and value (its sequence's position kv_len - q_len + j)."""
+    k, v = np.zeros((2, case.q_thd.shape[0], case.kv_heads, case.head_dim), np.float32)
+    for i in range(case.num_seqs):
+        start, stop = case.cu_q_lens_n1[i], case.cu_q_lens_n1[i + 1]
+        first = case.kv_lens_n[i] - (stop - start)
+        slot = case.seq_slot_n[i]
+        k[start:stop] = case.k_sckd[slot, first:first + stop - start]
+        v[start:stop] = case.v_sckd[slot, first:first + stop - start]
+    return jnp.asarray(k), jnp.asarray(v)
+
+
+# Many short sequences, none longer than 3 tokens: T is far above 3 x 3, so a window of 3 takes
+# the windowed path; sequences straddle window boundaries at every offset.
+SHORT_SEQS = [(5, 3), (1, 1), (0, 0), (9, 2), (3, 3), (12, 1), (4, 3), (7, 2), (2, 2), (8, 3),
+              (6, 1), (11, 3)]
+
+
+@pytest.mark.parametrize("impl", ["dense", "jax", "pallas_gpu"])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_new_kv_mode_matches_the_reference(impl, window, causal):
+    """The engine's mode -- prefix from the pages, the new tokens from `new_kv` -- equals
+    attention over the keys in place, whole or with the new tokens windowed (max_q_len)."""
+    case = make_case(40, groups=2, page_size=4, seqs=SHORT_SEQS)
+    layout = case.layout(impl, interpret=impl == "pallas_gpu")
+    pages = fill(case, layout)
+    out = _attend(jnp.asarray(case.q_thd), pages, layout, *case.args(), scale=SCALE,
+                  causal=causal, new_kv=_new_kv(case), max_q_len=window)
+    out = np.asarray(out, np.float32)
+    np.testing.assert_allclose(out, contiguous_reference(case, causal), rtol=0,
+                               atol=f32_tolerance(case))
+    assert_padding_zero(case, out)

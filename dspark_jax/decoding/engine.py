@@ -467,6 +467,10 @@ class Engine:
         if not 1 <= len(items) <= n:
             raise EngineError(f"a prefill call takes 1..{n} chunks, got {len(items)}")
         total = sum(len(it.tokens) for it in items)
+        if max(len(it.tokens) for it in items) > cfg.prefill_chunk:
+            raise EngineError(
+                f"a prefill chunk holds at most prefill_chunk {cfg.prefill_chunk} tokens"
+            )
         width = next((w for w in self.prefill_widths if w >= total), None)
         if width is None:
             raise EngineError(f"{total} prompt tokens exceed the largest prefill bucket")
@@ -521,6 +525,7 @@ class Engine:
             cu_q_lens_n1=cu,
             kv_lens_n=kv_lens,
             num_seqs=np.int32(len(items)),
+            max_seq_tokens=cfg.prefill_chunk,
         )
         return PrefillBatch(
             tokens,
@@ -796,7 +801,7 @@ def _spec_round(
     # Built at the widest bucket; each branch takes its first `width` tokens (the packing of
     # the first tokens does not depend on the width).
     top = count_s.shape[0] * (gamma + 1)
-    full = TokenBatch.per_slot(start_s, count_s, top)
+    full = TokenBatch.per_slot(start_s, count_s, top, gamma + 1)
     tokens_t = verify_in_sj[full.slot_t, jnp.clip(full.pos_t - start_s[full.slot_t], 0, gamma)]
     taps = drafter.cfg.target_layer_ids
 
@@ -860,7 +865,7 @@ def _plain_round(
     count_s = live_s.astype(jnp.int32)
 
     top = count_s.shape[0]
-    full = TokenBatch.per_slot(start_s, count_s, top)
+    full = TokenBatch.per_slot(start_s, count_s, top, 1)
     target_cache = _caches(state, layouts)[0]
 
     def branch(width):

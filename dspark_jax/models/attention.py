@@ -226,7 +226,7 @@ def _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal) -
 
 def ragged_paged_attention(q_thd, pages: Pages, layout: PagedLayout, page_table_sp, seq_slot_n,
                            cu_q_lens_n1, kv_lens_n, num_seqs, *, scale: float, causal: bool,
-                           new_kv=None):
+                           new_kv=None, max_q_len: int | None = None):
     """Attention of packed query tokens over their slots' paged keys.
 
     Sequence i < num_seqs (a traced scalar; n = len(seq_slot_n) is the static maximum) owns
@@ -244,6 +244,11 @@ def ragged_paged_attention(q_thd, pages: Pages, layout: PagedLayout, page_table_
     merged by log-sum-exp. The caller writes `new_kv` afterwards. This is what the engine uses:
     a program that writes the pool inside a conditional (its token-bucket `lax.switch`) makes
     XLA copy the whole pool per step, while one that only reads it there does not.
+
+    max_q_len: a static bound on any sequence's query tokens (None: T). With `new_kv` it bounds
+    the new tokens' attention among themselves to a window of that many tokens around each
+    query, so its cost is T x max_q_len rather than T x T (a step of 4096 slots verifying 8
+    tokens each packs T = 32768).
     """
     num_tokens, num_heads, head_dim = q_thd.shape
     if head_dim != layout.head_dim or num_heads % layout.num_kv_heads:
@@ -254,7 +259,7 @@ def ragged_paged_attention(q_thd, pages: Pages, layout: PagedLayout, page_table_
     rag = _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal)
     if new_kv is not None:
         out_thd = _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale,
-                                  causal, new_kv)
+                                  causal, new_kv, max_q_len)
     elif layout.impl == "dense":
         out_thd = _dense(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale)
     elif layout.impl == "jax":
@@ -267,7 +272,8 @@ def ragged_paged_attention(q_thd, pages: Pages, layout: PagedLayout, page_table_
     return jnp.where(sees_keys_t[:, None, None], out_thd, 0).astype(q_thd.dtype)
 
 
-def _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal, new_kv):
+def _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal, new_kv,
+                    max_q_len=None):
     """Attention over (paged prefix) + (new tokens from `new_kv`), merged by log-sum-exp."""
     k_thd, v_thd = new_kv
     prefix_n = jnp.maximum(rag.kv_len_n - rag.q_len_n, 0)
@@ -286,9 +292,14 @@ def _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale,
         # The ragged TPU kernel returns no softmax residuals, so it cannot be merged: TPU uses
         # the pure-JAX path here.
         o_pre, lse_pre = _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, pre, scale)
-    if layout.impl == "pallas_gpu":
+    num_tokens = q_thd.shape[0]
+    windowed = max_q_len is not None and 3 * max_q_len < num_tokens
+    if layout.impl == "pallas_gpu" and not windowed:
         o_new, lse_new = _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal,
                                               interpret=layout.interpret)
+    elif windowed:
+        o_new, lse_new = _windowed_local_attention(q_thd, k_thd, v_thd, rag, scale, causal,
+                                                   max_q_len)
     else:
         o_new, lse_new = _local_attention(q_thd, k_thd, v_thd, rag, scale, causal)
     return _merge(o_pre, lse_pre, o_new, lse_new)
@@ -329,6 +340,56 @@ def _local_attention(q_thd, k_thd, v_thd, rag, scale, causal):
     lse_tkg = jnp.where(seen, m_tkg + jnp.log(jnp.where(seen, l_tkg, 1.0)), -jnp.inf)
     return (o_tkgd.reshape(num_tokens, num_heads, head_dim),
             lse_tkg.reshape(num_tokens, num_heads))
+
+
+def _windowed_local_attention(q_thd, k_thd, v_thd, rag, scale, causal, window: int):
+    """`_local_attention` when no sequence has more than `window` tokens: a sequence is a
+    contiguous run of the packed axis, so the tokens a query may see lie in its own block of
+    `window` tokens or the blocks either side. Scores are [T, 3 * window], not [T, T]."""
+    num_tokens, num_heads, head_dim = q_thd.shape
+    kv_heads = k_thd.shape[1]
+    groups = num_heads // kv_heads
+    blocks = -(-num_tokens // window)
+    pad = blocks * window - num_tokens
+
+    def padded(x, value):
+        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=value)
+
+    def neighbours(x, value):
+        """[T, ...] -> [blocks, 3 * window, ...]: each block's previous, own and next block."""
+        x = jnp.pad(padded(x, value), ((window, window),) + ((0, 0),) * (x.ndim - 1),
+                    constant_values=value)
+        views = [x[i * window: (i + blocks) * window].reshape(blocks, window, *x.shape[1:])
+                 for i in range(3)]
+        return jnp.concatenate(views, axis=1)
+
+    seq_t = jnp.where(rag.valid_t, rag.seq_t, -1)
+    q_nwkgd = padded(q_thd, 0).reshape(blocks, window, kv_heads, groups, head_dim)
+    k_nskd = neighbours(k_thd.astype(q_thd.dtype), 0)
+    v_nskd = neighbours(v_thd.astype(jnp.float32), 0)
+    seq_q_nw = padded(seq_t, -1).reshape(blocks, window)
+    off_q_nw = padded(rag.offset_t, 0).reshape(blocks, window)
+    seq_k_ns = neighbours(seq_t, -1)
+    off_k_ns = neighbours(rag.offset_t, 0)
+    same_nws = (seq_q_nw[:, :, None] == seq_k_ns[:, None, :]) & (seq_q_nw[:, :, None] >= 0)
+    if causal:
+        same_nws &= off_k_ns[:, None, :] <= off_q_nw[:, :, None]
+    mask = same_nws[:, None, None]
+    s_nkgws = jnp.einsum("nwkgd,nskd->nkgws", q_nwkgd, k_nskd,
+                         preferred_element_type=jnp.float32) * scale
+    s_nkgws = jnp.where(mask, s_nkgws, MASK_VALUE)
+    m_nkgw = jnp.max(s_nkgws, axis=-1)
+    p_nkgws = jnp.where(mask, jnp.exp(s_nkgws - m_nkgw[..., None]), 0.0)
+    l_nkgw = jnp.sum(p_nkgws, axis=-1)
+    o_nwkgd = jnp.einsum("nkgws,nskd->nwkgd", p_nkgws, v_nskd)
+    l_nwkg = jnp.transpose(l_nkgw, (0, 3, 1, 2))
+    m_nwkg = jnp.transpose(m_nkgw, (0, 3, 1, 2))
+    seen = l_nwkg > 0
+    o_nwkgd = o_nwkgd / jnp.where(seen, l_nwkg, 1.0)[..., None]
+    lse_nwkg = jnp.where(seen, m_nwkg + jnp.log(jnp.where(seen, l_nwkg, 1.0)), -jnp.inf)
+    out_thd = o_nwkgd.reshape(blocks * window, num_heads, head_dim)[:num_tokens]
+    lse_th = lse_nwkg.reshape(blocks * window, num_heads)[:num_tokens]
+    return out_thd, lse_th
 
 
 def _split_combined(kv_x2hd, num_kv_heads: int, head_dim: int):

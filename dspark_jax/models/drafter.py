@@ -123,6 +123,7 @@ class DSparkDrafter(nnx.Module):
             cu_q_lens_n1=jnp.arange(num_slots + 1, dtype=jnp.int32) * gamma,
             kv_lens_n=jnp.where(live_s, start_s + gamma, 0).astype(jnp.int32),
             num_seqs=jnp.int32(num_slots),
+            max_seq_tokens=gamma,
         )
         x_1td = self.embed_tokens(self.block_tokens(anchor_s).reshape(1, -1), self.dtype)
         for layer, layer_pages in zip(self.layers, cache.pages, strict=True):

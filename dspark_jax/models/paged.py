@@ -44,12 +44,17 @@ class TokenBatch:
     cu_q_lens_n1: jax.Array  # int32 [N + 1]: tokens cu[i]:cu[i+1] are sequence i
     kv_lens_n: jax.Array  # int32 [N]: keys sequence i attends to (its new tokens included)
     num_seqs: jax.Array  # int32 scalar
+    # A static bound on any sequence's tokens (None: T), which bounds the new tokens' attention
+    # among themselves (see `attention.ragged_paged_attention`'s max_q_len).
+    max_seq_tokens: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
-    def per_slot(cls, start_s: jax.Array, count_s: jax.Array, width: int) -> TokenBatch:
+    def per_slot(cls, start_s: jax.Array, count_s: jax.Array, width: int,
+                 max_seq_tokens: int | None = None) -> TokenBatch:
         """Slot s's tokens at positions start_s.. packed in slot order, `count_s` of them each
-        (0 for a slot that takes no part), padded to `width` tokens. One sequence per slot:
-        the sequences of empty slots have no tokens and no keys."""
+        (0 for a slot that takes no part; at most `max_seq_tokens` when given), padded to
+        `width` tokens. One sequence per slot: the sequences of empty slots have no tokens and
+        no keys."""
         num_slots = start_s.shape[0]
         cu_n1 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count_s)]).astype(jnp.int32)
         tok_t = jnp.arange(width, dtype=jnp.int32)
@@ -64,6 +69,7 @@ class TokenBatch:
             cu_q_lens_n1=cu_n1,
             kv_lens_n=jnp.where(count_s > 0, start_s + count_s, 0).astype(jnp.int32),
             num_seqs=jnp.int32(num_slots),
+            max_seq_tokens=max_seq_tokens,
         )
 
     def head(self, width: int) -> TokenBatch:
@@ -123,6 +129,7 @@ def attend(
         scale=scale,
         causal=causal,
         new_kv=new_kv,
+        max_q_len=batch.max_seq_tokens,
     )
 
 
