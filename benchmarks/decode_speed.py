@@ -200,6 +200,9 @@ def run(args: argparse.Namespace) -> dict:
     max_len = -(-(context + (args.rounds + 1) * (gamma + 1)) // 128) * 128
     device = jax.devices()[0]
     bandwidth = args.bandwidth_gbs or default_bandwidth_gbs(device.device_kind)
+    if args.bandwidth_json:
+        with open(args.bandwidth_json) as f:
+            bandwidth = json.load(f)["gbs"]
 
     target = random_model(
         lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed
@@ -325,6 +328,9 @@ def main() -> None:
         "--bandwidth-gbs",
         type=float,
         help="HBM bandwidth for the floor (default: known devices; n/a on CPU)",
+    )
+    parser.add_argument(
+        "--bandwidth-json", help="bandwidth measured by benchmarks/bandwidth.py (beats the others)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="decode_speed.json", help="output JSON path")

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.checkpoints.converted import load_decoding_models
     from dspark_jax.cli.args import build_policy
-    from dspark_jax.decoding.slot_engine import Engine, EngineConfig
+    from dspark_jax.decoding.engine import Engine, EngineConfig
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
 

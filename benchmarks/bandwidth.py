@@ -1,0 +1,51 @@
+"""Measured device memory bandwidth: the ceiling the decode floor divides by.
+
+A large device-to-device copy (jitted `x + 0` would fuse away; `jnp.copy` of a donated-free
+buffer is a real read and write), timed after a warm-up, median of repeats, counting bytes read
+plus bytes written. Datasheet numbers overstate what a copy reaches (an H100 SXM's 3.35 TB/s
+datasheet against about 3.0 TB/s measured here on 2026-11-13), so the floor uses this.
+
+    python benchmarks/bandwidth.py [--gib 4] [--json bandwidth.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def measure_gbs(gib: float = 4.0, repeats: int = 20) -> float:
+    """GB/s (1e9 bytes) of read + write for a copy of `gib` GiB of float32."""
+    n = int(gib * 2**30) // 4
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0000001)  # one read and one write per element, not elided
+    jax.block_until_ready(copy(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        times.append(time.perf_counter() - start)
+    return 2 * n * 4 / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=4.0, help="buffer size (default 4 GiB)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", help="write {device, gbs} here")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    gbs = measure_gbs(args.gib, args.repeats)
+    print(f"{device.device_kind}: {gbs:.0f} GB/s (read + write, {args.gib} GiB float32 copy)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device.device_kind, "gbs": gbs}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: the tests that exercise the engine, the attention kernels, the
+# verifier and the training step on the GPU, then every benchmark; tables on stdout, JSON under
+# $OUT. Prepare here (network) with `bash benchmarks/gpu_wheels.sh`, then run on the device
+# machine, carrying .whl:
+#
+#   bash benchmarks/gpu_session.sh            # tests + benchmarks (about 10 minutes on an H100)
+#   STAGES="bench" bash benchmarks/gpu_session.sh   # benchmarks only
+#   SIZE=tiny JAX_PLATFORMS=cpu STAGES=bench bash benchmarks/gpu_session.sh   # smoke run on CPU
+#
+# Each stage's output goes to $OUT/<stage>.log as well; a failing stage does not stop the next
+# ones, and the exit code says whether any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+stages=${STAGES:-"tests bench"}
+size=${SIZE:-qwen3-4b}
+if [ "$size" = tiny ]; then
+  # Small enough for a CPU smoke run of the script itself.
+  batches="1 8"; contexts="64 256"; max_lens="256 2048"; slots=8; packed=8; conc=1,8
+  attn="--kv-heads 2 --groups 2 --head-dim 32 --kv-lens 64,256 --capacity 512 --capacities 256,512"
+  train=(); bw_gib=0.25
+else
+  batches="1 8 32 64"; contexts="256 1024 4096"; max_lens="1024 8192 32768"; slots=32
+  packed=64; conc=1,8,32,64; bw_gib=4
+  attn="--kv-heads 8 --groups 4 --head-dim 128 --kv-lens 512,1024,2048,4096 --capacity 8192"
+  attn+=" --capacities 2048,4096,8192,16384"
+  train=(--target qwen3-4b --drafter dspark-qwen3-4b --dtype bfloat16 --batch 8 --seq-len 4096
+         --anchors 512 --chunk 64)
+fi
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The package runs from the checkout (no install step: the machine has no network).
+dspark() { python3 -m dspark_jax.cli "$@"; }
+failed=()
+stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures
+  local name=$1; shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  if ! "$@" 2>&1 | tee "$out/$name.log"; then failed+=("$name"); fi
+  echo "=== $name took $((SECONDS - start)) s"
+}
+
+echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+
+if [[ " $stages " == *" tests "* ]]; then
+  # Engine (paged, packed, Pallas GPU kernels natively), attention paths, verifier, exactness
+  # against the reference traces and transformers, losslessness, the training step.
+  stage tests python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_attention.py tests/test_engine.py tests/test_verify.py tests/test_sampling.py \
+    tests/test_fixture_parity.py tests/test_transformers_parity.py tests/test_lossless.py \
+    tests/test_scheduled_engine.py tests/test_train_step.py tests/test_train_loss.py
+fi
+
+if [[ " $stages " == *" bench "* ]]; then
+  stage bandwidth python3 benchmarks/bandwidth.py --gib "$bw_gib" --json "$out/bandwidth.json"
+  # shellcheck disable=SC2086  # the size's word lists split on purpose
+  stage decode_speed python3 benchmarks/decode_speed.py --config "$size" --batch-sizes $batches \
+    --bandwidth-json "$out/bandwidth.json" --json "$out/decode_speed.json"
+  # shellcheck disable=SC2086
+  stage cost_model python3 benchmarks/cost_model.py --config "$size" --dtype bfloat16 \
+    --slots "$slots" --packed-slots "$packed" --contexts $contexts --max-lens $max_lens \
+    --json "$out/cost_model.json"
+  # shellcheck disable=SC2086
+  stage attention_paths python3 benchmarks/attention_paths.py $attn --dtype bfloat16 \
+    --slots "$slots" --q-len 8 --json "$out/attention_paths.json"
+  stage profile dspark profile --config "$size" --dtype bfloat16 --mode verify \
+    --max-num-seqs "$packed" --out "$out/sps.json"
+  stage throughput python3 benchmarks/throughput.py --concurrency "$conc" \
+    --out "$out/throughput.json" --plot "$out/throughput.png"
+  stage train_throughput python3 benchmarks/train_throughput.py "${train[@]}" \
+    --json "$out/train_throughput.json"
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then echo "FAILED stages: ${failed[*]}"; exit 1; fi
+echo "all stages passed"
