@@ -41,29 +41,34 @@ from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 
 
-def round_ms(engine: Engine, context: int, lengths: np.ndarray, repeats: int) -> float:
-    """Median ms per round with slots `lengths >= 0` live at `context`, slot s verifying
-    lengths[s] drafts (ignored by plain engines)."""
-    state = filled_state(engine, context)
-    slots = engine.cfg.num_slots
-    times = []
+def round_ms(cases: list[tuple[Engine, int, np.ndarray]], repeats: int) -> list[float]:
+    """Median ms per round for each (engine, context, lengths) case: slots `lengths >= 0` live
+    at `context`, slot s verifying lengths[s] drafts (ignored by plain engines).
+
+    The cases take turns, one timed chunk each per repeat, so load that comes and goes on a
+    shared machine falls on all of them alike and their ratios stay meaningful."""
+    states = [filled_state(engine, context) for engine, context, _ in cases]
+    times: list[list[float]] = [[] for _ in cases]
     for rep in range(repeats + 1):
-        state = state.replace(
-            live_s=jnp.asarray(lengths >= 0),
-            policy_carry=jnp.asarray(np.maximum(lengths, 0))
-            if engine.speculative
-            else state.policy_carry,
-            lengths_s=jnp.full((slots,), context, jnp.int32),
-            num_generated_s=jnp.zeros((slots,), jnp.int32),
-        )
-        jax.block_until_ready(state.lengths_s)
-        start = time.perf_counter()
-        state, out = engine.decode_chunk(state)
-        jax.block_until_ready(out.count_s)
-        rounds = int(np.sum(np.asarray(out.step_tokens_r) > 0))
-        if rep:
-            times.append((time.perf_counter() - start) / rounds * 1e3)
-    return statistics.median(times)
+        for i, (engine, context, lengths) in enumerate(cases):
+            slots = engine.cfg.num_slots
+            state = states[i].replace(
+                live_s=jnp.asarray(lengths >= 0),
+                policy_carry=jnp.asarray(np.maximum(lengths, 0))
+                if engine.speculative
+                else states[i].policy_carry,
+                lengths_s=jnp.full((slots,), context, jnp.int32),
+                num_generated_s=jnp.zeros((slots,), jnp.int32),
+            )
+            jax.block_until_ready(state.lengths_s)
+            start = time.perf_counter()
+            state, out = engine.decode_chunk(state)
+            jax.block_until_ready(out.count_s)
+            rounds = int(np.sum(np.asarray(out.step_tokens_r) > 0))
+            if rep:  # the first pass warms caches and allocators
+                times[i].append((time.perf_counter() - start) / rounds * 1e3)
+            states[i] = state
+    return [statistics.median(t) for t in times]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -97,19 +102,21 @@ def run(args: argparse.Namespace) -> dict:
     cfg = EngineConfig(num_slots=args.slots, max_model_len=longest + room, **small)
     plain = Engine(target, None, cfg)
     plain.warm_up()
-    for context in args.contexts:
-        context_rows.append(
-            {"context": context, "ms": round_ms(plain, context, all_live, args.repeats)}
-        )
-        print(f"context {context}: {context_rows[-1]['ms']:.3f} ms/step", flush=True)
+    context_ms = round_ms([(plain, c, all_live) for c in args.contexts], args.repeats)
+    for context, ms in zip(args.contexts, context_ms, strict=True):
+        context_rows.append({"context": context, "ms": ms})
+        print(f"context {context}: {ms:.3f} ms/step", flush=True)
 
-    prealloc_rows = []
+    prealloc_rows, engines = [], []
     for max_len in args.max_lens:
         cfg = EngineConfig(num_slots=args.slots, max_model_len=max_len, **small)
-        plain = Engine(target, None, cfg)
-        plain.warm_up()
-        ms = round_ms(plain, 48, all_live, args.repeats)
-        prealloc_rows.append({"max_model_len": max_len, "pool_pages": cfg.pool_pages, "ms": ms})
+        engines.append(Engine(target, None, cfg))
+        engines[-1].warm_up()
+    prealloc_ms = round_ms([(e, 48, all_live) for e in engines], args.repeats)
+    for max_len, engine, ms in zip(args.max_lens, engines, prealloc_ms, strict=True):
+        prealloc_rows.append(
+            {"max_model_len": max_len, "pool_pages": engine.cfg.pool_pages, "ms": ms}
+        )
         print(f"max_model_len {max_len}: {ms:.3f} ms/step", flush=True)
 
     cfg = EngineConfig(num_slots=args.packed_slots, max_model_len=64 + room, **small)
@@ -119,10 +126,9 @@ def run(args: argparse.Namespace) -> dict:
     one = none.copy()
     one[0] = gamma
     every = np.full((args.packed_slots,), gamma, np.int32)
-    packed = {
-        name: round_ms(spec, 64, lengths, args.repeats)
-        for name, lengths in (("none", none), ("one", one), ("all", every))
-    }
+    names = ("none", "one", "all")
+    packed_ms = round_ms([(spec, 64, none), (spec, 64, one), (spec, 64, every)], args.repeats)
+    packed = dict(zip(names, packed_ms, strict=True))
     print(f"packed round ms: {packed}", flush=True)
 
     device = jax.devices()[0]

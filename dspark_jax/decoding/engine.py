@@ -459,19 +459,32 @@ class Engine:
                 f"the request needs {pages} KV pages; the pool holds {self.cfg.pool_pages}"
             )
 
-    def pack_prefill(self, items: list[PrefillItem]) -> PrefillBatch:
+    @property
+    def max_chunk_tokens(self) -> int:
+        """Most tokens one sequence brings to a prefill call: a chunk is at most prefill_chunk
+        tokens of a prompt, and no prompt is longer than max_model_len. It bounds the window of
+        the prompt tokens' attention among themselves (a call packing 512 short prompts then
+        costs 512 small windows, not one square of all their tokens)."""
+        return min(self.cfg.prefill_chunk, self.cfg.max_model_len)
+
+    def pack_prefill(self, items: list[PrefillItem], width: int | None = None) -> PrefillBatch:
         """Host arrays of one prefill call over `items` (<= prefill_seqs chunks whose tokens fit
-        the largest prefill bucket)."""
+        the largest prefill bucket), padded to the smallest bucket that holds them or to the
+        bucket `width`."""
         cfg = self.cfg
         n = cfg.prefill_seqs
         if not 1 <= len(items) <= n:
             raise EngineError(f"a prefill call takes 1..{n} chunks, got {len(items)}")
         total = sum(len(it.tokens) for it in items)
-        if max(len(it.tokens) for it in items) > cfg.prefill_chunk:
+        if max(len(it.tokens) for it in items) > self.max_chunk_tokens:
             raise EngineError(
-                f"a prefill chunk holds at most prefill_chunk {cfg.prefill_chunk} tokens"
+                f"a prefill chunk holds at most {self.max_chunk_tokens} tokens (prefill_chunk "
+                f"{cfg.prefill_chunk}, max_model_len {cfg.max_model_len})"
             )
-        width = next((w for w in self.prefill_widths if w >= total), None)
+        if width is not None and width not in self.prefill_widths:
+            raise EngineError(f"{width} is not a prefill bucket ({self.prefill_widths})")
+        if width is None or width < total:
+            width = next((w for w in self.prefill_widths if w >= total), None)
         if width is None:
             raise EngineError(f"{total} prompt tokens exceed the largest prefill bucket")
         tokens = np.zeros((width,), np.int32)
@@ -525,7 +538,7 @@ class Engine:
             cu_q_lens_n1=cu,
             kv_lens_n=kv_lens,
             num_seqs=np.int32(len(items)),
-            max_seq_tokens=cfg.prefill_chunk,
+            max_seq_tokens=self.max_chunk_tokens,
         )
         return PrefillBatch(
             tokens,
@@ -547,12 +560,13 @@ class Engine:
         state, so that nothing compiles while requests are served."""
         state = self.init_state()
         for width in self.prefill_widths:
-            # Never the prompt's last chunk, so no slot is made live.
+            # One token padded to the bucket, never the prompt's last chunk (so no slot is made
+            # live): the program depends on the width alone.
             item = PrefillItem(
                 0,
-                np.zeros((width,), np.int32),
+                np.zeros((1,), np.int32),
                 0,
-                width + 1,
+                2,
                 np.zeros(1, np.int32),
                 0.0,
                 0,
@@ -561,7 +575,7 @@ class Engine:
                 (),
                 0,
             )
-            state, out = self.prefill(state, self.pack_prefill([item]))
+            state, out = self.prefill(state, self.pack_prefill([item], width))
         state, chunk = self.decode_chunk(state)
         state = self.release(state, np.zeros((self.cfg.num_slots,), bool))
         jax.block_until_ready((state.live_s, chunk.count_s, out.first_token_n))
