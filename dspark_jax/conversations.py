@@ -2,13 +2,15 @@
 
 A record is one conversation, either
 
-    {"turns": [str, ...]}                          the DeepSpec benchmark prompts (user turns) and
-                                                   training data (user, assistant, user, ...)
-    {"messages": [{"role": str, "content": str}]}  chat format
+    {"turns": [str, ...]}                               the DeepSpec benchmark prompts: user turns
+    {"messages": [{"role": str, "content": str}, ...]}  chat format, explicit roles
+    {"conversations": [{"role": ..., "content": ...}]}  the same, as DeepSpec's training data
 
 Prompts (`dspark-jax generate --prompts-file`, `eval`, the benchmarks) take the user turns of
-`turns` records and answer them one by one; training takes either form as chat messages, `turns`
-read as alternating user and assistant messages.
+`turns` records and answer them one by one. Training needs to know which text is an answer, so it
+reads `messages` / `conversations` as they are, and `turns` only as its caller declares them
+(`TURNS_AS`): "prompts" (user turns only, the benchmark format: nothing to train on) or "dialogue"
+(alternating user and assistant messages).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from typing import Any
 from dspark_jax.errors import UserError
 
 _ROLES = ("user", "assistant")
+# How `turns` records are read as chat messages: the benchmark prompt format, or dialogues.
+TURNS_AS = ("prompts", "dialogue")
+# Keys of records with explicit roles: ours, and DeepSpec's regenerated training data.
+_MESSAGE_KEYS = ("messages", "conversations")
 
 
 class ConversationError(UserError):
@@ -55,27 +61,43 @@ def record_turns(record: Any) -> list[str]:
     return _turns(record)
 
 
-def record_messages(record: Any) -> list[dict[str, str]]:
-    """The chat messages of a record: its `messages`, or its `turns` as alternating user and
-    assistant messages."""
+def is_turns_record(record: Any) -> bool:
+    """Whether `record` is a `{"turns": [...]}` record (roles not stated)."""
+    return (
+        isinstance(record, Mapping)
+        and "turns" in record
+        and not any(k in record for k in _MESSAGE_KEYS)
+    )
+
+
+def record_messages(record: Any, *, turns: str = "prompts") -> list[dict[str, str]]:
+    """The chat messages of a record: its `messages` (or `conversations`) as they are, or its
+    `turns` read as `turns` says ("prompts": every turn a user message; "dialogue": alternating
+    user and assistant messages)."""
+    if turns not in TURNS_AS:
+        raise ConversationError(f"turns must be one of {TURNS_AS}, got {turns!r}")
     record = _check_object(record)
-    if "messages" in record:
-        messages = record["messages"]
+    for key in _MESSAGE_KEYS:
+        if key not in record:
+            continue
+        messages = record[key]
         if not isinstance(messages, list) or not messages:
-            raise ConversationError("'messages' must be a non-empty list")
+            raise ConversationError(f"'{key}' must be a non-empty list")
         for i, m in enumerate(messages):
             if (
                 not isinstance(m, Mapping)
                 or not isinstance(m.get("role"), str)
                 or not isinstance(m.get("content"), str)
             ):
-                raise ConversationError(
-                    f"messages[{i}] needs string 'role' and 'content': {m!r:.200}"
-                )
+                raise ConversationError(f"{key}[{i}] needs string 'role' and 'content': {m!r:.200}")
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     if "turns" in record:
+        if turns == "prompts":
+            return [{"role": "user", "content": t} for t in _turns(record)]
         return [{"role": _ROLES[i % 2], "content": t} for i, t in enumerate(_turns(record))]
-    raise ConversationError(f"record has neither 'messages' nor 'turns' (keys: {sorted(record)})")
+    raise ConversationError(
+        f"record has none of 'messages', 'conversations', 'turns' (keys: {sorted(record)})"
+    )
 
 
 def read_turns(

@@ -20,12 +20,19 @@ from dspark_jax.training.data import (
 )
 
 BYTES = ByteTokenizer()
+ASSISTANT_A = {"role": "assistant", "content": "a"}
 
 
 def record(i: int) -> dict:
-    """Conversation i, alternating the two formats; every assistant reply is unique."""
+    """Conversation i, alternating the two role-explicit formats (odd: DeepSpec's multi-turn
+    `conversations`); every assistant reply is unique."""
     if i % 2:
-        return {"turns": [f"question {i}", f"answer {i}.", f"more {i}", f"done {i}!"]}
+        texts = [f"question {i}", f"answer {i}.", f"more {i}", f"done {i}!"]
+        return {
+            "conversations": [
+                {"role": ("user", "assistant")[k % 2], "content": t} for k, t in enumerate(texts)
+            ]
+        }
     return {
         "messages": [
             {"role": "system", "content": "sys"},
@@ -160,13 +167,15 @@ def test_resume_from_iterator_state(dataset_path):
 def test_malformed_lines_name_file_and_line(tmp_path):
     good = json.dumps(record(0))
     no_assistant = "record has no assistant content"
+    prompts = 'a \\{"turns": \\[...\\]\\} record is read as prompts'
     cases = {
         "{not json": "malformed JSON",
-        json.dumps({"turns": ["only a question"]}): no_assistant,
+        json.dumps({"turns": ["only a question"]}): prompts,
         json.dumps({"messages": [{"role": "user", "content": "q"}]}): no_assistant,
-        json.dumps({"turns": ["q", ""]}): no_assistant,
+        json.dumps({"turns": ["q", "a"]}): prompts,
         json.dumps({"messages": [{"role": "user"}]}): "messages\\[0\\]",
-        json.dumps({"text": "hi"}): "record has neither 'messages' nor 'turns'",
+        json.dumps({"conversations": [{"role": "user", "content": "q"}, "x"]}): "conversations",
+        json.dumps({"text": "hi"}): "record has none of 'messages', 'conversations', 'turns'",
         json.dumps([1, 2]): "record is a list, not an object",
     }
     for n, (bad, reason) in enumerate(cases.items()):
@@ -176,7 +185,7 @@ def test_malformed_lines_name_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "mixed.jsonl", [good, *cases, good])
     source = JsonlConversationSource([path], skip_bad_records=True)
     assert len(source) == 2 and source.num_skipped == len(cases)
-    assert source[1]["where"].endswith("mixed.jsonl:9")
+    assert source[1]["where"].endswith("mixed.jsonl:10")
     config = DataConfig(paths=(path,), seq_len=32, batch_size=2, skip_bad_records=True)
     assert next(make_iterator(config, BYTES, 0, 1))["tokens"].shape == (2, 32)
 
@@ -211,7 +220,7 @@ class CountingByteTokenizer(ByteTokenizer):
 
 def _settled_tokenizer_calls(tmp_path, lines: int) -> tuple[int, DataConfig]:
     path = tmp_path / f"big{lines}.jsonl"
-    line = json.dumps({"turns": ["q", "a"]}) + "\n"
+    line = json.dumps({"messages": [{"role": "user", "content": "q"}, ASSISTANT_A]}) + "\n"
     path.write_text(line * lines)
     CountingByteTokenizer.calls = 0  # class-level so copies made by the pipeline count too
     tok = CountingByteTokenizer()
@@ -260,7 +269,10 @@ SEQ_LENS = (24, 48, 64)
 
 def varied_record(i: int) -> dict:
     """Conversation i: a long answer (1..70 characters after a unique start) to a short prompt."""
-    return {"turns": [f"q{i}", f"answer {i}." + "a" * ((i * 37) % 70)]}
+    answer = f"answer {i}." + "a" * ((i * 37) % 70)
+    return {
+        "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": answer}]
+    }
 
 
 def identities(batches) -> list[str]:
@@ -350,3 +362,43 @@ def test_bucketed_resume_with_partially_filled_buffers(varied_path):
         make_iterator(
             bucketed(varied_path, batch_size=5, seq_lens=(48, 64)), BYTES, 0, 1
         ).set_state(state)
+
+
+def test_turns_need_declared_roles(tmp_path):
+    """An eval prompt file ({"turns"}, user turns only: mt-bench has two per line) is refused as
+    training data by default; declared as dialogues, turns alternate user and assistant."""
+    mt_bench_like = write_jsonl(
+        tmp_path / "mt.jsonl",
+        [json.dumps({"turns": [f"Write a poem {i}.", "Now shorten it."]}) for i in range(4)],
+    )
+    with pytest.raises(DataError, match="mt\\.jsonl:1: .*read as prompts.*--turns dialogue"):
+        JsonlConversationSource([mt_bench_like])
+    with pytest.raises(DataError, match="turns must be one of"):
+        DataConfig(paths=(mt_bench_like,), seq_len=8, batch_size=1, turns="alternating")
+    source = JsonlConversationSource([mt_bench_like], turns="dialogue")
+    assert [m["role"] for m in source[0]["messages"]] == ["user", "assistant"]
+    assert source[0]["messages"][1]["content"] == "Now shorten it."
+
+
+def test_heldout_split_is_by_content(tmp_path):
+    """The held-out part is chosen by a hash of each line's text: disjoint from the training part,
+    together all of the data, and the same whatever the order of the lines."""
+    lines = [json.dumps(record(i)) for i in range(40)]
+    path = write_jsonl(tmp_path / "a.jsonl", lines)
+    shuffled = write_jsonl(tmp_path / "b.jsonl", lines[::-1])
+
+    def answers_of(source):
+        return {m["content"] for i in range(len(source)) for m in source[i]["messages"][-1:]}
+
+    held = JsonlConversationSource([path], heldout=5, part="heldout")
+    train = JsonlConversationSource([path], heldout=5)
+    assert (len(held), len(train), held.num_total) == (5, 35, 40)
+    assert not answers_of(held) & answers_of(train)
+    assert len(answers_of(held) | answers_of(train)) == 40
+    assert answers_of(JsonlConversationSource([shuffled], heldout=5, part="heldout")) == (
+        answers_of(held)
+    )
+    with pytest.raises(DataError, match="nothing would be left to train on"):
+        JsonlConversationSource([path], heldout=40)
+    with pytest.raises(DataError, match="needs heldout > 0"):
+        DataConfig(paths=(path,), seq_len=8, batch_size=1, part="heldout")

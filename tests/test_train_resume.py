@@ -93,7 +93,11 @@ def config_file(tmp_path_factory, compile_cache):
         for k, i in enumerate(range(0, 40 * 80, 80)):
             # Answers of 4..63 bytes: conversations of 21..80 tokens fill both buckets or truncate.
             answer = source[i + 16 : i + 20 + (k * 29) % 60]
-            f.write(json.dumps({"turns": [source[i : i + 16], answer]}) + "\n")
+            messages = [
+                {"role": "user", "content": source[i : i + 16]},
+                {"role": "assistant", "content": answer},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
     path = root / "resume_config.py"
     path.write_text(CONFIG_FILE.format(data=str(data)))
     return path

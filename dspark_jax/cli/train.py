@@ -4,7 +4,9 @@
     dspark-jax train --config dspark-qwen3-4b --data answers.jsonl --output runs/dspark-4b
     dspark-jax train --config my_run.py          # a Python file defining CONFIG = TrainConfig(...)
 
-Running again with the same --output resumes from the newest complete checkpoint.
+Running again with the same --output resumes from the newest complete checkpoint; with a larger
+--steps it extends a finished run. --data without --eval-data holds out a deterministic share of
+the data for evaluation (and says so). Ctrl-C saves a checkpoint and exits with status 130.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import logging
+import sys
 from pathlib import Path
 
 # Modules whose TRAIN_CONFIGS dicts make up the named configs.
@@ -81,6 +85,16 @@ def _seq_lens(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def _log_to_console() -> None:
+    """The trainer's notices (held-out split, truncation, resume, extension) on stderr."""
+    package = logging.getLogger("dspark_jax")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        package.addHandler(handler)
+    package.setLevel(logging.INFO)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
@@ -90,9 +104,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output", help="run folder (default: runs/<config name>)")
     parser.add_argument("--target", help="target model folder or hub id (overrides the config)")
-    parser.add_argument("--data", nargs="+", help="training JSONL files (override the config)")
-    parser.add_argument("--eval-data", nargs="*", help="held-out JSONL files (override)")
-    parser.add_argument("--steps", type=int, help="total optimizer steps (override)")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        help='training JSONL files (override the config): {"messages": [...]} records with roles; '
+        "without --eval-data a deterministic share of them is held out for evaluation",
+    )
+    parser.add_argument(
+        "--eval-data",
+        nargs="*",
+        help="held-out JSONL files (override); given with no file: no evaluation",
+    )
+    parser.add_argument(
+        "--turns",
+        choices=("prompts", "dialogue"),
+        help='how {"turns": [...]} records are read: prompts (user turns only, the eval format: '
+        "refused, nothing to train on; the default) or dialogue (alternating user, assistant)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="total optimizer steps (override); more than a finished run's extends it",
+    )
+    parser.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="start from these drafter weights: an exported or converted drafter folder, or a "
+        "training run / checkpoint (runs/x, runs/x/checkpoints/60); the optimizer starts afresh",
+    )
+    parser.add_argument("--eval-every", type=int, help="held-out evaluation every N steps")
+    parser.add_argument("--save-every", type=int, help="checkpoint every N steps (override)")
     parser.add_argument("--mesh", type=_mesh, help="data,fsdp,tensor sizes; -1 = the rest")
     parser.add_argument("--per-device-batch-size", type=int, help="micro-batch per device")
     parser.add_argument("--anchors-per-chunk", type=int, help="anchors per loss chunk")
@@ -124,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
         initialize_distributed(
             args.coordinator_address, args.num_processes, args.process_id, auto_detect=True
         )
-    from dspark_jax.training.trainer import train
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from dspark_jax.training.trainer import TrainingInterrupted, train
 
     config = load_train_config(args.config)
     overrides = {
@@ -136,16 +179,31 @@ def run(args: argparse.Namespace) -> int:
         "per_device_batch_size": args.per_device_batch_size,
         "anchors_per_chunk": args.anchors_per_chunk,
         "seq_lens": args.seq_lens,
+        "turns": args.turns,
+        "init_drafter": args.init_from,
+        "eval_every": args.eval_every,
+        "save_every": args.save_every,
     }
+    if args.data and args.eval_data is None:
+        # The config's own held-out set belongs to its own data: evaluate on the user's instead.
+        overrides.update(eval_data=(), holdout=True)
+    elif args.eval_data is not None:
+        overrides["holdout"] = False
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     output = Path(args.output or Path("runs") / config.name)
-    result = train(
-        config,
-        output,
-        stop_after=args.stop_after,
-        progress=not args.no_progress,
-        export=not args.no_export,
-    )
+    _log_to_console()
+    try:
+        with logging_redirect_tqdm(loggers=[logging.getLogger("dspark_jax")]):
+            result = train(
+                config,
+                output,
+                stop_after=args.stop_after,
+                progress=not args.no_progress,
+                export=not args.no_export,
+            )
+    except TrainingInterrupted as e:
+        print(f"dspark-jax train: {e}", file=sys.stderr)
+        return 130
     summary = {
         "output": str(result.output_dir),
         "step": result.final_step,

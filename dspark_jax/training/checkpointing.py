@@ -9,6 +9,11 @@ to `<step>` only after every item is complete (on file systems without atomic re
 a commit marker instead), so a crash mid-save leaves a temporary folder that is never listed as a
 step. Opening a run reports such leftovers, deletes them, and resumes from the newest complete
 step.
+
+A step folder `<run>/checkpoints/<step>` (or the run folder, or its `checkpoints/`, for the newest
+step) is also what `--init-from` and `dspark-jax export` take: `find_checkpoint` locates it,
+`read_meta` returns the run record saved with it (drafter config, recipe, target) and
+`restore_state` the train state without the data-iterator position.
 """
 
 from __future__ import annotations
@@ -34,6 +39,65 @@ class TrainCheckpointError(UserError):
     """A checkpoint that cannot be restored into this run."""
 
 
+# Run-record fields that may change when a run is resumed: the total step count (extending or
+# shortening the run; the learning-rate schedule follows the new total).
+RESUMABLE_CHANGES = ("total_steps",)
+
+
+def _options(max_to_keep: int | None, async_save: bool) -> ocp.CheckpointManagerOptions:
+    return ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=async_save,
+        create=max_to_keep is not None,
+        read_only=max_to_keep is None,
+    )
+
+
+def _reader(directory: Path) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        directory, options=_options(None, False), item_names=(STATE, DATA, META)
+    )
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, int] | None:
+    """(checkpoints folder, step) that `path` names, or None when it is no training checkpoint.
+
+    `path` is a step folder (`<run>/checkpoints/<step>`), a run's `checkpoints/` folder or a run
+    folder; the last two mean their newest complete step.
+    """
+    path = Path(path).absolute()
+    if path.name.isdigit() and (path / META).is_dir():
+        return path.parent, int(path.name)
+    for directory in (path, path / "checkpoints"):
+        if not directory.is_dir() or not any(
+            p.name.isdigit() and (p / META).is_dir() for p in directory.iterdir()
+        ):
+            continue
+        with _reader(directory) as manager:
+            step = manager.latest_step()
+        if step is None:
+            raise TrainCheckpointError(f"{directory}: holds no complete checkpoint")
+        return directory, step
+    return None
+
+
+def read_meta(directory: Path, step: int) -> dict[str, Any]:
+    """The run record saved with checkpoint `step` of `directory`."""
+    with _reader(directory) as manager:
+        restored = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+    return restored[META]
+
+
+def restore_state(directory: Path, step: int, abstract_state: TrainState) -> TrainState:
+    """The train state of checkpoint `step` of `directory`, placed as `abstract_state` says."""
+    with _reader(directory) as manager:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)})
+        )
+    return restored[STATE]
+
+
 class TrainCheckpointer:
     """Keeps the newest `max_to_keep` steps of a run under `directory` (saves run in background)."""
 
@@ -46,12 +110,7 @@ class TrainCheckpointer:
             logger.warning("ignoring incomplete checkpoint %s (a save was interrupted)", name)
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep,
-                cleanup_tmp_directories=True,
-                enable_async_checkpointing=async_save,
-                create=True,
-            ),
+            options=_options(max_to_keep, async_save),
             item_names=(STATE, DATA, META),
         )
 
@@ -93,11 +152,12 @@ class TrainCheckpointer:
         data_iterator: grain.DatasetIterator,
         meta: dict[str, Any],
         step: int | None = None,
-    ) -> TrainState:
-        """The state saved at `step` (default: newest), placed with `abstract_state`'s shardings.
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """(state saved at `step` (default: newest), its run record), the state placed with
+        `abstract_state`'s shardings.
 
         `data_iterator` is moved to the saved position. `meta` must equal the saved record (the
-        same drafter, target and recipe), else TrainCheckpointError.
+        same drafter, target and recipe) except in `RESUMABLE_CHANGES`, else TrainCheckpointError.
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -105,10 +165,12 @@ class TrainCheckpointer:
         saved_meta = self._manager.restore(
             step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
         )[META]
-        if saved_meta != meta:
-            diffs = sorted(
-                k for k in set(saved_meta) | set(meta) if saved_meta.get(k) != meta.get(k)
-            )
+        diffs = sorted(
+            k
+            for k in set(saved_meta) | set(meta)
+            if saved_meta.get(k) != meta.get(k) and k not in RESUMABLE_CHANGES
+        )
+        if diffs:
             raise TrainCheckpointError(
                 f"{self.directory}/{step} belongs to a different run (differs in: "
                 f"{', '.join(diffs)}); use a new output folder or the original settings"
@@ -122,7 +184,7 @@ class TrainCheckpointer:
                 }
             ),
         )
-        return restored[STATE]
+        return restored[STATE], saved_meta
 
     def wait_until_finished(self) -> None:
         self._manager.wait_until_finished()

@@ -24,9 +24,10 @@ def write_python_stdlib_corpus(
 ) -> tuple[Path, Path]:
     """(train, eval) JSONL of the Python standard library's own top-level *.py files.
 
-    Each file is cut into pieces of prompt_chars + answer_chars characters: the user turn is the
-    start of a piece and the assistant turn the rest. Every `eval_every`-th file (sorted by name)
-    goes to the eval split, so the two splits share no file. Deterministic for a given Python.
+    Each file is cut into pieces of prompt_chars + answer_chars characters: the user message is
+    the start of a piece and the assistant message the rest (`{"messages": [...]}` records). Every
+    `eval_every`-th file (sorted by name) goes to the eval split, so the two splits share no
+    file. Deterministic for a given Python.
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(stdlib.glob("*.py"))
@@ -42,14 +43,22 @@ def write_python_stdlib_corpus(
             text = path.read_text(encoding="utf-8", errors="replace")
             out = eval_f if i % eval_every == 0 else train_f
             for start in range(0, len(text) - piece + 1, piece):
-                turns = [
-                    text[start : start + prompt_chars],
-                    text[start + prompt_chars : start + piece],
+                messages = [
+                    {"role": "user", "content": text[start : start + prompt_chars]},
+                    {"role": "assistant", "content": text[start + prompt_chars : start + piece]},
                 ]
-                out.write(json.dumps({"turns": turns}) + "\n")
+                out.write(json.dumps({"messages": messages}) + "\n")
     for t, p in zip(tmp, paths, strict=True):
         os.replace(t, p)
     return paths
+
+
+def _current_format(path: Path) -> bool:
+    """Whether `path` exists in the current record format (earlier versions wrote `turns`)."""
+    if not path.is_file():
+        return False
+    with open(path, encoding="utf-8") as f:
+        return '"messages"' in f.readline()
 
 
 _BUILTIN_SPLITS = {"python-stdlib": 0, "python-stdlib-eval": 1}
@@ -75,7 +84,7 @@ def resolve_data_paths(paths: tuple[str, ...], output_dir: Path) -> tuple[str, .
             data_dir / "python-stdlib-train.jsonl",
             data_dir / "python-stdlib-eval.jsonl",
         )
-        if not all(p.exists() for p in split_paths):
+        if not all(_current_format(p) for p in split_paths):
             write_python_stdlib_corpus(data_dir)
         out.append(str(split_paths[_BUILTIN_SPLITS[name]]))
     return tuple(out)

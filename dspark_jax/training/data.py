@@ -1,10 +1,18 @@
 """Training input pipeline: JSONL conversations -> padded token batches with an assistant loss mask.
 
-Each JSONL line is one conversation, either `{"messages": [{"role", "content"}, ...]}` or
-`{"turns": [user, assistant, user, assistant, ...]}` (parsed by `dspark_jax.conversations`).
-Opening the files indexes byte offsets of the lines once and checks every record (so a bad line
-is reported before training starts, by file and line); tokenisation happens lazily, per example,
-inside the grain map, so nothing tokenised is held in memory up front.
+Each JSONL line is one conversation with explicit roles, `{"messages": [{"role", "content"},
+...]}` (or DeepSpec's `{"conversations": [...]}`), parsed by `dspark_jax.conversations`. A
+`{"turns": [...]}` record is the benchmark prompt format (user turns only) and is refused, since it
+holds no answer to train on, unless `DataConfig.turns` declares the turns alternating user and
+assistant messages ("dialogue"). Opening the files indexes byte offsets of the lines once and
+checks every record (so a bad line is reported before training starts, by file and line);
+tokenisation happens lazily, per example, inside the grain map, so nothing tokenised is held in
+memory up front.
+
+Held-out split (`DataConfig.heldout` > 0): the conversations whose text has the `heldout` smallest
+content hashes are the evaluation set (`part="heldout"`), the rest the training set
+(`part="train"`). The split depends only on the text of each line, not on file order or on which
+other lines exist, so it is the same on every process and every resume.
 
 The grain pipeline is a random-access `MapDataset`:
 
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -41,7 +50,13 @@ from typing import TYPE_CHECKING, Any
 import grain
 import numpy as np
 
-from dspark_jax.conversations import ConversationError, parse_line, record_messages
+from dspark_jax.conversations import (
+    TURNS_AS,
+    ConversationError,
+    is_turns_record,
+    parse_line,
+    record_messages,
+)
 from dspark_jax.errors import UserError
 from dspark_jax.tokenizer import ChatTemplateError, encode_conversation
 
@@ -79,7 +94,11 @@ class DataConfig:
     ascending and ending at `seq_len`; None means the single bucket `(seq_len,)` (and is stored
     as that). `batch_size` is per process. `num_epochs` None repeats forever. `pad_id` None pads
     with the tokenizer's pad token, or EOS when it has none. `skip_bad_records` skips malformed
-    lines and records without assistant content (logging the count) instead of raising.
+    lines and records without assistant content (logging the count) instead of raising. `turns`
+    says how `{"turns": [...]}` records are read (`TURNS_AS`): "prompts" refuses them (user turns
+    only, nothing to train on), "dialogue" reads them as alternating user and assistant messages.
+    `heldout` > 0 splits the conversations of `paths` (see the module doc) and `part` picks
+    "train" (all but the held-out ones) or "heldout".
     """
 
     paths: tuple[str, ...]
@@ -93,6 +112,9 @@ class DataConfig:
     num_threads: int = 4
     prefetch_buffer_size: int = 64
     seq_lens: tuple[int, ...] | None = None
+    turns: str = "prompts"
+    heldout: int = 0
+    part: str = "train"
 
     def __post_init__(self):
         if isinstance(self.paths, str | os.PathLike):
@@ -111,30 +133,75 @@ class DataConfig:
             raise DataError(f"num_epochs must be positive or None, got {self.num_epochs}")
         if not 0 <= self.seed < 2**32:
             raise DataError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.turns not in TURNS_AS:
+            raise DataError(f"turns must be one of {TURNS_AS}, got {self.turns!r}")
+        if self.heldout < 0 or self.part not in PARTS:
+            raise DataError(
+                f"heldout must be >= 0 and part one of {PARTS}: {self.heldout}, {self.part!r}"
+            )
+        if self.part == "heldout" and not self.heldout:
+            raise DataError("part 'heldout' needs heldout > 0")
 
 
-def parse_record(line: str | bytes) -> list[dict[str, str]]:
+PARTS = ("train", "heldout")
+
+TURNS_AS_PROMPTS = (
+    'a {"turns": [...]} record is read as prompts (user turns only, the format eval and generate '
+    "read), so it holds no answer to train on. Give training data with explicit roles, "
+    '{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}, or declare that your '
+    "turns alternate user and assistant messages with --turns dialogue"
+)
+
+
+def parse_record(line: str | bytes, turns: str = "prompts") -> list[dict[str, str]]:
     """The chat messages of one JSONL line (see `dspark_jax.conversations`), which must hold
     assistant content to train on."""
     try:
-        messages = record_messages(parse_line(line))
+        record = parse_line(line)
+        messages = record_messages(record, turns=turns)
     except ConversationError as e:
         raise DataError(str(e)) from None
     if not any(m["role"] == "assistant" and m["content"] for m in messages):
+        if turns == "prompts" and is_turns_record(record):
+            raise DataError(TURNS_AS_PROMPTS)
         raise DataError("record has no assistant content to train on")
     return messages
+
+
+def content_hash(raw: bytes) -> int:
+    """A stable 64-bit hash of one JSONL line's text (surrounding whitespace ignored)."""
+    return int.from_bytes(hashlib.blake2b(raw.strip(), digest_size=8).digest(), "little")
+
+
+def heldout_mask(hashes: np.ndarray, count: int) -> np.ndarray:
+    """Which conversations form the held-out set: the `count` smallest hashes (ties by index)."""
+    mask = np.zeros(len(hashes), bool)
+    if count:
+        mask[np.lexsort((np.arange(len(hashes)), hashes))[:count]] = True
+    return mask
 
 
 class JsonlConversationSource:
     """Random-access grain source over the conversations of JSONL files.
 
     Indexes and validates every line once; elements are `{"messages": [...], "where": "file:line"}`
-    read back from disk on access. Blank lines are ignored.
+    read back from disk on access. Blank lines are ignored. `turns` as in `DataConfig`; with
+    `heldout` > 0 the source holds only its `part` of the split (see the module doc), and
+    `num_total` counts the conversations of both parts.
     """
 
-    def __init__(self, paths: Sequence[str | os.PathLike], skip_bad_records: bool = False):
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike],
+        skip_bad_records: bool = False,
+        *,
+        turns: str = "prompts",
+        heldout: int = 0,
+        part: str = "train",
+    ):
         self._paths = [os.fspath(p) for p in paths]
-        starts, ends, files, lines = [], [], [], []
+        self._turns = turns
+        starts, ends, files, lines, hashes = [], [], [], [], []
         self.num_skipped = 0
         for file_index, path in enumerate(self._paths):
             if not os.path.isfile(path):
@@ -146,7 +213,7 @@ class JsonlConversationSource:
                     if not raw.strip():
                         continue
                     try:
-                        parse_record(raw)
+                        parse_record(raw, turns)
                     except DataError as e:
                         if not skip_bad_records:
                             raise DataError(f"{path}:{line_no}: {e}") from None
@@ -156,12 +223,24 @@ class JsonlConversationSource:
                     ends.append(offset)
                     files.append(file_index)
                     lines.append(line_no)
+                    if heldout:
+                        hashes.append(content_hash(raw))
         if self.num_skipped:
             logger.warning("skipped %d bad records in %s", self.num_skipped, self._paths)
-        self._starts = np.asarray(starts, np.int64)
-        self._ends = np.asarray(ends, np.int64)
-        self._files = np.asarray(files, np.int32)
-        self._lines = np.asarray(lines, np.int64)
+        self.num_total = len(starts)
+        keep = np.ones(self.num_total, bool)
+        if heldout:
+            if heldout >= self.num_total:
+                raise DataError(
+                    f"cannot hold out {heldout} of the {self.num_total} conversations in "
+                    f"{self._paths}: nothing would be left to train on"
+                )
+            held = heldout_mask(np.asarray(hashes, np.uint64), heldout)
+            keep = held if part == "heldout" else ~held
+        self._starts = np.asarray(starts, np.int64)[keep]
+        self._ends = np.asarray(ends, np.int64)[keep]
+        self._files = np.asarray(files, np.int32)[keep]
+        self._lines = np.asarray(lines, np.int64)[keep]
         self._fds: dict[int, int] = {}
         self._fd_pid = os.getpid()
         self._fd_lock = threading.Lock()
@@ -175,7 +254,7 @@ class JsonlConversationSource:
         raw = os.pread(self._fd(file_index), int(self._ends[index]) - start, start)
         where = f"{self._paths[file_index]}:{int(self._lines[index])}"
         try:
-            messages = parse_record(raw)
+            messages = parse_record(raw, self._turns)
         except DataError as e:
             raise DataError(f"{where}: {e} (was the file modified after indexing?)") from None
         return {"messages": messages, "where": where}
@@ -399,7 +478,13 @@ def make_iterator(
 
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
-    source = JsonlConversationSource(config.paths, config.skip_bad_records)
+    source = JsonlConversationSource(
+        config.paths,
+        config.skip_bad_records,
+        turns=config.turns,
+        heldout=config.heldout,
+        part=config.part,
+    )
     examples = make_dataset(source, tokenizer, config, process_index, process_count)
     options = grain.ReadOptions(
         num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size

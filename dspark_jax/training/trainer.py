@@ -1,14 +1,26 @@
 """The training loop: a frozen target run online, a drafter trained on its features.
 
 `train(config, output_dir)` builds the mesh, loads the target (sharded by the rules table),
-creates the drafter (embed_tokens and lm_head are the target's arrays, frozen), reads batches
-from the grain pipeline, runs the jitted step, logs metrics (tqdm bar and `metrics.jsonl`),
-evaluates on held-out batches at the start and the end, checkpoints with Orbax (resuming from the
-newest complete checkpoint in `output_dir`), and finally exports the drafter in the PyTorch
-(DeepSpec) layout.
+creates the drafter (embed_tokens and lm_head are the target's arrays, frozen; the rest random,
+or the parameters of `init_drafter`), reads batches from the grain pipeline, runs the jitted
+step, logs metrics, evaluates on held-out batches (at the start, every `eval_every` steps and at
+the end), checkpoints with Orbax every `save_every` steps (resuming from the newest complete
+checkpoint in `output_dir`), and finally exports the drafter in the PyTorch (DeepSpec) layout.
+
+Held-out data: `eval_data` files, or with `holdout` a deterministic share of `data` itself
+(`DataConfig.heldout`), so evaluation measures the domain the drafter is trained on.
+
+Resuming with a different `num_steps` extends (or shortens) the run: the learning-rate schedule
+is recomputed over the new total from the restored step on, and the change is logged.
+
+The progress bar advances when a step has finished on the device, not when it is dispatched, so
+its rate and ETA are those of training; the first step (compilation) runs before the bar starts.
+Ctrl-C (SIGINT, single-process runs) stops after the step in flight, saves a checkpoint and
+raises `TrainingInterrupted`; a second Ctrl-C interrupts at once.
 
 Output folder:
     metrics.jsonl     one JSON object per logged train interval or evaluation
+    events.out.tfevents.*   the same scalars for TensorBoard (`tensorboard --logdir <output>`)
     checkpoints/      Orbax steps (see checkpointing.py)
     drafter/          the exported drafter (config.json + model.safetensors)
     data/             built-in corpora, when the config names one (see corpus.py)
@@ -16,10 +28,13 @@ Output folder:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,9 +49,17 @@ from tqdm.auto import tqdm
 from dspark_jax.checkpoints.converted import load_drafter, load_target, write_drafter_torch
 from dspark_jax.config import ConfigError, DrafterConfig
 from dspark_jax.configs.recipes import TrainRecipe
+from dspark_jax.conversations import TURNS_AS
+from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
 from dspark_jax.tokenizer import load_tokenizer
-from dspark_jax.training.checkpointing import TrainCheckpointer
+from dspark_jax.training.checkpointing import (
+    TrainCheckpointer,
+    TrainCheckpointError,
+    find_checkpoint,
+    read_meta,
+    restore_state,
+)
 from dspark_jax.training.corpus import resolve_data_paths
 from dspark_jax.training.data import (
     DataConfig,
@@ -49,6 +72,7 @@ from dspark_jax.training.step import (
     FrozenParams,
     Models,
     StepConfig,
+    TrainState,
     batch_shardings,
     init_train_state,
     make_eval_step,
@@ -61,6 +85,11 @@ from dspark_jax.training.step import (
 logger = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003
+# Steps dispatched ahead of the newest finished one: enough to keep the device busy while the
+# host prepares the next batch, few enough that the progress bar tracks finished steps.
+MAX_STEPS_AHEAD = 2
+# With `holdout`, at most this share of the conversations of `data` is held out.
+MAX_HOLDOUT_SHARE = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +102,16 @@ class TrainConfig:
     `num_steps` None trains `recipe.num_epochs` over the data. `per_device_batch_size` sets the
     micro-batch (gradient accumulation runs global / (per-device x batch-parallel devices) micro
     steps); None processes the whole global batch at once. `target_dtype` None uses the recipe's
-    dtype. `init_drafter` fine-tunes an existing drafter instead of starting from scratch.
-    `seq_lens` are the length buckets of the training batches (strictly ascending, ending at
+    dtype. `init_drafter` starts from an existing drafter's parameters instead of random ones:
+    an exported / converted drafter folder, or a training checkpoint (a step folder, a run's
+    `checkpoints/` or a run folder: its newest step); the optimizer starts afresh. `seq_lens` are
+    the length buckets of the training batches (strictly ascending, ending at
     `recipe.max_length`; one compiled step each); None pads everything to `recipe.max_length`.
-    Evaluation always uses `recipe.max_length`.
+    Evaluation always uses `recipe.max_length`. `turns` says how `{"turns": [...]}` records of
+    the data are read ("prompts": refused, "dialogue": alternating user / assistant; see
+    `DataConfig`). `holdout` (with no `eval_data`) holds out eval_batches x global_batch_size
+    conversations of `data` (at most a tenth) as the evaluation set. `eval_every` evaluates every
+    that many steps (besides the start and the end); `save_every` checkpoints every that many.
     """
 
     name: str
@@ -96,6 +131,9 @@ class TrainConfig:
     eval_batches: int = 1
     save_every: int = 1000
     keep_checkpoints: int = 3
+    turns: str = "prompts"
+    holdout: bool = False
+    eval_every: int | None = None
 
     def __post_init__(self):
         r, d = self.recipe, self.drafter
@@ -109,7 +147,11 @@ class TrainConfig:
         for field in ("log_every", "eval_batches", "save_every", "keep_checkpoints"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"{field} must be >= 1, got {getattr(self, field)}")
-        for field in ("num_steps", "per_device_batch_size"):
+        if self.turns not in TURNS_AS:
+            raise ConfigError(f"turns must be one of {TURNS_AS}, got {self.turns!r}")
+        if self.holdout and self.eval_data:
+            raise ConfigError("holdout splits the training data; it excludes eval_data")
+        for field in ("num_steps", "per_device_batch_size", "eval_every"):
             if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ConfigError(f"{field} must be >= 1 or None, got {getattr(self, field)}")
         StepConfig(d.num_anchors, self.anchors_per_chunk)
@@ -144,12 +186,29 @@ class TrainConfig:
         record = {
             "drafter": self.drafter.to_hf(),
             "recipe": dataclasses.asdict(self.recipe),
+            "target": _model_reference(self.target),
             "total_steps": total_steps,
             "num_microbatches": num_microbatches,
             "anchors_per_chunk": self.anchors_per_chunk,
-            "init_drafter": self.init_drafter,
+            "init_drafter": _model_reference(self.init_drafter),
         }
         return json.loads(json.dumps(record))
+
+
+def _model_reference(path: str | None) -> str | None:
+    """A model path as recorded in checkpoints: absolute when it is a local folder, so the record
+    still names it when read from elsewhere (hub ids stay as they are)."""
+    if path is None or not Path(path).exists():
+        return path
+    return str(Path(path).resolve())
+
+
+class TrainingInterrupted(Exception):
+    """The run was stopped by Ctrl-C after a checkpoint of `step` was saved in `checkpoint`."""
+
+    def __init__(self, step: int, checkpoint: Path):
+        super().__init__(f"interrupted: saved step {step} in {checkpoint}; run again to resume")
+        self.step, self.checkpoint = step, checkpoint
 
 
 @dataclasses.dataclass
@@ -181,19 +240,161 @@ def _mean_records(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: _python(np.mean([np.asarray(r[k]) for r in records], axis=0)) for k in records[0]}
 
 
-class _JsonlLog:
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
+class _MetricsLog:
+    """metrics.jsonl and TensorBoard event files (tensorboardX) in the run folder.
+
+    Each record becomes scalars `<split>/<metric>` at its step; a per-position list becomes
+    `<split>/<metric>/<k>` with k counted from 1.
+    """
+
+    def __init__(self, output_dir: Path, enabled: bool):
+        self.path, self.enabled = output_dir / "metrics.jsonl", enabled
+        self._writer = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=str(output_dir))
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        split, step = record["split"], record["step"]
+        for name, value in record.items():
+            if name in ("split", "step"):
+                continue
+            if isinstance(value, list):
+                for k, v in enumerate(value, 1):
+                    self._writer.add_scalar(f"{split}/{name}/{k}", v, step)
+            else:
+                self._writer.add_scalar(f"{split}/{name}", value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
-def count_conversations(paths: tuple[str, ...]) -> int:
-    """Number of usable conversations in the JSONL files (one pass over them)."""
-    return len(JsonlConversationSource(paths))
+class _StopOnInterrupt:
+    """Turns the first SIGINT into a request to stop at the next step boundary (where a
+    checkpoint can be saved); the handler then steps aside, so a second Ctrl-C interrupts at once.
+    Only the main thread of a single-process run can take the signal this way."""
+
+    def __init__(self, enabled: bool, on_request):
+        self.requested = False
+        self._enabled = enabled and threading.current_thread() is threading.main_thread()
+        self._on_request = on_request
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+        self._on_request()
+
+    def __enter__(self) -> _StopOnInterrupt:
+        if self._enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._enabled and signal.getsignal(signal.SIGINT) == self._handle:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class _Truncations:
+    """Counts sequences cut to the largest length bucket and says so on the console: once when it
+    first happens, and in a total at the end of the call."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+        self.interval = self.total = self.seen = 0
+        self.warned = False
+
+    def add(self, local: dict[str, np.ndarray], step: int) -> None:
+        n = int(np.sum(local["num_tokens"] > local["length"]))
+        self.interval += n
+        self.total += n
+        self.seen += len(local["length"])
+        if n and not self.warned:
+            self.warned = True
+            longest = int(np.max(local["num_tokens"]))
+            logger.warning(
+                "step %d: %d of %d sequences are longer than max_length %d (up to %d tokens) and "
+                "are truncated; the loss never sees their ends (raise recipe.max_length / "
+                "--seq-lens, or shorten the data). The count per interval is 'truncated' in "
+                "metrics.jsonl.",
+                step,
+                n,
+                len(local["length"]),
+                self.max_length,
+                longest,
+            )
+
+    def take_interval(self) -> int:
+        n, self.interval = self.interval, 0
+        return n
+
+    def report(self) -> None:
+        if self.total:
+            every = " (every one of them)" if self.total == self.seen else ""
+            logger.warning(
+                "%d of %d sequences read by this call were truncated to max_length %d%s",
+                self.total,
+                self.seen,
+                self.max_length,
+                every,
+            )
+
+
+def count_conversations(paths: tuple[str, ...], turns: str = "prompts", heldout: int = 0) -> int:
+    """Number of usable conversations in the JSONL files (one pass over them); with `heldout`,
+    those left for training."""
+    return len(JsonlConversationSource(paths, turns=turns, heldout=heldout))
+
+
+def heldout_count(config: TrainConfig, data_paths: tuple[str, ...]) -> int:
+    """How many conversations of `data_paths` `config.holdout` sets aside (and says so)."""
+    total = count_conversations(data_paths, config.turns)
+    wanted = config.eval_batches * config.recipe.global_batch_size
+    count = min(wanted, total // MAX_HOLDOUT_SHARE)
+    if count < 1:
+        raise ConfigError(
+            f"the training data holds {total} conversations, too few to hold out an evaluation "
+            f"set (at most 1 in {MAX_HOLDOUT_SHARE}); pass --eval-data FILE, or --eval-data with "
+            "no file to train without evaluation"
+        )
+    repeats = (
+        f"; each evaluation reads {wanted} sequences, so they repeat" if count < wanted else ""
+    )
+    logger.warning(
+        "no --eval-data: holding out %d of the %d conversations of the training data for "
+        "evaluation (those with the smallest hash of their text: the same split on every run "
+        "and resume); training uses the other %d%s. Pass --eval-data to evaluate on files of "
+        "your own.",
+        count,
+        total,
+        total - count,
+        repeats,
+    )
+    return count
+
+
+def _schedule_change(
+    recipe: TrainRecipe, step: int, saved_total: int, total_steps: int
+) -> tuple[float, float]:
+    """Learning rates at `step` under the schedules for `saved_total` and `total_steps` steps."""
+    rates = []
+    for total in (saved_total, total_steps):
+        _, schedule = make_optimizer(
+            recipe.learning_rate,
+            total,
+            int(recipe.warmup_ratio * total),
+            recipe.weight_decay,
+            recipe.max_grad_norm,
+        )
+        rates.append(float(schedule(step)))
+    return rates[0], rates[1]
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -205,7 +406,7 @@ def train(
     progress: bool = True,
     export: bool = True,
 ) -> TrainResult:
-    """Trains (or resumes) `config` in `output_dir`; see the module docstring.
+    """Trains (or resumes, or extends) `config` in `output_dir`; see the module docstring.
 
     `stop_after` ends the call after that many total steps (saving a checkpoint), as a preempted
     job would; calling again resumes.
@@ -227,19 +428,24 @@ def train(
 
     data_paths = resolve_data_paths(config.data, output_dir)
     eval_paths = resolve_data_paths(config.eval_data, output_dir)
+    heldout = heldout_count(config, data_paths) if config.holdout else 0
 
     models, params, frozen, tokenizer = _setup_models(config, mesh, progress)
 
     if config.num_steps is not None:
         total_steps = config.num_steps
     else:
-        per_epoch = count_conversations(data_paths) // recipe.global_batch_size
-        total_steps = max(1, recipe.num_epochs * per_epoch)
+        per_epoch = count_conversations(data_paths, config.turns, heldout)
+        total_steps = max(1, recipe.num_epochs * (per_epoch // recipe.global_batch_size))
     warmup_steps = int(recipe.warmup_ratio * total_steps)
     optimizer, schedule = make_optimizer(
         recipe.learning_rate, total_steps, warmup_steps, recipe.weight_decay, recipe.max_grad_norm
     )
     state = shard_state(init_train_state(params, optimizer, recipe.seed), mesh)
+    init_checkpoint = None if config.init_drafter is None else find_checkpoint(config.init_drafter)
+    if init_checkpoint is not None:
+        restored = restore_state(*init_checkpoint, _abstract(state, state_shardings(state, mesh)))
+        state = state._replace(params=restored.params)
     step_cfg = StepConfig(
         config.drafter.num_anchors,
         config.anchors_per_chunk,
@@ -254,19 +460,40 @@ def train(
         seq_lens=config.seq_lens,
         batch_size=local_batch,
         seed=recipe.seed,
+        turns=config.turns,
+        heldout=heldout,
     )
     iterator = make_iterator(data_cfg, tokenizer)
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
     record = config.run_record(total_steps, num_microbatches)
     resumed_from = checkpointer.latest_step()
     if resumed_from is not None:
-        abstract = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            state,
-            state_shardings(state, mesh),
-        )
-        state = checkpointer.restore(abstract, iterator, record)
+        saved_total = read_meta(checkpointer.directory, resumed_from)["total_steps"]
+        if resumed_from > total_steps:
+            raise TrainCheckpointError(
+                f"{checkpointer.directory} is at step {resumed_from}, past the {total_steps} "
+                f"steps asked for; to use an earlier state, export or --init-from one of its "
+                f"checkpoints ({', '.join(map(str, checkpointer.all_steps()))})"
+            )
+        abstract = _abstract(state, state_shardings(state, mesh))
+        state, _ = checkpointer.restore(abstract, iterator, record)
         logger.info("resumed from step %d", resumed_from)
+        if saved_total != total_steps:
+            before, after = _schedule_change(recipe, resumed_from, saved_total, total_steps)
+            logger.warning(
+                "%s the run from %d to %d steps: the learning-rate schedule is recomputed for "
+                "%d steps (warmup %d, cosine to 0 at step %d); at step %d the learning rate "
+                "goes from %.3g to %.3g",
+                "extending" if total_steps > saved_total else "shortening",
+                saved_total,
+                total_steps,
+                total_steps,
+                warmup_steps,
+                total_steps,
+                resumed_from,
+                before,
+                after,
+            )
 
     # The sequence dimension is never sharded, so these shardings (and the jitted steps) take
     # every bucket length; each new length compiles once.
@@ -282,7 +509,8 @@ def train(
         recipe.global_batch_size,
         recipe.max_length,
     )
-    eval_batches = _eval_batches(config, eval_paths, tokenizer, local_batch, shardings)
+    eval_source = data_paths if heldout else eval_paths
+    eval_batches = _eval_batches(config, eval_source, heldout, tokenizer, shardings)
     evaluate = None
     if eval_batches:
         evaluate = make_eval_step(
@@ -296,7 +524,7 @@ def train(
         )
     eval_key = jax.random.PRNGKey(recipe.seed + EVAL_SEED_OFFSET)
 
-    log = _JsonlLog(output_dir / "metrics.jsonl", is_main)
+    log = _MetricsLog(output_dir, is_main)
     history: list[dict[str, Any]] = []
 
     def run_eval(step: int) -> dict[str, Any]:
@@ -311,54 +539,153 @@ def train(
     step = int(jax.device_get(state.step))
     eval_start = run_eval(step) if evaluate is not None and resumed_from is None else None
     end = total_steps if stop_after is None else min(stop_after, total_steps)
-    bar = tqdm(total=end, initial=step, desc=config.name, disable=not (progress and is_main))
+    show_bar = progress and is_main
+    bar = None
+    inflight: collections.deque[jax.Array] = collections.deque()
     pending: list[dict[str, jax.Array]] = []
     first_step = step
-    timed_steps, timed_tokens, truncated = 0, 0, 0
+    timed_steps, timed_tokens = 0, 0
+    truncations = _Truncations(recipe.max_length)
     interval_start = time.perf_counter()
-    while step < end:
-        local = next(iterator)
-        truncated += int(np.sum(local["num_tokens"] > local["length"]))
-        batch = _global_batch(local, shardings)
-        state, metrics = train_step(state, frozen, batch)
-        pending.append(metrics)
-        step += 1
-        if step == first_step + 1:
-            # Throughput excludes the first step of a call, which includes compilation.
-            jax.block_until_ready(metrics)
-            interval_start = time.perf_counter()
-        else:
-            timed_steps += 1
-            timed_tokens += batch["tokens"].size
-        if step % config.log_every == 0 or step == end:
-            records = jax.device_get(pending)
-            # `truncated`: this process's sequences cut to the largest bucket in the interval.
-            entry = {"split": "train", "step": step, **_mean_records(records)}
-            entry["truncated"] = truncated
-            if timed_steps:
-                elapsed = time.perf_counter() - interval_start
-                entry["steps_per_s"] = timed_steps / elapsed
-                entry["seq_tokens_per_s"] = timed_tokens / elapsed
-            log.write(entry)
-            history.append(entry)
-            bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['tau']:.2f}")
-            pending, timed_steps, timed_tokens, truncated = [], 0, 0, 0
-            interval_start = time.perf_counter()
-        bar.update(1)
-        if step % config.save_every == 0 or step == end:
-            checkpointer.save(state, iterator, record)
-    bar.close()
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    saved_step = resumed_from
+
+    def finished(block_all: bool = False) -> None:
+        """Ticks the bar for every dispatched step that has finished on the device."""
+        while inflight and (block_all or len(inflight) > MAX_STEPS_AHEAD or inflight[0].is_ready()):
+            jax.block_until_ready(inflight.popleft())
+            if bar is not None:
+                bar.update(1)
+
+    def announce_stop() -> None:
+        message = (
+            "Ctrl-C: stopping after the step in flight and saving a checkpoint "
+            "(Ctrl-C again to abort without saving)"
+        )
+        (bar.write if bar is not None else logger.warning)(message)
+
+    stop = _StopOnInterrupt(jax.process_count() == 1, announce_stop)
+    try:
+        with stop:
+            while step < end and not stop.requested:
+                local = next(iterator)
+                truncations.add(local, step + 1)
+                batch = _global_batch(local, shardings)
+                state, metrics = train_step(state, frozen, batch)
+                pending.append(metrics)
+                step += 1
+                if step == first_step + 1:
+                    # The first step of a call includes compilation: throughput and the bar's
+                    # rate start after it.
+                    jax.block_until_ready(metrics)
+                    interval_start = time.perf_counter()
+                    if show_bar:
+                        bar = tqdm(total=end, initial=step, desc=config.name)
+                else:
+                    timed_steps += 1
+                    timed_tokens += batch["tokens"].size
+                    inflight.append(metrics["loss"])
+                finished()
+                if step % config.log_every == 0 or step == end:
+                    records = jax.device_get(pending)
+                    finished(block_all=True)
+                    # `truncated`: this process's sequences cut to the largest bucket.
+                    entry = {"split": "train", "step": step, **_mean_records(records)}
+                    entry["truncated"] = truncations.take_interval()
+                    if timed_steps:
+                        elapsed = time.perf_counter() - interval_start
+                        entry["steps_per_s"] = timed_steps / elapsed
+                        entry["seq_tokens_per_s"] = timed_tokens / elapsed
+                    log.write(entry)
+                    history.append(entry)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['tau']:.2f}")
+                    pending, timed_steps, timed_tokens = [], 0, 0
+                    interval_start = time.perf_counter()
+                paused = False
+                if evaluate is not None and config.eval_every and step % config.eval_every == 0:
+                    if step != end:  # the end has its own evaluation below
+                        finished(block_all=True)
+                        run_eval(step)
+                        paused = True
+                if step % config.save_every == 0 or step == end:
+                    checkpointer.save(state, iterator, record)
+                    saved_step = step
+                if paused:
+                    # Evaluation time is not training time: keep it out of the bar's rate.
+                    if bar is not None:
+                        bar.unpause()
+                    interval_start = time.perf_counter()
+            finished(block_all=True)
+            if stop.requested and saved_step != step:
+                checkpointer.save(state, iterator, record)
+                saved_step = step
+    finally:
+        if bar is not None:
+            bar.close()
+        checkpointer.wait_until_finished()
+        checkpointer.close()
+        truncations.report()
+        log.close()
+    if stop.requested:
+        raise TrainingInterrupted(step, checkpointer.directory / str(step))
 
     done = step >= total_steps
-    eval_end = run_eval(step) if evaluate is not None and done else None
+    eval_end = None
+    if evaluate is not None and done:
+        eval_end = run_eval(step)
     export_dir = None
     if done and export:
         export_dir = export_trained_drafter(
             models, state.params, frozen.drafter, output_dir / "drafter" if is_main else None
         )
     return TrainResult(output_dir, step, history, eval_start, eval_end, export_dir, resumed_from)
+
+
+def _abstract(state: TrainState, shardings) -> TrainState:
+    """Restore targets: the shapes and dtypes of `state`, placed with `shardings`."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+
+
+def checkpoint_drafter_config(directory: Path, step: int) -> tuple[DrafterConfig, dict[str, Any]]:
+    """(drafter config, run record) of a training checkpoint."""
+    meta = read_meta(directory, step)
+    if "drafter" not in meta:
+        raise TrainCheckpointError(f"{directory}/{step}: its run record names no drafter")
+    return DrafterConfig.from_hf(meta["drafter"]), meta
+
+
+def drafter_from_checkpoint(path: str | os.PathLike, target: str | None = None) -> DSparkDrafter:
+    """The drafter of a training checkpoint (a step folder, a run's `checkpoints/` or a run
+    folder), completed with the frozen embedding and head of its target and cast to the run's
+    compute dtype, as the run's final export would write it.
+
+    `target`: the target folder or hub id (default: the one recorded in the checkpoint).
+    """
+    found = find_checkpoint(path)
+    if found is None:
+        raise TrainCheckpointError(f"{path}: not a training checkpoint, run or checkpoints folder")
+    directory, step = found
+    cfg, meta = checkpoint_drafter_config(directory, step)
+    target = target or meta.get("target")
+    if target is None:
+        raise TrainCheckpointError(
+            f"{directory}/{step} does not record its target; name it (--target)"
+        )
+    dtype = meta["recipe"]["dtype"]
+    target_cfg, target_model, _ = load_target(target, progress=False)
+    graphdef, params, frozen = split_drafter(
+        new_drafter(cfg.with_dtype(dtype), target_model, seed=0)
+    )
+    template = init_train_state(params, make_optimizer(1.0, 2, 0, 0.0, 1.0)[0], 0)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    restored = restore_state(
+        directory, step, _abstract(template, jax.tree.map(lambda _: device, template))
+    )
+    graphdef, state = nnx.split(nnx.merge(graphdef, frozen, restored.params))
+    state = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(dtype)), state)
+    return nnx.merge(graphdef, state)
 
 
 def _setup_models(config: TrainConfig, mesh, progress: bool):
@@ -378,31 +705,59 @@ def _setup_models(config: TrainConfig, mesh, progress: bool):
 
     drafter_cfg = config.drafter.with_dtype(recipe.dtype)
     drafter_cfg.check_target(target_cfg)
-    if config.init_drafter is None:
-        drafter = new_drafter(drafter_cfg, target, seed=recipe.seed)
-    else:
-        loaded_cfg, drafter, _ = load_drafter(
-            config.init_drafter, dtype="float32", progress=progress
-        )
-        if dataclasses.replace(loaded_cfg, model=drafter_cfg.model) != drafter_cfg:
-            raise ConfigError(f"init_drafter {config.init_drafter} does not match config.drafter")
+    drafter = new_drafter(drafter_cfg, target, seed=recipe.seed)
+    if config.init_drafter is not None:
+        found = find_checkpoint(config.init_drafter)
+        if found is not None:
+            loaded_cfg, _ = checkpoint_drafter_config(*found)
+            source = f"checkpoint {found[0]}/{found[1]}"
+        else:
+            loaded_cfg, loaded, _ = load_drafter(
+                config.init_drafter, dtype="float32", progress=progress
+            )
+            source = str(config.init_drafter)
+        diffs = _drafter_diffs(loaded_cfg, drafter_cfg)
+        if diffs:
+            raise ConfigError(
+                f"init_drafter {config.init_drafter} does not match config.drafter: "
+                + "; ".join(diffs)
+            )
+        if found is None:
+            graphdef, _, frozen = split_drafter(drafter)
+            _, params, _ = split_drafter(loaded)
+            drafter = nnx.merge(graphdef, frozen, params)
+        # A checkpoint's parameters are restored into the sharded train state (see `train`).
+        logger.info("initialising the drafter from %s", source)
     drafter_gd, params, frozen_drafter = split_drafter(drafter)
     frozen = FrozenParams(target_state, shard_state(frozen_drafter, mesh))
     return Models(target_gd, drafter_gd, drafter_cfg), params, frozen, load_tokenizer(target_dir)
 
 
+def _drafter_diffs(a: DrafterConfig, b: DrafterConfig) -> list[str]:
+    ha, hb = a.to_hf(), b.to_hf()
+    return [
+        f"{k}: {ha.get(k)!r} vs {hb.get(k)!r}"
+        for k in sorted(set(ha) | set(hb))
+        if ha.get(k) != hb.get(k) and k != "dtype"
+    ]
+
+
 def _eval_batches(
-    config: TrainConfig, eval_paths: tuple[str, ...], tokenizer, local_batch: int, shardings
+    config: TrainConfig, paths: tuple[str, ...], heldout: int, tokenizer, shardings
 ) -> list[dict[str, jax.Array]]:
-    """The first `config.eval_batches` batches of the held-out data (fixed for the whole run)."""
-    if not eval_paths:
+    """The first `config.eval_batches` batches of the held-out data (fixed for the whole run):
+    `paths` whole, or with `heldout` the held-out part of them."""
+    if not paths:
         return []
     data_cfg = DataConfig(
-        paths=eval_paths,
+        paths=paths,
         seq_len=config.recipe.max_length,
-        batch_size=local_batch,
+        batch_size=config.recipe.global_batch_size // jax.process_count(),
         seed=config.recipe.seed,
         num_epochs=None,
+        turns=config.turns,
+        heldout=heldout,
+        part="heldout" if heldout else "train",
     )
     iterator = make_iterator(data_cfg, tokenizer)
     return [_global_batch(next(iterator), shardings) for _ in range(config.eval_batches)]
