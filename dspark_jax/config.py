@@ -18,6 +18,12 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# The model_type of drafter config.json files we write: transformers does not know it, so its
+# Auto classes refuse the drafter instead of loading it as a plain Qwen3 without its DSpark
+# tensors. The released drafters say "qwen3"; both are read.
+DRAFTER_MODEL_TYPE = "dspark"
+
+
 class ConfigError(UserError):
     """A model or run config (config.json, a named config, a setting) that we cannot use."""
 
@@ -294,6 +300,8 @@ class DrafterConfig:
         # DFlash exports keep their drafter fields under `dflash_config`.
         extra = dict(d.get("dflash_config") or {})
         fields = {**extra, **{k: v for k, v in d.items() if k != "dflash_config"}}
+        if fields.get("model_type") == DRAFTER_MODEL_TYPE:
+            fields["model_type"] = "qwen3"
         missing = [
             k for k in ("block_size", "mask_token_id", "target_layer_ids") if k not in fields
         ]

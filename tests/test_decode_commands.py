@@ -150,7 +150,7 @@ def test_eval_rejects_missing_datasets(capsys, tmp_path):
     assert "no datasets" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')
-    assert main(["eval", str(bad), "--out", str(tmp_path)]) == 2
+    assert main(["eval", str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 

@@ -140,6 +140,16 @@ def export_to_torch(model: nnx.Module, prefix: str) -> dict[str, np.ndarray]:
     return out
 
 
+def torch_shapes(model: nnx.Module, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The keys and shapes `export_to_torch` gives `model` (which may be abstract)."""
+    _, state = nnx.split(model)
+    out = {}
+    for key_path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]:
+        key, transpose = _torch_key(key_path_names(key_path), prefix)
+        out[key] = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
+    return out
+
+
 def target_from_torch(cfg: Qwen3Config, source: TensorSource) -> Qwen3:
     """A Qwen3 target from Hugging Face `Qwen3ForCausalLM` weights, in the checkpoint's dtype."""
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()

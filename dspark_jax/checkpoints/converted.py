@@ -49,6 +49,7 @@ from dspark_jax.checkpoints.locate import (
     PARAMS,
     TARGET,
     locate,
+    read_manifest,
     resolve_model_dir,
 )
 from dspark_jax.checkpoints.safetensors_io import (
@@ -58,7 +59,14 @@ from dspark_jax.checkpoints.safetensors_io import (
     atomic_output_dir,
     save_safetensors,
 )
-from dspark_jax.config import DTYPES, ConfigError, DrafterConfig, Qwen3Config, read_config_json
+from dspark_jax.config import (
+    DRAFTER_MODEL_TYPE,
+    DTYPES,
+    ConfigError,
+    DrafterConfig,
+    Qwen3Config,
+    read_config_json,
+)
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
@@ -93,7 +101,7 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _check_no_overlap(out: Path, sources: list[Path]) -> None:
+def check_no_overlap(out: Path, sources: list[Path]) -> None:
     """Refuses an output that is, contains or sits inside a source: --overwrite would delete it."""
     out = out.resolve()
     for source in sources:
@@ -259,7 +267,7 @@ def convert_checkpoints(
         for part, src in ((DRAFT, draft), (TARGET, target))
         if src is not None
     }
-    _check_no_overlap(out, list(sources.values()))
+    check_no_overlap(out, list(sources.values()))
 
     raws: dict[str, dict[str, Any]] = {}
     cfgs: dict[str, Any] = {}
@@ -337,10 +345,15 @@ def write_drafter_torch(
     """Writes `model` as a PyTorch (DeepSpec) drafter folder: config.json + model.safetensors.
 
     `hf_config` is the config.json dict to write (the original one for a converted drafter);
-    None writes `model.cfg.to_hf()`. Its `dtype`/`torch_dtype` is set to the parameters' dtype
-    when they disagree. Atomic, like conversion.
+    None writes `model.cfg.to_hf()` with model_type `DRAFTER_MODEL_TYPE`, so transformers' Auto
+    classes refuse the folder rather than load it as a plain Qwen3 without its DSpark tensors.
+    Its `dtype`/`torch_dtype` is set to the parameters' dtype when they disagree. Atomic, like
+    conversion.
     """
-    config = dict(model.cfg.to_hf() if hf_config is None else hf_config)
+    if hf_config is None:
+        config = {**model.cfg.to_hf(), "model_type": DRAFTER_MODEL_TYPE}
+    else:
+        config = dict(hf_config)
     diffs = _config_diffs(DrafterConfig.from_hf(config), model.cfg)
     if diffs:
         raise ConfigError(
@@ -360,15 +373,63 @@ def write_drafter_torch(
     return out
 
 
-def export_drafter(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Exports a converted drafter (or any loadable one) to a PyTorch-layout folder at `out`."""
+EXPORT_FORMATS = ("reference", "speculators")
+
+
+def write_drafter(
+    model: DSparkDrafter,
+    hf_config: Mapping[str, Any] | None,
+    out: str | os.PathLike,
+    *,
+    fmt: str = "reference",
+    verifier: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes `model` in layout `fmt`: "reference" (`write_drafter_torch`) or "speculators"
+    (`speculators.write_drafter_speculators`, which needs the `verifier`: the target's Hugging
+    Face folder or hub id)."""
+    if fmt not in EXPORT_FORMATS:
+        raise UserError(f"export format {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    if fmt == "reference":
+        return write_drafter_torch(model, hf_config, out, overwrite=overwrite)
+    from dspark_jax.checkpoints.speculators import write_drafter_speculators
+
+    if verifier is None:
+        raise UserError(
+            "the speculators layout names the drafter's target (its embedding and head are read "
+            "from there); give it with --target (a Hugging Face folder or hub id)"
+        )
+    return write_drafter_speculators(model, out, verifier=verifier, overwrite=overwrite)
+
+
+def recorded_target(part_dir: Path) -> str | None:
+    """The target stored beside a converted drafter (its converted folder), if any."""
+    root = part_dir.parent
+    if (root / MANIFEST).is_file() and TARGET in read_manifest(root / MANIFEST).get(
+        "converted", []
+    ):
+        return str(root)
+    return None
+
+
+def export_drafter(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    overwrite: bool = False,
+    *,
+    fmt: str = "reference",
+    verifier: str | None = None,
+) -> Path:
+    """Exports a converted drafter (or any loadable one) to layout `fmt` at `out` (see
+    `write_drafter`); the verifier defaults to the target converted beside the drafter."""
     part_dir, _ = locate(src, DRAFT)
     protected = [part_dir]
     if (part_dir.parent / MANIFEST).is_file():
         protected.append(part_dir.parent)
-    _check_no_overlap(Path(out), protected)
+    check_no_overlap(Path(out), protected)
     raw, _, model, _ = _read_drafter(part_dir, None, progress=False)
-    return write_drafter_torch(model, raw, out, overwrite=overwrite)
+    verifier = verifier or recorded_target(part_dir)
+    return write_drafter(model, raw, out, fmt=fmt, verifier=verifier, overwrite=overwrite)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -267,6 +267,17 @@ def save_safetensors(
             f.write(arrays[key].reshape(-1).view(np.uint8))
 
 
+def refuse_nonempty_dir(path: str | os.PathLike, overwrite: bool) -> None:
+    """Refuses an output folder that already holds files, unless `overwrite` (--overwrite)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path}: exists and is not a directory")
+    if not overwrite and path.is_dir() and any(path.iterdir()):
+        raise FileExistsError(
+            f"{path}: output directory exists and is not empty (use --overwrite to write into it)"
+        )
+
+
 @contextlib.contextmanager
 def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yields a fresh sibling directory to write into; renames it to `path` on success.
@@ -280,7 +291,9 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
         if path.exists() and not path.is_dir():
             raise FileExistsError(f"{path}: exists and is not a directory; refusing to replace it")
         if path.exists() and not overwrite:
-            raise FileExistsError(f"{path}: output directory exists (pass overwrite=True)")
+            raise FileExistsError(
+                f"{path}: output directory exists (use --overwrite to replace it)"
+            )
 
     check_target()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -54,11 +54,21 @@ def use_compilation_cache() -> None:
     )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dspark-jax")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def _parser(selected: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dspark-jax",
         description="DSpark speculative decoding in JAX: convert, export and more.",
     )
+    parser.add_argument("--version", action="version", version=f"dspark-jax {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     for name, (module, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)

@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-plain", action="store_true", help="skip the plain-decoding baseline (no speedup)"
     )
     parser.add_argument("--out", default="eval_results", help="output folder (eval_results)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
 
 
 def _dataset_files(args: argparse.Namespace) -> list[Path]:
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from dspark_jax.calibration.records import records_from_results
+    from dspark_jax.checkpoints.safetensors_io import refuse_nonempty_dir
     from dspark_jax.cli.args import (
         build_engine,
         check_sizes,
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.evaluate import evaluate_dataset
 
+    refuse_nonempty_dir(args.out, args.overwrite)
     check_sizes(args)
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")

@@ -656,10 +656,12 @@ def checkpoint_drafter_config(directory: Path, step: int) -> tuple[DrafterConfig
     return DrafterConfig.from_hf(meta["drafter"]), meta
 
 
-def drafter_from_checkpoint(path: str | os.PathLike, target: str | None = None) -> DSparkDrafter:
-    """The drafter of a training checkpoint (a step folder, a run's `checkpoints/` or a run
-    folder), completed with the frozen embedding and head of its target and cast to the run's
-    compute dtype, as the run's final export would write it.
+def drafter_from_checkpoint(
+    path: str | os.PathLike, target: str | None = None
+) -> tuple[DSparkDrafter, str]:
+    """(drafter, target) of a training checkpoint (a step folder, a run's `checkpoints/` or a run
+    folder): the drafter completed with the frozen embedding and head of its target and cast to
+    the run's compute dtype, as the run's final export would write it.
 
     `target`: the target folder or hub id (default: the one recorded in the checkpoint).
     """
@@ -674,7 +676,7 @@ def drafter_from_checkpoint(path: str | os.PathLike, target: str | None = None) 
             f"{directory}/{step} does not record its target; name it (--target)"
         )
     dtype = meta["recipe"]["dtype"]
-    target_cfg, target_model, _ = load_target(target, progress=False)
+    _, target_model, _ = load_target(target, progress=False)
     graphdef, params, frozen = split_drafter(
         new_drafter(cfg.with_dtype(dtype), target_model, seed=0)
     )
@@ -685,7 +687,7 @@ def drafter_from_checkpoint(path: str | os.PathLike, target: str | None = None) 
     )
     graphdef, state = nnx.split(nnx.merge(graphdef, frozen, restored.params))
     state = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(dtype)), state)
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, state), target
 
 
 def _setup_models(config: TrainConfig, mesh, progress: bool):
