@@ -12,6 +12,7 @@ the data for evaluation (and says so). Ctrl-C saves a checkpoint and exits with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -85,14 +86,24 @@ def _seq_lens(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _log_to_console() -> None:
-    """The trainer's notices (held-out split, truncation, resume, extension) on stderr."""
+@contextlib.contextmanager
+def _console_log():
+    """The trainer's notices (held-out split, truncation, resume, extension, Ctrl-C) on stderr,
+    printed above the progress bar."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     package = logging.getLogger("dspark_jax")
-    if not package.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-        package.addHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    level = package.level
+    package.addHandler(handler)
     package.setLevel(logging.INFO)
+    try:
+        with logging_redirect_tqdm(loggers=[package]):
+            yield
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(level)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,8 +176,6 @@ def run(args: argparse.Namespace) -> int:
         initialize_distributed(
             args.coordinator_address, args.num_processes, args.process_id, auto_detect=True
         )
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
     from dspark_jax.training.trainer import TrainingInterrupted, train
 
     config = load_train_config(args.config)
@@ -191,9 +200,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["holdout"] = False
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     output = Path(args.output or Path("runs") / config.name)
-    _log_to_console()
     try:
-        with logging_redirect_tqdm(loggers=[logging.getLogger("dspark_jax")]):
+        with _console_log():
             result = train(
                 config,
                 output,

@@ -625,14 +625,15 @@ def train(
         checkpointer.wait_until_finished()
         checkpointer.close()
         truncations.report()
-        log.close()
     if stop.requested:
+        log.close()
         raise TrainingInterrupted(step, checkpointer.directory / str(step))
 
     done = step >= total_steps
     eval_end = None
     if evaluate is not None and done:
         eval_end = run_eval(step)
+    log.close()
     export_dir = None
     if done and export:
         export_dir = export_trained_drafter(

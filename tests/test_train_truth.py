@@ -1,0 +1,309 @@
+"""What `dspark-jax train` tells and keeps: held-out data from the user's own data, console
+warnings, periodic evaluation, TensorBoard events beside metrics.jsonl, a progress bar on finished
+steps, extending a finished run, --init-from a checkpoint or an exported drafter, exporting any
+checkpoint, and Ctrl-C saving a checkpoint (exit 130, one line)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import struct
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax.checkpoints.safetensors_io import SafetensorsFolder
+from dspark_jax.cli import main
+from dspark_jax.cli.train import load_train_config
+from dspark_jax.training import trainer
+from dspark_jax.training.checkpointing import TrainCheckpointer, TrainCheckpointError
+from dspark_jax.training.trainer import train
+
+REPO = Path(__file__).parents[1]
+
+CONFIG_FILE = """
+import dataclasses
+from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
+from dspark_jax.sharding import MeshConfig
+from dspark_jax.training.trainer import TrainConfig
+
+CONFIG = TrainConfig(
+    name="truth-test",
+    target=TINY_TARGET,
+    drafter=dataclasses.replace(TINY_DSPARK_DRAFTER, num_anchors=8),
+    recipe=dataclasses.replace(
+        TINY_RECIPE, global_batch_size=4, max_length=48, warmup_ratio=0.25
+    ),
+    data=({data!r},),
+    eval_data=("builtin:python-stdlib-eval",),
+    num_steps=2,
+    mesh=MeshConfig(2, 2, 2),
+    anchors_per_chunk=4,
+    log_every=1,
+    save_every=100,
+    keep_checkpoints=5,
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache shared by the runs of this module."""
+    cache = tmp_path_factory.mktemp("jax-cache")
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    saved = {n: getattr(jax.config, n) for n in names}
+    for name, value in zip(names, (str(cache), 0, 0), strict=True):
+        jax.config.update(name, value)
+    yield cache
+    for name, value in saved.items():
+        jax.config.update(name, value)
+
+
+def _conversation(source: str, k: int) -> dict:
+    # Answers of 4..63 bytes: conversations of 21..80 tokens, so some exceed max_length 48.
+    i = 80 * k
+    answer = source[i + 16 : i + 20 + (k * 29) % 60]
+    return {
+        "messages": [
+            {"role": "user", "content": source[i : i + 16]},
+            {"role": "assistant", "content": answer},
+        ]
+    }
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, compile_cache):
+    """(config file, training data with 60 conversations, a separate eval file)."""
+    root = tmp_path_factory.mktemp("truth")
+    source = (REPO / "dspark_jax" / "training" / "loss.py").read_text()
+    data, evals = root / "train.jsonl", root / "eval.jsonl"
+    data.write_text("".join(json.dumps(_conversation(source, k)) + "\n" for k in range(60)))
+    evals.write_text("".join(json.dumps(_conversation(source, k)) + "\n" for k in range(60, 68)))
+    config = root / "truth_config.py"
+    config.write_text(CONFIG_FILE.format(data=str(data)))
+    return config, data, evals
+
+
+def _config(files, **changes):
+    config_file, _, evals = files
+    base = load_train_config(str(config_file))
+    return dataclasses.replace(base, **{"eval_data": (str(evals),), **changes})
+
+
+@pytest.fixture(scope="module")
+def base_run(files, tmp_path_factory):
+    """Two steps saved at steps 1 and 2, exported at the end."""
+    out = tmp_path_factory.mktemp("base")
+    result = train(_config(files, save_every=1), out, progress=False)
+    return out, result
+
+
+def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} from the TensorBoard event files in `folder` (TFRecord framing)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+class _RecordingBar:
+    """Stands in for tqdm: checks at every tick that the steps counted have finished."""
+
+    instances: list[_RecordingBar] = []
+
+    def __init__(self, *, total, initial, desc, dispatched):
+        self.n, self.initial, self.total, self.dispatched = initial, initial, total, dispatched
+        _RecordingBar.instances.append(self)
+
+    def update(self, n):
+        self.n += n
+        # The first `initial` steps ran before the bar started (the compiling step included).
+        assert all(m.is_ready() for m in self.dispatched[: self.n])
+
+    def set_postfix(self, **kw):
+        pass
+
+    def unpause(self):
+        pass
+
+    def write(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_data_alone_holds_out_its_own_eval_set(files, tmp_path, capsys, monkeypatch):
+    """--data without --eval-data: a share of the user's data is held out (and said), not the
+    config's built-in Python eval set; warnings reach the console; evaluation every step;
+    TensorBoard scalars beside metrics.jsonl; the bar counts finished steps only."""
+    config_file, data, _ = files
+    dispatched = []
+    real_step = trainer.make_train_step
+
+    def recording_step(*args, **kwargs):
+        step = real_step(*args, **kwargs)
+
+        def run(*a):
+            state, metrics = step(*a)
+            dispatched.append(metrics["loss"])
+            return state, metrics
+
+        return run
+
+    monkeypatch.setattr(trainer, "make_train_step", recording_step)
+    monkeypatch.setattr(trainer, "tqdm", lambda **kw: _RecordingBar(**kw, dispatched=dispatched))
+    _RecordingBar.instances.clear()
+    out = tmp_path / "run"
+    args = ["train", "--config", str(config_file), "--data", str(data), "--steps", "3"]
+    args += ["--eval-every", "1", "--output", str(out), "--no-export"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "holding out 4 of the 60 conversations" in err  # one eval batch of 4
+    assert "training uses the other 56" in err
+    assert "are truncated" in err and "sequences read by this call were truncated" in err
+    assert not (out / "data").exists()  # the config's built-in eval corpus was never built
+
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r["split"] == "eval"] == [0, 1, 2, 3]
+    assert sum(r["truncated"] for r in logged if r["split"] == "train") > 0
+    scalars = read_scalars(out)
+    assert set(scalars["train/loss"]) == {1, 2, 3}
+    assert set(scalars["eval/loss"]) == {0, 1, 2, 3}
+    for r in logged:
+        assert scalars[f"{r['split']}/loss"][r["step"]] == pytest.approx(r["loss"], rel=1e-6)
+        assert scalars[f"{r['split']}/accept_rate_k/1"][r["step"]] == pytest.approx(
+            r["accept_rate_k"][0], rel=1e-6
+        )
+    (bar,) = _RecordingBar.instances
+    assert bar.initial == 1 and bar.n == 3 and len(dispatched) == 3
+
+
+def test_too_little_data_to_hold_out_is_refused(files, tmp_path, capsys):
+    config_file, data, _ = files
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(data.read_text().splitlines(keepends=True)[:9]))
+    args = ["train", "--config", str(config_file), "--data", str(small), "--output"]
+    assert main([*args, str(tmp_path / "run"), "--no-progress"]) == 2
+    assert "too few to hold out an evaluation set" in capsys.readouterr().err
+
+
+def test_extend_a_finished_run(files, base_run, tmp_path, caplog):
+    base, _ = base_run
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    caplog.set_level("INFO", logger="dspark_jax")
+    result = train(_config(files, num_steps=3), run, progress=False, export=False)
+    assert result.resumed_from == 2 and result.final_step == 3
+    assert "extending the run from 2 to 3 steps" in caplog.text
+    assert "learning-rate schedule is recomputed for 3 steps" in caplog.text
+    with pytest.raises(TrainCheckpointError, match="at step 3, past the 1 steps asked for"):
+        train(_config(files, num_steps=1), run, progress=False, export=False)
+
+
+def _tensors(folder: Path) -> dict[str, np.ndarray]:
+    st = SafetensorsFolder(folder)
+    return {k: st.get(k) for k in st.keys()}
+
+
+def test_export_any_checkpoint(files, base_run, tmp_path, capsys):
+    """`export --draft runs/x/checkpoints/N` writes the drafter of step N, bit-identical to the
+    run's own export at its last step; a run folder means its newest step."""
+    base, _ = base_run
+    final = _tensors(base / "drafter")
+    assert (
+        main(["export", "--draft", str(base / "checkpoints" / "2"), "--out", str(tmp_path / "a")])
+        == 0
+    )
+    assert "completed with the target" in capsys.readouterr().out
+    exported = _tensors(tmp_path / "a")
+    assert exported.keys() == final.keys()
+    for key in final:
+        np.testing.assert_array_equal(exported[key], final[key], err_msg=key)
+    assert (tmp_path / "a" / "config.json").read_bytes() == (
+        base / "drafter" / "config.json"
+    ).read_bytes()
+    assert main(["export", "--draft", str(base), "--out", str(tmp_path / "b")]) == 0
+    np.testing.assert_array_equal(_tensors(tmp_path / "b")["fc.weight"], final["fc.weight"])
+    assert (
+        main(["export", "--draft", str(base / "checkpoints" / "1"), "--out", str(tmp_path / "c")])
+        == 0
+    )
+    assert not np.array_equal(_tensors(tmp_path / "c")["fc.weight"], final["fc.weight"])
+    # The output may not be (or sit inside) the checkpoint it reads.
+    inside = base / "checkpoints" / "1" / "out"
+    assert main(["export", "--draft", str(base / "checkpoints" / "1"), "--out", str(inside)]) == 2
+    assert "overlaps the input" in capsys.readouterr().err
+
+
+def test_init_from_checkpoint_or_exported_drafter(files, base_run, tmp_path):
+    """A run started from another run's checkpoint (or its export) begins where that one ended:
+    its first evaluation equals the other's last (same held-out batches and anchors)."""
+    base, base_result = base_run
+    for name, source in (("ckpt", base / "checkpoints" / "2"), ("export", base / "drafter")):
+        result = train(
+            _config(files, init_drafter=str(source), num_steps=1),
+            tmp_path / name,
+            progress=False,
+            export=False,
+        )
+        assert result.eval_start["loss"] == pytest.approx(base_result.eval_end["loss"], rel=1e-6)
+        assert result.eval_start["tau"] == pytest.approx(base_result.eval_end["tau"], rel=1e-6)
+    wrong = dataclasses.replace(_config(files).drafter, markov_rank=16)
+    with pytest.raises(Exception, match="does not match config.drafter: .*markov_rank"):
+        train(
+            _config(files, init_drafter=str(base), drafter=wrong),
+            tmp_path / "wrong",
+            progress=False,
+        )
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(files, tmp_path, capsys, monkeypatch):
+    """SIGINT during training stops after the step in flight, saves it, and the command exits
+    130 with one line (no traceback); running again resumes from that step."""
+    config_file, _, _ = files
+    real_step = trainer.make_train_step
+
+    def interrupting_step(*args, **kwargs):
+        step = real_step(*args, **kwargs)
+        calls = []
+
+        def run(*a):
+            out = step(*a)
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            return out
+
+        return run
+
+    monkeypatch.setattr(trainer, "make_train_step", interrupting_step)
+    out = tmp_path / "run"
+    args = ["train", "--config", str(config_file), "--steps", "5", "--output", str(out)]
+    assert main([*args, "--eval-data", "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        f"dspark-jax train: interrupted: saved step 2 in {out / 'checkpoints' / '2'}; "
+        "run again to resume"
+    )
+    assert TrainCheckpointer(out / "checkpoints", 5).all_steps() == [2]
