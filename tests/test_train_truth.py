@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from dspark_jax.checkpoints.safetensors_io import SafetensorsFolder
+from dspark_jax.checkpoints.speculators import VERIFIER_TENSORS, check_speculators_config
 from dspark_jax.cli import main
 from dspark_jax.cli.train import load_train_config
+from dspark_jax.configs.train_tiny import TINY_TARGET
 from dspark_jax.training import trainer
 from dspark_jax.training.checkpointing import TrainCheckpointer, TrainCheckpointError
 from dspark_jax.training.trainer import train
@@ -248,25 +250,47 @@ def test_export_any_checkpoint(files, base_run, tmp_path, capsys):
         == 0
     )
     assert not np.array_equal(_tensors(tmp_path / "c")["fc.weight"], final["fc.weight"])
+    # A drafter trained here in vLLM's speculators layout: the schema, the recorded target as
+    # the verifier, every tensor but the verifier's embedding and head.
+    spec = tmp_path / "spec"
+    assert (
+        main(["export", "--draft", str(base), "--format", "speculators", "--out", str(spec)]) == 0
+    )
+    config = json.loads((spec / "config.json").read_text())
+    check_speculators_config(config)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(
+        Path(TINY_TARGET).resolve()
+    )
+    spec_tensors = _tensors(spec)
+    assert set(spec_tensors) == set(final) - set(VERIFIER_TENSORS)
+    for key, value in spec_tensors.items():
+        np.testing.assert_array_equal(value, final[key], err_msg=key)
     # The output may not be (or sit inside) the checkpoint it reads.
     inside = base / "checkpoints" / "1" / "out"
     assert main(["export", "--draft", str(base / "checkpoints" / "1"), "--out", str(inside)]) == 2
     assert "overlaps the input" in capsys.readouterr().err
 
 
-def test_init_from_checkpoint_or_exported_drafter(files, base_run, tmp_path):
-    """A run started from another run's checkpoint (or its export) begins where that one ended:
-    its first evaluation equals the other's last (same held-out batches and anchors)."""
-    base, base_result = base_run
-    for name, source in (("ckpt", base / "checkpoints" / "2"), ("export", base / "drafter")):
-        result = train(
-            _config(files, init_drafter=str(source), num_steps=1),
-            tmp_path / name,
-            progress=False,
-            export=False,
-        )
-        assert result.eval_start["loss"] == pytest.approx(base_result.eval_end["loss"], rel=1e-6)
-        assert result.eval_start["tau"] == pytest.approx(base_result.eval_end["tau"], rel=1e-6)
+def _starts_where_base_ended(files, base_run, source, out):
+    """A run started from `source` begins where the base run ended: its first evaluation equals
+    the base run's last (same held-out batches and anchors)."""
+    _, base_result = base_run
+    result = train(
+        _config(files, init_drafter=str(source), num_steps=1), out, progress=False, export=False
+    )
+    assert result.eval_start["loss"] == pytest.approx(base_result.eval_end["loss"], rel=1e-6)
+    assert result.eval_start["tau"] == pytest.approx(base_result.eval_end["tau"], rel=1e-6)
+
+
+def test_init_from_checkpoint(files, base_run, tmp_path):
+    base, _ = base_run
+    _starts_where_base_ended(files, base_run, base / "checkpoints" / "2", tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_init_from_exported_drafter_and_mismatch(files, base_run, tmp_path):
+    base, _ = base_run
+    _starts_where_base_ended(files, base_run, base / "drafter", tmp_path / "run")
     wrong = dataclasses.replace(_config(files).drafter, markov_rank=16)
     with pytest.raises(Exception, match="does not match config.drafter: .*markov_rank"):
         train(

@@ -1,0 +1,148 @@
+"""Export layouts: a drafter config that says what it is (transformers' Auto classes refuse it
+instead of loading a plain Qwen3 without the DSpark tensors), and vLLM's `speculators` layout,
+held to that library's DSpark config schema and, when the library is installed, read back by
+its own loader."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from dspark_jax.checkpoints.converted import (
+    convert_checkpoints,
+    load_drafter,
+    load_target,
+    write_drafter_torch,
+)
+from dspark_jax.checkpoints.safetensors_io import CheckpointError, SafetensorsFolder
+from dspark_jax.checkpoints.speculators import (
+    VERIFIER_TENSORS,
+    check_speculators_config,
+    expected_tensors,
+    speculators_config,
+)
+from dspark_jax.cli import main
+from dspark_jax.config import DRAFTER_MODEL_TYPE
+from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_TARGET
+from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from dspark_jax.training.step import new_drafter
+
+
+def _tensors(folder) -> dict[str, np.ndarray]:
+    st = SafetensorsFolder(folder)
+    return {k: st.get(k) for k in st.keys()}
+
+
+@pytest.fixture(scope="module")
+def fresh_drafter():
+    """A drafter built here (as training builds it) on the embedded target."""
+    _, target, _ = load_target(TINY_TARGET)
+    return new_drafter(TINY_DSPARK_DRAFTER.with_dtype("float32"), target, seed=3)
+
+
+def test_written_drafter_config_is_refused_by_auto_classes(fresh_drafter, tmp_path):
+    import transformers
+
+    out = write_drafter_torch(fresh_drafter, None, tmp_path / "drafter")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == DRAFTER_MODEL_TYPE
+    assert config["architectures"] == ["Qwen3DSparkModel"]
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        with pytest.raises(ValueError, match=DRAFTER_MODEL_TYPE):
+            auto.from_pretrained(out)
+    # DeepSpec builds its drafter on a Qwen3Config read from the file: still readable that way.
+    qwen3 = transformers.Qwen3Config.from_pretrained(out)
+    assert (qwen3.block_size, qwen3.markov_rank) == (7, TINY_DSPARK_DRAFTER.markov_rank)
+    assert qwen3.num_hidden_layers == TINY_DSPARK_DRAFTER.model.num_hidden_layers
+    cfg, loaded, _ = load_drafter(out)
+    assert cfg == fresh_drafter.cfg
+    np.testing.assert_array_equal(loaded.fc.kernel[...], fresh_drafter.fc.kernel[...])
+
+
+def test_speculators_export_matches_schema_and_reference_tensors(tmp_path, capsys):
+    reference = _tensors(EMBEDDED_DRAFT)
+    out = tmp_path / "spec"
+    args = ["export", "--draft", str(EMBEDDED_DRAFT), "--format", "speculators"]
+    assert main([*args, "--target", str(EMBEDDED_TARGET), "--out", str(out)]) == 0
+    assert "speculators layout" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    check_speculators_config(config)
+    assert config["speculators_model_type"] == "dspark"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(EMBEDDED_TARGET)
+    assert config["aux_hidden_state_layer_ids"] == [1, 3]  # DeepSpec's [0, 2], plus one
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
+    cfg, _, _ = load_drafter(EMBEDDED_DRAFT)
+    tensors = _tensors(out)
+    shapes = {k: v.shape for k, v in tensors.items()}
+    assert shapes == expected_tensors(cfg)
+    assert set(tensors) == set(reference) - set(VERIFIER_TENSORS)
+    for key, value in tensors.items():
+        np.testing.assert_array_equal(value, reference[key], err_msg=key)
+
+
+def test_speculators_export_refusals(fresh_drafter, tmp_path, capsys):
+    # No verifier known for a plain drafter folder.
+    args = ["export", "--draft", str(EMBEDDED_DRAFT), "--format", "speculators"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 2
+    assert "--target" in capsys.readouterr().err
+    # A drafter whose embedding is not the verifier's would be changed by the loader.
+    other = tmp_path / "other-target"
+    shutil.copytree(EMBEDDED_TARGET, other)
+    st = _tensors(other)
+    st["model.embed_tokens.weight"] = st["model.embed_tokens.weight"] + 1
+    from dspark_jax.checkpoints.safetensors_io import save_safetensors
+
+    save_safetensors(st, other / "model.safetensors", metadata={"format": "pt"})
+    assert main([*args, "--target", str(other), "--out", str(tmp_path / "b")]) == 2
+    assert "embed_tokens.weight differs from the verifier's" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
+def test_converted_folder_names_its_source_as_verifier(tmp_path):
+    convert_checkpoints(tmp_path / "conv", draft=EMBEDDED_DRAFT, target=EMBEDDED_TARGET)
+    out = tmp_path / "spec"
+    args = ["export", "--draft", str(tmp_path / "conv"), "--format", "speculators"]
+    assert main([*args, "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(EMBEDDED_TARGET)
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"speculators_model_type": "eagle3"}, "speculators_model_type"),
+        ({"markov_head_type": "lstm"}, "markov_head_type"),
+        ({"markov_rank": 0}, "confidence_head_with_markov needs markov_rank > 0"),
+        ({"draft_vocab_size": 100}, "draft_vocab_size differs"),
+        ({"block_size": "7"}, "block_size is a str"),
+        ({"aux_hidden_state_layer_ids": []}, "aux_hidden_state_layer_ids"),
+    ],
+)
+def test_schema_check_catches(change, problem):
+    cfg, _, _ = load_drafter(EMBEDDED_DRAFT)
+    config = speculators_config(cfg, "Qwen/Qwen3-4B", ["Qwen3ForCausalLM"])
+    check_speculators_config(config)
+    with pytest.raises(CheckpointError, match=problem):
+        check_speculators_config({**config, **change})
+
+
+def test_speculators_library_loads_every_tensor(tmp_path):
+    """The speculators library's own loader (when installed: it pins torch and transformers
+    versions of its own, so it is not a test dependency) reads the export, fills the embedding
+    and head from the verifier, and holds every reference tensor unchanged."""
+    pytest.importorskip("speculators")
+    torch = pytest.importorskip("torch")
+    from speculators import SpeculatorModel
+
+    out = tmp_path / "spec"
+    args = ["export", "--draft", str(EMBEDDED_DRAFT), "--format", "speculators"]
+    assert main([*args, "--target", str(EMBEDDED_TARGET), "--out", str(out)]) == 0
+    model = SpeculatorModel.from_pretrained(str(out))
+    assert type(model).__name__ == "DSparkDraftModel"
+    state = model.state_dict()
+    for key, value in _tensors(EMBEDDED_DRAFT).items():
+        assert key in state, key
+        np.testing.assert_array_equal(state[key].to(torch.float32).numpy(), value, err_msg=key)
