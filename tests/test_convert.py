@@ -27,7 +27,7 @@ from dspark_jax.checkpoints.safetensors_io import (
     save_safetensors,
 )
 from dspark_jax.cli import main
-from dspark_jax.config import ConfigError
+from dspark_jax.config import DRAFTER_MODEL_TYPE, ConfigError
 from dspark_jax.models.paged import TokenBatch
 from dspark_jax.sampling import SamplingConfig
 
@@ -202,7 +202,9 @@ def test_convert_dtype_bfloat16_casts_stored_params(tmp_path, capsys):
 def test_write_drafter_torch_for_a_drafter_trained_here(tmp_path):
     cfg, drafter, fp = load_drafter(fixture_dir("vanilla") / "draft")
     write_drafter_torch(drafter, None, tmp_path / "trained")
-    assert json.loads((tmp_path / "trained" / "config.json").read_text()) == cfg.to_hf()
+    written = json.loads((tmp_path / "trained" / "config.json").read_text())
+    # model_type says what the folder is, so transformers' Auto classes do not load a bare Qwen3.
+    assert written == {**cfg.to_hf(), "model_type": DRAFTER_MODEL_TYPE}
     cfg2, _, fp2 = load_drafter(tmp_path / "trained")
     assert cfg2 == cfg and fp2 == fp
     wrong = {**cfg.to_hf(), "block_size": cfg.block_size + 1}
