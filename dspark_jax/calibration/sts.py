@@ -48,6 +48,14 @@ _ARTIFACT_FIELDS = (
 )
 
 
+# AUC is reported only when each outcome (event and non-event) has at least this many
+# observations: with two positives an AUC of 1.0 says nothing.
+MIN_AUC_CLASS = 10
+# Fewer observations than this at a position make its temperature and metrics thin: said in
+# warnings and drawn apart in plots.
+THIN_OBSERVATIONS = 30
+
+
 def default_grid() -> np.ndarray:
     """241 log-spaced temperatures on [0.05, 20]; the middle point is exactly T = 1."""
     return np.geomspace(0.05, 20.0, 241)
@@ -214,19 +222,38 @@ def _nan_to_none(x: float) -> float | None:
     return None if math.isnan(x) else float(x)
 
 
+def pinned_positions(temps: np.ndarray, grid: np.ndarray | None = None) -> list[int]:
+    """Positions (1-based) whose fitted temperature sits at an end of the grid: the best value
+    may lie beyond it, so the fit is a bound, not an optimum."""
+    grid_g = default_grid() if grid is None else np.asarray(grid, dtype=np.float64)
+    ends = (grid_g.min(), grid_g.max())
+    return [
+        k + 1 for k, t in enumerate(temps) if any(math.isclose(t, e, rel_tol=1e-9) for e in ends)
+    ]
+
+
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    """ROC AUC, or None with fewer than MIN_AUC_CLASS observations of either outcome."""
+    positives = int(np.sum(labels))
+    if min(positives, len(labels) - positives) < MIN_AUC_CLASS:
+        return None
+    return _nan_to_none(metrics.roc_auc(scores, labels))
+
+
 def position_metrics(
     records: CalibrationRecords, temps: np.ndarray, n_bins: int = 15
 ) -> dict[str, list[float | None]]:
     """Per-position lists: survival-product ECE / AUC / Brier before (T = 1) and after STS,
-    observation counts and survival rate, and the conditional-event AUC of c_k (identical before
-    and after, since temperature scaling preserves each position's ranking). NaN -> None."""
+    observation counts (`n_survival`, of which `n_survived` survived) and survival rate, and the
+    conditional-event AUC of c_k (identical before and after, since temperature scaling
+    preserves each position's ranking; `n_conditional` observations, `n_accepted` accepted).
+    NaN -> None; an AUC is None unless each outcome has MIN_AUC_CLASS observations."""
     temps = _check_temps(temps, records.gamma)
     observed_nk, survived_nk = survival_events(records)
     cond_obs_nk, cond_acc_nk = conditional_events(records)
     before_nk = survival_product(records.conf_logits_nk, np.ones(records.gamma))
     after_nk = survival_product(records.conf_logits_nk, temps)
-    keys = (
-        "n_survival",
+    per_rate = (
         "survival_rate",
         "ece_before",
         "ece_after",
@@ -234,32 +261,28 @@ def position_metrics(
         "auc_after",
         "brier_before",
         "brier_after",
-        "n_conditional",
-        "conditional_auc",
     )
-    out: dict[str, list[float | None]] = {key: [] for key in keys}
+    keys = ("n_survival", "n_survived", *per_rate, "n_conditional", "n_accepted")
+    out: dict[str, list[float | None]] = {key: [] for key in (*keys, "conditional_auc")}
     for k in range(records.gamma):
         rows = observed_nk[:, k]
         y = survived_nk[rows, k]
         out["n_survival"].append(int(rows.sum()))
+        out["n_survived"].append(int(y.sum()))
         cond_rows = cond_obs_nk[:, k]
+        accepted = cond_acc_nk[cond_rows, k]
         out["n_conditional"].append(int(cond_rows.sum()))
-        out["conditional_auc"].append(
-            _nan_to_none(
-                metrics.roc_auc(records.conf_logits_nk[cond_rows, k], cond_acc_nk[cond_rows, k])
-            )
-            if cond_rows.any()
-            else None
-        )
+        out["n_accepted"].append(int(accepted.sum()))
+        out["conditional_auc"].append(_auc(records.conf_logits_nk[cond_rows, k], accepted))
         if not rows.any():
-            for key in keys[1:8]:
+            for key in per_rate:
                 out[key].append(None)
             continue
         out["survival_rate"].append(float(y.mean()))
         for tag, a_nk in (("before", before_nk), ("after", after_nk)):
             p = a_nk[rows, k]
             out[f"ece_{tag}"].append(metrics.ece(p, y, n_bins))
-            out[f"auc_{tag}"].append(_nan_to_none(metrics.roc_auc(p, y)))
+            out[f"auc_{tag}"].append(_auc(p, y))
             out[f"brier_{tag}"].append(metrics.brier(p, y))
     return out
 
@@ -423,12 +446,37 @@ def calibrate(
     """Split blocks into fit / held-out, fit STS on the fit part, and report per-position
     metrics on both parts. Returns (artifact, metrics); the artifact carries the same metrics."""
     fit_idx, hold_idx = split_by_block(len(records), holdout_fraction, seed)
-    fit, hold = records.subset(fit_idx), records.subset(hold_idx)
+    artifact, report = fit_and_report(
+        records.subset(fit_idx),
+        records.subset(hold_idx),
+        drafter_fingerprint=drafter_fingerprint,
+        sampling_temperature=sampling_temperature,
+        grid=grid,
+        n_bins=n_bins,
+    )
+    report.update(holdout_fraction=holdout_fraction, seed=seed)
+    return artifact, report
+
+
+def fit_and_report(
+    fit: CalibrationRecords,
+    hold: CalibrationRecords,
+    *,
+    drafter_fingerprint: str,
+    sampling_temperature: float,
+    grid: np.ndarray | None = None,
+    n_bins: int = 15,
+) -> tuple[StsArtifact, dict[str, Any]]:
+    """Fit STS on `fit` and report per-position metrics on both parts, the positions whose
+    temperature is pinned at a grid bound (`pinned`, 1-based) and the minimum class size behind
+    an AUC. Returns (artifact, metrics); the artifact carries the same metrics."""
     temps = fit_sts(fit, grid=grid, n_bins=n_bins)
+    grid_g = default_grid() if grid is None else np.asarray(grid, dtype=np.float64)
     report = {
         "n_bins": n_bins,
-        "holdout_fraction": holdout_fraction,
-        "seed": seed,
+        "grid_bounds": [float(grid_g.min()), float(grid_g.max())],
+        "pinned": pinned_positions(temps, grid_g),
+        "min_auc_class": MIN_AUC_CLASS,
         "fit": position_metrics(fit, temps, n_bins),
         "holdout": position_metrics(hold, temps, n_bins),
     }
@@ -436,7 +484,7 @@ def calibrate(
         temperatures=tuple(temps.tolist()),
         drafter_fingerprint=drafter_fingerprint,
         sampling_temperature=sampling_temperature,
-        n_records=len(records),
+        n_records=len(fit) + len(hold),
         metrics=report,
     )
     return artifact, report

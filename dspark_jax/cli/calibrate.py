@@ -3,12 +3,15 @@
 One records file is split by block into a fit and a held-out part; with two files the first is
 the fit split and the second the held-out one. The artifact (JSON) carries the temperatures, the
 drafter's fingerprint, the sampling temperature and the metrics; the engine refuses it for any
-other drafter or temperature.
+other drafter or temperature. Warnings name what the numbers cannot carry: temperatures pinned at
+the grid bound, positions with few observations, AUCs withheld for want of outcomes.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.calibration import sts
     from dspark_jax.checkpoints.converted import load_drafter
-    from dspark_jax.cli.report import format_report, reliability_diagram
+    from dspark_jax.cli.report import calibration_warnings, format_report, reliability_diagram
     from dspark_jax.errors import UserError
 
     if len(args.records) > 2:
@@ -73,31 +76,30 @@ def run(args: argparse.Namespace) -> int:
         held_out = parts[0].subset(hold_idx)
     else:
         fit, held_out = parts
-        temps = sts.fit_sts(fit, n_bins=args.bins)
-        report = {
-            "n_bins": args.bins,
-            "fit": sts.position_metrics(fit, temps, args.bins),
-            "holdout": sts.position_metrics(held_out, temps, args.bins),
-        }
-        artifact = sts.StsArtifact(
-            temperatures=tuple(temps.tolist()),
+        artifact, report = sts.fit_and_report(
+            fit,
+            held_out,
             drafter_fingerprint=fingerprint,
             sampling_temperature=args.temperature,
-            n_records=len(fit) + len(held_out),
-            metrics=report,
+            n_bins=args.bins,
         )
     artifact.save(args.out)
     temps = ", ".join(f"{t:.3f}" for t in artifact.temperatures)
     print(f"STS temperatures: {temps}")
-    print(format_report(report["fit"], f"fit split ({args.records[0]})"))
-    print(format_report(report["holdout"], "held-out split"))
+    names = [Path(p).name for p in args.records]
+    fit_title = f"fit split ({names[0]})" if len(names) == 2 else f"fit split of {names[0]}"
+    held_title = f"held-out split ({names[1]})" if len(names) == 2 else "held-out split"
+    print(format_report(report["fit"], fit_title))
+    print(format_report(report["holdout"], held_title))
+    for line in calibration_warnings(artifact.temperatures, report):
+        print(f"warning: {line}", file=sys.stderr)
     print(f"wrote {args.out}")
     if args.plot:
         reliability_diagram(
             sts.reliability_series(held_out, np.asarray(artifact.temperatures)),
             args.plot,
             args.bins,
-            title=f"held-out prefix survival, T = {args.temperature}",
+            title=f"held-out prefix survival, sampling T = {args.temperature:g}",
         )
         print(f"wrote {args.plot}")
     return 0

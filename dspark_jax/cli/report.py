@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from dspark_jax.decoding.stats import AcceptanceStats
 
 
+# Points (bins, positions) resting on fewer observations than this are drawn hollow.
+THIN_POINT = 10
+
+
 def _cell(value: float | None, spec: str) -> str:
     """A table cell: "-" for a value that is missing (None) or unseen (NaN)."""
     return "-" if value is None or math.isnan(value) else format(value, spec)
@@ -97,33 +101,85 @@ def format_table(reports: Sequence[DatasetReport]) -> str:
     return "\n".join(lines)
 
 
+def _series_styles(n: int) -> list[dict]:
+    """Distinct (colour, marker) pairs for n series: tab10 up to 10, then tab20, and the marker
+    changes too so that no two series look alike even in print."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    markers = "osD^v<>ph*"
+    return [
+        {"color": cmap(i % cmap.N), "marker": markers[(i // 2 if n > 10 else i) % len(markers)]}
+        for i in range(n)
+    ]
+
+
 def plot_reports(reports: Sequence[DatasetReport], path: str | Path) -> None:
-    """PNG: conditional acceptance per position for each dataset, and tau / speedup bars."""
+    """PNG: conditional acceptance per position for each dataset (points resting on fewer than
+    THIN_POINT observations hollow and labelled with their count), tau per dataset and decode
+    speedup per dataset, each on its own axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in reports:
-        positions = np.arange(1, len(r.stats.conditional) + 1)
-        curves.plot(positions, r.stats.conditional, marker="o", label=r.name)
+    fig, (curves, taus, speedups) = plt.subplots(
+        1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1.4, 1, 1]}
+    )
+    styles = _series_styles(len(reports))
+    thin_seen = False
+    for r, style in zip(reports, styles, strict=True):
+        values = np.asarray(r.stats.conditional, float)
+        counts = np.asarray(r.stats.conditional_n)
+        positions = np.arange(1, len(values) + 1)
+        curves.plot(positions, values, linestyle="-", label=r.name, **style)
+        thin = (counts > 0) & (counts < THIN_POINT)
+        if thin.any():
+            thin_seen = True
+            curves.scatter(
+                positions[thin],
+                values[thin],
+                s=90,
+                facecolors="white",
+                edgecolors=[style["color"]],
+                marker=style["marker"],
+                zorder=3,
+            )
+            for x, y, n in zip(positions[thin], values[thin], counts[thin], strict=True):
+                curves.annotate(
+                    f"n={n}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=6,
+                    color=style["color"],
+                )
     curves.set_xlabel("draft position k")
     curves.set_ylabel("P(accept k | 1..k-1 accepted)")
-    curves.set_ylim(0, 1.02)
-    curves.set_title("Conditional acceptance")
+    curves.set_ylim(0, 1.05)
+    title = "Conditional acceptance"
+    if thin_seen:
+        title += f" (hollow: fewer than {THIN_POINT} rounds)"
+    curves.set_title(title)
     curves.grid(alpha=0.3)
-    curves.legend(fontsize="small")
+    curves.legend(fontsize="small", ncol=2 if len(reports) > 6 else 1)
 
     x = np.arange(len(reports))
-    taus = [r.stats.tau for r in reports]
-    speedups = [r.speedup if r.speedup is not None else np.nan for r in reports]
-    bars.bar(x - 0.2, taus, 0.4, label="tau (tokens / round)")
-    bars.bar(x + 0.2, speedups, 0.4, label="speedup (spec / plain tok/s)")
-    bars.set_xticks(x, [r.name for r in reports], rotation=30, ha="right")
-    bars.set_title("Acceptance length and decode speedup")
-    bars.grid(alpha=0.3, axis="y")
-    bars.legend(fontsize="small")
+    names = [r.name for r in reports]
+    colors = [s["color"] for s in styles]
+    taus.bar(x, [r.stats.tau for r in reports], color=colors)
+    taus.set_xticks(x, names, rotation=30, ha="right")
+    taus.set_ylabel("tokens per round (bonus included)")
+    taus.set_title("Acceptance length tau")
+    taus.grid(alpha=0.3, axis="y")
+
+    speedup = [r.speedup if r.speedup is not None else np.nan for r in reports]
+    speedups.bar(x, speedup, color=colors)
+    speedups.axhline(1.0, color="0.3", linestyle="--", linewidth=1)
+    speedups.set_xticks(x, names, rotation=30, ha="right")
+    speedups.set_ylabel("speculative / plain decode tokens/s")
+    speedups.set_title("Decode speedup (dashed: break-even)")
+    speedups.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -131,22 +187,37 @@ def plot_reports(reports: Sequence[DatasetReport], path: str | Path) -> None:
 
 # -- calibrate ---------------------------------------------------------------------------------
 def format_report(part: dict, title: str) -> str:
-    """A per-position table of `sts.position_metrics` output, with survival-weighted means."""
+    """A per-position table of `sts.position_metrics` output, with survival-weighted means.
+
+    `n` counts observed outcomes (`surv` of them survived), `*` marks positions with fewer than
+    THIN_OBSERVATIONS; an AUC is "-" unless each outcome has MIN_AUC_CLASS observations."""
+    from dspark_jax.calibration.sts import MIN_AUC_CLASS, THIN_OBSERVATIONS
+
     lines = [
         title,
-        f"{'pos':>3} {'n':>7} {'surv':>6} {'ECE raw':>8} {'ECE STS':>8} {'AUC raw':>8} "
-        f"{'AUC STS':>8} {'Brier raw':>9} {'Brier STS':>9} {'cond AUC':>8}",
+        f"{'pos':>3} {'n':>8} {'survived':>8} {'rate':>6} {'ECE raw':>8} {'ECE STS':>8} "
+        f"{'AUC raw':>8} {'AUC STS':>8} {'Brier raw':>9} {'Brier STS':>9} {'cond n':>7} "
+        f"{'cond AUC':>8}",
     ]
+    thin = False
     for k, n in enumerate(part["n_survival"]):
+        mark = "*" if n < THIN_OBSERVATIONS else " "
+        thin = thin or n < THIN_OBSERVATIONS
+        survived = part.get("n_survived", [None] * len(part["n_survival"]))[k]
         lines.append(
-            f"{k + 1:>3} {n:>7} {_cell(part['survival_rate'][k], '.3f'):>6} "
+            f"{k + 1:>3} {n:>7}{mark} {_cell(survived, 'd'):>8} "
+            f"{_cell(part['survival_rate'][k], '.3f'):>6} "
             f"{_cell(part['ece_before'][k], '.4f'):>8} {_cell(part['ece_after'][k], '.4f'):>8} "
             f"{_cell(part['auc_before'][k], '.3f'):>8} {_cell(part['auc_after'][k], '.3f'):>8} "
             f"{_cell(part['brier_before'][k], '.4f'):>9} {_cell(part['brier_after'][k], '.4f'):>9} "
-            f"{_cell(part['conditional_auc'][k], '.3f'):>8}"
+            f"{part['n_conditional'][k]:>7} {_cell(part['conditional_auc'][k], '.3f'):>8}"
         )
     means = mean_ece(part)
     lines.append(f"mean ECE over positions: raw {means[0]:.4f} -> STS {means[1]:.4f}")
+    note = f"AUC '-': fewer than {MIN_AUC_CLASS} observations of one outcome"
+    if thin:
+        note += f"; *: fewer than {THIN_OBSERVATIONS} observations (thin)"
+    lines.append(note)
     return "\n".join(lines)
 
 
@@ -160,54 +231,122 @@ def mean_ece(part: dict) -> tuple[float, float]:
     return sum(b for b, _ in pairs) / len(pairs), sum(a for _, a in pairs) / len(pairs)
 
 
+def calibration_warnings(temperatures: Sequence[float], report: Mapping) -> list[str]:
+    """What the fitted temperatures and metrics of `sts.fit_and_report` cannot carry."""
+    from dspark_jax.calibration.sts import MIN_AUC_CLASS, THIN_OBSERVATIONS
+
+    lines = []
+    low, high = report.get("grid_bounds", (None, None))
+    for k in report.get("pinned", []):
+        t = temperatures[k - 1]
+        bound = "upper" if high is not None and math.isclose(t, high) else "lower"
+        lines.append(
+            f"position {k}: temperature {t:g} is pinned at the {bound} end of the search grid "
+            f"[{low:g}, {high:g}]; the best fit lies at or beyond it (its confidences carry "
+            "little information about the outcome, or the outcomes are nearly all the same)"
+        )
+    for split, key in (("fit", "fit"), ("held-out", "holdout")):
+        part = report[key]
+        for k, n in enumerate(part["n_survival"], 1):
+            if n == 0:
+                lines.append(f"{split} split, position {k}: no observations (temperature stays 1)")
+            elif n < THIN_OBSERVATIONS:
+                lines.append(
+                    f"{split} split, position {k}: only {n} observations; its temperature and "
+                    "metrics rest on too little data to trust"
+                )
+        withheld = [
+            k
+            for k, (auc, n) in enumerate(zip(part["auc_after"], part["n_survival"], strict=True), 1)
+            if auc is None and n > 0
+        ]
+        if withheld:
+            lines.append(
+                f"{split} split: no AUC at position(s) {', '.join(map(str, withheld))} (fewer "
+                f"than {MIN_AUC_CLASS} survived or failed blocks)"
+            )
+    return lines
+
+
 def reliability_diagram(
     per_position: Sequence[Mapping[str, tuple[ArrayLike, ArrayLike]]],
     path: str | Path,
     n_bins: int = 15,
     title: str | None = None,
 ) -> Path:
-    """Write a PNG with one reliability panel per draft position.
+    """Write a PNG with one reliability panel per draft position, over a histogram of the
+    predicted values.
 
     `per_position[k]` maps a series name (e.g. "raw", "STS") to `(probs, labels)` for position
-    k + 1; each series is drawn as a curve with its ECE and sample count in the legend. Series
-    with no samples are listed in the legend as empty."""
+    k + 1. Each series is a curve with its ECE and sample count in the legend; every bin's point
+    is labelled with its count and drawn hollow when it holds fewer than THIN_POINT samples. The
+    histogram under each panel shows how many predictions fall in each bin (log scale). A
+    position with fewer than THIN_OBSERVATIONS samples is titled so and drawn grey. Series with
+    no samples are listed in the legend as empty."""
     if len(per_position) == 0:
         raise metrics.MetricInputError("per_position is empty")
     # A bare Figure renders through Agg without touching pyplot's global backend.
     from matplotlib.figure import Figure
 
+    from dspark_jax.calibration.sts import THIN_OBSERVATIONS
+
     n_panels = len(per_position)
     n_cols = min(n_panels, 4)
     n_rows = math.ceil(n_panels / n_cols)
-    fig = Figure(figsize=(3.6 * n_cols, 3.6 * n_rows))
-    axes = fig.subplots(n_rows, n_cols, squeeze=False)
+    fig = Figure(figsize=(3.8 * n_cols, 4.6 * n_rows), layout="constrained")
+    grid = fig.add_gridspec(2 * n_rows, n_cols, height_ratios=[3, 1] * n_rows)
+    edges = np.linspace(0, 1, n_bins + 1)
+    colors = {"raw": "tab:red", "STS": "tab:blue"}
     for k, series in enumerate(per_position):
-        ax = axes[k // n_cols][k % n_cols]
+        row, col = divmod(k, n_cols)
+        ax = fig.add_subplot(grid[2 * row, col])
+        hist = fig.add_subplot(grid[2 * row + 1, col], sharex=ax)
         ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1)
-        for name, (probs, labels) in series.items():
-            if np.asarray(probs).size == 0:
-                ax.plot([], [], marker="o", label=f"{name} (no samples)")
+        n_max = max(np.asarray(p).size for p, _ in series.values())
+        thin = n_max < THIN_OBSERVATIONS
+        hist_max = 0
+        for i, (name, (probs, labels)) in enumerate(series.items()):
+            color = "0.55" if thin else colors.get(name, f"C{i}")
+            n = np.asarray(probs).size
+            if n == 0:
+                ax.plot([], [], marker="o", color=color, label=f"{name} (no samples)")
                 continue
-            mean_p, freq, _ = metrics.reliability_curve(probs, labels, n_bins)
+            mean_p, freq, count = metrics.reliability_curve(probs, labels, n_bins)
             err = metrics.ece(probs, labels, n_bins)
             ax.plot(
-                mean_p,
-                freq,
-                marker="o",
-                markersize=3,
-                label=f"{name} ECE {100 * err:.2f}% (n={np.asarray(probs).size})",
+                mean_p, freq, color=color, linewidth=1, label=f"{name} ECE {100 * err:.2f}% (n={n})"
             )
+            solid = count >= THIN_POINT
+            ax.scatter(mean_p[solid], freq[solid], s=14, color=color, zorder=3)
+            ax.scatter(
+                mean_p[~solid], freq[~solid], s=22, facecolors="white", edgecolors=[color], zorder=3
+            )
+            for x, y, c in zip(mean_p, freq, count, strict=True):
+                ax.annotate(
+                    str(c),
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(3, -8),
+                    fontsize=5,
+                    color=color,
+                )
+            hist.hist(np.asarray(probs, float), bins=edges, histtype="step", color=color)
+            hist_max = max(hist_max, int(count.max()))
         ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_title(f"position {k + 1}")
-        ax.set_xlabel("predicted survival")
+        ax.set_ylim(0, 1.05)
+        label = f"position {k + 1}"
+        if thin:
+            label += f" (n={n_max}: too few to judge)"
+        ax.set_title(label, color="tab:red" if thin else "black", fontsize=9)
         ax.set_ylabel("empirical survival")
-        ax.legend(loc="upper left", fontsize=7)
-    for k in range(n_panels, n_rows * n_cols):
-        axes[k // n_cols][k % n_cols].set_visible(False)
+        ax.legend(loc="upper left", fontsize=6)
+        ax.tick_params(labelbottom=False)
+        if hist_max > 50:  # counts spanning decades: a log scale keeps the thin bins visible
+            hist.set_yscale("log")
+        hist.set_xlabel("predicted survival")
+        hist.set_ylabel("count", fontsize=7)
     if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+        fig.suptitle(f"{title} (bin labels: samples per bin; hollow: fewer than {THIN_POINT})")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
