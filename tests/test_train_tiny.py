@@ -129,7 +129,7 @@ def test_tiny_dspark_and_dflash_beat_their_untrained_start(tmp_path):
         if not prompts:
             eval_file = tmp_path / name / "data" / "python-stdlib-eval.jsonl"
             records = [json.loads(x) for x in eval_file.read_text().splitlines()[::97][:16]]
-            prompts = [list(r["turns"][0].encode()) for r in records]
+            prompts = [list(r["messages"][0]["content"].encode()) for r in records]
         _, trained, _ = load_drafter(result.export_dir)
         untrained = new_drafter(trained.cfg, target, seed=config.recipe.seed)
         tau_untrained, acc_untrained = _engine_tau(target, untrained, prompts)
