@@ -347,14 +347,14 @@ class _Truncations:
             )
 
 
-def count_conversations(paths: tuple[str, ...], turns: str = "prompts", heldout: int = 0) -> int:
-    """Number of usable conversations in the JSONL files (one pass over them); with `heldout`,
-    those left for training."""
-    return len(JsonlConversationSource(paths, turns=turns, heldout=heldout))
+def count_conversations(paths: tuple[str, ...], turns: str = "prompts") -> int:
+    """Number of usable conversations in the JSONL files (one pass over them)."""
+    return len(JsonlConversationSource(paths, turns=turns))
 
 
-def heldout_count(config: TrainConfig, data_paths: tuple[str, ...]) -> int:
-    """How many conversations of `data_paths` `config.holdout` sets aside (and says so)."""
+def heldout_count(config: TrainConfig, data_paths: tuple[str, ...]) -> tuple[int, int]:
+    """(conversations of `data_paths` that `config.holdout` sets aside, conversations in all);
+    says what it sets aside."""
     total = count_conversations(data_paths, config.turns)
     wanted = config.eval_batches * config.recipe.global_batch_size
     count = min(wanted, total // MAX_HOLDOUT_SHARE)
@@ -377,7 +377,7 @@ def heldout_count(config: TrainConfig, data_paths: tuple[str, ...]) -> int:
         total - count,
         repeats,
     )
-    return count
+    return count, total
 
 
 def _schedule_change(
@@ -428,24 +428,24 @@ def train(
 
     data_paths = resolve_data_paths(config.data, output_dir)
     eval_paths = resolve_data_paths(config.eval_data, output_dir)
-    heldout = heldout_count(config, data_paths) if config.holdout else 0
+    heldout, num_conversations = 0, None
+    if config.holdout:
+        heldout, num_conversations = heldout_count(config, data_paths)
 
     models, params, frozen, tokenizer = _setup_models(config, mesh, progress)
 
     if config.num_steps is not None:
         total_steps = config.num_steps
     else:
-        per_epoch = count_conversations(data_paths, config.turns, heldout)
+        if num_conversations is None:
+            num_conversations = count_conversations(data_paths, config.turns)
+        per_epoch = num_conversations - heldout
         total_steps = max(1, recipe.num_epochs * (per_epoch // recipe.global_batch_size))
     warmup_steps = int(recipe.warmup_ratio * total_steps)
     optimizer, schedule = make_optimizer(
         recipe.learning_rate, total_steps, warmup_steps, recipe.weight_decay, recipe.max_grad_norm
     )
     state = shard_state(init_train_state(params, optimizer, recipe.seed), mesh)
-    init_checkpoint = None if config.init_drafter is None else find_checkpoint(config.init_drafter)
-    if init_checkpoint is not None:
-        restored = restore_state(*init_checkpoint, _abstract(state, state_shardings(state, mesh)))
-        state = state._replace(params=restored.params)
     step_cfg = StepConfig(
         config.drafter.num_anchors,
         config.anchors_per_chunk,
@@ -467,6 +467,10 @@ def train(
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
     record = config.run_record(total_steps, num_microbatches)
     resumed_from = checkpointer.latest_step()
+    init_checkpoint = None if config.init_drafter is None else find_checkpoint(config.init_drafter)
+    if init_checkpoint is not None and resumed_from is None:
+        restored = restore_state(*init_checkpoint, _abstract(state, state_shardings(state, mesh)))
+        state = state._replace(params=restored.params)
     if resumed_from is not None:
         saved_total = read_meta(checkpointer.directory, resumed_from)["total_steps"]
         if resumed_from > total_steps:
