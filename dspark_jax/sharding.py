@@ -187,6 +187,15 @@ def constrain(
     return jax.lax.with_sharding_constraint(x, logical_sharding(logical_axes, x.shape, mesh, rules))
 
 
+def addressable_rows(sharding: jax.sharding.Sharding, size: int) -> tuple[int, ...]:
+    """The indices along dimension 0 (of `size`) that this process's devices hold under `sharding`,
+    ascending: the rows of a global batch this process must supply."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map((size,)).values():
+        rows.update(range(*index[0].indices(size)))
+    return tuple(sorted(rows))
+
+
 def initialize_distributed(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -199,6 +208,9 @@ def initialize_distributed(
     With no arguments and `auto_detect` False this is a no-op, so single-process runs never touch
     the coordination service. `auto_detect` lets JAX find the cluster itself (TPU pods, SLURM,
     Open MPI). Must run before anything queries devices.
+
+    CPU processes need a cross-process collective implementation: gloo (over TCP, any machine) is
+    chosen unless one is set (recent jax defaults to it; jax 0.6 defaulted to none).
     """
     if jax.distributed.is_initialized():
         return True
@@ -210,5 +222,7 @@ def initialize_distributed(
         )
     if all(v is None for v in explicit) and not auto_detect:
         return False
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     return True

@@ -1,5 +1,6 @@
 """The grain input pipeline on temporary JSONL files."""
 
+import dataclasses
 import json
 import pickle
 import time
@@ -10,11 +11,13 @@ from _chat_tokenizer import QWEN3_HISTORY_TEMPLATE, build_chat_tokenizer
 
 from dspark_jax.tokenizer import ByteTokenizer, ChatTemplateError, encode_conversation
 from dspark_jax.training.data import (
+    BatchRows,
     DataConfig,
     DataError,
     JsonlConversationSource,
     bucket_of,
     make_iterator,
+    pad_batch,
     resolve_pad_id,
     tokenize_example,
 )
@@ -104,7 +107,7 @@ def test_examples_go_to_the_smallest_bucket_that_holds_them():
 def test_batches_mask_exactly_assistant_tokens(dataset_path, use_hf):
     tok = build_chat_tokenizer() if use_hf else BYTES
     config = DataConfig(paths=(dataset_path,), seq_len=160, batch_size=4, num_epochs=1)
-    batches = list(make_iterator(config, tok, process_index=0, process_count=1))
+    batches = list(make_iterator(config, tok))
     assert len(batches) == 3
     for b in batches:
         assert b["tokens"].shape == b["loss_mask"].shape == (4, 160)
@@ -129,10 +132,10 @@ def test_batches_mask_exactly_assistant_tokens(dataset_path, use_hf):
 
 def test_deterministic_given_seed_and_reshuffled_each_epoch(dataset_path):
     config = DataConfig(paths=(dataset_path,), seq_len=64, batch_size=3, seed=5)
-    first = examples(take(make_iterator(config, BYTES, 0, 1), 8))
-    again = examples(take(make_iterator(config, BYTES, 0, 1), 8))
+    first = examples(take(make_iterator(config, BYTES), 8))
+    again = examples(take(make_iterator(config, BYTES), 8))
     assert first == again
-    other = examples(take(make_iterator(DataConfig(**{**vars(config), "seed": 6}), BYTES, 0, 1), 8))
+    other = examples(take(make_iterator(DataConfig(**{**vars(config), "seed": 6}), BYTES), 8))
     assert other != first
     epochs = [first[:12], first[12:24]]
     assert sorted(epochs[0]) == sorted(epochs[1]) and len(set(epochs[0])) == 12
@@ -140,23 +143,58 @@ def test_deterministic_given_seed_and_reshuffled_each_epoch(dataset_path):
 
 
 @pytest.mark.parametrize("num_records", [12, 13])
-def test_processes_see_disjoint_examples_covering_the_set(tmp_path, num_records):
+def test_processes_read_their_rows_of_the_one_process_batches(tmp_path, num_records):
     path = write_jsonl(tmp_path / "c.jsonl", [json.dumps(record(i)) for i in range(num_records)])
     config = DataConfig(paths=(path,), seq_len=64, batch_size=2, num_epochs=1, seed=3)
-    seen = [examples(make_iterator(config, BYTES, p, 2)) for p in range(2)]
+    seen = [examples(make_iterator(config, BYTES, BatchRows.of_process(p, 2, 2))) for p in range(2)]
     assert len(seen[0]) == len(seen[1]) == 6
     assert not set(seen[0]) & set(seen[1])
-    # With 13 records one example of the shuffled epoch is dropped so that both processes get 6.
+    # With 13 records the last example of the shuffled epoch does not fill a global batch of 4.
     assert len(set(seen[0]) | set(seen[1])) == 12
+    # Global batch k is rows 0-1 from process 0 and rows 2-3 from process 1: exactly the batches
+    # one process reading the whole global batch sees.
+    whole = examples(make_iterator(dataclasses.replace(config, batch_size=4), BYTES))
+    assert whole == [e for k in range(3) for p in range(2) for e in seen[p][2 * k : 2 * k + 2]]
+    # Rows need not be contiguous (a mesh may interleave the processes' devices).
+    for rows in ((1, 3), (0, 2)):
+        got = examples(make_iterator(config, BYTES, BatchRows(rows, 4)))
+        assert got == [whole[4 * k + r] for k in range(3) for r in rows]
+
+
+def test_batch_rows_are_checked():
+    assert BatchRows.of_process(1, 3, 2) == BatchRows((2, 3), 6)
+    for rows, size in [((), 4), ((1, 0), 4), ((1, 1), 4), ((-1, 2), 4), ((2, 4), 4)]:
+        with pytest.raises(DataError, match="batch rows"):
+            BatchRows(rows, size)
+    with pytest.raises(DataError, match="process_index"):
+        BatchRows.of_process(2, 2, 1)
+
+
+def test_pad_batch_adds_positions_without_loss():
+    batch = {
+        "tokens": np.array([[5, 6], [7, 8]], np.int32),
+        "loss_mask": np.array([[0, 1], [1, 1]], bool),
+        "length": np.array([2, 2], np.int32),
+        "num_tokens": np.array([2, 9], np.int32),
+    }
+    padded = pad_batch(batch, 4, pad_id=256)
+    np.testing.assert_array_equal(padded["tokens"], [[5, 6, 256, 256], [7, 8, 256, 256]])
+    np.testing.assert_array_equal(padded["loss_mask"], [[0, 1, 0, 0], [1, 1, 0, 0]])
+    assert padded["tokens"].dtype == np.int32 and padded["loss_mask"].dtype == bool
+    for key in ("length", "num_tokens"):
+        np.testing.assert_array_equal(padded[key], batch[key])
+    assert pad_batch(batch, 2, pad_id=0)["tokens"].shape == (2, 2)
+    with pytest.raises(DataError, match="cannot pad"):
+        pad_batch(batch, 1, pad_id=0)
 
 
 def test_resume_from_iterator_state(dataset_path):
     config = DataConfig(paths=(dataset_path,), seq_len=64, batch_size=5, seed=11)
-    it = make_iterator(config, BYTES, 0, 1)
+    it = make_iterator(config, BYTES)
     take(it, 5)
     state = it.get_state()
     want = take(it, 3)  # crosses the epoch boundary: 12 examples, batches of 5
-    resumed = make_iterator(config, BYTES, 0, 1)
+    resumed = make_iterator(config, BYTES)
     resumed.set_state(json.loads(json.dumps(state)))
     got = take(resumed, 3)
     for a, b in zip(want, got, strict=True):
@@ -187,7 +225,7 @@ def test_malformed_lines_name_file_and_line(tmp_path):
     assert len(source) == 2 and source.num_skipped == len(cases)
     assert source[1]["where"].endswith("mixed.jsonl:10")
     config = DataConfig(paths=(path,), seq_len=32, batch_size=2, skip_bad_records=True)
-    assert next(make_iterator(config, BYTES, 0, 1))["tokens"].shape == (2, 32)
+    assert next(make_iterator(config, BYTES))["tokens"].shape == (2, 32)
 
 
 def test_several_files_and_config_errors(tmp_path):
@@ -198,7 +236,7 @@ def test_several_files_and_config_errors(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         JsonlConversationSource([str(tmp_path / "missing.jsonl")])
     with pytest.raises(DataError, match="do not fill one batch"):
-        make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=4, num_epochs=1), BYTES, 0, 1)
+        make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=4, num_epochs=1), BYTES)
     with pytest.raises(DataError, match="seq_len"):
         DataConfig(paths=(a,), seq_len=1, batch_size=1)
     for bad in [(), (8, 4, 16), (4, 4, 16), (1, 16), (4, 8)]:
@@ -206,8 +244,8 @@ def test_several_files_and_config_errors(tmp_path):
             DataConfig(paths=(a,), seq_len=16, seq_lens=bad, batch_size=1)
     assert DataConfig(paths=(a,), seq_len=16, batch_size=1).seq_lens == (16,)
     assert DataConfig(paths=(a,), seq_len=16, seq_lens=[4, 16], batch_size=1).seq_lens == (4, 16)
-    with pytest.raises(DataError, match="process_index"):
-        make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=1), BYTES, 2, 2)
+    with pytest.raises(DataError, match="does not match this process's 2 batch rows"):
+        make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=1), BYTES, BatchRows((0, 1), 2))
 
 
 class CountingByteTokenizer(ByteTokenizer):
@@ -225,7 +263,7 @@ def _settled_tokenizer_calls(tmp_path, lines: int) -> tuple[int, DataConfig]:
     CountingByteTokenizer.calls = 0  # class-level so copies made by the pipeline count too
     tok = CountingByteTokenizer()
     config = DataConfig(paths=(str(path),), seq_len=8, batch_size=4, prefetch_buffer_size=16)
-    it = make_iterator(config, tok, 0, 1)
+    it = make_iterator(config, tok)
     assert next(it)["tokens"].shape == (4, 8)
     # Prefetch threads keep reading after next() returns, until their buffers are full; count
     # once they have blocked rather than at a racy moment.
@@ -253,7 +291,7 @@ def test_template_error_names_the_record(dataset_path):
     tok = build_chat_tokenizer(QWEN3_HISTORY_TEMPLATE)
     config = DataConfig(paths=(dataset_path,), seq_len=160, batch_size=12, num_epochs=1)
     with pytest.raises(ChatTemplateError, match=r"conv\.jsonl:\d+: chat template is not prefix"):
-        next(make_iterator(config, tok, 0, 1))
+        next(make_iterator(config, tok))
 
 
 def test_source_survives_pickling(dataset_path):
@@ -310,7 +348,7 @@ def test_bucketed_epoch_is_homogeneous_and_complete(varied_path):
     full = num_tokens_by_answer(varied_path)
     per_bucket = np.bincount([bucket_of(n, SEQ_LENS) for n in full.values()], minlength=3)
     assert (per_bucket >= 4).all() and max(full.values()) > 64  # all buckets used, some truncated
-    batches = list(make_iterator(bucketed(varied_path, batch_size=4, num_epochs=1), BYTES, 0, 1))
+    batches = list(make_iterator(bucketed(varied_path, batch_size=4, num_epochs=1), BYTES))
     seen = identities(batches)
     assert len(seen) == len(set(seen)) and set(seen) <= set(full)
     seen_per_bucket = np.zeros(3, int)
@@ -333,16 +371,16 @@ def test_bucketed_epoch_is_homogeneous_and_complete(varied_path):
 
 def test_bucketed_batches_are_deterministic(varied_path):
     config = bucketed(varied_path, batch_size=3, seed=4)
-    first = take(make_iterator(config, BYTES, 0, 1), 20)
-    assert_same_batches(first, take(make_iterator(config, BYTES, 0, 1), 20))
-    other = take(make_iterator(bucketed(varied_path, batch_size=3, seed=5), BYTES, 0, 1), 20)
+    first = take(make_iterator(config, BYTES), 20)
+    assert_same_batches(first, take(make_iterator(config, BYTES), 20))
+    other = take(make_iterator(bucketed(varied_path, batch_size=3, seed=5), BYTES), 20)
     assert identities(other) != identities(first)
     assert {b["tokens"].shape[1] for b in first} == set(SEQ_LENS)
 
 
 def test_bucketed_processes_are_disjoint(varied_path):
     config = bucketed(varied_path, batch_size=2, num_epochs=1, seed=3)
-    seen = [identities(make_iterator(config, BYTES, p, 2)) for p in range(2)]
+    seen = [identities(make_iterator(config, BYTES, BatchRows.of_process(p, 2, 2))) for p in (0, 1)]
     assert seen[0] and seen[1] and not set(seen[0]) & set(seen[1])
     # Per process at most batch_size - 1 examples per bucket stay in the buffers at the end.
     assert len(seen[0]) + len(seen[1]) >= 40 - 2 * 3
@@ -350,18 +388,18 @@ def test_bucketed_processes_are_disjoint(varied_path):
 
 def test_bucketed_resume_with_partially_filled_buffers(varied_path):
     config = bucketed(varied_path, batch_size=5, seed=11)
-    it = make_iterator(config, BYTES, 0, 1)
+    it = make_iterator(config, BYTES)
     take(it, 4)
     state = it.get_state()
     assert sum(len(b) for b in state["buffered"]) >= 2
     want = take(it, 12)  # crosses the epoch boundary (40 examples)
-    resumed = make_iterator(config, BYTES, 0, 1)
+    resumed = make_iterator(config, BYTES)
     resumed.set_state(json.loads(json.dumps(state)))
     assert_same_batches(want, take(resumed, 12))
     with pytest.raises(DataError, match="length buckets"):
-        make_iterator(
-            bucketed(varied_path, batch_size=5, seq_lens=(48, 64)), BYTES, 0, 1
-        ).set_state(state)
+        make_iterator(bucketed(varied_path, batch_size=5, seq_lens=(48, 64)), BYTES).set_state(
+            state
+        )
 
 
 def test_turns_need_declared_roles(tmp_path):

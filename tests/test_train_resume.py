@@ -125,7 +125,7 @@ def test_resume_continues_bit_identically(config_file, uninterrupted, tmp_path):
         batch_size=config.recipe.global_batch_size,
         seed=config.recipe.seed,
     )
-    stream = make_iterator(data_cfg, load_tokenizer(config.target), 0, 1)
+    stream = make_iterator(data_cfg, load_tokenizer(config.target))
     lengths = [next(stream)["tokens"].shape[1] for _ in range(3)]
     assert any(stream.get_state()["buffered"])
     lengths += [next(stream)["tokens"].shape[1] for _ in range(3)]

@@ -16,12 +16,16 @@ other lines exist, so it is the same on every process and every resume.
 
 The grain pipeline is a random-access `MapDataset`:
 
-    source -> shuffle(seed) -> this process's slice -> map(tokenise) -> repeat -> bucket batches
+    source -> shuffle(seed) -> repeat -> this process's rows -> map(tokenise) -> bucket batches
 
-Shuffling before slicing reshuffles the whole dataset every epoch and then deals it out
-round-robin, so within an epoch the processes see disjoint examples. Every process gets the same
-number of examples per epoch: the last `len % process_count` examples of each shuffled epoch are
-dropped. Conversations are never packed together (the target forward then needs no segment ids).
+The shuffled, repeated dataset (reshuffled every epoch) is the global input stream; global batch
+k is its examples k*G .. k*G + G - 1 (G the global batch size), and each process reads only the
+examples at its rows of every global batch (`BatchRows`: the rows its devices hold in the batch
+sharding). With one length bucket the global batch assembled from the processes' batches is
+therefore the same whatever the number of processes, and processes holding the same rows (a batch
+replicated across hosts) read the same examples. With finite epochs the stream's last
+`len % G` examples are dropped. Conversations are never packed together (the target forward then
+needs no segment ids).
 
 Length buckets (`DataConfig.seq_lens`, ascending): each conversation is right-padded to the
 smallest bucket that holds it; longer ones are truncated to the largest bucket (batches report
@@ -29,7 +33,9 @@ the untruncated length, so truncations can be counted). `BucketBatchIterDataset`
 per bucket and emits a batch as soon as a buffer holds `batch_size` examples, so every batch has a
 single length and each length compiles one train step. When the data ends (finite `num_epochs`),
 the partially filled buffers are dropped: at most `batch_size - 1` examples per bucket. With one
-bucket this is plain batching with `drop_remainder`.
+bucket this is plain batching with `drop_remainder`. With several buckets each process buckets its
+own examples, so the processes' batches of one step can have different lengths: `global_batch`
+pads them to the longest before assembling the global arrays.
 
 Batches are dicts of NumPy arrays, L being the batch's bucket: `tokens` int32 [B, L],
 `loss_mask` bool [B, L] (1 on assistant-produced tokens, 0 on padding), `length` int32 [B] and
@@ -48,7 +54,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grain
+import jax
 import numpy as np
+from jax.experimental.multihost_utils import process_allgather
 
 from dspark_jax.conversations import (
     TURNS_AS,
@@ -92,7 +100,8 @@ class DataConfig:
 
     `seq_len` is the maximum sequence length. `seq_lens` are the length buckets, strictly
     ascending and ending at `seq_len`; None means the single bucket `(seq_len,)` (and is stored
-    as that). `batch_size` is per process. `num_epochs` None repeats forever. `pad_id` None pads
+    as that). `batch_size` is per process (the number of its `BatchRows.rows`). `num_epochs`
+    None repeats forever. `pad_id` None pads
     with the tokenizer's pad token, or EOS when it has none. `skip_bad_records` skips malformed
     lines and records without assistant content (logging the count) instead of raising. `turns`
     says how `{"turns": [...]}` records are read (`TURNS_AS`): "prompts" refuses them (user turns
@@ -431,53 +440,105 @@ class _BucketBatchIterator(grain.DatasetIterator):
         return "BucketBatchDatasetIterator"
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchRows:
+    """The rows of every global batch of `global_size` examples that one process supplies.
+
+    `rows` ascend: that is the order in which `jax.make_array_from_process_local_data` places a
+    process's local rows.
+    """
+
+    rows: tuple[int, ...]
+    global_size: int
+
+    def __post_init__(self):
+        rows = tuple(int(r) for r in self.rows)
+        object.__setattr__(self, "rows", rows)
+        if not rows or any(a >= b for a, b in zip(rows, rows[1:], strict=False)):
+            raise DataError(f"batch rows must be ascending and non-empty, got {rows}")
+        if rows[0] < 0 or rows[-1] >= self.global_size:
+            raise DataError(f"batch rows {rows} are not rows of a batch of {self.global_size}")
+
+    @classmethod
+    def of_process(cls, process_index: int, process_count: int, batch_size: int) -> BatchRows:
+        """Process `process_index`'s contiguous block of `batch_size` rows: the rows a mesh whose
+        batch axes run over the processes' devices in process order gives it."""
+        if not 0 <= process_index < process_count:
+            raise DataError(f"process_index {process_index} not in [0, {process_count})")
+        start = process_index * batch_size
+        return cls(tuple(range(start, start + batch_size)), batch_size * process_count)
+
+
+class _BatchRowsMapDataset(grain.MapDataset):
+    """Element i is the parent's element at row `rows[i % b]` of global batch `i // b`."""
+
+    _MUTATES_ELEMENT_SPEC = False
+
+    def __init__(self, parent: grain.MapDataset, rows: BatchRows):
+        super().__init__(parent)
+        self._rows = rows.rows
+        self._global_size = rows.global_size
+        self._length = len(parent) // rows.global_size * len(rows.rows)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _parent_index(self, index: int) -> int:
+        batch, row = divmod(index, len(self._rows))
+        return batch * self._global_size + self._rows[row]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._parent[self._parent_index(index)]
+
+    def _getitems(self, indices: Sequence[int]):
+        return self._parent._getitems([self._parent_index(i) for i in indices])
+
+    def __str__(self) -> str:
+        return f"BatchRowsMapDataset(rows={self._rows}, global_size={self._global_size})"
+
+
 def make_dataset(
     source: Sequence[Any],
     tokenizer: Tokenizer,
     config: DataConfig,
-    process_index: int,
-    process_count: int,
+    rows: BatchRows,
 ) -> grain.MapDataset:
-    """The sharded, shuffled, tokenised, repeated grain MapDataset of one process's examples."""
-    if not 0 <= process_index < process_count:
-        raise DataError(f"process_index {process_index} not in [0, {process_count})")
-    per_process = len(source) // process_count
-    if per_process == 0:
+    """The shuffled, repeated, tokenised grain MapDataset of one process's examples (`rows`)."""
+    if len(rows.rows) != config.batch_size:
         raise DataError(
-            f"{len(source)} conversations cannot be shared by {process_count} processes"
+            f"batch_size {config.batch_size} does not match this process's {len(rows.rows)} "
+            "batch rows"
         )
+    if not len(source):
+        raise DataError("no conversations to train on")
     epochs = config.num_epochs
-    if epochs is not None and per_process * epochs < config.batch_size:
+    if epochs is not None and len(source) * epochs < rows.global_size:
         raise DataError(
-            f"{per_process} conversations per process x {epochs} epochs do not fill one batch of "
-            f"{config.batch_size}"
+            f"{len(source)} conversations x {epochs} epochs do not fill one batch of "
+            f"{rows.global_size} (the global batch)"
         )
     pad_id = resolve_pad_id(tokenizer, config.pad_id)
 
     def tokenize(example: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return tokenize_example(example, tokenizer, config.seq_lens, pad_id, config.enable_thinking)
 
-    ds = grain.MapDataset.source(source).shuffle(seed=config.seed)
-    ds = ds[process_index : per_process * process_count : process_count]
-    return ds.map(tokenize).repeat(epochs)
+    ds = grain.MapDataset.source(source).shuffle(seed=config.seed).repeat(epochs)
+    return _BatchRowsMapDataset(ds, rows).map(tokenize)
 
 
 def make_iterator(
-    config: DataConfig,
-    tokenizer: Tokenizer,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    config: DataConfig, tokenizer: Tokenizer, rows: BatchRows | None = None
 ) -> grain.DatasetIterator:
     """A checkpointable iterator of this process's length-bucketed batches.
 
-    `get_state()` / `set_state()` resume exactly (the state is JSON-serialisable). The process
-    defaults to jax's; pass both explicitly to simulate several processes.
+    `get_state()` / `set_state()` resume exactly (the state is JSON-serialisable). `rows` default
+    to this process's contiguous block (`BatchRows.of_process` of jax's process index and count);
+    pass other rows to simulate several processes.
     """
-    if process_index is None or process_count is None:
-        import jax
-
-        process_index = jax.process_index() if process_index is None else process_index
-        process_count = jax.process_count() if process_count is None else process_count
+    if rows is None:
+        rows = BatchRows.of_process(jax.process_index(), jax.process_count(), config.batch_size)
     source = JsonlConversationSource(
         config.paths,
         config.skip_bad_records,
@@ -485,8 +546,41 @@ def make_iterator(
         heldout=config.heldout,
         part=config.part,
     )
-    examples = make_dataset(source, tokenizer, config, process_index, process_count)
+    examples = make_dataset(source, tokenizer, config, rows)
     options = grain.ReadOptions(
         num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size
     )
     return iter(BucketBatchIterDataset(examples, config.batch_size, config.seq_lens, options))
+
+
+def pad_batch(batch: Mapping[str, np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """`batch` right-padded to `seq_len` positions (pad tokens, no loss; lengths unchanged)."""
+    extra = seq_len - batch["tokens"].shape[1]
+    if extra < 0:
+        raise DataError(f"cannot pad a batch of length {batch['tokens'].shape[1]} to {seq_len}")
+    padded = dict(batch)
+    padded["tokens"] = np.pad(batch["tokens"], ((0, 0), (0, extra)), constant_values=pad_id)
+    padded["loss_mask"] = np.pad(batch["loss_mask"], ((0, 0), (0, extra)))
+    return padded
+
+
+def global_batch(
+    local: Mapping[str, np.ndarray],
+    shardings: Mapping[str, jax.sharding.Sharding],
+    *,
+    pad_id: int,
+    lengths_vary: bool,
+) -> dict[str, jax.Array]:
+    """The global arrays (one per key of `shardings`) assembled from every process's `local` batch.
+
+    `lengths_vary` (several length buckets): with several processes, they agree on the longest of
+    their batches' lengths with a host all-gather and pad to it, since every process must build
+    the same global shape.
+    """
+    if lengths_vary and jax.process_count() > 1:
+        lengths = process_allgather(np.asarray(local["tokens"].shape[1], np.int32))
+        local = pad_batch(local, int(np.max(lengths)), pad_id)
+    return {
+        k: jax.make_array_from_process_local_data(shardings[k], np.asarray(local[k]))
+        for k in shardings
+    }

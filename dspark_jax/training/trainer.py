@@ -51,7 +51,13 @@ from dspark_jax.config import ConfigError, DrafterConfig
 from dspark_jax.configs.recipes import TrainRecipe
 from dspark_jax.conversations import TURNS_AS
 from dspark_jax.models.drafter import DSparkDrafter
-from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
+from dspark_jax.sharding import (
+    MeshConfig,
+    addressable_rows,
+    make_mesh,
+    shard_state,
+    state_shardings,
+)
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.training.checkpointing import (
     TrainCheckpointer,
@@ -62,10 +68,13 @@ from dspark_jax.training.checkpointing import (
 )
 from dspark_jax.training.corpus import resolve_data_paths
 from dspark_jax.training.data import (
+    BatchRows,
     DataConfig,
     JsonlConversationSource,
     check_seq_lens,
+    global_batch,
     make_iterator,
+    resolve_pad_id,
 )
 from dspark_jax.training.loss import LossWeights
 from dspark_jax.training.step import (
@@ -223,13 +232,6 @@ class TrainResult:
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _global_batch(local: dict[str, np.ndarray], shardings) -> dict[str, jax.Array]:
-    return {
-        k: jax.make_array_from_process_local_data(shardings[k], np.asarray(local[k]))
-        for k in shardings
-    }
-
-
 def _python(x) -> float | list:
     a = np.asarray(x)
     return a.tolist() if a.ndim else float(a)
@@ -417,11 +419,6 @@ def train(
     num_microbatches = config.num_microbatches(mesh.shape["data"] * mesh.shape["fsdp"])
     if not config.data:
         raise ConfigError(f"train config {config.name!r} names no training data; pass --data")
-    if recipe.global_batch_size % jax.process_count():
-        raise ConfigError(
-            f"global_batch_size {recipe.global_batch_size} is not divisible by "
-            f"{jax.process_count()} processes"
-        )
     is_main = jax.process_index() == 0
     if is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -453,17 +450,24 @@ def train(
         config.loss_weights,
     )
 
-    local_batch = recipe.global_batch_size // jax.process_count()
+    # The sequence dimension is never sharded, so these shardings (and the jitted steps) take
+    # every bucket length; each new length compiles once.
+    shardings = batch_shardings(mesh, recipe.global_batch_size, recipe.max_length)
+    # Each process reads the rows of the global batch that its devices hold.
+    rows = BatchRows(
+        addressable_rows(shardings["length"], recipe.global_batch_size), recipe.global_batch_size
+    )
     data_cfg = DataConfig(
         paths=data_paths,
         seq_len=recipe.max_length,
         seq_lens=config.seq_lens,
-        batch_size=local_batch,
+        batch_size=len(rows.rows),
         seed=recipe.seed,
         turns=config.turns,
         heldout=heldout,
     )
-    iterator = make_iterator(data_cfg, tokenizer)
+    iterator = make_iterator(data_cfg, tokenizer, rows)
+    pad_id, lengths_vary = resolve_pad_id(tokenizer, data_cfg.pad_id), len(data_cfg.seq_lens) > 1
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
     record = config.run_record(total_steps, num_microbatches)
     resumed_from = checkpointer.latest_step()
@@ -499,9 +503,6 @@ def train(
                 after,
             )
 
-    # The sequence dimension is never sharded, so these shardings (and the jitted steps) take
-    # every bucket length; each new length compiles once.
-    shardings = batch_shardings(mesh, recipe.global_batch_size, recipe.max_length)
     train_step = make_train_step(
         models,
         step_cfg,
@@ -514,7 +515,7 @@ def train(
         recipe.max_length,
     )
     eval_source = data_paths if heldout else eval_paths
-    eval_batches = _eval_batches(config, eval_source, heldout, tokenizer, shardings)
+    eval_batches = _eval_batches(config, eval_source, heldout, tokenizer, rows, shardings)
     evaluate = None
     if eval_batches:
         evaluate = make_eval_step(
@@ -573,7 +574,7 @@ def train(
             while step < end and not stop.requested:
                 local = next(iterator)
                 truncations.add(local, step + 1)
-                batch = _global_batch(local, shardings)
+                batch = global_batch(local, shardings, pad_id=pad_id, lengths_vary=lengths_vary)
                 state, metrics = train_step(state, frozen, batch)
                 pending.append(metrics)
                 step += 1
@@ -750,7 +751,12 @@ def _drafter_diffs(a: DrafterConfig, b: DrafterConfig) -> list[str]:
 
 
 def _eval_batches(
-    config: TrainConfig, paths: tuple[str, ...], heldout: int, tokenizer, shardings
+    config: TrainConfig,
+    paths: tuple[str, ...],
+    heldout: int,
+    tokenizer,
+    rows: BatchRows,
+    shardings,
 ) -> list[dict[str, jax.Array]]:
     """The first `config.eval_batches` batches of the held-out data (fixed for the whole run):
     `paths` whole, or with `heldout` the held-out part of them."""
@@ -759,15 +765,19 @@ def _eval_batches(
     data_cfg = DataConfig(
         paths=paths,
         seq_len=config.recipe.max_length,
-        batch_size=config.recipe.global_batch_size // jax.process_count(),
+        batch_size=len(rows.rows),
         seed=config.recipe.seed,
         num_epochs=None,
         turns=config.turns,
         heldout=heldout,
         part="heldout" if heldout else "train",
     )
-    iterator = make_iterator(data_cfg, tokenizer)
-    return [_global_batch(next(iterator), shardings) for _ in range(config.eval_batches)]
+    iterator = make_iterator(data_cfg, tokenizer, rows)
+    pad_id = resolve_pad_id(tokenizer, data_cfg.pad_id)
+    return [
+        global_batch(next(iterator), shardings, pad_id=pad_id, lengths_vary=False)
+        for _ in range(config.eval_batches)
+    ]
 
 
 def export_trained_drafter(

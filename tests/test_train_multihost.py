@@ -1,0 +1,200 @@
+"""Multi-host training on one machine: `dspark-jax train --distributed` as two processes with four
+CPU devices each, talking through jax.distributed (gloo collectives on CPU), each process reading
+its own rows of the grain input and writing its own part of the Orbax checkpoints.
+
+- Three steps of 2 processes x 4 devices equal three steps of 1 process x 8 devices (losses and
+  trained parameters, within float tolerance: the cross-process reductions sum in another order).
+- (slow) With two length buckets, the second process is killed while a checkpoint is being
+  written; both are restarted, resume from the last complete checkpoint and finish exactly as an
+  uninterrupted two-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from dspark_jax.cli.train import load_train_config
+from dspark_jax.training.trainer import train
+
+REPO = Path(__file__).parents[1]
+NUM_PROCESSES = 2
+LOCAL_DEVICES = 4
+TIMEOUT_S = 600
+
+CONFIG_FILE = """
+import dataclasses
+from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
+from dspark_jax.training.trainer import TrainConfig
+
+recipe = dataclasses.replace(TINY_RECIPE, global_batch_size=8, max_length=48, warmup_ratio=0.0)
+CONFIG = TrainConfig(
+    name="multihost-test",
+    target=TINY_TARGET,
+    drafter=dataclasses.replace(TINY_DSPARK_DRAFTER, num_anchors=8),
+    recipe=recipe,
+    data=({data!r},),
+    num_steps={num_steps},
+    anchors_per_chunk=4,
+    seq_lens={seq_lens!r},
+    log_every=1,
+    save_every=2,
+    keep_checkpoints=2,
+)
+"""
+
+# One process of the run. argv[1]: a step whose checkpoint the process dies in (SIGKILL after
+# writing its data-iterator item, before Orbax commits the step), or "" to run normally.
+CHILD = """
+import os, signal, sys
+import grain
+from dspark_jax.cli import main
+
+if sys.argv[1]:
+    original = grain.checkpoint.CheckpointHandler.save
+
+    def save_then_die(self, directory, item=None, args=None):
+        original(self, directory, item, args)
+        if f"/{sys.argv[1]}.orbax-checkpoint-tmp" in str(directory):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    grain.checkpoint.CheckpointHandler.save = save_then_die
+sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("multihost-data") / "train.jsonl"
+    source = (REPO / "dspark_jax" / "training" / "loss.py").read_text()
+    with open(path, "w") as f:
+        for k, i in enumerate(range(0, 40 * 80, 80)):
+            # Answers of 4..33 bytes: conversations of 21..50 tokens, in both buckets of (32, 48).
+            answer = source[i + 16 : i + 20 + (k * 29) % 30]
+            f.write(json.dumps({"turns": [source[i : i + 16], answer]}) + "\n")
+    return path
+
+
+def write_config(folder: Path, data: Path, num_steps: int, seq_lens) -> Path:
+    path = folder / "config.py"
+    path.write_text(CONFIG_FILE.format(data=str(data), num_steps=num_steps, seq_lens=seq_lens))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(cache_dir: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    return env
+
+
+class Processes:
+    """The processes of one distributed run, started on a fresh coordinator port."""
+
+    def __init__(self, config: Path, output: Path, logs: Path, *, cache_dir=None, die_at=None):
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs = logs
+        port = free_port()
+        self.procs = []
+        for rank in range(NUM_PROCESSES):
+            die = str(die_at) if die_at is not None and rank == 1 else ""
+            args = [sys.executable, "-c", textwrap.dedent(CHILD), die]
+            args += ["--config", str(config), "--output", str(output), "--no-progress"]
+            args += ["--distributed", "--coordinator-address", f"127.0.0.1:{port}"]
+            args += ["--num-processes", str(NUM_PROCESSES), "--process-id", str(rank)]
+            with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
+                self.procs.append(
+                    subprocess.Popen(args, env=child_env(cache_dir), stdout=out, stderr=err)
+                )
+
+    def log(self, rank: int) -> str:
+        return (self.logs / f"{rank}.err").read_text()[-3000:]
+
+    def wait(self, rank: int, timeout: float = TIMEOUT_S) -> int:
+        try:
+            return self.procs[rank].wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"process {rank} still running after {timeout} s:\n{self.log(rank)}")
+
+    def wait_all_ok(self) -> list[dict]:
+        """Every process's summary (the JSON that `dspark-jax train` prints at the end)."""
+        summaries = []
+        for rank in range(NUM_PROCESSES):
+            code = self.wait(rank)
+            if code != 0:
+                self.kill()
+                pytest.fail(f"process {rank} exited with {code}:\n{self.log(rank)}")
+            stdout = (self.logs / f"{rank}.out").read_text()
+            summaries.append(json.loads(stdout[stdout.index("{\n") :]))
+        return summaries
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def train_records(output: Path) -> list[dict]:
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def assert_same_training(got: list[dict], want: list[dict], rtol: float) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "ce", "l1", "bce", "grad_norm", "tau", "lr"):
+            np.testing.assert_allclose(a[key], b[key], rtol=rtol, err_msg=f"step {a['step']} {key}")
+
+
+def assert_same_params(got: Path, want: Path, atol: float) -> None:
+    a, b = (
+        load_file(got / "drafter" / "model.safetensors"),
+        load_file(want / "drafter" / "model.safetensors"),
+    )
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=0, atol=atol, err_msg=key)
+
+
+def test_two_processes_train_like_one(data_file, tmp_path):
+    config = write_config(tmp_path, data_file, num_steps=3, seq_lens=None)
+    # The two-process run goes on in the background while this process trains on its 8 devices.
+    run = Processes(config, tmp_path / "two", tmp_path / "logs")
+    try:
+        one = train(load_train_config(str(config)), tmp_path / "one", progress=False)
+    finally:
+        summaries = run.wait_all_ok()
+    assert [s["step"] for s in summaries] == [3, 3] and one.final_step == 3
+    # Process 0 writes the metrics and the exported drafter; every process saves its iterator.
+    assert summaries[0]["export"] and summaries[1]["export"] is None
+    data_items = sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "3" / "data").iterdir())
+    assert [n for n in data_items if n.endswith(".json")] == [
+        "process_0-of-2.json",
+        "process_1-of-2.json",
+    ]
+    one_records = train_records(tmp_path / "one")
+    assert len({r["loss"] for r in one_records}) == 3
+    assert_same_training(train_records(tmp_path / "two"), one_records, rtol=1e-5)
+    assert_same_params(tmp_path / "two", tmp_path / "one", atol=1e-5)
