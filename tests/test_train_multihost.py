@@ -11,8 +11,10 @@ its own rows of the grain input and writing its own part of the Orbax checkpoint
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from dspark_jax.cli.train import load_train_config
+from dspark_jax.tokenizer import load_tokenizer
+from dspark_jax.training.data import BatchRows, DataConfig, make_iterator
 from dspark_jax.training.trainer import train
 
 REPO = Path(__file__).parents[1]
@@ -198,3 +202,102 @@ def test_two_processes_train_like_one(data_file, tmp_path):
     assert len({r["loss"] for r in one_records}) == 3
     assert_same_training(train_records(tmp_path / "two"), one_records, rtol=1e-5)
     assert_same_params(tmp_path / "two", tmp_path / "one", atol=1e-5)
+
+
+@pytest.mark.slow
+def test_killed_process_then_restart_of_both_resumes_from_last_checkpoint(data_file, tmp_path):
+    config = write_config(tmp_path, data_file, num_steps=6, seq_lens=(32, 48))
+    # Each process buckets its own rows: in some steps the two batches differ in length and are
+    # padded to the longer one to make the global batch.
+    cfg = load_train_config(str(config))
+    data_cfg = DataConfig(
+        paths=cfg.data, seq_len=48, seq_lens=cfg.seq_lens, batch_size=4, seed=cfg.recipe.seed
+    )
+    tokenizer = load_tokenizer(cfg.target)
+    lengths = [
+        [batch["tokens"].shape[1] for batch in itertools.islice(stream, 6)]
+        for stream in (
+            make_iterator(data_cfg, tokenizer, BatchRows.of_process(rank, NUM_PROCESSES, 4))
+            for rank in range(NUM_PROCESSES)
+        )
+    ]
+    assert any(a != b for a, b in zip(*lengths, strict=True)), lengths
+    cache = tmp_path / "jax-cache"
+    reference = Processes(config, tmp_path / "reference", tmp_path / "logs-ref", cache_dir=cache)
+    reference.wait_all_ok()
+    want = train_records(tmp_path / "reference")
+    assert len({r["loss"] for r in want}) == 6
+
+    out = tmp_path / "run"
+    crashed = Processes(config, out, tmp_path / "logs-crash", cache_dir=cache, die_at=4)
+    assert crashed.wait(1) == -signal.SIGKILL, crashed.log(1)
+    # Process 0 is left waiting for its peer (it would abort by itself once the coordination
+    # service misses process 1's heartbeats); the job is torn down as a scheduler would.
+    crashed.kill()
+    ckpt = out / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["2", "4.orbax-checkpoint-tmp"]
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4]
+
+    restarted = Processes(config, out, tmp_path / "logs-restart", cache_dir=cache)
+    summaries = restarted.wait_all_ok()
+    assert [(s["resumed_from"], s["step"]) for s in summaries] == [(2, 6), (2, 6)]
+    assert "incomplete checkpoint 4.orbax-checkpoint-tmp" in restarted.log(0)
+    resumed = train_records(out)[4:]
+    # The same two-process programs on the same data: the resumed steps are bit-identical.
+    assert_same_training(resumed, want[2:], rtol=0)
+    assert_same_params(out, tmp_path / "reference", atol=0)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["4", "6"]
+
+
+# SLURM's srun on one machine: the command once per task, with the variables srun gives a task
+# (all on node "localhost"), and the device ids the launcher exported for jax.
+FAKE_SRUN = """#!/usr/bin/env bash
+echo "$JAX_LOCAL_DEVICE_IDS" > "$LOGS/local_device_ids"
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+    SLURM_PROCID=$i SLURM_LOCALID=0 SLURM_STEP_NODELIST=localhost \\
+        "$@" > "$LOGS/$i.out" 2> "$LOGS/$i.err" &
+    pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit $rc
+"""
+
+
+@pytest.mark.slow
+def test_slurm_launcher_runs_two_nodes_under_a_stand_in_srun(tmp_path):
+    bin_dir, logs, out = tmp_path / "bin", tmp_path / "logs", tmp_path / "run"
+    bin_dir.mkdir()
+    logs.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(0o755)
+    env = child_env(None)
+    env.update(
+        PATH=os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env["PATH"]]),
+        LOGS=str(logs),
+        SLURM_JOB_ID="1",
+        SLURM_NTASKS=str(NUM_PROCESSES),
+        SLURM_GPUS_ON_NODE=str(LOCAL_DEVICES),
+        JAX_COORDINATOR_PORT=str(free_port()),
+        CONFIG="tiny-dspark",
+        OUTPUT=str(out),
+    )
+    launcher = REPO / "train" / "slurm_multinode.sbatch"
+    proc = subprocess.run(
+        ["bash", str(launcher), "--steps", "2", "--eval-data", "--no-export"],
+        env=env,
+        cwd=tmp_path,
+        timeout=TIMEOUT_S,
+    )
+    errors = [(logs / f"{rank}.err").read_text()[-3000:] for rank in range(NUM_PROCESSES)]
+    assert proc.returncode == 0, errors
+    # jax's SLURM detection alone would narrow each process to the GPU of its local rank.
+    assert (logs / "local_device_ids").read_text().strip() == "0,1,2,3"
+    for rank in range(NUM_PROCESSES):
+        stdout = (logs / f"{rank}.out").read_text()
+        assert json.loads(stdout[stdout.index("{\n") :])["step"] == 2
+    assert [r["step"] for r in train_records(out)] == [2]
+    data_items = sorted(p.name for p in (out / "checkpoints" / "2" / "data").glob("*.json"))
+    assert data_items == ["process_0-of-2.json", "process_1-of-2.json"]

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Train on a TPU pod slice: run this same script on every host of the slice, e.g.
+# Train on a TPU pod slice: run this same script on every host of the slice at once, e.g.
 #
-#   gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=all \
-#       --command "cd dspark-jax && CONFIG=dspark-qwen3-8b DATA=gs://... bash train/tpu_pod.sh"
+#   gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=all --command \
+#       "cd dspark-jax && CONFIG=dspark-qwen3-8b DATA=/mnt/shared/answers.jsonl \
+#        OUTPUT=/mnt/shared/runs/dspark-qwen3-8b bash train/tpu_pod.sh"
 #
 # --distributed starts jax.distributed, which finds the slice's hosts by itself. The mesh shards
-# parameters and optimizer state over every chip (fsdp = -1) and the batch along with them; the
-# output folder must be shared by the hosts (a bucket mount or NFS), since all write checkpoints.
+# parameters and optimizer state over every chip (fsdp = -1) and the batch along with them. DATA
+# are local paths (not gs:// URLs) that every host can read, and OUTPUT must be one folder shared
+# by all hosts (NFS / Filestore, or a bucket mounted with gcsfuse): each host writes its part of
+# every checkpoint. See docs/training.md.
 set -euo pipefail
 
 CONFIG=${CONFIG:-dspark-qwen3-8b}
