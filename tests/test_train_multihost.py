@@ -83,8 +83,11 @@ def data_file(tmp_path_factory) -> Path:
     with open(path, "w") as f:
         for k, i in enumerate(range(0, 40 * 80, 80)):
             # Answers of 4..33 bytes: conversations of 21..50 tokens, in both buckets of (32, 48).
-            answer = source[i + 16 : i + 20 + (k * 29) % 30]
-            f.write(json.dumps({"turns": [source[i : i + 16], answer]}) + "\n")
+            messages = [
+                {"role": "user", "content": source[i : i + 16]},
+                {"role": "assistant", "content": source[i + 16 : i + 20 + (k * 29) % 30]},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
     return path
 
 
@@ -249,9 +252,11 @@ def test_killed_process_then_restart_of_both_resumes_from_last_checkpoint(data_f
     assert sorted(p.name for p in ckpt.iterdir()) == ["4", "6"]
 
 
-# SLURM's srun on one machine: the command once per task, with the variables srun gives a task
-# (all on node "localhost"), and the device ids the launcher exported for jax.
+# SLURM's srun on one machine: srun's options are dropped and the command runs once per task, with
+# the variables srun gives a task (all on node "localhost"); the device ids the launcher exported
+# for jax are recorded.
 FAKE_SRUN = """#!/usr/bin/env bash
+while [[ $1 == -* ]]; do shift; done
 echo "$JAX_LOCAL_DEVICE_IDS" > "$LOGS/local_device_ids"
 pids=()
 for ((i = 0; i < SLURM_NTASKS; i++)); do
