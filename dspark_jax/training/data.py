@@ -24,8 +24,8 @@ examples at its rows of every global batch (`BatchRows`: the rows its devices ho
 sharding). With one length bucket the global batch assembled from the processes' batches is
 therefore the same whatever the number of processes, and processes holding the same rows (a batch
 replicated across hosts) read the same examples. With finite epochs the stream's last
-`len % G` examples are dropped. Conversations are never packed together (the target forward then
-needs no segment ids).
+(epochs x conversations) % G examples are dropped. Conversations are never packed together (the
+target forward then needs no segment ids).
 
 Length buckets (`DataConfig.seq_lens`, ascending): each conversation is right-padded to the
 smallest bucket that holds it; longer ones are truncated to the largest bucket (batches report
@@ -101,13 +101,13 @@ class DataConfig:
     `seq_len` is the maximum sequence length. `seq_lens` are the length buckets, strictly
     ascending and ending at `seq_len`; None means the single bucket `(seq_len,)` (and is stored
     as that). `batch_size` is per process (the number of its `BatchRows.rows`). `num_epochs`
-    None repeats forever. `pad_id` None pads
-    with the tokenizer's pad token, or EOS when it has none. `skip_bad_records` skips malformed
-    lines and records without assistant content (logging the count) instead of raising. `turns`
-    says how `{"turns": [...]}` records are read (`TURNS_AS`): "prompts" refuses them (user turns
-    only, nothing to train on), "dialogue" reads them as alternating user and assistant messages.
-    `heldout` > 0 splits the conversations of `paths` (see the module doc) and `part` picks
-    "train" (all but the held-out ones) or "heldout".
+    None repeats forever. `pad_id` None pads with the tokenizer's pad token, or EOS when it has
+    none. `skip_bad_records` skips malformed lines and records without assistant content (logging
+    the count) instead of raising. `turns` says how `{"turns": [...]}` records are read
+    (`TURNS_AS`): "prompts" refuses them (user turns only, nothing to train on), "dialogue" reads
+    them as alternating user and assistant messages. `heldout` > 0 splits the conversations of
+    `paths` (see the module doc) and `part` picks "train" (all but the held-out ones) or
+    "heldout".
     """
 
     paths: tuple[str, ...]
@@ -567,17 +567,15 @@ def pad_batch(batch: Mapping[str, np.ndarray], seq_len: int, pad_id: int) -> dic
 def global_batch(
     local: Mapping[str, np.ndarray],
     shardings: Mapping[str, jax.sharding.Sharding],
-    *,
-    pad_id: int,
-    lengths_vary: bool,
+    pad_id: int | None = None,
 ) -> dict[str, jax.Array]:
     """The global arrays (one per key of `shardings`) assembled from every process's `local` batch.
 
-    `lengths_vary` (several length buckets): with several processes, they agree on the longest of
-    their batches' lengths with a host all-gather and pad to it, since every process must build
-    the same global shape.
+    Give `pad_id` when batches come from several length buckets: several processes then agree on
+    the longest of their batches' lengths with a host all-gather and pad to it, since every
+    process must build the same global shape.
     """
-    if lengths_vary and jax.process_count() > 1:
+    if pad_id is not None and jax.process_count() > 1:
         lengths = process_allgather(np.asarray(local["tokens"].shape[1], np.int32))
         local = pad_batch(local, int(np.max(lengths)), pad_id)
     return {

@@ -467,7 +467,8 @@ def train(
         heldout=heldout,
     )
     iterator = make_iterator(data_cfg, tokenizer, rows)
-    pad_id, lengths_vary = resolve_pad_id(tokenizer, data_cfg.pad_id), len(data_cfg.seq_lens) > 1
+    # Processes bucket their own rows: with several buckets they pad to a common length.
+    pad_id = resolve_pad_id(tokenizer, data_cfg.pad_id) if len(data_cfg.seq_lens) > 1 else None
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
     record = config.run_record(total_steps, num_microbatches)
     resumed_from = checkpointer.latest_step()
@@ -574,7 +575,7 @@ def train(
             while step < end and not stop.requested:
                 local = next(iterator)
                 truncations.add(local, step + 1)
-                batch = global_batch(local, shardings, pad_id=pad_id, lengths_vary=lengths_vary)
+                batch = global_batch(local, shardings, pad_id)
                 state, metrics = train_step(state, frozen, batch)
                 pending.append(metrics)
                 step += 1
@@ -773,11 +774,7 @@ def _eval_batches(
         part="heldout" if heldout else "train",
     )
     iterator = make_iterator(data_cfg, tokenizer, rows)
-    pad_id = resolve_pad_id(tokenizer, data_cfg.pad_id)
-    return [
-        global_batch(next(iterator), shardings, pad_id=pad_id, lengths_vary=False)
-        for _ in range(config.eval_batches)
-    ]
+    return [global_batch(next(iterator), shardings) for _ in range(config.eval_batches)]
 
 
 def export_trained_drafter(
