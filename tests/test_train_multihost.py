@@ -4,9 +4,10 @@ its own rows of the grain input and writing its own part of the Orbax checkpoint
 
 - Three steps of 2 processes x 4 devices equal three steps of 1 process x 8 devices (losses and
   trained parameters, within float tolerance: the cross-process reductions sum in another order).
-- (slow) With two length buckets, the second process is killed while a checkpoint is being
-  written; both are restarted, resume from the last complete checkpoint and finish exactly as an
-  uninterrupted two-process run.
+- (slow) Parameters sharded over both processes and two length buckets: the second process is
+  killed while a checkpoint is being written; both are restarted, resume from the last complete
+  checkpoint and finish exactly as an uninterrupted two-process run.
+- (slow) `train/slurm_multinode.sbatch` runs two "nodes" under a stand-in `srun`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ TIMEOUT_S = 600
 CONFIG_FILE = """
 import dataclasses
 from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
+from dspark_jax.sharding import MeshConfig
 from dspark_jax.training.trainer import TrainConfig
 
 recipe = dataclasses.replace(TINY_RECIPE, global_batch_size=8, max_length=48, warmup_ratio=0.0)
@@ -48,6 +50,7 @@ CONFIG = TrainConfig(
     recipe=recipe,
     data=({data!r},),
     num_steps={num_steps},
+    mesh=MeshConfig(*{mesh!r}),
     anchors_per_chunk=4,
     seq_lens={seq_lens!r},
     log_every=1,
@@ -91,9 +94,10 @@ def data_file(tmp_path_factory) -> Path:
     return path
 
 
-def write_config(folder: Path, data: Path, num_steps: int, seq_lens) -> Path:
+def write_config(folder: Path, data: Path, num_steps: int, seq_lens, mesh) -> Path:
     path = folder / "config.py"
-    path.write_text(CONFIG_FILE.format(data=str(data), num_steps=num_steps, seq_lens=seq_lens))
+    text = CONFIG_FILE.format(data=str(data), num_steps=num_steps, seq_lens=seq_lens, mesh=mesh)
+    path.write_text(text)
     return path
 
 
@@ -186,7 +190,8 @@ def assert_same_params(got: Path, want: Path, atol: float) -> None:
 
 
 def test_two_processes_train_like_one(data_file, tmp_path):
-    config = write_config(tmp_path, data_file, num_steps=3, seq_lens=None)
+    # Data parallel: every process holds the whole drafter, the batch is split over 8 devices.
+    config = write_config(tmp_path, data_file, num_steps=3, seq_lens=None, mesh=(-1, 1, 1))
     # The two-process run goes on in the background while this process trains on its 8 devices.
     run = Processes(config, tmp_path / "two", tmp_path / "logs")
     try:
@@ -209,7 +214,8 @@ def test_two_processes_train_like_one(data_file, tmp_path):
 
 @pytest.mark.slow
 def test_killed_process_then_restart_of_both_resumes_from_last_checkpoint(data_file, tmp_path):
-    config = write_config(tmp_path, data_file, num_steps=6, seq_lens=(32, 48))
+    # fsdp over both processes: each holds and checkpoints only its shards of the parameters.
+    config = write_config(tmp_path, data_file, num_steps=6, seq_lens=(32, 48), mesh=(1, -1, 1))
     # Each process buckets its own rows: in some steps the two batches differ in length and are
     # padded to the longer one to make the global batch.
     cfg = load_train_config(str(config))
