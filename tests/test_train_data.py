@@ -440,3 +440,21 @@ def test_heldout_split_is_by_content(tmp_path):
         JsonlConversationSource([path], heldout=40)
     with pytest.raises(DataError, match="needs heldout > 0"):
         DataConfig(paths=(path,), seq_len=8, batch_size=1, part="heldout")
+
+
+def test_heldout_part_is_read_by_rows_like_one_process(tmp_path):
+    """The evaluation batches of a multi-process run: each process reads its rows of the held-out
+    part, repeated forever since it can hold fewer conversations than a global batch; assembled,
+    they are the batches one process reads."""
+    path = write_jsonl(tmp_path / "a.jsonl", [json.dumps(record(i)) for i in range(40)])
+    config = DataConfig(
+        paths=(path,), seq_len=64, batch_size=2, num_epochs=None, heldout=3, part="heldout"
+    )
+    held = examples(take(make_iterator(dataclasses.replace(config, batch_size=4), BYTES), 3))
+    assert len(held) == 12 and len(set(held)) == 3
+    assert set(held) == set(examples(take(make_iterator(config, BYTES, BatchRows((0, 1), 2)), 2)))
+    seen = [
+        examples(take(make_iterator(config, BYTES, BatchRows.of_process(p, 2, 2)), 3))
+        for p in range(2)
+    ]
+    assert held == [e for k in range(3) for p in range(2) for e in seen[p][2 * k : 2 * k + 2]]

@@ -6,7 +6,8 @@
 
 Running again with the same --output resumes from the newest complete checkpoint; with a larger
 --steps it extends a finished run. --data without --eval-data holds out a deterministic share of
-the data for evaluation (and says so). Ctrl-C saves a checkpoint and exits with status 130.
+the data for evaluation (and says so). Ctrl-C (single process) saves a checkpoint and exits with
+status 130.
 """
 
 from __future__ import annotations

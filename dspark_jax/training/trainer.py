@@ -569,6 +569,9 @@ def train(
         )
         (bar.write if bar is not None else logger.warning)(message)
 
+    # With several processes each would take the signal at its own step and they could not save
+    # one checkpoint together (nor stop at one step without a host round trip every step), so a
+    # multi-process job is stopped as usual and resumes from its last `save_every` checkpoint.
     stop = _StopOnInterrupt(jax.process_count() == 1, announce_stop)
     try:
         with stop:
