@@ -36,7 +36,8 @@ import jax
 import numpy as np
 from provenance import git_commit
 
-from dspark_jax.conversations import load_conversations
+from dspark_jax.calibration.sts import StsArtifact
+from dspark_jax.conversations import read_turns
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Observer, Request
 from dspark_jax.decoding.engine import Engine, EngineConfig
@@ -72,7 +73,7 @@ def chat_prompts(path: str, tokenizer, n: int) -> list[list[int]]:
     """The first turn of the first `n` conversations of an eval_datasets JSONL file, encoded."""
     return [
         encode_chat(tokenizer, [{"role": "user", "content": turns[0]}])
-        for turns in load_conversations(path, limit=n)
+        for turns in read_turns(path, limit=n)
     ]
 
 
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--draft", default=str(EMBEDDED_DIR / "draft"))
     parser.add_argument("--prompts", help="eval_datasets-style JSONL (chat models)")
     parser.add_argument("--sps-table", help="folder of sps_c{c}.json tables (else profiled)")
+    parser.add_argument("--sts", help="STS artifact (dspark-jax calibrate) for the drafter")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--prompt-tokens", type=int, default=48, help="byte-model prompt length")
@@ -178,6 +180,9 @@ def main() -> None:
     lengths = tuple(int(n) for n in args.lengths.split(","))
     models = load_decoding_models(args.target, args.draft, progress=False)
     target, drafter, gamma = models.target, models.drafter, models.gamma
+    sts = StsArtifact.load(args.sts) if args.sts else None
+    if sts is not None:
+        sts.check(models.drafter_fingerprint, args.temperature, gamma)
     n_prompts = max(levels) * args.requests_per_client
     if args.prompts:
         prompts = chat_prompts(args.prompts, models.tokenizer, n_prompts)
@@ -212,7 +217,15 @@ def main() -> None:
             return {**cell, "setting": setting}
 
         def spec(policy, cfg=cfg):
-            return Engine(target, drafter, cfg, policy=policy, stop_tokens=models.stop_tokens)
+            return Engine(
+                target,
+                drafter,
+                cfg,
+                policy=policy,
+                stop_tokens=models.stop_tokens,
+                sts=sts,
+                drafter_fingerprint=models.drafter_fingerprint,
+            )
 
         cells = {"no speculation": measure(Engine(target, None, cfg))}
         cells["fixed gamma"] = measure(spec(None))
@@ -238,6 +251,7 @@ def main() -> None:
         "target": args.target,
         "draft": args.draft,
         "temperature": args.temperature,
+        "sts": args.sts,
         "lengths": lengths,
         "requests_per_client": args.requests_per_client,
         "sps_tables": tables,
