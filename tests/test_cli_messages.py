@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from importlib.metadata import version
 
+import pytest
+
 from dspark_jax.cli import main
 from dspark_jax.embedded import EMBEDDED_DRAFT
 
@@ -32,3 +34,57 @@ def test_existing_export_names_the_flag(tmp_path, capsys):
     assert main(["export", "--draft", str(EMBEDDED_DRAFT), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "use --overwrite" in err and "overwrite=True" not in err
+
+
+def _policy_args(*argv: str):
+    import argparse
+
+    from dspark_jax.cli.args import add_policy_arguments
+
+    parser = argparse.ArgumentParser()
+    add_policy_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--policy", "threshold"], "--policy threshold needs --threshold"),
+        (["--policy", "cumulative-threshold"], "needs --threshold"),
+        (["--policy", "scheduler"], "--policy scheduler needs --sps-table"),
+        (["--policy", "async-scheduler"], "needs --sps-table"),
+        (["--sts", "sts.json"], "--policy fixed reads none"),
+    ],
+)
+def test_policy_flags_are_named(argv, fragment):
+    """A policy without its setting names the flag to add; --sts with the fixed policy, which
+    reads no confidence, is refused rather than silently ignored."""
+    from dspark_jax.cli.args import build_policy
+    from dspark_jax.decoding.policies import PolicyError
+
+    with pytest.raises(PolicyError, match=fragment):
+        build_policy(_policy_args(*argv), 7)
+    assert build_policy(_policy_args("--policy", "threshold", "--threshold", "0.5"), 7)
+
+
+def test_eval_says_why_when_speculation_loses():
+    from types import SimpleNamespace
+
+    from dspark_jax.cli.report import speedup_note
+
+    def report(name, speedup, tau):
+        return SimpleNamespace(name=name, speedup=speedup, stats=SimpleNamespace(tau=tau))
+
+    assert speedup_note([report("a", 1.4, 3.0), report("b", None, 2.0)]) is None
+    note = speedup_note([report("a", 1.4, 3.0), report("b", 0.3, 2.5), report("c", 0.8, 2.9)])
+    assert note.startswith("note: speculation was slower than plain decoding on b, c")
+    assert "0.30x at tau 2.50" in note and "\n" not in note
+
+
+def test_profile_warns_on_a_non_monotonic_sps_table():
+    from dspark_jax.cli.profile import non_monotonic_warning
+
+    assert non_monotonic_warning([1, 2, 4], [100.0, 90.0, 60.0]) is None
+    warning = non_monotonic_warning([1, 2, 4, 8], [100.0, 90.0, 95.0, 50.0])
+    assert warning.startswith("warning: the SPS table is not monotonic")
+    assert "4 tokens (95.0/s) > 2 (90.0/s)" in warning and "8 tokens" not in warning

@@ -248,6 +248,18 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_policy(args: argparse.Namespace, block_size: int) -> Policy:
     """The policy named by --policy for a drafter with `block_size` drafts per block."""
+    if args.policy in ("threshold", "cumulative-threshold") and args.threshold is None:
+        raise PolicyError(f"--policy {args.policy} needs --threshold (a confidence in (0, 1))")
+    if args.policy in ("scheduler", "async-scheduler") and not args.sps_table:
+        raise PolicyError(
+            f"--policy {args.policy} needs --sps-table (measure one with dspark-jax profile)"
+        )
+    if getattr(args, "sts", None) and args.policy == "fixed":
+        raise PolicyError(
+            "--sts calibrates the confidences that the threshold and scheduler policies read; "
+            "--policy fixed reads none, so it would change nothing: drop --sts or choose "
+            "another --policy"
+        )
     sps = SpsProfile.load(args.sps_table) if args.sps_table else None
     gamma = block_size if args.gamma is None else args.gamma
     if not 0 <= gamma <= block_size:

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         request_positions,
         sampling_from_args,
     )
-    from dspark_jax.cli.report import format_table, plot_reports
+    from dspark_jax.cli.report import format_table, plot_reports, speedup_note
     from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.evaluate import evaluate_dataset
 
@@ -137,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(format_table(reports))
+    note = speedup_note(reports)
+    if note:
+        print(note)
     written = [out / JSON_NAME, out / PLOT_NAME]
     records_path = None
     if models.drafter.confidence_head is not None and any(r.rounds for r in results):

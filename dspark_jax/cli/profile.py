@@ -10,6 +10,7 @@ like every other command; `--config NAME` measures a named architecture with ran
 from __future__ import annotations
 
 import argparse
+import sys
 
 # Short names for the configs one profiles most.
 ALIASES = {"tiny": "tiny-vanilla-target"}
@@ -159,7 +160,29 @@ def run(args: argparse.Namespace) -> int:
     )
     profile.save(args.out)
     print(f"wrote {args.out} ({profile.meta['device']}, {profile.meta['date']})")
+    warning = non_monotonic_warning(profile.buckets, profile.sps)
+    if warning:
+        print(warning, file=sys.stderr)
     if args.plot:
         plot_profile(profile, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def non_monotonic_warning(buckets, sps) -> str | None:
+    """A warning when a bigger step measured faster than a smaller one: the scheduler reads that
+    as 'verifying more is free' up to the bump and may then stop short after it (timing noise on
+    a busy machine, or a bucket padded to a faster shape)."""
+    bumps = [
+        f"{b} tokens ({s:.1f}/s) > {prev_b} ({prev_s:.1f}/s)"
+        for prev_b, prev_s, b, s in zip(buckets, sps, buckets[1:], sps[1:], strict=False)
+        if s > prev_s
+    ]
+    if not bumps:
+        return None
+    return (
+        "warning: the SPS table is not monotonic -- larger steps measured faster at "
+        + "; ".join(bumps)
+        + ". The scheduler trusts these numbers; re-profile on a quiet machine or with more "
+        "--repeats before serving with it"
+    )

@@ -71,6 +71,22 @@ def generation_summary(
 
 
 # -- eval --------------------------------------------------------------------------------------
+def speedup_note(reports: Sequence[DatasetReport]) -> str | None:
+    """One line when speculation lost somewhere (speedup < 1): where, and the usual reason."""
+    slower = [r for r in reports if r.speedup is not None and r.speedup < 1]
+    if not slower:
+        return None
+    worst = min(slower, key=lambda r: r.speedup)
+    names = ", ".join(r.name for r in slower)
+    return (
+        f"note: speculation was slower than plain decoding on {names} (down to "
+        f"{worst.speedup:.2f}x at tau {worst.stats.tau:.2f}): a round costs a drafter pass plus "
+        "a verification of every drafted token, which pays only where a target step is "
+        "memory-bound (accelerators at small batch) and tau is high; on a CPU, or with a "
+        "drafter close to the target's size, it does not"
+    )
+
+
 def format_table(reports: Sequence[DatasetReport]) -> str:
     """A fixed-width table: one row per dataset, then per-position acceptance and survival."""
     if not reports:
