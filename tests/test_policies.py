@@ -7,6 +7,7 @@ by hand, then samples through prefill, drafting, the policy, verification and co
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -53,57 +54,46 @@ def test_threshold_policy_is_threshold_lengths_on_sigmoid():
         policies.ThresholdPolicy(0.5).step(None, active, ())
 
 
-def test_rectangle_table_is_the_padded_verify_cost():
-    sps_w = jnp.array([10.0, 8.0, 5.0])  # buckets 1, 2, 4
-    table = policies.rectangle_sps_table(sps_w, (1, 2, 4), jnp.int32(3), 14)
-    # 3 rows: <= 3 tokens fit width 1, <= 6 width 2, <= 12 width 4, more fit nothing.
-    want = [10] * 4 + [8] * 3 + [5] * 6 + [0, 0]
-    np.testing.assert_array_equal(table, want)
-
-
-def test_one_row_table_is_a_step_function_of_the_buckets():
-    table = policies.rectangle_sps_table(jnp.array([10.0, 9.0, 8.0, 4.0]), (1, 2, 4, 8), 1, 10)
-    np.testing.assert_allclose(table, [10, 10, 9, 8, 8, 4, 4, 4, 4, 0, 0])
+def test_table_is_a_step_function_of_the_token_buckets():
+    """A step verifying B tokens costs what the smallest profiled bucket >= B costs; past the
+    largest bucket nothing can be scheduled (0 steps/s)."""
+    profile = policies.SpsProfile((1, 2, 4, 8), [10.0, 9.0, 8.0, 4.0])
+    np.testing.assert_allclose(profile.table(10), [10, 10, 9, 8, 8, 4, 4, 4, 4, 0, 0])
     with pytest.raises(policies.SpsProfileError, match="increasing"):
-        policies.SpsProfile((1,), (4, 2), [[1.0, 1.0]])
+        policies.SpsProfile((4, 2), [1.0, 1.0])
     with pytest.raises(policies.SpsProfileError, match="positive"):
-        policies.SpsProfile((1,), (1, 2), [[1.0, 0.0]])
+        policies.SpsProfile((1, 2), [1.0, 0.0])
+    with pytest.raises(policies.SpsProfileError, match=r"\[buckets\]"):
+        policies.SpsProfile((1, 2), [[1.0, 1.0]])
 
 
 def test_sps_profile_round_trip_and_errors(tmp_path):
-    profile = policies.SpsProfile(
-        (1, 4), (1, 2, 8), [[9.0, 8.0, 6.0], [7.0, 6.0, 2.0]], {"device": "cpu", "date": "today"}
-    )
+    profile = policies.SpsProfile((1, 2, 8), [9.0, 8.0, 6.0], {"device": "cpu", "date": "today"})
     profile.save(tmp_path / "sps.json")
     loaded = policies.SpsProfile.load(tmp_path / "sps.json")
-    assert loaded.batch_sizes == (1, 4) and loaded.buckets == (1, 2, 8)
-    np.testing.assert_array_equal(loaded.sps_bw, profile.sps_bw)
+    assert loaded.buckets == (1, 2, 8)
+    np.testing.assert_array_equal(loaded.sps, profile.sps)
     assert loaded.meta == {"device": "cpu", "date": "today"}
-    np.testing.assert_array_equal(loaded.row(3), [7.0, 6.0, 2.0])  # smallest profiled >= 3
-    with pytest.raises(policies.SpsProfileError, match="exceeds"):
-        loaded.row(5)
-    # Packed: the fastest rectangle that holds n tokens (1x1, 1x2, 4x1, 4x2, 1x8, 4x8).
-    np.testing.assert_array_equal(loaded.packed_table(9), [9, 9, 8, 7, 7, 6, 6, 6, 6, 2])
-    with pytest.raises(policies.SpsProfileError, match="increasing"):
-        policies.SpsProfile((4, 1), (1,), [[1.0], [1.0]])
-    with pytest.raises(policies.SpsProfileError, match="positive"):
-        policies.SpsProfile((1,), (1, 2), [[1.0, 0.0]])
+    np.testing.assert_array_equal(loaded.table(9), [9, 9, 8, 6, 6, 6, 6, 6, 6, 0])
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(policies.SpsProfileError, match="not an SPS table"):
         policies.SpsProfile.load(tmp_path / "bad.json")
+    (tmp_path / "missing.json").write_text(json.dumps({"format": policies.SPS_FORMAT}))
+    with pytest.raises(policies.SpsProfileError, match="lacks"):
+        policies.SpsProfile.load(tmp_path / "missing.json")
 
 
-def test_prefix_policy_with_profile_matches_algorithm_1_on_the_rectangle_table():
-    profile = policies.SpsProfile((2, 4), (1, 2, 4, 8), [[9, 9, 8, 6], [8, 8, 7, 4]])
+def test_prefix_policy_with_profile_matches_algorithm_1_on_its_table():
+    profile = policies.SpsProfile((4, 8, 16, 32), [9.0, 8.0, 7.0, 4.0])
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(1.0, 1.5, size=(4, 7)), jnp.float32)
     active = jnp.array([True, False, True, True])
     lengths, _ = jax.jit(policies.PrefixSchedulePolicy(profile).step)(logits, active, ())
-    table = policies.rectangle_sps_table(
-        jnp.asarray(profile.row(4), jnp.float32), profile.buckets, jnp.int32(3), 32
-    )
+    # 4 slots x (anchor + 7 drafts): the table covers up to 32 verified tokens.
+    table = jnp.asarray(profile.table(32), jnp.float32)
     want = scheduler.prefix_schedule(jax.nn.sigmoid(logits), table, True, active)
     np.testing.assert_array_equal(lengths, want)
+    assert int(lengths[1]) == 0  # the inactive slot verifies nothing
 
 
 def test_async_policy_uses_capacity_from_two_rounds_before():
