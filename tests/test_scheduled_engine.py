@@ -141,5 +141,7 @@ def test_profile_buckets_must_match_the_engine():
     with pytest.raises(EngineError, match="differ from the SPS profile"):
         Engine(target, drafter, dataclasses.replace(CFG, token_buckets=(8, 32)), policy=policy)
     small = policies.SpsProfile((4, 8, 16), [3.0, 2.0, 1.0])
+    # Buckets left to the profile, which stops short of every slot verifying its whole block.
+    unset = dataclasses.replace(CFG, token_buckets=None)
     with pytest.raises(EngineError, match="num_slots x \\(gamma \\+ 1\\)"):
-        Engine(target, drafter, CFG, policy=policies.PrefixSchedulePolicy(small))
+        Engine(target, drafter, unset, policy=policies.PrefixSchedulePolicy(small))
