@@ -144,6 +144,51 @@ def test_no_compilation_after_warmup(setup):
     assert before == len(spec.prefill_widths) + 3  # prefills, decode, release, init
 
 
+def _prefilled(spec, max_new_tokens):
+    """A batcher whose requests (one per entry of `max_new_tokens`) are prefilled and live."""
+    batcher = Batcher(spec)
+    for r, n in zip(_mixed_requests(GREEDY), max_new_tokens, strict=False):
+        batcher.submit(dataclasses.replace(r, max_new_tokens=n), lambda *a: None)
+    batcher._drain_inbox()
+    batcher._admit()
+    while batcher.prefilling:
+        batcher._read_prefill(*batcher._dispatch_prefill())
+    return batcher
+
+
+def test_a_chunk_yields_when_a_request_finishes(setup):
+    """With yield_on_finish the chunk ends in the round a request finishes; without it, the
+    other slots run the chunk's remaining rounds. Both modes are one program."""
+    _, _, _, spec = setup
+    before = spec.compiled_programs()
+    rounds = {}
+    for flag in (False, True):
+        batcher = _prefilled(spec, (3, 100))
+        _, out = spec.decode_chunk(batcher.state, yield_on_finish=flag)
+        assert np.asarray(out.finished_s).sum() == 1  # the 3-token request, in round 1 or 2
+        rounds[flag] = int((np.asarray(out.verified_sr) >= 0).any(axis=0).sum())
+    assert rounds[True] <= 2 and rounds[False] == CFG.rounds_per_chunk
+    assert spec.compiled_programs() == before
+
+
+def test_a_freed_slot_is_refilled_in_the_next_chunk_when_requests_wait(setup):
+    """Under load the loop reads the chunk in flight before dispatching the next, so a request
+    waiting for a slot is admitted (and prefilled) in the step right after the chunk in which
+    a slot freed -- not one chunk later."""
+    _, _, _, spec = setup
+    batcher = Batcher(spec)
+    slots = spec.cfg.num_slots
+    requests = [dataclasses.replace(r, max_new_tokens=100) for r in _mixed_requests(GREEDY)]
+    requests = [dataclasses.replace(requests[0], max_new_tokens=3), *requests[1 : slots + 1]]
+    handles = [batcher.submit(r, lambda *a: None) for r in requests]
+    batcher.step()  # admits and prefills `slots` requests, dispatches the first chunk
+    assert handles[slots].slot is None and batcher.num_waiting == 1
+    batcher.step()  # reads that chunk (the short request ended in it), admits the waiting one
+    assert handles[0].finished and handles[slots].slot is not None
+    batcher.run_until_idle()
+    assert all(h.finished for h in handles)
+
+
 def test_cancelled_requests_free_their_slot_and_pages(setup):
     _, _, _, spec = setup
     batcher = Batcher(spec)

@@ -8,10 +8,15 @@ prompt never stalls the running requests for its whole length. Its pages return 
 moment it finishes or is cancelled.
 
 Each `step()` dispatches the next prefill and decode chunk *before* reading what the previous
-decode chunk produced, so the device is busy while the host streams tokens: a request that
-finished is noticed one chunk late, and its slot simply idles through that chunk. A snapshot of
-which request owned each slot travels with every dispatched chunk, so tokens are never delivered
-to a request that took over the slot later.
+decode chunk produced, so the device is busy while the host streams tokens. A decode chunk ends
+early, after the round in which some request finishes (`yield_on_finish`), so a finished request
+is noticed within one short chunk. While requests wait for a slot the loop reads the chunk in
+flight *before* dispatching the next, so a slot freed in it is refilled in the very next chunk
+instead of idling through one: under load a host turn between chunks costs less than a chunk of
+empty slot-rounds (on the embedded pair, occupancy while requests wait rose from 0.77-0.93 to
+0.94-0.98; docs/benchmarks.md). A snapshot of which request owned each slot
+travels with every dispatched chunk, so tokens are never delivered to a request that took over
+the slot later.
 
 A request's tokens depend only on itself and its seed (the engine's randomness is addressed by
 request and position), never on when it joined or which requests share the slots -- except
@@ -254,6 +259,10 @@ class Batcher:
     def step(self) -> bool:
         """One turn of the loop; returns whether work remains."""
         self._drain_inbox()
+        if self._pending is not None and self.waiting:
+            self._read_chunk(*self._pending)
+            self._pending = None
+            self._drain_inbox()  # callbacks may have submitted follow-up requests
         self._admit()
         # With nothing decoding there is nothing to stall: prefill everything admitted first.
         if not self._running():
@@ -382,7 +391,7 @@ class Batcher:
         if not self._running():
             return None
         t0 = time.perf_counter()
-        self.state, out = self.engine.decode_chunk(self.state)
+        self.state, out = self.engine.decode_chunk(self.state, yield_on_finish=True)
         owners = list(self.owners)
         if self.timed:
             jax.block_until_ready(out.count_s)

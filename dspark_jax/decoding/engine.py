@@ -6,10 +6,13 @@ Verbs (all jitted, state donated, no host sync inside):
                           into their slots' pages; the last chunk of a prompt samples the
                           request's first token and makes its slot live. The first chunk of a
                           prompt also installs the request's page-table row and its settings.
-  decode_chunk(state)     runs up to `rounds_per_chunk` rounds over all slots (live or not) in a
-                          `lax.while_loop`; returns the new state and a small `ChunkOutput`
-                          (tokens committed this chunk, per-round statistics, finished flags)
-                          that the host reads without touching the caches.
+  decode_chunk(state, yield_on_finish)
+                          runs up to `rounds_per_chunk` rounds over all slots (live or not) in a
+                          `lax.while_loop` -- with `yield_on_finish`, only until the round in
+                          which some request ends, so the host can refill its slot at once;
+                          returns the new state and a small `ChunkOutput` (tokens committed
+                          this chunk, per-round statistics, finished flags) that the host reads
+                          without touching the caches.
   release(state, mask)    ends the slots in `mask` (a cancelled request): they stop at once.
 
 Everything a request owns lives in its slot row: its page-table row (the pages are reserved by
@@ -368,7 +371,7 @@ class Engine:
             t, d = merge(target_params, drafter_params)
             return _prefill(t, d, taps, policy, layouts, state, host)
 
-        def decode(target_params, drafter_params, state):
+        def decode(target_params, drafter_params, state, yield_on_finish):
             t, d = merge(target_params, drafter_params)
             if d is None:
                 round_fn = lambda s, o, r: _plain_round(  # noqa: E731
@@ -378,7 +381,7 @@ class Engine:
                 round_fn = lambda s, o, r: _spec_round(  # noqa: E731
                     t, d, policy, sts, self.token_buckets, layouts, s, o, r
                 )
-            return _run_chunk(round_fn, cfg.rounds_per_chunk, gamma, state)
+            return _run_chunk(round_fn, cfg.rounds_per_chunk, gamma, state, yield_on_finish)
 
         def release(state, mask_s):
             return state.replace(live_s=state.live_s & ~mask_s)
@@ -426,8 +429,14 @@ class Engine:
     def prefill(self, state: SlotState, batch: PrefillBatch) -> tuple[SlotState, PrefillOutput]:
         return self._prefill(self.target_params, self.drafter_params, state, batch_to_device(batch))
 
-    def decode_chunk(self, state: SlotState) -> tuple[SlotState, ChunkOutput]:
-        return self._decode(self.target_params, self.drafter_params, state)
+    def decode_chunk(
+        self, state: SlotState, yield_on_finish: bool = False
+    ) -> tuple[SlotState, ChunkOutput]:
+        """Up to `rounds_per_chunk` rounds; with `yield_on_finish` the chunk ends after the round
+        in which a request finishes (a traced flag: both modes share one program)."""
+        return self._decode(
+            self.target_params, self.drafter_params, state, np.asarray(yield_on_finish, bool)
+        )
 
     def release(self, state: SlotState, mask_s: np.ndarray) -> SlotState:
         return self._release(state, jnp.asarray(mask_s, bool))
@@ -689,13 +698,14 @@ def _empty_output(num_slots: int, rounds: int, width: int, conf_k: int) -> Chunk
     )
 
 
-def _run_chunk(round_fn, rounds: int, gamma: int, state: SlotState):
+def _run_chunk(round_fn, rounds: int, gamma: int, state: SlotState, yield_on_finish):
     num_slots = state.live_s.shape[0]
     out = _empty_output(num_slots, rounds, gamma + 1, max(gamma, 1))
 
     def cond(carry):
-        r, s, _ = carry
-        return (r < rounds) & jnp.any(s.live_s)
+        r, s, o = carry
+        yielding = yield_on_finish & jnp.any(o.finished_s)
+        return (r < rounds) & jnp.any(s.live_s) & ~yielding
 
     def body(carry):
         r, s, o = carry
