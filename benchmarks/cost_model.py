@@ -20,7 +20,6 @@ back between chunks, so every round sees the same context), after a warm-up chun
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import statistics
@@ -30,15 +29,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode_speed import CONFIGS, random_model
-from flax import nnx
+from decode_speed import CONFIGS, pair_configs, random_pair
 from provenance import git_commit
 
-from dspark_jax import configs
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.profiling import CarriedLengths, filled_state
-from dspark_jax.models.drafter import DSparkDrafter
-from dspark_jax.models.qwen3 import Qwen3
 
 
 def round_ms(cases: list[tuple[Engine, int, np.ndarray]], repeats: int) -> list[float]:
@@ -72,26 +67,9 @@ def round_ms(cases: list[tuple[Engine, int, np.ndarray]], repeats: int) -> list[
 
 
 def run(args: argparse.Namespace) -> dict:
-    target_name, drafter_name = CONFIGS[args.config]
     # Random weights at a raised context limit: the sweep reaches past the real model's.
-    target_cfg = dataclasses.replace(
-        configs.get(target_name), dtype=args.dtype, max_position_embeddings=1 << 16
-    )
-    drafter_cfg = configs.get(drafter_name)
-    drafter_cfg = dataclasses.replace(
-        drafter_cfg,
-        model=dataclasses.replace(
-            target_cfg,
-            num_hidden_layers=drafter_cfg.model.num_hidden_layers,
-            tie_word_embeddings=False,
-        ),
-    )
-    target = random_model(
-        lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed
-    )
-    drafter = random_model(
-        lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed + 1
-    )
+    target_cfg, drafter_cfg = pair_configs(args.config, args.dtype, max_position_embeddings=1 << 16)
+    target, drafter = random_pair(target_cfg, drafter_cfg, args.dtype, args.seed)
     gamma = drafter_cfg.block_size
     room = (args.rounds + 1) * (gamma + 1)
     small = dict(prefill_chunk=16, prefill_buckets=(16,), rounds_per_chunk=args.rounds)

@@ -123,6 +123,32 @@ def random_model(constructor, seed: int):
     return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, filled))
 
 
+def pair_configs(config: str, dtype: str, max_position_embeddings: int | None = None):
+    """(target config, drafter config) of `config` (a CONFIGS key) in `dtype`; a raised
+    `max_position_embeddings` lets random-weight sweeps reach past the real model's limit."""
+    target_name, drafter_name = CONFIGS[config]
+    extra = (
+        {}
+        if max_position_embeddings is None
+        else {"max_position_embeddings": max_position_embeddings}
+    )
+    target_cfg = dataclasses.replace(configs.get(target_name), dtype=dtype, **extra)
+    drafter_cfg = configs.get(drafter_name)
+    drafter_cfg = dataclasses.replace(
+        drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=dtype, **extra)
+    )
+    return target_cfg, drafter_cfg
+
+
+def random_pair(target_cfg, drafter_cfg, dtype: str, seed: int = 0, make_drafter=DSparkDrafter):
+    """A target and a drafter (`make_drafter(cfg, rngs=, param_dtype=)`) with random weights."""
+    target = random_model(lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0), param_dtype=dtype), seed)
+    drafter = random_model(
+        lambda: make_drafter(drafter_cfg, rngs=nnx.Rngs(0), param_dtype=dtype), seed + 1
+    )
+    return target, drafter
+
+
 def bytes_read_per_step(model, lookup_only: tuple[str, ...], tied: bool = False) -> int:
     """Parameter bytes a decode step reads; lookup tables count only when tied to the head."""
     total = 0
@@ -136,8 +162,12 @@ def bytes_read_per_step(model, lookup_only: tuple[str, ...], tied: bool = False)
 
 def kv_bytes_per_position(cfg) -> int:
     """Bytes of keys and values one cached position holds across all layers of `cfg`."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (
-        jnp.dtype(cfg.dtype).itemsize
+    return (
+        2
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * (jnp.dtype(cfg.dtype).itemsize)
     )
 
 
@@ -189,11 +219,7 @@ def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
 
 def run(args: argparse.Namespace) -> dict:
     target_name, drafter_name = CONFIGS[args.config]
-    target_cfg = dataclasses.replace(configs.get(target_name), dtype=args.dtype)
-    drafter_cfg = configs.get(drafter_name)
-    drafter_cfg = dataclasses.replace(
-        drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=args.dtype)
-    )
+    target_cfg, drafter_cfg = pair_configs(args.config, args.dtype)
     context = args.context or (128 if args.config == "tiny" else 1024)
     gamma = drafter_cfg.block_size
     # Room for one chunk of rounds past the context: the slots are rolled back between chunks.
@@ -204,12 +230,7 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.bandwidth_json) as f:
             bandwidth = json.load(f)["gbs"]
 
-    target = random_model(
-        lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed
-    )
-    drafter = random_model(
-        lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0), param_dtype=args.dtype), args.seed + 1
-    )
+    target, drafter = random_pair(target_cfg, drafter_cfg, args.dtype, args.seed)
     target_weights = bytes_read_per_step(
         target, LOOKUP_ONLY["target"], tied=target_cfg.tie_word_embeddings
     )

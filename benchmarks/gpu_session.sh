@@ -19,11 +19,12 @@ size=${SIZE:-qwen3-4b}
 if [ "$size" = tiny ]; then
   # Small enough for a CPU smoke run of the script itself.
   batches="1 8"; contexts="64 256"; max_lens="256 2048"; slots=8; packed=8; conc=1,8
+  dtype=float32
   attn="--kv-heads 2 --groups 2 --head-dim 32 --kv-lens 64,256 --capacity 512 --capacities 256,512"
   train=(); bw_gib=0.25
 else
   batches="1 8 32 64"; contexts="256 1024 4096"; max_lens="1024 8192 32768"; slots=32
-  packed=64; conc=1,8,32,64; bw_gib=4
+  packed=64; conc=1,8,32,64,128; bw_gib=4; dtype=bfloat16
   attn="--kv-heads 8 --groups 4 --head-dim 128 --kv-lens 512,1024,2048,4096 --capacity 8192"
   attn+=" --capacities 2048,4096,8192,16384"
   train=(--target qwen3-4b --drafter dspark-qwen3-4b --dtype bfloat16 --batch 8 --seq-len 4096
@@ -75,7 +76,9 @@ if [[ " $stages " == *" bench "* ]]; then
     --slots "$slots" --q-len 8 --json "$out/attention_paths.json"
   stage profile dspark profile --config "$size" --dtype bfloat16 --mode verify \
     --max-num-seqs "$packed" --out "$out/sps.json"
-  stage throughput python3 benchmarks/throughput.py --concurrency "$conc" \
+  # Real shapes, random weights, a drafter whose per-position acceptance is chosen (tau ~4.4).
+  stage throughput python3 benchmarks/throughput.py --synthetic "$size" --dtype "$dtype" \
+    --concurrency "$conc" --thresholds threshold=0.5,cumulative-threshold=0.3 \
     --out "$out/throughput.json" --plot "$out/throughput.png"
   stage train_throughput python3 benchmarks/train_throughput.py "${train[@]}" \
     --json "$out/train_throughput.json"

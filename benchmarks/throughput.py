@@ -12,20 +12,31 @@ hardware-aware scheduler (Algorithm 1, and the Section 5.2 variant) on an SPS ta
 rounds per token bucket profiled on this device for each slot count (or `--sps-table DIR` with
 `sps_c{c}.json` files).
 
-Reported per cell: throughput (generated tokens / wall time), per-user speed (median over
-requests of decode tokens / decode time), time to first token and inter-token latency
-percentiles, slot occupancy (the share of slot turns in decode rounds that served a live
-request), tau and drafts verified per round. Compilation happens before timing (`warm_up`).
+Reported per cell: throughput (generated tokens / wall time while the shared request pool still
+had work to hand out; `throughput_with_tail` in the JSON includes the drain at the end),
+per-user speed (median over requests of decode tokens / decode time), time to first token and
+inter-token latency percentiles, slot occupancy over the same loaded phase (the share of slot
+turns in decode rounds that served a live request), tau and drafts verified per round.
+Compilation happens before timing (`warm_up`).
 
     python benchmarks/throughput.py                 # embedded models, CPU
     python benchmarks/throughput.py --target T --draft D --prompts mt-bench.jsonl
+    python benchmarks/throughput.py --synthetic qwen3-4b --acceptance 0.9,0.85,0.8,0.75,0.7,0.65,0.6
+
+`--synthetic CONFIG` measures real shapes without real weights: random weights in `--dtype`, the
+target muted and the drafter replaced by `KnownAcceptanceDrafter`
+(dspark_jax/models/known_acceptance.py), so draft position k is accepted with probability
+`--acceptance`[k] given the earlier ones were, with calibrated confidences. Prompts are random
+token ids of `--prompt-tokens`.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
+import functools
 import glob
 import json
 import os
@@ -34,19 +45,25 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from decode_speed import CONFIGS, pair_configs, random_pair
 from provenance import git_commit
 
 from dspark_jax.calibration.sts import StsArtifact
+from dspark_jax.checkpoints.converted import DecodingModels, load_decoding_models
 from dspark_jax.conversations import read_turns
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Observer, Request
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.profiling import profile_engine
 from dspark_jax.embedded import EMBEDDED_DIR
+from dspark_jax.models.known_acceptance import KnownAcceptanceDrafter, mute_target
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.tokenizer import ByteTokenizer, encode_chat
 
 CONCURRENCY = (1, 8, 32, 64)
+# A stand-in for a trained drafter's per-position acceptance (tau about 4.4 at gamma 7), not a
+# published curve: pass a measured one with --acceptance.
+ACCEPTANCE = (0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 LENGTHS = (16, 32, 64, 128, 256)
 THRESHOLDS = (
     ("threshold", 0.5),
@@ -81,12 +98,15 @@ class _Latencies(Observer):
     def __init__(self):
         self.ttft: list[float] = []
         self.itl: list[tuple[float, int]] = []
+        self.tokens = 0
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.append(ttft_s)
+        self.tokens += 1
 
     def on_tokens(self, count: int, inter_token_s: float) -> None:
         self.itl.append((inter_token_s, count))
+        self.tokens += count
 
 
 def _weighted_percentiles(pairs, qs) -> list[float]:
@@ -100,38 +120,49 @@ def _weighted_percentiles(pairs, qs) -> list[float]:
 
 
 def run_cell(engine: Engine, prompts, lengths, requests_per_client: int, temperature: float):
-    """One closed-loop run with `engine.cfg.num_slots` clients; returns the cell's numbers."""
+    """One closed-loop run with `engine.cfg.num_slots` clients; returns the cell's numbers.
+
+    The clients draw from one shared pool of `clients * requests_per_client` requests, each taking
+    the next the moment its previous one finishes. Throughput and occupancy are measured over the
+    loaded phase -- until the pool runs dry -- because after that slots empty for want of
+    requests, not through the engine, and how long that tail lasts depends only on the last
+    requests' lengths."""
     clients = engine.cfg.num_slots
     observer = _Latencies()
     batcher = Batcher(engine, observer=observer)
     rng = np.random.default_rng(0)
-    plan = [
-        [
-            Request(
-                prompts[(c * requests_per_client + k) % len(prompts)],
-                int(rng.choice(lengths)),
-                seed=c * requests_per_client + k,
-                sampling=SamplingConfig(temperature=temperature),
-                ignore_eos=True,
-            )
-            for k in range(requests_per_client)
-        ]
-        for c in range(clients)
-    ]
+    pool = collections.deque(
+        Request(
+            prompts[i % len(prompts)],
+            int(rng.choice(lengths)),
+            seed=i,
+            sampling=SamplingConfig(temperature=temperature),
+            ignore_eos=True,
+        )
+        for i in range(clients * requests_per_client)
+    )
+    loaded: dict[str, float] = {}
     results = []
 
-    def send(c: int, k: int) -> None:
+    def send() -> None:
         def on_event(kind, payload):
             if kind == "done":
                 results.append(payload)
-                if k + 1 < requests_per_client:
-                    send(c, k + 1)
+                if pool:
+                    send()
+                elif not loaded:
+                    loaded.update(
+                        wall=time.perf_counter() - start,
+                        tokens=observer.tokens,
+                        slot_rounds=batcher.slot_rounds,
+                        device_rounds=batcher.device_rounds,
+                    )
 
-        batcher.submit(plan[c][k], on_event)
+        batcher.submit(pool.popleft(), on_event)
 
     start = time.perf_counter()
-    for c in range(clients):
-        send(c, 0)
+    for _ in range(clients):
+        send()
     batcher.run_until_idle()
     wall = time.perf_counter() - start
     tokens = sum(len(r.tokens) for r in results)
@@ -145,11 +176,13 @@ def run_cell(engine: Engine, prompts, lengths, requests_per_client: int, tempera
     ttft = np.percentile(observer.ttft, [50, 90, 99])
     itl = _weighted_percentiles(observer.itl, [50, 90, 99])
     return {
-        "throughput": tokens / wall,
+        "throughput": loaded["tokens"] / loaded["wall"],
+        "throughput_with_tail": tokens / wall,
         "per_user": float(np.median(speeds)) if speeds else float("nan"),
         "ttft_ms": [1e3 * float(x) for x in ttft],
         "itl_ms": [1e3 * x for x in itl],
-        "occupancy": batcher.occupancy,
+        "occupancy": loaded["slot_rounds"] / max(loaded["device_rounds"] * engine.cfg.num_slots, 1),
+        "occupancy_with_tail": batcher.occupancy,
         "tau": float(committed.mean()),
         "verified": float(verified.mean()) if engine.speculative else None,
         "requests": len(results),
@@ -171,28 +204,51 @@ def main() -> None:
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--context-len", type=int, default=128, help="profiling context")
+    parser.add_argument(
+        "--synthetic",
+        choices=sorted(CONFIGS),
+        help="random weights of these shapes and a "
+        "known-acceptance drafter instead of --target/--draft",
+    )
+    parser.add_argument(
+        "--acceptance",
+        default=",".join(map(str, ACCEPTANCE)),
+        help="--synthetic: acceptance rate of each block position given the earlier ones",
+    )
+    parser.add_argument("--concentration", type=float, default=4.0, help="--synthetic: Beta c")
+    parser.add_argument("--dtype", default="bfloat16", help="--synthetic: parameter dtype")
+    parser.add_argument(
+        "--thresholds",
+        default=",".join(f"{name}={t}" for name, t in THRESHOLDS),
+        help="the static-threshold grid, POLICY=VALUE,... (the best per concurrency is kept)",
+    )
     parser.add_argument("--out", default="throughput.json")
     parser.add_argument("--plot", default="throughput.png")
     args = parser.parse_args()
-    from dspark_jax.checkpoints.converted import load_decoding_models
 
     levels = tuple(int(c) for c in args.concurrency.split(","))
+    thresholds = []
+    for item in args.thresholds.split(","):
+        name, _, value = item.partition("=")
+        if name not in ("threshold", "cumulative-threshold") or not value:
+            parser.error(f"--thresholds: {item!r} is not threshold=V or cumulative-threshold=V")
+        thresholds.append((name, float(value)))
     lengths = tuple(int(n) for n in args.lengths.split(","))
-    models = load_decoding_models(args.target, args.draft, progress=False)
+    n_prompts = max(levels) * args.requests_per_client
+    if args.synthetic:
+        if args.sts or args.prompts:
+            parser.error("--synthetic takes neither --sts nor --prompts")
+        models = synthetic_models(args)
+        rng = np.random.default_rng(0)
+        vocab = models.target.cfg.vocab_size
+        prompts = [rng.integers(2, vocab, args.prompt_tokens).tolist() for _ in range(n_prompts)]
+    else:
+        models = load_decoding_models(args.target, args.draft, progress=False)
+        prompts = _prompts(args, models, n_prompts)
     target, drafter, gamma = models.target, models.drafter, models.gamma
     sts = StsArtifact.load(args.sts) if args.sts else None
     if sts is not None:
         sts.check(models.drafter_fingerprint, args.temperature, gamma)
-    n_prompts = max(levels) * args.requests_per_client
-    if args.prompts:
-        prompts = chat_prompts(args.prompts, models.tokenizer, n_prompts)
-    elif isinstance(models.tokenizer, ByteTokenizer):
-        prompts = source_prompts(n_prompts, args.prompt_tokens)
-    else:
-        prompts = [
-            encode_chat(models.tokenizer, [{"role": "user", "content": bytes(p).decode()}])
-            for p in source_prompts(n_prompts, args.prompt_tokens)
-        ]
     longest = max(len(p) for p in prompts)
     max_model_len = -(-(longest + max(lengths) + gamma + 1) // 16) * 16
 
@@ -230,7 +286,7 @@ def main() -> None:
         cells = {"no speculation": measure(Engine(target, None, cfg))}
         cells["fixed gamma"] = measure(spec(None))
         best = None
-        for name, t in THRESHOLDS:
+        for name, t in thresholds:
             label = f"{'a_k' if name.startswith('cumulative') else 'c_k'} >= {t}"
             cell = measure(spec(policies.make_policy(name, gamma, threshold=t)), label)
             if best is None or cell["throughput"] > best["throughput"]:
@@ -248,8 +304,10 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit,
         "device": f"{device.platform}: {device.device_kind}",
-        "target": args.target,
-        "draft": args.draft,
+        "target": f"synthetic {args.synthetic} ({args.dtype})" if args.synthetic else args.target,
+        "draft": f"known acceptance {args.acceptance} (c={args.concentration})"
+        if args.synthetic
+        else args.draft,
         "temperature": args.temperature,
         "sts": args.sts,
         "lengths": lengths,
@@ -262,6 +320,41 @@ def main() -> None:
     print(markdown_table(rows))
     _plot(rows, args.plot, f"{report['device']}, T={args.temperature}, commit {commit}")
     print(f"wrote {args.out} and {args.plot}")
+
+
+def _prompts(args, models: DecodingModels, n: int) -> list[list[int]]:
+    if args.prompts:
+        return chat_prompts(args.prompts, models.tokenizer, n)
+    if isinstance(models.tokenizer, ByteTokenizer):
+        return source_prompts(n, args.prompt_tokens)
+    return [
+        encode_chat(models.tokenizer, [{"role": "user", "content": bytes(p).decode()}])
+        for p in source_prompts(n, args.prompt_tokens)
+    ]
+
+
+def synthetic_models(args) -> DecodingModels:
+    """Random weights at `args.synthetic`'s shapes: a muted target, a known-acceptance drafter."""
+    target_cfg, drafter_cfg = pair_configs(args.synthetic, args.dtype)
+    acceptance = [float(a) for a in args.acceptance.split(",")]
+    target, drafter = random_pair(
+        target_cfg,
+        drafter_cfg,
+        args.dtype,
+        make_drafter=functools.partial(
+            KnownAcceptanceDrafter, acceptance=acceptance, concentration=args.concentration
+        ),
+    )
+    mute_target(target)
+    return DecodingModels(
+        target=target,
+        model_dir=Path(f"<random {args.synthetic}>"),
+        drafter=drafter,
+        drafter_path=None,
+        drafter_fingerprint=None,
+        tokenizer=None,  # prompts are token ids
+        stop_tokens=(),
+    )
 
 
 def _row(r: dict) -> str:
