@@ -7,6 +7,8 @@ the network or a GPU; they are what a CPU runner cannot do, and the tags are wha
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -14,7 +16,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-NOTEBOOK_DIR = Path(__file__).parents[1] / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 SKIP_TAGS = {"needs-network", "needs-gpu"}
 # Hub ids and the converter reach the network: a cell using them must carry a skip tag.
@@ -42,7 +44,7 @@ def _execute(nb, cwd: Path, timeout: int = 600) -> nbformat.NotebookNode:
 
 
 def _stdout(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.output_type == "stream")
 
 
 def test_there_are_notebooks():
@@ -106,3 +108,41 @@ def test_install_cell_outside_a_checkout_says_what_to_do(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[_install_cell(_read(NOTEBOOK_DIR / "quickstart.ipynb"))])
     with pytest.raises(CellExecutionError, match="set REPO_URL .* or WHEEL"):
         _execute(nb, tmp_path, timeout=120)
+
+
+# Run in the fresh virtualenv by the test below: the driver is the only thing there besides the
+# Jupyter packages, so everything the notebook imports comes from its own install cell.
+FRESH_DRIVER = """
+import sys
+import nbformat
+from nbclient import NotebookClient
+
+path, cwd, out = sys.argv[1:]
+nb = nbformat.read(path, as_version=4)
+skip = {"needs-network", "needs-gpu"}
+nb.cells = [c for c in nb.cells if not skip & set(c.metadata.get("tags", []))]
+resources = {"metadata": {"path": cwd}}
+NotebookClient(nb, timeout=1800, kernel_name="python3", resources=resources).execute()
+nbformat.write(nb, out)
+"""
+
+
+@pytest.mark.slow
+def test_quickstart_installs_itself_into_a_fresh_virtualenv(tmp_path):
+    # What a newcomer does: a virtualenv with only Jupyter, the notebook opened from the checkout.
+    # The install cell must pip-install the checkout and make it importable in the running kernel
+    # (this reaches PyPI for the dependencies, hence slow and not in the default run).
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    jupyter = ["nbclient", "nbformat", "ipykernel"]
+    subprocess.run([python, "-m", "pip", "install", "-q", *jupyter], check=True)
+    probe = subprocess.run([python, "-c", "import jax"], capture_output=True)
+    assert probe.returncode != 0, "the fresh virtualenv must not have the dependencies yet"
+    driver, out = tmp_path / "driver.py", tmp_path / "ran.ipynb"
+    driver.write_text(FRESH_DRIVER, encoding="utf-8")
+    notebook = NOTEBOOK_DIR / "quickstart.ipynb"
+    subprocess.run([python, driver, notebook, NOTEBOOK_DIR, out], check=True, timeout=2400)
+    ran = _read(out)
+    assert f"pip install -e {NOTEBOOK_DIR.parent}" in _stdout(_install_cell(ran))
+    assert any("greedy outputs identical: True" in _stdout(c) for c in ran.cells)
