@@ -115,6 +115,39 @@ class RopeConfig:
         return mscale(self.factor)
 
 
+# Sizes a model cannot have zero (or fewer) of; checked before anything divides by them.
+_POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def _int(d: dict[str, Any], key: str, default: int | None = None) -> int:
+    """`d[key]` (or `default` when absent or null) as an int; refuses strings, booleans and
+    fractions, which int() would parse, truncate or reject with a traceback."""
+    value = d.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config.json: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _float(d: dict[str, Any], key: str, default: float) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"config.json: {key} must be a number, got {value!r}")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     """A Qwen3 decoder: the target model, and the shape of the drafter's backbone."""
@@ -134,6 +167,14 @@ class Qwen3Config:
     dtype: str = "bfloat16"
 
     def __post_init__(self):
+        for name in _POSITIVE_SIZES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not math.isfinite(self.rms_norm_eps) or self.rms_norm_eps <= 0:
+            raise ConfigError(
+                f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -173,21 +214,30 @@ class Qwen3Config:
         ]
         if missing:
             raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
-        heads = int(d["num_attention_heads"])
+        heads = _int(d, "num_attention_heads")
         eos = d.get("eos_token_id")
         dtype = str(d.get("dtype") or d.get("torch_dtype") or "bfloat16")
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            hidden = _int(d, "hidden_size")
+            if heads < 1 or hidden % heads:
+                raise ConfigError(
+                    f"config.json lacks head_dim and hidden_size {hidden} is not a multiple of "
+                    f"num_attention_heads {heads}"
+                )
+            head_dim = hidden // heads
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            vocab_size=_int(d, "vocab_size"),
+            hidden_size=_int(d, "hidden_size"),
+            intermediate_size=_int(d, "intermediate_size"),
+            num_hidden_layers=_int(d, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=_int(d, "num_key_value_heads", heads),
+            head_dim=_int({"head_dim": head_dim}, "head_dim"),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope=RopeConfig.from_hf(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 40_960)),
+            max_position_embeddings=_int(d, "max_position_embeddings", 40_960),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             dtype=dtype.replace("torch.", ""),
         )
@@ -308,9 +358,14 @@ class DrafterConfig:
         if missing:
             raise ConfigError(f"drafter config.json lacks: {', '.join(missing)}")
         is_dflash = "dflash_config" in d or "markov_rank" not in fields
-        markov_rank = int(fields.get("markov_rank", 0))
+        markov_rank = _int(fields, "markov_rank", 0)
         confidence = bool(fields.get("enable_confidence_head", not is_dflash))
-        target_layer_ids = tuple(int(i) for i in fields["target_layer_ids"])
+        layer_ids = fields["target_layer_ids"]
+        if not isinstance(layer_ids, list):
+            raise ConfigError(f"config.json: target_layer_ids must be a list, got {layer_ids!r}")
+        target_layer_ids = tuple(
+            _int({"target_layer_ids": i}, "target_layer_ids") for i in layer_ids
+        )
         num_target_layers = fields.get("num_target_layers")
         if num_target_layers is None:
             raise ConfigError(
@@ -319,10 +374,10 @@ class DrafterConfig:
             )
         return cls(
             model=Qwen3Config.from_hf(fields),
-            block_size=int(fields["block_size"]),
-            mask_token_id=int(fields["mask_token_id"]),
+            block_size=_int(fields, "block_size"),
+            mask_token_id=_int(fields, "mask_token_id"),
             target_layer_ids=target_layer_ids,
-            num_target_layers=int(num_target_layers),
+            num_target_layers=_int(fields, "num_target_layers"),
             markov_rank=markov_rank,
             markov_head_type=str(fields.get("markov_head_type", "vanilla")),
             enable_confidence_head=confidence,
@@ -330,7 +385,7 @@ class DrafterConfig:
             confidence_head_with_markov=bool(
                 fields.get("confidence_head_with_markov", confidence and markov_rank > 0)
             ),
-            num_anchors=int(fields.get("num_anchors", 512)),
+            num_anchors=_int(fields, "num_anchors", 512),
         )
 
     def to_hf(self) -> dict[str, Any]:
