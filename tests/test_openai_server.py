@@ -73,7 +73,6 @@ def served():
     model = ServedModel(
         name=MODEL,
         tokenizer=models.tokenizer,
-        vocab_size=models.target.cfg.vocab_size,
         max_model_len=SMALL_ENGINE.max_model_len,
         gamma=engine.gamma,
         stop_tokens=engine.stop_tokens,
@@ -395,6 +394,8 @@ def test_full_queue_answers_503_at_once(served):
         (b'{"prompt": ""}', 400, "empty"),
         (b'{"prompt": ["a", "b"]}', 400, "one per request"),
         (b'{"prompt": "x", "stop_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}', 400, "stop token"),
+        (b'{"prompt": [5, 99999]}', 400, "vocabulary"),
+        (b'{"prompt": "x", "stop_token_ids": [99999]}', 400, "vocabulary"),
         (b'{"prompt": "x", "model": "gpt-4"}', 404, "does not exist"),
         (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "recursion"),
         (b'{"prompt": "x",', 400, "JSON"),

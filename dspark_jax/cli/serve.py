@@ -283,7 +283,6 @@ def _serve(args: argparse.Namespace, sock) -> int:
     model = ServedModel(
         name=name,
         tokenizer=models.tokenizer,
-        vocab_size=models.target.cfg.vocab_size,
         max_model_len=max_model_len,
         gamma=engine.gamma,
         stop_tokens=engine.stop_tokens,

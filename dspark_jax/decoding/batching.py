@@ -211,7 +211,9 @@ class Batcher:
     def submit(self, request: Request, on_event: EventCallback) -> Handle:
         """Queues a request. Raises EngineError for one that can never run, QueueFullError when
         the queue is full."""
-        self.engine.check_request(len(request.prompt_ids), request.max_new_tokens)
+        self.engine.check_request(
+            request.prompt_ids, request.max_new_tokens, request.seed, request.stop_token_ids
+        )
         stop_ids = tuple(
             dict.fromkeys(
                 (*request.stop_token_ids, *(() if request.ignore_eos else self.engine.stop_tokens))

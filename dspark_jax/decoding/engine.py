@@ -34,6 +34,7 @@ release and one state initialisation -- fixed at construction and all built by `
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -449,12 +450,35 @@ class Engine:
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return -(-self.positions_needed(prompt_len, max_new_tokens) // self.cfg.page_size)
 
-    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Raises EngineError for a request this engine can never serve."""
+    def check_request(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Raises EngineError for a request this engine can never serve: token ids outside the
+        vocabulary (the model would read past its embedding table), a seed that is not a uint32,
+        or more positions than max_model_len or pages than the pool holds. Every entry point (the
+        CLI, the server, `Batcher.submit`) validates requests here."""
+        vocab = self.target_cfg.vocab_size
+        for name, ids in (("prompt", prompt_ids), ("stop token", stop_token_ids)):
+            ids_n = np.asarray(ids)
+            if ids_n.size and (ids_n.ndim != 1 or not np.issubdtype(ids_n.dtype, np.integer)):
+                raise EngineError(f"{name} ids must be a flat sequence of integers")
+            bad = ids_n[(ids_n < 0) | (ids_n >= vocab)] if ids_n.size else ids_n
+            if bad.size:
+                raise EngineError(
+                    f"{name} ids must lie in 0..{vocab - 1} (the vocabulary); got "
+                    f"{', '.join(map(str, bad[:5].tolist()))}"
+                )
+        prompt_len = len(prompt_ids)
         if prompt_len < 1:
             raise EngineError("empty prompt: a request needs at least one token")
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not 0 <= seed < 2**32:
+            raise EngineError(f"seed must lie in 0..{2**32 - 1}, got {seed}")
         need = self.positions_needed(prompt_len, max_new_tokens)
         if need > self.cfg.max_model_len:
             raise EngineError(

@@ -83,7 +83,7 @@ def answer_conversations(
             ids, max_new_tokens, seed=seed + c * max_turns + turn, sampling=sampling
         )
         try:
-            engine.check_request(len(ids), max_new_tokens)
+            engine.check_request(ids, max_new_tokens, request.seed)
         except EngineError as e:
             if not skip_unfit:
                 raise EngineError(f"conversation {c} turn {turn}: {e}") from None
