@@ -111,20 +111,27 @@ def read_turns(
     path = Path(path)
     if not path.is_file():
         raise ConversationError(f"{path}: no such prompts file")
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise ConversationError(f"{path}: cannot read ({e.strerror})") from None
     conversations = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if plain_lines and not line.lstrip().startswith("{"):
-                conversations.append([line.rstrip("\r\n")])
-            else:
-                try:
-                    conversations.append(record_turns(parse_line(line)))
-                except ConversationError as e:
-                    raise ConversationError(f"{path}:{number}: {e}") from None
-            if limit is not None and len(conversations) >= limit:
-                break
+    for number, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConversationError(f"{path}:{number}: not UTF-8 text ({e.reason})") from None
+        if not line.strip():
+            continue
+        if plain_lines and not line.lstrip().startswith("{"):
+            conversations.append([line])
+        else:
+            try:
+                conversations.append(record_turns(parse_line(line)))
+            except ConversationError as e:
+                raise ConversationError(f"{path}:{number}: {e}") from None
+        if limit is not None and len(conversations) >= limit:
+            break
     if not conversations:
         raise ConversationError(f"{path}: holds no conversations")
     return conversations

@@ -128,7 +128,7 @@ class _ExplodingBatcher:
 
 def test_engine_failure_answers_in_flight_requests_and_stops_the_server(monkeypatch):
     monkeypatch.setattr(runtime, "Batcher", _ExplodingBatcher)
-    model = ServedModel("m", ByteTokenizer(), 288, 64, 0, (256,))
+    model = ServedModel("m", ByteTokenizer(), 64, 0, (256,))
     app_server = OpenAIServer(
         EngineRunner(_Engine(), max_waiting=4), model, ServingMetrics(1, 1, 0)
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,15 @@ class CalibrationRecords:
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationRecords:
-        with np.load(path) as data:
+        try:
+            data = np.load(path)
+        except OSError as e:
+            raise CalibrationInputError(f"{path}: cannot read the records ({e})") from e
+        except (ValueError, zipfile.BadZipFile) as e:
+            raise CalibrationInputError(f"{path}: not a records file from eval ({e})") from e
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise CalibrationInputError(f"{path}: not a records file from eval (one array, no npz)")
+        with data:
             missing = {"conf_logits_nk", "verified_n", "accepted_n"} - set(data.files)
             if missing:
                 raise CalibrationInputError(f"{path} lacks arrays {sorted(missing)}")
@@ -397,6 +406,10 @@ class StsArtifact:
         """Read an artifact (`check` decides where it may be used)."""
         try:
             body = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise CalibrationInputError(
+                f"{path}: cannot read the STS artifact ({e.strerror})"
+            ) from e
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CalibrationInputError(f"{path}: not an STS artifact ({e})") from e
         if not isinstance(body, dict) or body.get("format") != ARTIFACT_FORMAT:

@@ -30,7 +30,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Bad input, reported in one line without a traceback; any other exception keeps its traceback.
-USER_ERRORS = (UserError, FileExistsError)
+# OSError covers what the user's paths and ports can do (missing, read-only, in use, a folder
+# where a file belongs); its message names the path.
+USER_ERRORS = (UserError, OSError)
 # Commands that compile programs, and so gain from the persistent compilation cache.
 COMPILING = frozenset({"generate", "eval", "calibrate", "profile", "train", "serve"})
 CACHE_ENV = "DSPARK_JAX_COMPILATION_CACHE"
@@ -63,8 +65,20 @@ def _version() -> str:
         return "(not installed)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (the usage is one `--help` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def one_line(error: BaseException) -> str:
+    """The message of `error` on one line: some (the hub client's, Orbax's) span several."""
+    return " ".join(str(error).split())
+
+
 def _parser(selected: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dspark-jax",
         description="DSpark speculative decoding in JAX: convert, export and more.",
     )
@@ -91,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             use_compilation_cache()
         return module.run(args)
     except USER_ERRORS as e:
-        print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
+        print(f"dspark-jax {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dspark-jax {args.command}: interrupted", file=sys.stderr)

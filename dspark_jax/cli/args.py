@@ -129,8 +129,8 @@ def check_sizes(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.seed < 0:
-        raise UserError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed must lie in 0..{2**32 - 1}, got {args.seed}")
 
 
 def engine_config(args: argparse.Namespace, positions: Sequence[int], limit: int) -> EngineConfig:

@@ -50,11 +50,17 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.calibration import sts
     from dspark_jax.checkpoints.converted import load_drafter
+    from dspark_jax.cli.paths import check_output_file
     from dspark_jax.cli.report import calibration_warnings, format_report, reliability_diagram
     from dspark_jax.errors import UserError
 
     if len(args.records) > 2:
         raise UserError(f"give one or two records files, got {len(args.records)}")
+    if not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed must lie in 0..{2**32 - 1}, got {args.seed}")
+    check_output_file(args.out, "--out")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     parts = [sts.CalibrationRecords.load(path) for path in args.records]
     drafter_cfg, _, fingerprint = load_drafter(args.drafter, progress=False)
     for path, part in zip(args.records, parts, strict=True):

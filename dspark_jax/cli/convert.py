@@ -22,9 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.checkpoints.converted import convert_checkpoints
+    from dspark_jax.cli.paths import check_output_folder
 
     if args.draft is None and args.target is None:
         raise UserError("give --draft, --target or both")
+    check_output_folder(args.out, "--out", created=False)
     manifest = convert_checkpoints(
         args.out, draft=args.draft, target=args.target, dtype=args.dtype, overwrite=args.overwrite
     )

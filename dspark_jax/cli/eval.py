@@ -88,12 +88,14 @@ def run(args: argparse.Namespace) -> int:
         request_positions,
         sampling_from_args,
     )
+    from dspark_jax.cli.paths import check_output_folder
     from dspark_jax.cli.report import format_table, plot_reports, speedup_note
     from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.evaluate import evaluate_dataset
 
     refuse_nonempty_dir(args.out, args.overwrite)
     check_sizes(args)
+    check_output_folder(args.out, "--out")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     files = _dataset_files(args)

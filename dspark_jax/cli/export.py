@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dspark_jax.checkpoints.converted import check_no_overlap, export_drafter, write_drafter
+    from dspark_jax.cli.paths import check_output_folder
     from dspark_jax.training.checkpointing import find_checkpoint
 
+    check_output_folder(args.out, "--out", created=False)
     found = find_checkpoint(args.draft)
     if found is None:
         export_drafter(args.draft, args.out, args.overwrite, fmt=args.format, verifier=args.target)

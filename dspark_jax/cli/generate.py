@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         request_positions,
         sampling_from_args,
     )
+    from dspark_jax.cli.paths import check_output_file
     from dspark_jax.cli.report import generation_summary, print_answer
     from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.batching import Request, generate
@@ -97,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.tokenizer import decode_text
 
     check_sizes(args)
+    if args.json:
+        check_output_file(args.json, "--json")
     sampling = sampling_from_args(args)
     id_prompts = [_parse_ids(t) for t in args.token_ids]
     conversations = [[p] for p in args.prompt]
@@ -111,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
     positions = request_positions(args, models, conversations, id_prompts)
     cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings)
     engine = build_engine(models, args, cfg)
+    for i, ids in enumerate(id_prompts):
+        try:
+            engine.check_request(ids, args.max_new_tokens, args.seed + i)
+        except UserError as e:
+            raise UserError(f"--token-ids {' '.join(map(str, ids[:8]))}: {e}") from None
     start = time.perf_counter()
     engine.warm_up()
     compile_s = time.perf_counter() - start

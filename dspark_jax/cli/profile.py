@@ -131,6 +131,7 @@ def _build_models(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark_jax.cli.paths import check_output_file
     from dspark_jax.cli.report import plot_profile
     from dspark_jax.decoding.engine import EngineConfig
     from dspark_jax.decoding.profiling import profile_engine
@@ -139,6 +140,12 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_num_seqs", "context_len", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    # The random-weight seed goes to a uint32 key (and the drafter's is one more).
+    if not 0 <= args.seed < 2**32 - 1:
+        raise UserError(f"--seed must lie in 0..{2**32 - 2}, got {args.seed}")
+    check_output_file(args.out, "--out")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     target, drafter, description = _build_models(args)
     print(
         f"profiling {args.mode} steps of {description}, {target.dtype}, {args.max_num_seqs} "

@@ -1,0 +1,40 @@
+"""Output locations, checked before a command does any work: a run that cannot write its result
+should fail in its first second, not after an hour of decoding."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from dspark_jax.errors import UserError
+
+
+def _check_writable_folder(folder: Path, option: str, path: Path) -> None:
+    """Creates `folder` if needed and writes a scratch file into it: permissions, read-only
+    filesystems and files standing where a folder belongs all show up here, whoever runs."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UserError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def check_output_file(path: str | os.PathLike, option: str) -> Path:
+    """`path` as a Path, once a file can be written there."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{option} {path}: is a folder; give a file name")
+    _check_writable_folder(path.parent, option, path)
+    return path
+
+
+def check_output_folder(path: str | os.PathLike, option: str, *, created: bool = True) -> Path:
+    """`path` as a Path, once files can be written into it. With `created` false the folder is
+    written atomically later (as a renamed sibling), so only its parent is checked and created."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path}: exists and is not a folder")
+    _check_writable_folder(path if created else path.parent, option, path)
+    return path
