@@ -150,7 +150,9 @@ def engine_config(args: argparse.Namespace, positions: Sequence[int], limit: int
         max_model_len = min(-(-need // 64) * 64, limit)
     pages = args.kv_pages
     if pages is None:
-        largest = sorted((-(-p // page) for p in positions), reverse=True)[:slots]
+        # A request longer than max_model_len is refused, so it reserves no more than that.
+        largest = sorted((-(-min(p, max_model_len) // page) for p in positions), reverse=True)
+        largest = largest[:slots]
         pages = max(sum(largest), -(-min(need, max_model_len) // page))
     return EngineConfig(
         num_slots=slots,

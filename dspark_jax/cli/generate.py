@@ -113,6 +113,18 @@ def run(args: argparse.Namespace) -> int:
     models = load_models(args, with_drafter=not args.no_draft)
     positions = request_positions(args, models, conversations, id_prompts)
     cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings)
+    if max(positions) > cfg.max_model_len:
+        bound = (
+            "--max-model-len"
+            if args.max_model_len is not None
+            else "the model's context (max_position_embeddings)"
+        )
+        raise UserError(
+            f"the longest prompt with --max-new-tokens {args.max_new_tokens} needs "
+            f"{max(positions)} positions (prompt, new tokens and {models.gamma + 1} for "
+            f"verification); {bound} is {cfg.max_model_len}: lower --max-new-tokens or shorten "
+            "the prompt"
+        )
     engine = build_engine(models, args, cfg)
     for i, ids in enumerate(id_prompts):
         try:

@@ -34,6 +34,7 @@ release and one state initialisation -- fixed at construction and all built by `
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,6 +123,39 @@ class EngineConfig:
                 )
             return widths
         return _geometric(16, self.prefill_chunk)
+
+
+def memory_budget() -> int:
+    """Bytes the first local device can still hold: what its allocator reports free, or on
+    backends that report nothing (CPU) the machine's physical memory."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_memory(state_bytes: int, cfg: EngineConfig, params) -> None:
+    """Refuses an engine whose slot state (the KV page pools above all) cannot fit beside the
+    parameters, before anything is allocated: the allocation would fail or summon the kernel's
+    OOM killer only after minutes of loading and compiling."""
+    budget = memory_budget()
+    params_bytes = sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(params)
+        if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    )
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        budget -= params_bytes  # host memory holds the parameters too
+    if state_bytes > budget:
+        gib = 2**30
+        raise EngineError(
+            f"the KV pool and slot state need {state_bytes / gib:.1f} GiB ({cfg.pool_pages} pages "
+            f"of {cfg.page_size} tokens, {cfg.num_slots} slots, max_model_len "
+            f"{cfg.max_model_len}); the device has {max(budget, 0) / gib:.1f} GiB left: lower "
+            "--kv-pages, --max-model-len, --max-new-tokens or --max-num-seqs (profile: "
+            "--context-len)"
+        )
 
 
 def _geometric(lo: int, hi: int) -> tuple[int, ...]:
@@ -388,6 +422,13 @@ class Engine:
             return state.replace(live_s=state.live_s & ~mask_s)
 
         self._init = jax.jit(init)
+        self.state_bytes = sum(
+            leaf.size * leaf.dtype.itemsize
+            for leaf in jax.tree.leaves(
+                jax.eval_shape(init, self.target_params, self.drafter_params)
+            )
+        )
+        _check_memory(self.state_bytes, cfg, (self.target_params, self.drafter_params))
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
         self._decode = jax.jit(decode, donate_argnums=(2,))
         self._release = jax.jit(release, donate_argnums=(0,))
