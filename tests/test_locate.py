@@ -21,5 +21,5 @@ def test_resolve_model_dir_local_and_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match="does not exist locally and the Hugging Face hub"):
+    with pytest.raises(CheckpointError, match="no such folder, and the Hugging Face hub"):
         resolve_model_dir("dspark-test-org/no-such-model")

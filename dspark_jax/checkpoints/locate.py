@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,25 +40,40 @@ _HUB_PATTERNS = [
 ]
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """Whether `name` can only mean a hub repository: `owner/name` with no path syntax (no
+    leading ./ ../ / or ~, no backslash) and no local folder named like its owner -- with
+    `ckpt/` present, `ckpt/qwen3-4b` is a mistyped path, not a repository."""
+    if not _HUB_ID.fullmatch(name) or name.startswith((".", "~")):
+        return False
+    owner = name.split("/", 1)[0]
+    return not Path(owner).exists()
+
+
 def resolve_model_dir(path_or_repo_id: str) -> Path:
-    """Returns a local model directory: `path_or_repo_id` itself, or a hub snapshot of it."""
+    """Returns a local model directory: `path_or_repo_id` itself, or a hub snapshot of it.
+
+    The hub is asked only for names that exist nowhere locally and look like hub ids; the user
+    is told on stderr, since whatever lives at that name will be used."""
     local = Path(path_or_repo_id).expanduser()
     if local.is_dir():
         return local
     if local.exists():
         raise CheckpointError(f"{local}: is not a directory")
-    if not _HUB_ID.fullmatch(path_or_repo_id):
+    if not looks_like_hub_id(path_or_repo_id):
         raise CheckpointError(
-            f"{path_or_repo_id}: does not exist locally and is not a Hugging Face hub id (org/name)"
+            f"{path_or_repo_id}: no such folder (and not a Hugging Face hub id of the form "
+            "owner/name)"
         )
+    print(f"fetching from the hub: {path_or_repo_id}", file=sys.stderr, flush=True)
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(path_or_repo_id, allow_patterns=_HUB_PATTERNS))
     except Exception as e:
         raise CheckpointError(
-            f"{path_or_repo_id}: does not exist locally and the Hugging Face hub could not "
-            f"provide it ({type(e).__name__}: {e})"
+            f"{path_or_repo_id}: no such folder, and the Hugging Face hub could not provide it "
+            f"({type(e).__name__}: {' '.join(str(e).split())})"
         ) from e
 
 
