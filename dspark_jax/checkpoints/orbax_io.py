@@ -14,6 +14,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from dspark_jax.checkpoints import interrupts
 from dspark_jax.checkpoints.convert import is_float_dtype, key_path_names, shape_problems
 from dspark_jax.checkpoints.safetensors_io import CheckpointError
 from dspark_jax.config import DrafterConfig
@@ -30,8 +31,15 @@ def abstract_model(cfg, param_dtype: str) -> nnx.Module:
 
 def save_params(model: nnx.Module, params_dir: Path) -> None:
     """Writes the model's parameters to `params_dir` (which must not exist yet)."""
-    with ocp.StandardCheckpointer() as ckpt:
+    ckpt = ocp.StandardCheckpointer()
+    try:
         ckpt.save(params_dir.resolve(), nnx.to_pure_dict(nnx.state(model)))
+    finally:
+        # Orbax writes in a background thread: an interrupted save must not return (and let the
+        # caller delete the folder) while that thread still writes into it.
+        with interrupts.deferred():
+            ckpt.wait_until_finished()
+            ckpt.close()
 
 
 def _flat(tree) -> dict[str, Any]:

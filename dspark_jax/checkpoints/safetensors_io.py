@@ -13,8 +13,11 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
+import socket
 import struct
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from dspark_jax.checkpoints import interrupts
 from dspark_jax.errors import UserError
 
 SINGLE_FILE = "model.safetensors"
@@ -278,12 +282,64 @@ def refuse_nonempty_dir(path: str | os.PathLike, overwrite: bool) -> None:
         )
 
 
+# Leftovers of a crashed run that recorded no owner (older builds) or ran on another host (a
+# shared filesystem) are judged by age: a live run writes into its folder, keeping its mtime fresh,
+# and converting the largest targets takes well under an hour.
+STALE_AFTER_S = 24 * 3600
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_stale_siblings(path: Path) -> list[Path]:
+    """Removes the hidden working folders `.NAME.tmp-*` (and `.NAME.old-*` once NAME exists
+    again) that earlier runs killed mid-write left beside `path`; returns what was removed.
+
+    One whose owner (host and pid are in its name) is a dead process on this host is stale; an
+    `.old-` one is the previous output moved aside, so it goes only when `path` is back in place.
+    Without an owner on this host, only age tells (`STALE_AFTER_S`)."""
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-(.+)")
+    owned = re.compile(r"(.+)-(\d+)-[0-9a-f]{12}")
+    host = socket.gethostname()
+    removed = []
+    for sibling in path.parent.iterdir():
+        match = pattern.fullmatch(sibling.name)
+        if match is None or not sibling.is_dir():
+            continue
+        if match.group(1) == "old" and not path.exists():
+            continue
+        owner = owned.fullmatch(match.group(2))
+        if owner is not None and owner.group(1) == host:
+            stale = not _pid_alive(int(owner.group(2)))
+        else:
+            stale = time.time() - sibling.stat().st_mtime > STALE_AFTER_S
+        if stale:
+            shutil.rmtree(sibling, ignore_errors=True)
+            removed.append(sibling)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yields a fresh sibling directory to write into; renames it to `path` on success.
 
     On any exception the temporary directory is deleted and `path` is left untouched. With
-    `overwrite`, an existing `path` directory is moved aside, replaced, then deleted.
+    `overwrite`, an existing `path` directory is moved aside, replaced, then deleted. Working
+    folders of earlier runs that were killed are removed first (`remove_stale_siblings`). Ctrl-C
+    is honoured even when a library swallows it, and never interrupts the rename or the cleanup.
     """
     path = Path(path)
 
@@ -297,24 +353,30 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
 
     check_target()
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_siblings(path)
     # A sibling, so the final rename stays on one filesystem and is atomic.
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
+    tmp = path.parent / f".{path.name}.tmp-{_owner()}-{uuid.uuid4().hex[:12]}"
     old: Path | None = None
-    try:
-        yield tmp
-        check_target()
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(path, old)
+    with interrupts.guarded() as guard:
+        tmp.mkdir()
         try:
-            os.replace(tmp, path)
+            yield tmp
+            guard.check()
+            with guard.holding():
+                check_target()
+                if path.exists():
+                    old = path.parent / f".{path.name}.old-{_owner()}-{uuid.uuid4().hex[:12]}"
+                    os.replace(path, old)
+                try:
+                    os.replace(tmp, path)
+                except BaseException:
+                    if old is not None:
+                        os.replace(old, path)
+                    raise
         except BaseException:
-            if old is not None:
-                os.replace(old, path)
+            with guard.holding():
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
+        if old is not None:
+            with guard.holding():
+                shutil.rmtree(old)
