@@ -41,6 +41,7 @@ from dspark_jax.checkpoints.convert import (
     target_from_torch,
 )
 from dspark_jax.checkpoints.fingerprint import drafter_fingerprint
+from dspark_jax.checkpoints.integrity import check_parameters
 from dspark_jax.checkpoints.locate import (
     DRAFT,
     FORMAT_NAME,
@@ -184,6 +185,20 @@ def _cast_model(cfg, model, dtype: str):
     return cfg, nnx.merge(graphdef, state)
 
 
+def _check_loaded(model, part: str, part_dir: Path, entry, cast: bool) -> None:
+    """Refuses non-finite parameters, and for a converted folder read without a cast, parameters
+    whose checksum differs from the one recorded at conversion (folders converted before
+    checksums were recorded have none to compare)."""
+    checksum = check_parameters(model, f"the {part} at {part_dir}")
+    recorded = (entry or {}).get("checksum")
+    if recorded is not None and not cast and recorded != checksum:
+        raise CheckpointError(
+            f"{part_dir}: the {part}'s parameters do not match the checksum recorded at "
+            f"conversion ({recorded[:12]}..., found {checksum[:12]}...): the folder was modified "
+            "or damaged; convert it again"
+        )
+
+
 def _read_drafter(path, dtype: str | None, progress: bool):
     """(original config dict, cfg, model, fingerprint of the stored parameters)."""
     part_dir, entry = locate(path, DRAFT)
@@ -193,6 +208,7 @@ def _read_drafter(path, dtype: str | None, progress: bool):
         cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, None, progress)
     else:
         cfg, model = _from_jax_folder(part_dir, cfg, None)
+    _check_loaded(model, DRAFT, part_dir, entry, cast=False)
     fingerprint = drafter_fingerprint(model)
     recorded = (entry or {}).get("fingerprint")
     if recorded is not None and recorded != fingerprint:
@@ -200,8 +216,10 @@ def _read_drafter(path, dtype: str | None, progress: bool):
             f"{part_dir}: parameters do not match the fingerprint recorded at conversion "
             f"({recorded[:12]}..., found {fingerprint[:12]}...): the folder was modified or damaged"
         )
-    if dtype is not None:
+    if dtype is not None and _dtype_name(dtype) != cfg.model.dtype:
         cfg, model = _cast_model(cfg, model, _dtype_name(dtype))
+        # A narrower dtype can overflow to infinity (float16 tops out at 65504).
+        check_parameters(model, f"the drafter at {part_dir} cast to {cfg.model.dtype}")
     return raw, cfg, model, fingerprint
 
 
@@ -222,6 +240,8 @@ def load_target(
         cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, dtype, progress)
     else:
         cfg, model = _from_jax_folder(part_dir, cfg, dtype)
+    cast = dtype is not None and dtype != (entry or {}).get("param_dtype", dtype)
+    _check_loaded(model, TARGET, part_dir, entry, cast)
     return cfg, model, part_dir
 
 
@@ -298,6 +318,7 @@ def convert_checkpoints(
             part_dir = tmp / part
             part_dir.mkdir()
             _, model = _from_torch_folder(folders[part], cfgs[part], cast, progress)
+            checksum = check_parameters(model, f"the {part} at {sources[part]}")
             orbax_io.save_params(model, part_dir / PARAMS)
             _write_json(part_dir / "config.json", raws[part])
             floats = [a.dtype for a in jax.tree.leaves(nnx.state(model)) if is_float_dtype(a.dtype)]
@@ -306,6 +327,7 @@ def convert_checkpoints(
                 "resolved_source": str(sources[part].resolve()),
                 "param_dtype": _dtype_name(floats[0]),
                 "num_params": _num_params(model),
+                "checksum": checksum,
             }
             if part == DRAFT:
                 entry["fingerprint"] = drafter_fingerprint(model)
