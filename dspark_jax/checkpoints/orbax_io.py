@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -69,6 +71,12 @@ def restore_params(
     `stored` is `read_metadata(params_dir)`. The restore target is the abstract model's pure
     dict, so list indices stay int keys. Each leaf is read in its stored dtype, or cast to `dtype`
     by Orbax while reading.
+
+    Leaves are read into host memory, then placed leaf by leaf as `jnp.asarray` places arrays
+    read from safetensors: uncommitted, on the default device. Orbax's own device placement
+    commits them to a device, and committed-ness is part of every jitted function's cache key,
+    so the same weights from a converted folder would compile programs of their own (and mixed
+    with arrays made on the host, compile again where the other form does not).
     """
     graphdef, state = nnx.split(abstract)
     wanted = nnx.to_pure_dict(state)
@@ -81,13 +89,11 @@ def restore_params(
             f"{params_dir}: parameters do not match config.json: " + " | ".join(problems)
         )
 
-    # An explicit device: the sharding recorded at save time names the converting machine's.
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
     def leaf_target(key_path, leaf):
         meta = stored[".".join(key_path_names(key_path))]
         cast = dtype is not None and is_float_dtype(meta.dtype)
-        return jax.ShapeDtypeStruct(leaf.shape, dtype if cast else meta.dtype, sharding=sharding)
+        # np.empty reserves address space only; Orbax fills it (and reads no sharding from it).
+        return np.empty(leaf.shape, jnp.dtype(dtype if cast else meta.dtype))
 
     target = jax.tree_util.tree_map_with_path(leaf_target, wanted)
     try:
@@ -97,5 +103,9 @@ def restore_params(
         raise CheckpointError(
             f"{params_dir}: cannot read the Orbax checkpoint ({type(e).__name__}: {e})"
         ) from e
-    nnx.replace_by_pure_dict(state, restored)
+    leaves, treedef = jax.tree.flatten(restored)
+    del restored
+    for i, leaf in enumerate(leaves):
+        leaves[i] = jnp.asarray(leaf)  # drops the host copy of leaf i before reading leaf i + 1
+    nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, leaves))
     return nnx.merge(graphdef, state)
