@@ -19,8 +19,6 @@ from pathlib import Path
 from dspark_jax.errors import UserError
 
 DEFAULT_MAX_MODEL_LEN = 2048
-# Headroom left to activations and compiled programs when sizing the KV pool against memory.
-MEMORY_FRACTION = 0.9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,41 +190,6 @@ def _model_paths(args: argparse.Namespace):
     return target, (None if args.no_draft else draft), args.served_model_name or name
 
 
-def _available_bytes() -> tuple[int | None, str]:
-    """Free memory of the device the KV pool goes to, when it can be known."""
-    import jax
-
-    device = jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), str(device)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "host memory"
-    except OSError:
-        pass
-    return None, str(device)
-
-
-def check_memory(engine) -> int:
-    """The bytes the engine's slot state (KV pool included) will take; refuses a pool that does
-    not fit the free memory of the device, naming the options that size it."""
-    import jax
-
-    shapes = jax.eval_shape(engine.init_state)
-    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
-    free, where = _available_bytes()
-    if free is not None and need > MEMORY_FRACTION * free:
-        cfg = engine.cfg
-        raise UserError(
-            f"the KV cache needs {need / 2**30:.2f} GiB ({cfg.pool_pages} pages of "
-            f"{cfg.page_size} tokens) but {where} has {free / 2**30:.2f} GiB free; lower "
-            "--kv-pages, --max-num-seqs or --max-model-len"
-        )
-    return need
-
-
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     from dspark_jax.serving.http_server import bind_socket
@@ -279,7 +242,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         sts=sts,
         drafter_fingerprint=models.drafter_fingerprint,
     )
-    kv_bytes = check_memory(engine)
+    kv_bytes = engine.state_bytes
     model = ServedModel(
         name=name,
         tokenizer=models.tokenizer,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -125,34 +126,37 @@ class EngineConfig:
         return _geometric(16, self.prefill_chunk)
 
 
-def memory_budget() -> int:
-    """Bytes the first local device can still hold: what its allocator reports free, or on
-    backends that report nothing (CPU) the machine's physical memory."""
-    stats = jax.local_devices()[0].memory_stats() or {}
+# Headroom left to activations and compiled programs when sizing the slot state against memory.
+MEMORY_FRACTION = 0.9
+
+
+def memory_budget() -> tuple[int, str]:
+    """(bytes free, where) on the device the slot state goes to: what its allocator reports, or on
+    backends that report nothing (CPU) the host's available memory (MemAvailable, else all of
+    its physical memory). Parameters are loaded by then, so they are already counted as used."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), str(device)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "host memory"
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
 
 
-def _check_memory(state_bytes: int, cfg: EngineConfig, params) -> None:
-    """Refuses an engine whose slot state (the KV page pools above all) cannot fit beside the
-    parameters, before anything is allocated: the allocation would fail or summon the kernel's
-    OOM killer only after minutes of loading and compiling."""
-    budget = memory_budget()
-    params_bytes = sum(
-        leaf.size * leaf.dtype.itemsize
-        for leaf in jax.tree.leaves(params)
-        if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-    )
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        budget -= params_bytes  # host memory holds the parameters too
-    if state_bytes > budget:
-        gib = 2**30
+def _check_memory(state_bytes: int, cfg: EngineConfig) -> None:
+    """Refuses an engine whose slot state (the KV page pools above all) cannot fit, before
+    anything is allocated: the allocation would fail, or summon the kernel's OOM killer, only
+    after minutes of loading and compiling."""
+    free, where = memory_budget()
+    if state_bytes > MEMORY_FRACTION * free:
         raise EngineError(
-            f"the KV pool and slot state need {state_bytes / gib:.1f} GiB ({cfg.pool_pages} pages "
-            f"of {cfg.page_size} tokens, {cfg.num_slots} slots, max_model_len "
-            f"{cfg.max_model_len}); the device has {max(budget, 0) / gib:.1f} GiB left: lower "
+            f"the KV pool and slot state need {state_bytes / 2**30:.2f} GiB ({cfg.pool_pages} "
+            f"pages of {cfg.page_size} tokens, {cfg.num_slots} slots, max_model_len "
+            f"{cfg.max_model_len}) but {where} has {max(free, 0) / 2**30:.2f} GiB free: lower "
             "--kv-pages, --max-model-len, --max-new-tokens or --max-num-seqs (profile: "
             "--context-len)"
         )
@@ -428,7 +432,7 @@ class Engine:
                 jax.eval_shape(init, self.target_params, self.drafter_params)
             )
         )
-        _check_memory(self.state_bytes, cfg, (self.target_params, self.drafter_params))
+        _check_memory(self.state_bytes, cfg)
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
         self._decode = jax.jit(decode, donate_argnums=(2,))
         self._release = jax.jit(release, donate_argnums=(0,))
