@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from dspark_jax.tokenizer import Tokenizer
 
 CONVERT_DTYPES = ("keep", "float32", "bfloat16")
+_PART_NAMES = {DRAFT: "drafter", TARGET: "target"}
 
 
 # -- small helpers -----------------------------------------------------------------------------
@@ -189,13 +190,13 @@ def _check_loaded(model, part: str, part_dir: Path, entry, cast: bool) -> None:
     """Refuses non-finite parameters, and for a converted folder read without a cast, parameters
     whose checksum differs from the one recorded at conversion (folders converted before
     checksums were recorded have none to compare)."""
-    checksum = check_parameters(model, f"the {part} at {part_dir}")
+    checksum = check_parameters(model, f"the {_PART_NAMES[part]} at {part_dir}")
     recorded = (entry or {}).get("checksum")
     if recorded is not None and not cast and recorded != checksum:
         raise CheckpointError(
-            f"{part_dir}: the {part}'s parameters do not match the checksum recorded at "
-            f"conversion ({recorded[:12]}..., found {checksum[:12]}...): the folder was modified "
-            "or damaged; convert it again"
+            f"{part_dir}: the {_PART_NAMES[part]}'s parameters do not match the checksum "
+            f"recorded at conversion ({recorded[:12]}..., found {checksum[:12]}...): the folder "
+            "was modified or damaged; convert it again"
         )
 
 
@@ -318,7 +319,7 @@ def convert_checkpoints(
             part_dir = tmp / part
             part_dir.mkdir()
             _, model = _from_torch_folder(folders[part], cfgs[part], cast, progress)
-            checksum = check_parameters(model, f"the {part} at {sources[part]}")
+            checksum = check_parameters(model, f"the {_PART_NAMES[part]} at {sources[part]}")
             orbax_io.save_params(model, part_dir / PARAMS)
             _write_json(part_dir / "config.json", raws[part])
             floats = [a.dtype for a in jax.tree.leaves(nnx.state(model)) if is_float_dtype(a.dtype)]
