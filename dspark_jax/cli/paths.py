@@ -13,6 +13,9 @@ from dspark_jax.errors import UserError
 def _check_writable_folder(folder: Path, option: str, path: Path) -> None:
     """Creates `folder` if needed and writes a scratch file into it: permissions, read-only
     filesystems and files standing where a folder belongs all show up here, whoever runs."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor))
+    if existing.exists() and not existing.is_dir():
+        raise UserError(f"{option} {path}: {existing} is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
