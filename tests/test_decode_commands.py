@@ -84,7 +84,7 @@ def test_token_id_prompts_and_bad_input(capsys, tmp_path):
     assert main(["generate", "--prompt", "a", "--token-ids", "1"]) == 2
     too_long = ["--prompt", "a", "--max-model-len", "16", "--max-new-tokens", "20"]
     assert main(["generate", *too_long]) == 2
-    assert "max_model_len is 16" in capsys.readouterr().err
+    assert "--max-model-len is 16" in capsys.readouterr().err
 
 
 def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
