@@ -65,7 +65,8 @@ def deferred() -> Iterator[None]:
     """Runs the block to its end whatever SIGINTs arrive, then raises KeyboardInterrupt if any
     did (or one arrived earlier under the same guard)."""
     with contextlib.ExitStack() as stack:
-        guard = _active[-1] if _active else stack.enter_context(guarded())
+        in_main = threading.current_thread() is threading.main_thread()
+        guard = _active[-1] if _active and in_main else stack.enter_context(guarded())
         with guard.holding():
             yield
         guard.check()
