@@ -140,6 +140,8 @@ CLI_CASES = [
     ("convert --draft ckpt-typo/../draft --out {tmp}/c", "no such folder"),
     ("export --draft {draft} --out {plain_file}/x", "--out"),
     ("export --draft {tmp}/nothing --out {tmp}/x", "no such folder"),
+    ("train --config nope", "unknown train config 'nope'"),
+    ("train --config tiny-dspark --output {plain_file}/run", "is a file, not a folder"),
     ("serve --rounds-per-chunk 0", "--rounds-per-chunk must be >= 1"),
     ("serve --max-model-len 0", "--max-model-len must be >= 1"),
     ("serve --max-num-seqs 1000000", "--max-num-seqs must be <="),

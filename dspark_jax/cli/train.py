@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         initialize_distributed(
             args.coordinator_address, args.num_processes, args.process_id, auto_detect=True
         )
+    from dspark_jax.cli.paths import check_output_folder
     from dspark_jax.training.trainer import TrainingInterrupted, train
 
     config = load_train_config(args.config)
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.eval_data is not None:
         overrides["holdout"] = False
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    output = Path(args.output or Path("runs") / config.name)
+    output = check_output_folder(args.output or Path("runs") / config.name, "--output")
     try:
         with _console_log():
             result = train(
