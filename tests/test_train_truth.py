@@ -271,6 +271,26 @@ def test_export_any_checkpoint(files, base_run, tmp_path, capsys):
     assert "overlaps the input" in capsys.readouterr().err
 
 
+def test_export_of_a_diverged_checkpoint_is_refused(base_run, tmp_path, capsys, monkeypatch):
+    """A step whose parameters hold NaN (a run that diverged) is refused in one line naming the
+    step, and nothing is written."""
+    base, _ = base_run
+    restore = trainer.restore_state
+
+    def diverged(directory, step, abstract_state):
+        state = restore(directory, step, abstract_state)
+        leaves, treedef = jax.tree.flatten(state.params)
+        leaves[0] = leaves[0] * np.nan
+        return state._replace(params=jax.tree.unflatten(treedef, leaves))
+
+    monkeypatch.setattr(trainer, "restore_state", diverged)
+    out = tmp_path / "nan"
+    assert main(["export", "--draft", str(base / "checkpoints" / "2"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "step 2 of" in err and "NaN or infinite" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
 def _starts_where_base_ended(files, base_run, source, out):
     """A run started from `source` begins where the base run ended: its first evaluation equals
     the base run's last (same held-out batches and anchors)."""

@@ -47,6 +47,7 @@ from jax.experimental.multihost_utils import process_allgather
 from tqdm.auto import tqdm
 
 from dspark_jax.checkpoints.converted import load_drafter, load_target, write_drafter_torch
+from dspark_jax.checkpoints.integrity import check_parameters
 from dspark_jax.config import ConfigError, DrafterConfig
 from dspark_jax.configs.recipes import TrainRecipe
 from dspark_jax.conversations import TURNS_AS
@@ -697,7 +698,10 @@ def drafter_from_checkpoint(
     )
     graphdef, state = nnx.split(nnx.merge(graphdef, frozen, restored.params))
     state = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(dtype)), state)
-    return nnx.merge(graphdef, state), target
+    drafter = nnx.merge(graphdef, state)
+    # A run that diverged saves NaN like any other step: refused here as every loaded drafter is.
+    check_parameters(drafter, f"the drafter of step {step} of {directory}")
+    return drafter, target
 
 
 def _setup_models(config: TrainConfig, mesh, progress: bool):
