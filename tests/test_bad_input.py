@@ -171,6 +171,22 @@ def test_bad_command_lines_fail_in_one_line(
     assert fragment in lines[0], lines[0]
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        "eval --out {tmp}/new/results --limit 0 {notalist}",
+        "generate --json {tmp}/new/deeper/out.json --token-ids 5,x",
+        "profile --out {tmp}/new/p.json --config no-such-model",
+    ],
+)
+def test_output_checks_leave_nothing_behind(command, bad_files, tmp_path, capsys):
+    """The output location is probed before any work, and a command refused after the probe
+    leaves no folder of it behind."""
+    argv = command.format(notalist=bad_files["notalist"], tmp=tmp_path).split()
+    assert _run(argv, capsys)[0] == 2
+    assert not (tmp_path / "new").exists()
+
+
 # -- 1. a converted folder decodes like the safetensors it came from ---------------------------
 def _leaf_properties(model) -> list[tuple]:
     return [

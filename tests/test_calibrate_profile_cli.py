@@ -30,7 +30,8 @@ def test_calibrate_one_file_and_two_files(tmp_path, capsys):
     _overconfident_records(1500, 1).save(tmp_path / "b.npz")
     _, _, fingerprint = load_drafter(DRAFTER, progress=False)
     for records in (["a.npz"], ["a.npz", "b.npz"]):
-        out, plot = tmp_path / "sts.json", tmp_path / "rel.png"
+        # Folders that do not exist yet: the command creates them when it writes.
+        out, plot = tmp_path / "sts" / "sts.json", tmp_path / "plots" / "rel.png"
         argv = [
             "calibrate",
             "--records",
@@ -76,7 +77,7 @@ def test_calibrate_refuses_records_of_another_block_size(tmp_path, capsys):
 
 
 def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
-    out, plot = tmp_path / "sps.json", tmp_path / "sps.png"
+    out, plot = tmp_path / "sps" / "sps.json", tmp_path / "plots" / "sps.png"
     quick = ["--context-len", "16", "--steps", "2", "--repeats", "1"]
     argv = ["profile", "--mode", "verify", "--max-num-seqs", "4", "--buckets", "4,32", *quick]
     assert cli.main([*argv, "--out", str(out), "--plot", str(plot)]) == 0

@@ -399,6 +399,7 @@ class StsArtifact:
             "n_records": self.n_records,
             "metrics": self.metrics,
         }
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
 
     @classmethod

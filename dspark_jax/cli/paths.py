@@ -3,6 +3,7 @@ should fail in its first second, not after an hour of decoding."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -12,16 +13,23 @@ from dspark_jax.errors import UserError
 
 def _check_writable_folder(folder: Path, option: str, path: Path) -> None:
     """Creates `folder` if needed and writes a scratch file into it: permissions, read-only
-    filesystems and files standing where a folder belongs all show up here, whoever runs."""
+    filesystems and files standing where a folder belongs all show up here, whoever runs. The
+    folders it had to create are removed again, so a command refused later (a bad mesh, a bad
+    limit) leaves nothing behind; the command creates them when it writes its result."""
     existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor))
     if existing.exists() and not existing.is_dir():
         raise UserError(f"{option} {path}: {existing} is a file, not a folder")
+    created = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
         raise UserError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
+    finally:
+        for made in created:  # deepest first
+            with contextlib.suppress(OSError):
+                made.rmdir()
 
 
 def check_output_file(path: str | os.PathLike, option: str) -> Path:
@@ -35,7 +43,7 @@ def check_output_file(path: str | os.PathLike, option: str) -> Path:
 
 def check_output_folder(path: str | os.PathLike, option: str, *, created: bool = True) -> Path:
     """`path` as a Path, once files can be written into it. With `created` false the folder is
-    written atomically later (as a renamed sibling), so only its parent is checked and created."""
+    written atomically later (as a renamed sibling), so only its parent is checked."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{option} {path}: exists and is not a folder")

@@ -396,4 +396,5 @@ def plot_profile(profile: SpsProfile, path: str | Path) -> None:
     slots = meta.get("num_slots", "?")
     fig.suptitle(f"{meta.get('mode', '')} SPS, {slots} slots, {where}", fontsize=10)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -177,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
         initialize_distributed(
             args.coordinator_address, args.num_processes, args.process_id, auto_detect=True
         )
+    import jax
+
     from dspark_jax.cli.paths import check_output_folder
     from dspark_jax.training.trainer import TrainingInterrupted, train
 
@@ -201,7 +203,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.eval_data is not None:
         overrides["holdout"] = False
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    output = check_output_folder(args.output or Path("runs") / config.name, "--output")
+    output = Path(args.output or Path("runs") / config.name)
+    # Process 0 alone creates the run folder; other processes probing (and removing) it at the
+    # same moment on a shared filesystem could delete it from under each other's probes.
+    if jax.process_index() == 0:
+        check_output_folder(output, "--output")
     try:
         with _console_log():
             result = train(

@@ -165,6 +165,7 @@ class SpsProfile:
         }
 
     def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
