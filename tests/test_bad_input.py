@@ -309,7 +309,7 @@ def test_modified_target_of_a_converted_folder_is_refused(converted, tmp_path):
     _, target, _ = load_target(damaged, progress=False)
     state = nnx.state(target)
     leaf = state["layers"][0]["mlp"]["down_proj"]["kernel"]
-    leaf.value = leaf.value.at[0, 0].add(1e-3)  # finite, plausible, and not what was converted
+    leaf[...] = leaf[...].at[0, 0].add(1e-3)  # finite, plausible, and not what was converted
     nnx.update(target, state)
     shutil.rmtree(damaged / "target" / "params")
     orbax_io.save_params(target, damaged / "target" / "params")
