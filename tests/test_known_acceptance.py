@@ -58,7 +58,7 @@ def _accepted_counts(models, sampling) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=str)
 def test_each_position_is_accepted_at_its_rate(models, sampling):
     accepted, conf_logits = _accepted_counts(models, sampling)
-    assert len(accepted) > 1000
+    assert len(accepted) > 500  # rounds: 16 requests x 200 tokens at tau ~5
     for k, rate in enumerate(ACCEPTANCE):
         reached = accepted >= k  # every earlier draft accepted: position k was decided
         n = int(reached.sum())
