@@ -198,7 +198,9 @@ def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
                 live_s=jnp.ones((slots,), bool),
                 lengths_s=jnp.full((slots,), context, jnp.int32),
                 num_generated_s=jnp.zeros((slots,), jnp.int32),
-                keys_s=jax.vmap(jax.random.key)(jnp.arange(slots, dtype=jnp.uint32) + rep * slots),
+                key_data_s=jax.random.key_data(
+                    jax.vmap(jax.random.key)(jnp.arange(slots, dtype=jnp.uint32) + rep * slots)
+                ),
             )
             jax.block_until_ready(state.lengths_s)
             start = time.perf_counter()

@@ -10,9 +10,11 @@ mesh:
           XLA gathers them where a matmul needs them);
 - tensor: Megatron-style splitting of heads, MLP width and vocabulary.
 
-A dimension is only split when its size divides evenly by the mesh axes it maps to, and a mesh
-axis is used at most once per array (the first dimension that claims it wins), so every rule is
-safe on every mesh shape and nothing assumes a device count.
+A mesh axis is used at most once per array (the first dimension that claims it wins). Training
+splits a dimension only when its size divides evenly by the mesh axes it maps to, so every rule is
+safe on every mesh shape; inference asks for `strict` specs instead, where a dimension that does
+not divide is an error naming it (a silently replicated 8B target would not fit its devices).
+Nothing assumes a device count.
 """
 
 from __future__ import annotations
@@ -32,13 +34,19 @@ MESH_AXES = ("data", "fsdp", "tensor")
 MeshAxes = str | tuple[str, ...] | None
 
 # logical name -> mesh axes. Parameter names come from the models; activation names from the
-# train step (`batch`, `length`, `features`, `block`).
+# train step (`batch`, `length`, `features`, `block`); cache and slot names from the decoding
+# engine (`slots`, `pages`; a page pool's heads are `kv_heads`).
 LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # activations
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("block", None),
     ("features", None),
+    # decoding state: a slot row is one request, split like a batch row. The pool's page axis
+    # stays whole: any slot may own any page, so splitting pages over `data` would turn every
+    # page-table gather into a cross-device one (see docs/engine.md, "On a mesh").
+    ("slots", ("data", "fsdp")),
+    ("pages", None),
     # parameters
     ("vocab", "tensor"),
     ("embed", "fsdp"),
@@ -106,11 +114,14 @@ def logical_to_spec(
     shape: Sequence[int],
     mesh: Mesh,
     rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
+    *,
+    strict: bool = False,
 ) -> PartitionSpec:
     """The PartitionSpec of an array of `shape` whose dimensions have `logical_axes`.
 
     `None` names an unsharded dimension. A dimension keeps only the mesh axes not already used by
-    an earlier dimension, and none at all when its size does not divide evenly by them.
+    an earlier dimension, and none at all when its size does not divide evenly by them -- or,
+    with `strict`, a ShardingError that names the dimension, its size and the mesh axes.
     """
     if len(logical_axes) != len(shape):
         raise ShardingError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
@@ -129,6 +140,12 @@ def logical_to_spec(
         axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
         axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
         if axes and size % math.prod(mesh.shape[a] for a in axes):
+            if strict:
+                split = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+                raise ShardingError(
+                    f"logical axis {name!r} of size {size} does not divide the mesh axes it "
+                    f"maps to ({split}); choose a mesh whose {'/'.join(axes)} size divides {size}"
+                )
             axes = ()
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -140,22 +157,30 @@ def logical_sharding(
     shape: Sequence[int],
     mesh: Mesh,
     rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
+    *,
+    strict: bool = False,
 ) -> NamedSharding:
     """`logical_to_spec` as a NamedSharding on `mesh`."""
-    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules, strict=strict))
 
 
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def state_shardings(tree, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES):
+def state_shardings(
+    tree,
+    mesh: Mesh,
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
+    *,
+    strict: bool = False,
+):
     """NamedShardings for a pytree of NNX Variables and arrays, with the same structure.
 
     Variables with `logical_axes` metadata (parameters, and optimizer moments, which optax builds
     as copies of them) get their rule-based sharding inside a Variable of the same type, so the
     result matches `tree` as a jit in/out sharding or a `device_put` target; everything else
-    (step counters, PRNG keys, scalars) is replicated.
+    (step counters, PRNG keys, scalars) is replicated. `tree` may be abstract (`nnx.eval_shape`).
     """
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -163,7 +188,11 @@ def state_shardings(tree, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LO
         if _is_variable(x):
             axes = x.get_metadata().get("logical_axes")
             shape = x.shape
-            sharding = replicated if axes is None else logical_sharding(axes, shape, mesh, rules)
+            sharding = (
+                replicated
+                if axes is None
+                else logical_sharding(axes, shape, mesh, rules, strict=strict)
+            )
             return x.replace(sharding)
         return replicated
 
@@ -226,3 +255,61 @@ def initialize_distributed(
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     return True
+
+
+def check_heads(what: str, num_heads: int, num_kv_heads: int, mesh: Mesh) -> None:
+    """Raises ShardingError unless the `tensor` axis divides both head counts.
+
+    Projection kernels store heads flattened with head_dim ([embed, heads * head_dim]), so a
+    divisible flat size can still cut a head in two; attention needs whole heads per device.
+    """
+    tensor = mesh.shape["tensor"]
+    for name, count in (("attention heads", num_heads), ("key/value heads", num_kv_heads)):
+        if count % tensor:
+            raise ShardingError(
+                f"{what}: {count} {name} do not divide the mesh's tensor axis of size {tensor}; "
+                "choose a --mesh whose tensor size divides the head counts"
+            )
+
+
+def shard_map(fn, mesh: Mesh, in_specs, out_specs):
+    """`jax.shard_map` without replication checks (its body may hold Pallas calls and loops).
+
+    JAX 0.10 and 0.11 both export `jax.shard_map`; older releases only the experimental one.
+    """
+    public = getattr(jax, "shard_map", None)
+    if public is not None:
+        return public(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as experimental
+
+    return experimental(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def device_memory_bytes(device=None) -> int | None:
+    """The memory one device offers to arrays, or None where the backend does not say (CPU)."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return None if not stats else stats.get("bytes_limit")
+
+
+# Share of one device's memory the parameters may take before the default decoding mesh spreads
+# them over the tensor axis: the rest holds the KV page pools and the activations.
+PARAMS_SHARE_OF_DEVICE = 0.75
+
+
+def decoding_mesh(config: MeshConfig | None, param_bytes: int, devices=None) -> Mesh | None:
+    """The mesh the decoding commands run on.
+
+    An explicit `config` is used as given (over `devices`, default all devices). Without one:
+    no mesh (one device) while the parameters take at most `PARAMS_SHARE_OF_DEVICE` of one
+    device's memory, else every local device on the `tensor` axis -- tensor parallelism splits
+    the weights and the KV heads, the two things that grow with the model, and needs no more
+    requests in flight to pay off (data parallelism would copy the weights to every device).
+    """
+    if config is not None:
+        return make_mesh(config, devices)
+    local = list(devices if devices is not None else jax.local_devices())
+    limit = device_memory_bytes(local[0])
+    if limit is None or param_bytes <= PARAMS_SHARE_OF_DEVICE * limit or len(local) == 1:
+        return None
+    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), local)

@@ -29,6 +29,11 @@ Rejected tokens are rolled back by length alone. Plain decoding packs one token 
 
 Compiled programs: one prefill per token bucket of `prefill_buckets`, one decode chunk, one
 release and one state initialisation -- fixed at construction and all built by `warm_up()`.
+
+On a mesh (`mesh=`), parameters and state carry shardings from the rules table in
+`dspark_jax.sharding`: weights split by their logical axes (heads, MLP width and vocabulary over
+`tensor`), page pools by KV head over `tensor`, slot rows over `data`; every verb's state output
+is pinned to the same shardings, so donation holds and no call compiles a second program.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.calibration.sts import STS_TEMP_RTOL, StsArtifact
 from dspark_jax.decoding.policies import FixedPolicy, Policy, PolicyError, SpsProfile
@@ -62,6 +68,7 @@ from dspark_jax.sampling import (
     position_keys,
     sample_from_logprobs,
 )
+from dspark_jax.sharding import check_heads, logical_sharding, state_shardings
 
 
 class EngineError(UserError):
@@ -130,6 +137,9 @@ class EngineConfig:
 MEMORY_FRACTION = 0.9
 
 
+HOST_MEMORY = "host memory"  # where `memory_budget` found it: the devices report none
+
+
 def memory_budget() -> tuple[int, str]:
     """(bytes free, where) on the device the slot state goes to: what its allocator reports, or on
     backends that report nothing (CPU) the host's available memory (MemAvailable, else all of
@@ -141,20 +151,35 @@ def memory_budget() -> tuple[int, str]:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "host memory"
+                return int(line.split()[1]) * 1024, HOST_MEMORY
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), HOST_MEMORY
 
 
-def _check_memory(state_bytes: int, cfg: EngineConfig) -> None:
+def _state_bytes(abstract: SlotState, shardings: SlotState | None) -> int:
+    """Bytes of the slot state on one device: on a mesh, that device's shard of every array."""
+    leaves = jax.tree.leaves(abstract)
+    if shardings is None:
+        return sum(x.size * x.dtype.itemsize for x in leaves)
+    return sum(
+        int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
+        for x, sh in zip(leaves, jax.tree.leaves(shardings), strict=True)
+    )
+
+
+def _check_memory(state_bytes: int, cfg: EngineConfig, num_devices: int = 1) -> None:
     """Refuses an engine whose slot state (the KV page pools above all) cannot fit, before
     anything is allocated: the allocation would fail, or summon the kernel's OOM killer, only
-    after minutes of loading and compiling."""
+    after minutes of loading and compiling. `state_bytes` is one device's share of the state,
+    `num_devices` how many of this host's devices hold a share."""
     free, where = memory_budget()
-    if state_bytes > MEMORY_FRACTION * free:
+    # Devices without memory of their own (CPU) all take their shares from the host's.
+    need = state_bytes * num_devices if where == HOST_MEMORY else state_bytes
+    if need > MEMORY_FRACTION * free:
+        per = " per device" if num_devices > 1 and where != HOST_MEMORY else ""
         raise EngineError(
-            f"the KV pool and slot state need {state_bytes / 2**30:.2f} GiB ({cfg.pool_pages} "
+            f"the KV pool and slot state need {need / 2**30:.2f} GiB{per} ({cfg.pool_pages} "
             f"pages of {cfg.page_size} tokens, {cfg.num_slots} slots, max_model_len "
             f"{cfg.max_model_len}) but {where} has {max(free, 0) / 2**30:.2f} GiB free: lower "
             "--kv-pages, --max-model-len, --max-new-tokens or --max-num-seqs (profile: "
@@ -194,7 +219,9 @@ class SlotState:
     page_table_sp: jax.Array  # int32 [slots, pages_per_slot]: the slot's pages
     lengths_s: jax.Array  # committed tokens in the cache = position of the anchor
     anchor_s: jax.Array  # last committed token, not yet in the cache
-    keys_s: jax.Array  # the request's PRNG key
+    # The request's PRNG key as raw key data [slots, key words]: typed key arrays make jit keep
+    # a second dispatch entry for sharded arguments, which would read as a recompilation.
+    key_data_s: jax.Array
     sampling_s: RowSampling
     max_new_s: jax.Array  # tokens to generate, the first (from prefill) included
     stop_sk: jax.Array  # stop token ids, NO_STOP_TOKEN-padded
@@ -205,6 +232,10 @@ class SlotState:
 
     def replace(self, **changes) -> SlotState:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def keys_s(self) -> jax.Array:
+        return jax.random.wrap_key_data(self.key_data_s)
 
 
 @jax.tree_util.register_dataclass
@@ -324,7 +355,8 @@ class Engine:
     The models are split into (graphdef, state) once; the jitted functions are pure functions of
     the parameter states and a donated `SlotState`. `policy` (default: verify the whole block)
     chooses the verified lengths; `sts` (an `StsArtifact`, checked against
-    `drafter_fingerprint`) calibrates the confidence logits the policy sees.
+    `drafter_fingerprint`) calibrates the confidence logits the policy sees. `mesh`: run sharded
+    over a (data, fsdp, tensor) mesh (parameters already placed there stay where they are).
     """
 
     def __init__(
@@ -336,8 +368,10 @@ class Engine:
         stop_tokens: tuple[int, ...] = (),
         sts: StsArtifact | None = None,
         drafter_fingerprint: str | None = None,
+        mesh: Mesh | None = None,
     ):
         self.cfg = cfg
+        self.mesh = mesh
         self.target_cfg = target.cfg
         self.speculative = drafter is not None
         self.gamma = drafter.cfg.block_size if drafter is not None else 0
@@ -393,7 +427,9 @@ class Engine:
         self._drafter_graph, self.drafter_params = (
             nnx.split(drafter) if drafter is not None else (None, None)
         )
-        layouts = (self.target_layout, self.draft_layout)
+        if mesh is not None:
+            self._place_params(target, drafter, mesh)
+        layouts = (self.target_layout, self.draft_layout, mesh)
         tg, dg = self._target_graph, self._drafter_graph
         taps = () if drafter is None else drafter.cfg.target_layer_ids
 
@@ -425,17 +461,34 @@ class Engine:
         def release(state, mask_s):
             return state.replace(live_s=state.live_s & ~mask_s)
 
-        self._init = jax.jit(init)
-        self.state_bytes = sum(
-            leaf.size * leaf.dtype.itemsize
-            for leaf in jax.tree.leaves(
-                jax.eval_shape(init, self.target_params, self.drafter_params)
-            )
+        abstract = jax.eval_shape(init, self.target_params, self.drafter_params)
+        if mesh is None:
+            state_sh = out_sh = None
+        else:
+            state_sh = slot_state_shardings(abstract, layouts)
+            # The host reads every result whole.
+            out_sh = NamedSharding(mesh, PartitionSpec())
+        self.state_shardings = state_sh
+        self.state_bytes = _state_bytes(abstract, state_sh)
+        _check_memory(self.state_bytes, cfg, 1 if mesh is None else len(mesh.local_devices))
+        self._init = jax.jit(init, out_shardings=state_sh)
+        self._prefill = jax.jit(prefill, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
+        self._decode = jax.jit(decode, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
+        self._release = jax.jit(release, donate_argnums=(0,), out_shardings=state_sh)
+
+    def _place_params(self, target: Qwen3, drafter: DSparkDrafter | None, mesh: Mesh) -> None:
+        """Checks that the models split over `mesh` and puts their parameters in the rules
+        table's shardings (a no-op for parameters loaded there, see `load_decoding_models`)."""
+        check_heads("target", target.cfg.num_attention_heads, target.cfg.num_key_value_heads, mesh)
+        self.target_params = jax.device_put(
+            self.target_params, state_shardings(self.target_params, mesh, strict=True)
         )
-        _check_memory(self.state_bytes, cfg)
-        self._prefill = jax.jit(prefill, donate_argnums=(2,))
-        self._decode = jax.jit(decode, donate_argnums=(2,))
-        self._release = jax.jit(release, donate_argnums=(0,))
+        if drafter is not None:
+            m = drafter.cfg.model
+            check_heads("drafter", m.num_attention_heads, m.num_key_value_heads, mesh)
+            self.drafter_params = jax.device_put(
+                self.drafter_params, state_shardings(self.drafter_params, mesh, strict=True)
+            )
 
     # -- state ---------------------------------------------------------------------------------
     def _init_state(self, target: Qwen3, drafter: DSparkDrafter | None) -> SlotState:
@@ -454,7 +507,7 @@ class Engine:
             page_table_sp=jnp.zeros((s, cfg.pages_per_slot), jnp.int32),
             lengths_s=jnp.zeros((s,), jnp.int32),
             anchor_s=jnp.zeros((s,), jnp.int32),
-            keys_s=jax.vmap(jax.random.key)(jnp.zeros((s,), jnp.uint32)),
+            key_data_s=jax.random.key_data(jax.vmap(jax.random.key)(jnp.zeros((s,), jnp.uint32))),
             sampling_s=RowSampling(
                 jnp.zeros((s,), jnp.float32),
                 jnp.zeros((s,), jnp.int32),
@@ -669,13 +722,45 @@ def batch_to_device(batch: PrefillBatch) -> dict[str, Any]:
     return {f.name: getattr(batch, f.name) for f in dataclasses.fields(PrefillBatch)}
 
 
+def slot_state_shardings(state: SlotState, layouts) -> SlotState:
+    """Shardings of a (possibly abstract) `SlotState` on the mesh in `layouts`.
+
+    Slot rows split over `slots` (data); the page pools by KV head over `tensor`, their page axis
+    whole (any slot may own any page); the policy carry, a few numbers per slot whose layout is
+    the policy's own, is replicated.
+    """
+    target_layout, draft_layout, mesh = layouts
+
+    def rows(x):
+        return logical_sharding(("slots",) + (None,) * (x.ndim - 1), x.shape, mesh, strict=True)
+
+    def pool(layout):
+        axes = paged.pages_logical_axes(layout)
+        return lambda x: logical_sharding(axes, x.shape, mesh, strict=True)
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    per_slot = {
+        f.name: jax.tree.map(rows, getattr(state, f.name))
+        for f in dataclasses.fields(SlotState)
+        if f.name not in ("target_pages", "draft_pages", "policy_carry")
+    }
+    return SlotState(
+        target_pages=jax.tree.map(pool(target_layout), state.target_pages),
+        draft_pages=None
+        if state.draft_pages is None
+        else jax.tree.map(pool(draft_layout), state.draft_pages),
+        policy_carry=jax.tree.map(lambda _: replicated, state.policy_carry),
+        **per_slot,
+    )
+
+
 # -- programs ------------------------------------------------------------------------------------
 def _caches(state: SlotState, layouts) -> tuple[PagedCache, PagedCache | None]:
-    target_layout, draft_layout = layouts
-    target = PagedCache(state.target_pages, state.page_table_sp, target_layout)
+    target_layout, draft_layout, mesh = layouts
+    target = PagedCache(state.target_pages, state.page_table_sp, target_layout, mesh)
     if state.draft_pages is None:
         return target, None
-    return target, PagedCache(state.draft_pages, state.page_table_sp, draft_layout)
+    return target, PagedCache(state.draft_pages, state.page_table_sp, draft_layout, mesh)
 
 
 def _prefill(
@@ -705,7 +790,7 @@ def _prefill(
     installed_s = jnp.zeros((num_slots,), bool).at[install_n].set(True, mode="drop")
     state = state.replace(
         page_table_sp=put(state.page_table_sp, host["page_rows_np"]),
-        keys_s=put(state.keys_s, keys_n),
+        key_data_s=put(state.key_data_s, jax.random.key_data(keys_n)),
         sampling_s=sampling,
         max_new_s=put(state.max_new_s, host["max_new_n"]),
         stop_sk=put(state.stop_sk, host["stop_nk"]),

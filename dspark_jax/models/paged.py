@@ -13,7 +13,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from dspark_jax import sharding
 from dspark_jax.config import Qwen3Config
 from dspark_jax.models import attention
 from dspark_jax.models.attention import PagedLayout
@@ -22,11 +25,14 @@ from dspark_jax.models.attention import PagedLayout
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """The K/V pages of every layer of one model and the page table they share."""
+    """The K/V pages of every layer of one model and the page table they share.
+
+    `mesh`: the pools' KV heads are split over its `tensor` axis (None: one device)."""
 
     pages: tuple  # one `attention.init_pages` pytree per layer
     page_table_sp: jax.Array  # int32 [slots, pages_per_slot]
     layout: PagedLayout = dataclasses.field(metadata=dict(static=True))
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def replace(self, **changes) -> PagedCache:
         return dataclasses.replace(self, **changes)
@@ -112,25 +118,71 @@ def write(cache: PagedCache, kv: tuple, batch: TokenBatch, after=None) -> PagedC
     return cache.replace(pages=pages)
 
 
+def pages_logical_axes(layout: PagedLayout) -> tuple[str | None, ...]:
+    """Logical axes of one layer's page arrays (`attention.Pages`), for the sharding rules."""
+    if layout.split_kv:
+        return ("kv_heads", "pages", None, None)
+    # K and V of head h sit at 2h and 2h + 1: a split into whole heads keeps each pair together.
+    return ("pages", None, "kv_heads", None)
+
+
 def attend(
     cache: PagedCache, layer_pages, q_thd, batch: TokenBatch, *, scale, causal: bool, new_kv
 ):
     """Each valid query attends to its sequence's cached keys before its new tokens and to the
-    new tokens `new_kv` (see `attention.ragged_paged_attention`)."""
-    return attention.ragged_paged_attention(
+    new tokens `new_kv` (see `attention.ragged_paged_attention`).
+
+    On a mesh with a `tensor` axis every device attends with its own heads over its own part of
+    the pool (a `shard_map`): heads never interact, and the Pallas kernels, which XLA cannot
+    partition, see an ordinary single-device problem.
+    """
+    mesh = cache.mesh
+    tensor = 1 if mesh is None else mesh.shape["tensor"]
+    layout = cache.layout
+    if tensor > 1:
+        layout = dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads // tensor)
+
+    def run(q_thd, layer_pages, table_sp, seq_slot_n, cu_n1, kv_lens_n, num_seqs, new_kv):
+        return attention.ragged_paged_attention(
+            q_thd,
+            layer_pages,
+            layout,
+            table_sp,
+            seq_slot_n,
+            cu_n1,
+            kv_lens_n,
+            num_seqs,
+            scale=scale,
+            causal=causal,
+            new_kv=new_kv,
+            max_q_len=batch.max_seq_tokens,
+        )
+
+    args = (
         q_thd,
         layer_pages,
-        cache.layout,
         cache.page_table_sp,
         batch.seq_slot_n,
         batch.cu_q_lens_n1,
         batch.kv_lens_n,
         batch.num_seqs,
-        scale=scale,
-        causal=causal,
-        new_kv=new_kv,
-        max_q_len=batch.max_seq_tokens,
+        new_kv,
     )
+    if tensor == 1:
+        return run(*args)
+    heads = P(None, "tensor", None)
+    pages_spec = P(*("tensor" if a == "kv_heads" else None for a in pages_logical_axes(layout)))
+    in_specs = (
+        heads,
+        jax.tree.map(lambda _: pages_spec, layer_pages),
+        P(),
+        P(),
+        P(),
+        P(),
+        P(),
+        None if new_kv is None else (heads, heads),
+    )
+    return sharding.shard_map(run, mesh, in_specs, heads)(*args)
 
 
 def new_cache(
