@@ -313,3 +313,21 @@ def decoding_mesh(config: MeshConfig | None, param_bytes: int, devices=None) -> 
     if limit is None or param_bytes <= PARAMS_SHARE_OF_DEVICE * limit or len(local) == 1:
         return None
     return make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), local)
+
+
+def put_host_array(array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global array of `sharding` from a host array that every process can read in full.
+
+    Each addressable device receives only its own slice, so a weight never sits whole on one
+    device, and on a pod slice every process fills just its local devices.
+    """
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def host_value(x: jax.Array):
+    """The whole value of `x` on this host, gathered across processes when it spans several."""
+    if getattr(x, "is_fully_addressable", True):
+        return jax.device_get(x)
+    from jax.experimental.multihost_utils import process_allgather
+
+    return process_allgather(x, tiled=True)

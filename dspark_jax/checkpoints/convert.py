@@ -19,6 +19,7 @@ from dspark_jax.checkpoints.safetensors_io import CheckpointError
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sharding import host_value, put_host_array, state_shardings
 
 
 class TensorSource(Protocol):
@@ -97,14 +98,21 @@ def _torch_key(names: tuple[str, ...], prefix: str) -> tuple[str, bool]:
 
 
 def load_from_torch(
-    model_ctor: Callable[[], nnx.Module], source: TensorSource, prefix: str, *, ignore=()
+    model_ctor: Callable[[], nnx.Module], source: TensorSource, prefix: str, *, ignore=(), mesh=None
 ) -> nnx.Module:
     """Builds a model whose parameters come from `source`, checking every key and shape first.
 
     `model_ctor()` makes the module; it is evaluated abstractly (no allocation), so the arrays
-    held afterwards are exactly those read from `source`.
+    held afterwards are exactly those read from `source`. With a `mesh`, each tensor goes from
+    host memory straight into its rules-table sharding (`dspark_jax.sharding`): no device ever
+    holds a whole copy of a sharded weight.
     """
     graphdef, state = nnx.split(nnx.eval_shape(model_ctor))
+    shardings = {}
+    if mesh is not None:
+        pure = nnx.to_pure_dict(state_shardings(state, mesh, strict=True))
+        for key_path, sharding in jax.tree_util.tree_flatten_with_path(pure)[0]:
+            shardings[key_path_names(key_path)] = sharding
     expected = {}  # torch key -> (parameter path, transposed, expected torch shape)
     for key_path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]:
         path = key_path_names(key_path)
@@ -121,7 +129,8 @@ def load_from_torch(
     values = {}
     for key, (path, transpose, _) in expected.items():
         array = source.get(key)
-        values[path] = jnp.asarray(array.T if transpose else array)
+        array = array.T if transpose else array
+        values[path] = put_host_array(array, shardings[path]) if mesh else jnp.asarray(array)
 
     def fill(key_path, var):
         return var.replace(values[key_path_names(key_path)])
@@ -135,7 +144,7 @@ def export_to_torch(model: nnx.Module, prefix: str) -> dict[str, np.ndarray]:
     out = {}
     for key_path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]:
         key, transpose = _torch_key(key_path_names(key_path), prefix)
-        array = np.asarray(jax.device_get(var[...]))
+        array = np.asarray(host_value(var[...]))
         out[key] = np.ascontiguousarray(array.T if transpose else array)
     return out
 
@@ -150,20 +159,26 @@ def torch_shapes(model: nnx.Module, prefix: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def target_from_torch(cfg: Qwen3Config, source: TensorSource) -> Qwen3:
-    """A Qwen3 target from Hugging Face `Qwen3ForCausalLM` weights, in the checkpoint's dtype."""
+def target_from_torch(cfg: Qwen3Config, source: TensorSource, mesh=None) -> Qwen3:
+    """A Qwen3 target from Hugging Face `Qwen3ForCausalLM` weights, in the checkpoint's dtype
+    (sharded over `mesh` when given)."""
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     dtype = _source_dtype(source)
     return load_from_torch(
-        lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=dtype), source, "model.", ignore=ignore
+        lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=dtype),
+        source,
+        "model.",
+        ignore=ignore,
+        mesh=mesh,
     )
 
 
-def drafter_from_torch(cfg: DrafterConfig, source: TensorSource) -> DSparkDrafter:
-    """A drafter from DeepSpec / released `dspark_*` / `dflash_*` weights, in their dtype."""
+def drafter_from_torch(cfg: DrafterConfig, source: TensorSource, mesh=None) -> DSparkDrafter:
+    """A drafter from DeepSpec / released `dspark_*` / `dflash_*` weights, in their dtype
+    (sharded over `mesh` when given)."""
     dtype = _source_dtype(source)
     return load_from_torch(
-        lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0), param_dtype=dtype), source, ""
+        lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0), param_dtype=dtype), source, "", mesh=mesh
     )
 
 

@@ -71,6 +71,7 @@ from dspark_jax.config import (
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sharding import check_heads
 from dspark_jax.tokenizer import copy_tokenizer_bundle, load_tokenizer, stop_token_ids
 
 if TYPE_CHECKING:
@@ -148,7 +149,9 @@ class _ReadSource:
         return array
 
 
-def _from_torch_folder(folder: SafetensorsFolder, cfg, dtype: str | None, progress: bool):
+def _from_torch_folder(
+    folder: SafetensorsFolder, cfg, dtype: str | None, progress: bool, mesh=None
+):
     """(cfg with its compute dtype set, model) from a PyTorch-layout folder."""
     dtype = dtype or _first_float_dtype((folder.dtype(k) for k in folder.keys()), folder.path)
     cfg = cfg.with_dtype(dtype)
@@ -161,22 +164,23 @@ def _from_torch_folder(folder: SafetensorsFolder, cfg, dtype: str | None, progre
         disable=None if progress else True,
     )
     with bar:
-        return cfg, build(cfg, _ReadSource(folder, dtype, bar))
+        return cfg, build(cfg, _ReadSource(folder, dtype, bar), mesh)
 
 
-def _from_jax_folder(part_dir: Path, cfg, dtype: str | None):
+def _from_jax_folder(part_dir: Path, cfg, dtype: str | None, mesh=None):
     """(cfg with its compute dtype set, model) from one part of a converted folder."""
     params_dir = part_dir / PARAMS
     stored = orbax_io.read_metadata(params_dir)
     compute = dtype or _first_float_dtype((m.dtype for m in stored.values()), params_dir)
     cfg = cfg.with_dtype(compute)
     return cfg, orbax_io.restore_params(
-        params_dir, orbax_io.abstract_model(cfg, compute), stored, dtype
+        params_dir, orbax_io.abstract_model(cfg, compute), stored, dtype, mesh
     )
 
 
 def _cast_model(cfg, model, dtype: str):
-    """`model` with floating parameters cast to `dtype` and compute dtype `dtype`."""
+    """`model` with floating parameters cast to `dtype` and compute dtype `dtype` (each array
+    keeps its sharding)."""
     cfg = cfg.with_dtype(dtype)
     graphdef, state = nnx.split(orbax_io.abstract_model(cfg, dtype))
     pure = nnx.to_pure_dict(nnx.state(model))
@@ -200,15 +204,21 @@ def _check_loaded(model, part: str, part_dir: Path, entry, cast: bool) -> None:
         )
 
 
-def _read_drafter(path, dtype: str | None, progress: bool):
+def _check_mesh_heads(what: str, model_cfg: Qwen3Config, mesh) -> None:
+    if mesh is not None:
+        check_heads(what, model_cfg.num_attention_heads, model_cfg.num_key_value_heads, mesh)
+
+
+def _read_drafter(path, dtype: str | None, progress: bool, mesh=None):
     """(original config dict, cfg, model, fingerprint of the stored parameters)."""
     part_dir, entry = locate(path, DRAFT)
     raw = read_config_json(part_dir)
     cfg = DrafterConfig.from_hf(raw)
+    _check_mesh_heads(f"drafter {part_dir}", cfg.model, mesh)
     if entry is None:
-        cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, None, progress)
+        cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, None, progress, mesh)
     else:
-        cfg, model = _from_jax_folder(part_dir, cfg, None)
+        cfg, model = _from_jax_folder(part_dir, cfg, None, mesh)
     _check_loaded(model, DRAFT, part_dir, entry, cast=False)
     fingerprint = drafter_fingerprint(model)
     recorded = (entry or {}).get("fingerprint")
@@ -226,35 +236,37 @@ def _read_drafter(path, dtype: str | None, progress: bool):
 
 # -- public loaders ----------------------------------------------------------------------------
 def load_target(
-    path: str | os.PathLike, dtype=None, *, progress: bool = True
+    path: str | os.PathLike, dtype=None, *, progress: bool = True, mesh=None
 ) -> tuple[Qwen3Config, Qwen3, Path]:
     """(config, Qwen3 target, folder with its tokenizer files) from any supported form.
 
     `path`: a converted folder, its `target/`, a Hugging Face safetensors folder or a hub id.
     `dtype` (e.g. "bfloat16") casts the parameters and sets the compute dtype for serving.
-    `progress` shows a bar while safetensors are read, on a terminal only.
+    `progress` shows a bar while safetensors are read, on a terminal only. `mesh`: every
+    parameter is read straight into its rules-table sharding on it (see `dspark_jax.sharding`).
     """
     part_dir, entry = locate(path, TARGET)
     cfg = Qwen3Config.from_hf(read_config_json(part_dir))
+    _check_mesh_heads(f"target {part_dir}", cfg, mesh)
     dtype = None if dtype is None else _dtype_name(dtype)
     if entry is None:
-        cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, dtype, progress)
+        cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, dtype, progress, mesh)
     else:
-        cfg, model = _from_jax_folder(part_dir, cfg, dtype)
+        cfg, model = _from_jax_folder(part_dir, cfg, dtype, mesh)
     cast = dtype is not None and dtype != (entry or {}).get("param_dtype", dtype)
     _check_loaded(model, TARGET, part_dir, entry, cast)
     return cfg, model, part_dir
 
 
 def load_drafter(
-    path: str | os.PathLike, dtype=None, *, progress: bool = True
+    path: str | os.PathLike, dtype=None, *, progress: bool = True, mesh=None
 ) -> tuple[DrafterConfig, DSparkDrafter, str]:
     """(config, drafter, fingerprint) from any supported form (see `load_target`).
 
     The fingerprint is that of the stored parameters (before any `dtype` cast); loading a
     converted folder checks it against the one recorded at conversion.
     """
-    _, cfg, model, fingerprint = _read_drafter(path, dtype, progress)
+    _, cfg, model, fingerprint = _read_drafter(path, dtype, progress, mesh)
     return cfg, model, fingerprint
 
 
@@ -478,15 +490,17 @@ def load_decoding_models(
     dtype=None,
     *,
     progress: bool = True,
+    mesh=None,
 ) -> DecodingModels:
     """Loads a target (and a drafter, checked against it) with the target's tokenizer.
 
     Stop tokens are the target config's EOS ids, generation_config.json's and the tokenizer's.
+    `mesh`: both models' parameters are read straight into their shardings on it.
     """
-    target_cfg, target_model, model_dir = load_target(target, dtype, progress=progress)
+    target_cfg, target_model, model_dir = load_target(target, dtype, progress=progress, mesh=mesh)
     drafter = fingerprint = None
     if draft is not None:
-        _, drafter, fingerprint = load_drafter(draft, dtype, progress=progress)
+        _, drafter, fingerprint = load_drafter(draft, dtype, progress=progress, mesh=mesh)
         drafter.cfg.check_target(target_cfg)
     tokenizer = load_tokenizer(model_dir)
     return DecodingModels(

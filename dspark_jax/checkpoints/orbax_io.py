@@ -22,6 +22,7 @@ from dspark_jax.checkpoints.safetensors_io import CheckpointError
 from dspark_jax.config import DrafterConfig
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sharding import state_shardings
 
 
 def abstract_model(cfg, param_dtype: str) -> nnx.Module:
@@ -64,7 +65,7 @@ def read_metadata(params_dir: Path) -> dict[str, Any]:
 
 
 def restore_params(
-    params_dir: Path, abstract: nnx.Module, stored: dict[str, Any], dtype: str | None
+    params_dir: Path, abstract: nnx.Module, stored: dict[str, Any], dtype: str | None, mesh=None
 ) -> nnx.Module:
     """Restores `abstract`'s parameters from `params_dir`, checking keys and shapes first.
 
@@ -72,11 +73,15 @@ def restore_params(
     dict, so list indices stay int keys. Each leaf is read in its stored dtype, or cast to `dtype`
     by Orbax while reading.
 
-    Leaves are read into host memory, then placed leaf by leaf as `jnp.asarray` places arrays
-    read from safetensors: uncommitted, on the default device. Orbax's own device placement
-    commits them to a device, and committed-ness is part of every jitted function's cache key,
-    so the same weights from a converted folder would compile programs of their own (and mixed
-    with arrays made on the host, compile again where the other form does not).
+    Without a `mesh`, leaves are read into host memory, then placed leaf by leaf as `jnp.asarray`
+    places arrays read from safetensors: uncommitted, on the default device. Orbax's own device
+    placement commits them to a device, and committed-ness is part of every jitted function's
+    cache key, so the same weights from a converted folder would compile programs of their own
+    (and mixed with arrays made on the host, compile again where the other form does not).
+
+    With a `mesh`, Orbax reads every leaf straight into its rules-table sharding (each process
+    reads the slices its devices hold: one checkpoint, one global sharding), committed like the
+    sharded arrays `load_from_torch` makes from safetensors.
     """
     graphdef, state = nnx.split(abstract)
     wanted = nnx.to_pure_dict(state)
@@ -89,13 +94,20 @@ def restore_params(
             f"{params_dir}: parameters do not match config.json: " + " | ".join(problems)
         )
 
-    def leaf_target(key_path, leaf):
+    def leaf_target(key_path, leaf, sharding=None):
         meta = stored[".".join(key_path_names(key_path))]
         cast = dtype is not None and is_float_dtype(meta.dtype)
+        leaf_dtype = jnp.dtype(dtype if cast else meta.dtype)
+        if sharding is not None:
+            return jax.ShapeDtypeStruct(leaf.shape, leaf_dtype, sharding=sharding)
         # np.empty reserves address space only; Orbax fills it (and reads no sharding from it).
-        return np.empty(leaf.shape, jnp.dtype(dtype if cast else meta.dtype))
+        return np.empty(leaf.shape, leaf_dtype)
 
-    target = jax.tree_util.tree_map_with_path(leaf_target, wanted)
+    if mesh is None:
+        target = jax.tree_util.tree_map_with_path(leaf_target, wanted)
+    else:
+        shardings = nnx.to_pure_dict(state_shardings(state, mesh, strict=True))
+        target = jax.tree_util.tree_map_with_path(leaf_target, wanted, shardings)
     try:
         with ocp.StandardCheckpointer() as ckpt:
             restored = ckpt.restore(params_dir.resolve(), target)
@@ -106,6 +118,7 @@ def restore_params(
     leaves, treedef = jax.tree.flatten(restored)
     del restored
     for i, leaf in enumerate(leaves):
-        leaves[i] = jnp.asarray(leaf)  # drops the host copy of leaf i before reading leaf i + 1
+        # Drops the host copy of leaf i before reading leaf i + 1 (sharded leaves stay as read).
+        leaves[i] = jnp.asarray(leaf)
     nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, leaves))
     return nnx.merge(graphdef, state)

@@ -1,0 +1,137 @@
+"""Decoding on a mesh: parameters loaded straight into their shardings, the slot engine sharded by
+the rules table, and the same tokens as on one device (greedy and seeded sampling), with no
+compilation after warm-up. Eight CPU devices come from tests/conftest.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dspark_jax.checkpoints.converted import load_decoding_models
+from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
+from dspark_jax.decoding.batching import Request, generate
+from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sampling import SamplingConfig
+from dspark_jax.sharding import MeshConfig, ShardingError, logical_to_spec, make_mesh
+
+# Small static shapes keep each engine's compilation short: one prefill and one token bucket.
+CFG = EngineConfig(
+    num_slots=2,
+    max_model_len=96,
+    page_size=16,
+    rounds_per_chunk=4,
+    prefill_chunk=32,
+    prefill_buckets=(32,),
+    token_buckets=(16,),
+)
+TEXT = b"def parse_args(argv=None):\n    parser = argparse.ArgumentParser(description="
+
+
+def _mesh(data: int, fsdp: int, tensor: int):
+    return make_mesh(MeshConfig(data, fsdp, tensor), jax.devices()[: data * fsdp * tensor])
+
+
+def _requests():
+    """Greedy and seeded sampled requests of different lengths, more than there are slots (so
+    slots change hands)."""
+    samplings = (
+        SamplingConfig(),
+        SamplingConfig(temperature=1.0),
+        SamplingConfig(temperature=0.7, top_p=0.9),
+    )
+    return [
+        Request(list(TEXT[: 11 + 7 * i]), 18 + 3 * i, seed=100 + i, sampling=samplings[i % 3])
+        for i in range(5)
+    ]
+
+
+def _random_pair(num_heads: int = 8, num_kv_heads: int = 4):
+    """A random target/drafter pair like the embedded one, but shallower (compiles faster) and
+    with heads that tensor axes of 2 and 4 divide (the embedded pair has 6 heads)."""
+    target_cfg = Qwen3Config.from_hf(read_config_json(EMBEDDED_TARGET))
+    drafter_cfg = DrafterConfig.from_hf(read_config_json(EMBEDDED_DRAFT))
+    heads = dict(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, dtype="float32")
+    target_cfg = dataclasses.replace(target_cfg, num_hidden_layers=2, **heads)
+    drafter_cfg = dataclasses.replace(
+        drafter_cfg,
+        model=dataclasses.replace(drafter_cfg.model, num_hidden_layers=1, **heads),
+        target_layer_ids=(0,),
+        num_target_layers=2,
+    )
+    return Qwen3(target_cfg, rngs=nnx.Rngs(1)), DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(2))
+
+
+def _generate(target, drafter, mesh):
+    """(tokens per request, compiled programs) of one engine; asserts none compiles after
+    warm-up."""
+    engine = Engine(target, drafter, CFG, mesh=mesh)
+    engine.warm_up()
+    programs = engine.compiled_programs()
+    results, _ = generate(engine, _requests())
+    assert engine.compiled_programs() == programs, "compiled after warm-up"
+    assert all(r.tokens for r in results)
+    return [r.tokens for r in results], programs
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return _random_pair()
+
+
+@pytest.fixture(scope="module")
+def single_device(pair):
+    return _generate(*pair, None)
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 2), (2, 1, 2), (1, 1, 4)], ids=lambda s: "x".join(map(str, s))
+)
+def test_mesh_generates_the_single_device_tokens(pair, single_device, shape):
+    mesh = _mesh(*shape)
+    tokens, programs = _generate(*pair, mesh)
+    expected, single_programs = single_device
+    assert tokens == expected
+    assert programs == single_programs
+    # the page pools really are split by KV head, the slot rows by data
+    engine = Engine(*pair, CFG, mesh=mesh)
+    pool_spec = engine.state_shardings.target_pages[0].arrays[0].spec
+    assert pool_spec == P(None, None, "tensor", None)
+    assert engine.state_shardings.lengths_s.spec == P("data" if shape[0] > 1 else None)
+
+
+def test_parameters_load_straight_into_their_shardings():
+    mesh = _mesh(1, 1, 2)
+    models = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False, mesh=mesh)
+    q_kernel = models.target.layers[0].self_attn.q_proj.kernel[...]
+    assert q_kernel.sharding.spec == P(None, "tensor")
+    # each device holds half of the heads, none the whole weight
+    shard_shapes = {s.data.shape for s in q_kernel.addressable_shards}
+    assert shard_shapes == {(q_kernel.shape[0], q_kernel.shape[1] // 2)}
+    embed = models.drafter.embed_tokens.embedding[...]
+    assert embed.sharding.spec == P("tensor", None)
+    single = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
+    np.testing.assert_array_equal(
+        np.asarray(q_kernel), np.asarray(single.target.layers[0].self_attn.q_proj.kernel[...])
+    )
+    assert models.drafter_fingerprint == single.drafter_fingerprint
+
+
+def test_axes_that_do_not_divide_the_mesh_are_named():
+    mesh = _mesh(1, 1, 4)
+    with pytest.raises(ShardingError, match="6 attention heads .* tensor axis of size 4"):
+        load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False, mesh=mesh)
+    with pytest.raises(ShardingError, match=r"'vocab' of size 290 .*tensor=4"):
+        logical_to_spec(("vocab", "embed"), (290, 96), mesh, strict=True)
+    # without strict (training's rules) the same dimension is replicated
+    assert logical_to_spec(("vocab", "embed"), (290, 96), mesh) == P(None, None)
+    three_slots = dataclasses.replace(CFG, num_slots=3, token_buckets=(24,))
+    with pytest.raises(ShardingError, match=r"'slots' of size 3 .*data=2"):
+        Engine(*_random_pair(), three_slots, mesh=_mesh(2, 1, 2))
