@@ -297,7 +297,7 @@ def device_memory_bytes(device=None) -> int | None:
 PARAMS_SHARE_OF_DEVICE = 0.75
 
 
-def decoding_mesh(config: MeshConfig | None, param_bytes: int, devices=None) -> Mesh | None:
+def decoding_mesh(config: MeshConfig | None, param_bytes, devices=None) -> Mesh | None:
     """The mesh the decoding commands run on.
 
     An explicit `config` is used as given (over `devices`, default all devices). Without one:
@@ -305,12 +305,13 @@ def decoding_mesh(config: MeshConfig | None, param_bytes: int, devices=None) -> 
     device's memory, else every local device on the `tensor` axis -- tensor parallelism splits
     the weights and the KV heads, the two things that grow with the model, and needs no more
     requests in flight to pay off (data parallelism would copy the weights to every device).
+    `param_bytes()` gives the parameters' size; it is only asked where device memory is known.
     """
     if config is not None:
         return make_mesh(config, devices)
     local = list(devices if devices is not None else jax.local_devices())
     limit = device_memory_bytes(local[0])
-    if limit is None or param_bytes <= PARAMS_SHARE_OF_DEVICE * limit or len(local) == 1:
+    if limit is None or len(local) == 1 or param_bytes() <= PARAMS_SHARE_OF_DEVICE * limit:
         return None
     return make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), local)
 
@@ -331,3 +332,14 @@ def host_value(x: jax.Array):
     from jax.experimental.multihost_utils import process_allgather
 
     return process_allgather(x, tiled=True)
+
+
+def init_sharded(make_module, mesh: Mesh | None):
+    """`make_module()` (an NNX module with random weights) built directly in its rules-table
+    shardings on `mesh`: each device computes only its own slices (one device: plain call)."""
+    if mesh is None:
+        return make_module()
+    graphdef, abstract = nnx.split(nnx.eval_shape(make_module))
+    shardings = state_shardings(abstract, mesh, strict=True)
+    state = jax.jit(lambda: nnx.split(make_module())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dspark_jax.checkpoints import orbax_io
@@ -478,6 +479,7 @@ class DecodingModels:
     drafter_fingerprint: str | None
     tokenizer: Tokenizer
     stop_tokens: tuple[int, ...]
+    mesh: Mesh | None = None  # where the parameters live (None: one device)
 
     @property
     def gamma(self) -> int:
@@ -511,4 +513,22 @@ def load_decoding_models(
         drafter_fingerprint=fingerprint,
         tokenizer=tokenizer,
         stop_tokens=stop_token_ids(model_dir, target_cfg.eos_token_ids, tokenizer),
+        mesh=mesh,
     )
+
+
+def decoding_param_bytes(
+    target: str | os.PathLike, draft: str | os.PathLike | None = None, dtype=None
+) -> int:
+    """Bytes the parameters of a target (and drafter) take, from their configs alone."""
+    total = 0
+    for path, part, config_cls in ((target, TARGET, Qwen3Config), (draft, DRAFT, DrafterConfig)):
+        if path is None:
+            continue
+        part_dir, entry = locate(path, part)
+        cfg = config_cls.from_hf(read_config_json(part_dir))
+        model_cfg = cfg.model if isinstance(cfg, DrafterConfig) else cfg
+        name = model_cfg.dtype if dtype is None else _dtype_name(dtype)
+        abstract = orbax_io.abstract_model(cfg, name)
+        total += sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(abstract)))
+    return total

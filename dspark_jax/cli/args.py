@@ -56,6 +56,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = 
         choices=("float32", "bfloat16", "float16"),
         help="compute / parameter dtype (default: as stored)",
     )
+    add_mesh_argument(group)
     add_policy_arguments(parser)
 
 
@@ -196,13 +197,48 @@ def request_positions(
     return [n + args.max_new_tokens + models.gamma + 1 for n in lengths]
 
 
+def parse_mesh(text: str):
+    """`--mesh data,fsdp,tensor` (one size may be -1: the remaining devices), as `train` takes."""
+    from dspark_jax.sharding import MeshConfig
+
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--mesh wants three integers like -1,1,1: {text!r}"
+        ) from None
+    if len(sizes) != 3:
+        raise argparse.ArgumentTypeError(f"--mesh wants data,fsdp,tensor sizes, got {text!r}")
+    return MeshConfig(*sizes)
+
+
+def add_mesh_argument(parser) -> None:
+    """`--mesh` on a parser or an argument group."""
+    parser.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        help="data,fsdp,tensor sizes as for train; -1 = the rest (default: one device, or every "
+        "local device on tensor when the parameters do not fit one; see docs/engine.md)",
+    )
+
+
+def decoding_mesh_for(args: argparse.Namespace, target, draft):
+    """The mesh of `--mesh`, or the default for these models (see `sharding.decoding_mesh`)."""
+    from dspark_jax.checkpoints.converted import decoding_param_bytes
+    from dspark_jax.sharding import decoding_mesh
+
+    return decoding_mesh(args.mesh, lambda: decoding_param_bytes(target, draft, args.dtype))
+
+
 def load_models(args: argparse.Namespace, with_drafter: bool = True) -> DecodingModels:
     """Target, tokenizer, stop tokens and (unless `with_drafter` is false) the drafter; both
-    default to the embedded tiny pair."""
+    default to the embedded tiny pair. They load straight onto the `--mesh` (or default) mesh."""
     from dspark_jax.checkpoints.converted import load_decoding_models
 
+    target = args.target or EMBEDDED_TARGET
     draft = (args.draft or EMBEDDED_DRAFT) if with_drafter else None
-    return load_decoding_models(args.target or EMBEDDED_TARGET, draft, dtype=args.dtype)
+    mesh = decoding_mesh_for(args, target, draft)
+    return load_decoding_models(target, draft, dtype=args.dtype, mesh=mesh)
 
 
 def build_engine(
@@ -213,7 +249,7 @@ def build_engine(
 ) -> Engine:
     """The speculative engine (policy and STS from the command line) or the plain one."""
     if not speculative or models.drafter is None:
-        return Engine(models.target, None, cfg, stop_tokens=models.stop_tokens)
+        return Engine(models.target, None, cfg, stop_tokens=models.stop_tokens, mesh=models.mesh)
     sts = load_sts(args)
     if sts is not None:
         sts.check(models.drafter_fingerprint, args.temperature, models.gamma)
@@ -225,6 +261,7 @@ def build_engine(
         stop_tokens=models.stop_tokens,
         sts=sts,
         drafter_fingerprint=models.drafter_fingerprint,
+        mesh=models.mesh,
     )
 
 

@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sampling temperature of round-mode timings (default 0)",
     )
     parser.add_argument("--dtype", help="parameter/compute dtype (default: as stored)")
+    from dspark_jax.cli.args import add_mesh_argument
+
+    add_mesh_argument(parser)
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -85,15 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_models(args: argparse.Namespace):
-    """(target, drafter or None, description) from checkpoints or from random weights."""
+    """(target, drafter or None, description, mesh) from checkpoints or from random weights,
+    placed straight onto the `--mesh` (or default) mesh."""
     import dataclasses
 
+    import jax
     from flax import nnx
 
+    from dspark_jax.cli.args import decoding_mesh_for
     from dspark_jax.config import ConfigError, Qwen3Config
     from dspark_jax.configs import get as named_config
     from dspark_jax.models.drafter import DSparkDrafter
     from dspark_jax.models.qwen3 import Qwen3
+    from dspark_jax.sharding import decoding_mesh, init_sharded
 
     if args.config is None:
         from dspark_jax.checkpoints.converted import load_drafter, load_target
@@ -105,13 +112,14 @@ def _build_models(args: argparse.Namespace):
         draft_path = args.draft or (EMBEDDED_DRAFT if args.target is None else None)
         if args.mode == "round" and draft_path is None:
             raise ConfigError("--mode round times speculative rounds: give --draft too")
-        _, target, _ = load_target(target_path, dtype=args.dtype, progress=False)
+        mesh = decoding_mesh_for(args, target_path, draft_path)
+        _, target, _ = load_target(target_path, dtype=args.dtype, progress=False, mesh=mesh)
         drafter = None
         if draft_path is not None:
-            drafter = load_drafter(draft_path, dtype=args.dtype, progress=False)[1]
+            drafter = load_drafter(draft_path, dtype=args.dtype, progress=False, mesh=mesh)[1]
             drafter.cfg.check_target(target.cfg)
         names = str(target_path) + ("" if draft_path is None else f" + {draft_path}")
-        return target, drafter, names
+        return target, drafter, names, mesh
     if args.draft is not None:
         raise ConfigError("--draft goes with --target, not with --config")
     name = ALIASES.get(args.config, args.config)
@@ -120,14 +128,23 @@ def _build_models(args: argparse.Namespace):
         raise ConfigError(f"config {name!r} is not a Qwen3 target config")
     if args.dtype:
         cfg = dataclasses.replace(cfg, dtype=args.dtype)
-    target = Qwen3(cfg, rngs=nnx.Rngs(args.seed))
     drafter_name = DRAFTER_OF.get(name, f"dspark-{name}")
     drafter_cfg = named_config(drafter_name)
     drafter_cfg = dataclasses.replace(
         drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=cfg.dtype)
     )
-    drafter = DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(args.seed + 1))
-    return target, drafter, f"{name} + {drafter_name} (random weights)"
+
+    def param_bytes() -> int:
+        shapes = (
+            nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))),
+            nnx.eval_shape(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0))),
+        )
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(shapes)))
+
+    mesh = decoding_mesh(args.mesh, param_bytes)
+    target = init_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(args.seed)), mesh)
+    drafter = init_sharded(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(args.seed + 1)), mesh)
+    return target, drafter, f"{name} + {drafter_name} (random weights)", mesh
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     if args.plot:
         check_output_file(args.plot, "--plot")
-    target, drafter, description = _build_models(args)
+    target, drafter, description, mesh = _build_models(args)
     print(
         f"profiling {args.mode} steps of {description}, {target.dtype}, {args.max_num_seqs} "
         f"slots, context {args.context_len}",
@@ -163,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         log=lambda line: print(line, flush=True),
+        mesh=mesh,
         config=description,
     )
     profile.save(args.out)

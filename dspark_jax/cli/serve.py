@@ -22,7 +22,7 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dspark_jax.cli.args import add_policy_arguments
+    from dspark_jax.cli.args import add_mesh_argument, add_policy_arguments
 
     models = parser.add_argument_group("models")
     models.add_argument(
@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         help="the model id clients send and /v1/models lists (default: the target folder name)",
     )
+    add_mesh_argument(models)
     add_policy_arguments(parser)
 
     engine = parser.add_argument_group("engine")
@@ -204,14 +205,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.checkpoints.converted import load_decoding_models
-    from dspark_jax.cli.args import build_policy
+    from dspark_jax.cli.args import build_policy, decoding_mesh_for
     from dspark_jax.decoding.engine import Engine, EngineConfig
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
 
     _configure_logging(args.log_level)
     target, draft, name = _model_paths(args)
-    models = load_decoding_models(target, draft, dtype=args.dtype, progress=False)
+    mesh = decoding_mesh_for(args, target, draft)
+    models = load_decoding_models(target, draft, dtype=args.dtype, progress=False, mesh=mesh)
     context = models.target.cfg.max_position_embeddings
     max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, context)
     cfg = EngineConfig(
@@ -241,6 +243,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         stop_tokens=models.stop_tokens,
         sts=sts,
         drafter_fingerprint=models.drafter_fingerprint,
+        mesh=mesh,
     )
     kv_bytes = engine.state_bytes
     model = ServedModel(
@@ -273,7 +276,8 @@ def _serve(args: argparse.Namespace, sock) -> int:
     )
     print(
         f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} positions, KV "
-        f"{kv_bytes / 2**20:.0f} MiB) on http://{host}:{port}/v1 -- warming up, /health turns "
+        f"{kv_bytes / 2**20:.0f} MiB{'' if mesh is None else ' per device'}) on "
+        f"http://{host}:{port}/v1 -- warming up, /health turns "
         "200 when ready; SIGTERM or Ctrl-C drains and stops",
         flush=True,
     )

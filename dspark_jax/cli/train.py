@@ -65,17 +65,10 @@ def load_train_config(name_or_path: str):
 
 
 def _mesh(text: str):
-    from dspark_jax.sharding import MeshConfig
+    # The decoding commands' parser, imported when used: `train --help` stays light.
+    from dspark_jax.cli.args import parse_mesh
 
-    try:
-        sizes = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--mesh wants three integers like -1,1,1: {text!r}"
-        ) from None
-    if len(sizes) != 3:
-        raise argparse.ArgumentTypeError(f"--mesh wants data,fsdp,tensor sizes, got {text!r}")
-    return MeshConfig(*sizes)
+    return parse_mesh(text)
 
 
 def _seq_lens(text: str) -> tuple[int, ...]:

@@ -480,15 +480,11 @@ class Engine:
         """Checks that the models split over `mesh` and puts their parameters in the rules
         table's shardings (a no-op for parameters loaded there, see `load_decoding_models`)."""
         check_heads("target", target.cfg.num_attention_heads, target.cfg.num_key_value_heads, mesh)
-        self.target_params = jax.device_put(
-            self.target_params, state_shardings(self.target_params, mesh, strict=True)
-        )
+        self.target_params = _place(self.target_params, mesh)
         if drafter is not None:
             m = drafter.cfg.model
             check_heads("drafter", m.num_attention_heads, m.num_key_value_heads, mesh)
-            self.drafter_params = jax.device_put(
-                self.drafter_params, state_shardings(self.drafter_params, mesh, strict=True)
-            )
+            self.drafter_params = _place(self.drafter_params, mesh)
 
     # -- state ---------------------------------------------------------------------------------
     def _init_state(self, target: Qwen3, drafter: DSparkDrafter | None) -> SlotState:
@@ -686,27 +682,44 @@ class Engine:
             prompt_len,
         )
 
+    @staticmethod
+    def _scratch_item() -> PrefillItem:
+        # One token, padded by `pack_prefill` to the bucket, so the program depends on the width
+        # alone; never the prompt's last chunk, so no slot is made live.
+        return PrefillItem(
+            0, np.zeros((1,), np.int32), 0, 2, np.zeros(1, np.int32), 0.0, 0, 1.0, 1, (), 0,
+        )  # fmt: skip
+
+    def lower(self) -> dict[str, Any]:
+        """Every program lowered from shapes alone (verb name -> `jax.stages.Lowered`).
+
+        Works for models built with `nnx.eval_shape`, whose parameters are never allocated:
+        `.compile().memory_analysis()` then gives XLA's per-device memory for a model that does
+        not fit this machine (benchmarks/mesh_memory.py)."""
+        tp, dp = self.target_params, self.drafter_params
+        state = jax.eval_shape(self._init, tp, dp)
+        if self.state_shardings is not None:
+            state = jax.tree.map(
+                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                state,
+                self.state_shardings,
+            )
+        lowered = {
+            "init": self._init.lower(tp, dp),
+            "decode_chunk": self._decode.lower(tp, dp, state),
+            "release": self._release.lower(state, np.zeros((self.cfg.num_slots,), bool)),
+        }
+        for width in self.prefill_widths:
+            batch = batch_to_device(self.pack_prefill([self._scratch_item()], width))
+            lowered[f"prefill_{width}"] = self._prefill.lower(tp, dp, state, batch)
+        return lowered
+
     def warm_up(self) -> None:
         """Compiles every program (each prefill bucket, the decode chunk, release) on a scratch
         state, so that nothing compiles while requests are served."""
         state = self.init_state()
         for width in self.prefill_widths:
-            # One token padded to the bucket, never the prompt's last chunk (so no slot is made
-            # live): the program depends on the width alone.
-            item = PrefillItem(
-                0,
-                np.zeros((1,), np.int32),
-                0,
-                2,
-                np.zeros(1, np.int32),
-                0.0,
-                0,
-                1.0,
-                1,
-                (),
-                0,
-            )
-            state, out = self.prefill(state, self.pack_prefill([item], width))
+            state, out = self.prefill(state, self.pack_prefill([self._scratch_item()], width))
         state, chunk = self.decode_chunk(state)
         state = self.release(state, np.zeros((self.cfg.num_slots,), bool))
         jax.block_until_ready((state.live_s, chunk.count_s, out.first_token_n))
@@ -716,6 +729,18 @@ class Engine:
         return sum(
             f._cache_size() for f in (self._init, self._prefill, self._decode, self._release)
         )
+
+
+def _place(params, mesh: Mesh):
+    """`params` in their rules-table shardings on `mesh`: arrays are moved (a no-op where they
+    already are), abstract leaves (`nnx.eval_shape` models) just carry the sharding."""
+
+    def one(x, sharding):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(one, params, state_shardings(params, mesh, strict=True))
 
 
 def batch_to_device(batch: PrefillBatch) -> dict[str, Any]:

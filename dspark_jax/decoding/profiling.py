@@ -186,12 +186,14 @@ def profile_engine(
     steps: int = 10,
     repeats: int = 5,
     log: Callable[[str], None] | None = None,
+    mesh=None,
     **meta,
 ) -> SpsProfile:
     """Median steps/s per token bucket of an engine built with `cfg` (its `token_buckets`, or
     the defaults for its slots and the drafter's block), stamped with device, date and `meta`.
 
-    Round mode needs the drafter; verify mode times the target alone."""
+    Round mode needs the drafter; verify mode times the target alone. `mesh`: the engine runs
+    sharded on it (the table then describes that mesh)."""
     if mode not in ("round", "verify"):
         raise ProfileError(f"mode must be 'round' or 'verify', got {mode!r}")
     if mode == "round" and drafter is None:
@@ -221,7 +223,9 @@ def profile_engine(
         token_buckets=buckets,
     )
     round_mode = mode == "round"
-    engine = Engine(target, drafter if round_mode else None, cfg, policy=CarriedLengths())
+    engine = Engine(
+        target, drafter if round_mode else None, cfg, policy=CarriedLengths(), mesh=mesh
+    )
     state = filled_state(engine, context_len, temperature)
     sps = np.zeros((len(buckets),))
     for i, width in enumerate(buckets):
@@ -244,6 +248,7 @@ def profile_engine(
         repeats=repeats,
         dtype=str(target.dtype),
         temperature=temperature,
+        mesh=None if mesh is None else dict(mesh.shape),
         **meta,
     )
     return SpsProfile(tuple(buckets), sps, stamp)

@@ -1,0 +1,167 @@
+"""Per-device memory of the slot engine on a mesh, from XLA's own memory analysis.
+
+Nothing is allocated: the target and drafter are built with `nnx.eval_shape` (random-weight
+shapes of a named config), their parameters carry the rules table's shardings, and every engine
+program is lowered from shapes and compiled; `memory_analysis()` of the compiled, SPMD-partitioned
+program gives the bytes one device needs. So the Qwen3-8B target and its drafter can be sized on
+a laptop, on CPU devices made up by XLA:
+
+    python benchmarks/mesh_memory.py                       # Qwen3-8B + DSpark, 1x1x4, bf16
+    python benchmarks/mesh_memory.py --mesh 1,1,8 --slots 64
+
+Columns per program: arguments (parameters + slot state + inputs), outputs, aliased (outputs
+written into donated arguments: counted once), temporaries, and their total
+args + outputs - aliased + temps: what the device holds while the program runs. The parameter
+and KV-pool rows split the arguments by what they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+
+def _parse_mesh(text: str) -> tuple[int, int, int]:
+    sizes = tuple(int(v) for v in text.split(","))
+    if len(sizes) != 3 or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--mesh wants three positive sizes, got {text!r}")
+    return sizes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="qwen3-8b", help="named target config (qwen3-8b)")
+    parser.add_argument("--mesh", type=_parse_mesh, default=(1, 1, 4), help="data,fsdp,tensor")
+    parser.add_argument("--slots", type=int, default=32, help="engine slots (32)")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="positions per slot")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device-gb", type=float, default=16.0, help="budget per device (16)")
+    parser.add_argument("--json", type=Path, help="write the table here too")
+    args = parser.parse_args()
+
+    devices = args.mesh[0] * args.mesh[1] * args.mesh[2]
+    # Virtual CPU devices stand in for the chips; XLA reads the flag when JAX starts.
+    if "jax" in sys.modules:
+        raise RuntimeError("run this script directly: JAX must not be imported before it")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if os.environ["JAX_PLATFORMS"] == "cpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+    return _measure(args)
+
+
+def _measure(args) -> int:
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from provenance import git_commit
+
+    from dspark_jax.configs import get as named_config
+    from dspark_jax.decoding.engine import Engine, EngineConfig
+    from dspark_jax.models.drafter import DSparkDrafter
+    from dspark_jax.models.qwen3 import Qwen3
+    from dspark_jax.sharding import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig(*args.mesh), jax.devices()[: int(np.prod(args.mesh))])
+    target_cfg = dataclasses.replace(named_config(args.config), dtype=args.dtype)
+    drafter_name = f"dspark-{args.config}"
+    drafter_cfg = named_config(drafter_name)
+    drafter_cfg = dataclasses.replace(
+        drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=args.dtype)
+    )
+    target = nnx.eval_shape(lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0)))
+    drafter = nnx.eval_shape(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0)))
+    gamma = drafter_cfg.block_size
+    # One token bucket and one prefill bucket: the largest of each, which set the peak.
+    cfg = EngineConfig(
+        num_slots=args.slots,
+        max_model_len=args.max_model_len,
+        prefill_buckets=(256,),
+        token_buckets=(args.slots * (gamma + 1),),
+    )
+    engine = Engine(target, drafter, cfg, mesh=mesh)
+
+    def per_device(tree) -> int:
+        return sum(
+            int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+            for x in jax.tree.leaves(tree)
+        )
+
+    state = jax.eval_shape(engine._init, engine.target_params, engine.drafter_params)
+    state = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        state,
+        engine.state_shardings,
+    )
+    parts = {
+        "target parameters": per_device(engine.target_params),
+        "drafter parameters": per_device(engine.drafter_params),
+        "target KV pool": per_device(state.target_pages),
+        "drafter context KV pool": per_device(state.draft_pages),
+    }
+    rows = []
+    for name, lowered in engine.lower().items():
+        stats = lowered.compile().memory_analysis()
+        row = dict(
+            program=name,
+            arguments=stats.argument_size_in_bytes,
+            outputs=stats.output_size_in_bytes,
+            aliased=stats.alias_size_in_bytes,
+            temps=stats.temp_size_in_bytes,
+        )
+        row["total"] = row["arguments"] + row["outputs"] - row["aliased"] + row["temps"]
+        rows.append(row)
+    peak = max(r["total"] for r in rows)
+    budget = args.device_gb * 1e9
+    gib = 2.0**30
+    print(
+        f"{args.config} + {drafter_name}, {args.dtype}, mesh {'x'.join(map(str, args.mesh))} "
+        f"(data x fsdp x tensor), {args.slots} slots x {args.max_model_len} positions, "
+        f"{cfg.pool_pages} pages of {cfg.page_size}; commit {git_commit()}, "
+        f"{datetime.date.today()}, {platform.node()} ({jax.default_backend()})"
+    )
+    print("per device:")
+    for name, size in parts.items():
+        print(f"  {name:<26}{size / gib:8.2f} GiB")
+    print(f"{'program':<16}{'args':>9}{'outputs':>9}{'aliased':>9}{'temps':>9}{'total':>9}  GiB")
+    for r in rows:
+        print(
+            f"{r['program']:<16}"
+            + "".join(
+                f"{r[k] / gib:9.2f}" for k in ("arguments", "outputs", "aliased", "temps", "total")
+            )
+        )
+    fits = peak <= budget
+    print(
+        f"peak per device {peak / gib:.2f} GiB = {peak / 1e9:.2f} GB: "
+        f"{'fits' if fits else 'does NOT fit'} a {args.device_gb:g} GB device"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                dict(
+                    benchmark="mesh_memory",
+                    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    commit=git_commit(),
+                    machine=platform.node(),
+                    settings={k: v for k, v in vars(args).items() if k != "json"},
+                    parts=parts,
+                    rows=rows,
+                    peak_bytes=peak,
+                    fits=fits,
+                ),
+                indent=2,
+            )
+        )
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
