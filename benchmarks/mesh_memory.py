@@ -4,10 +4,18 @@ Nothing is allocated: the target and drafter are built with `nnx.eval_shape` (ra
 shapes of a named config), their parameters carry the rules table's shardings, and every engine
 program is lowered from shapes and compiled; `memory_analysis()` of the compiled, SPMD-partitioned
 program gives the bytes one device needs. So the Qwen3-8B target and its drafter can be sized on
-a laptop, on CPU devices made up by XLA:
+a laptop:
 
-    python benchmarks/mesh_memory.py                       # Qwen3-8B + DSpark, 1x1x4, bf16
-    python benchmarks/mesh_memory.py --mesh 1,1,8 --slots 64
+    python benchmarks/mesh_memory.py --tpu v5e:2x2   # Qwen3-8B + DSpark, 1x1x4, bf16, TPU v5e
+    python benchmarks/mesh_memory.py                 # the same on CPU devices made up by XLA
+    python benchmarks/mesh_memory.py --mesh 1,1,8 --slots 64 --tpu v5e:2x4
+
+`--tpu TOPOLOGY` compiles for TPU chips that are not there (`jax.experimental.topologies`; it
+needs libtpu, `pip install "jax[tpu]"`, but no TPU) with the Pallas TPU attention: the numbers a
+TPU would see. Without it the programs compile for XLA:CPU with the plain-JAX attention, whose
+temporaries overstate an accelerator's: XLA:CPU has no bf16 gather or scatter, so it converts
+each bf16 page pool read or written to a float32 copy (twice the pool) and hoists that copy out of
+the attention loop -- the CPU rows bound the memory from above, they do not size a chip.
 
 Columns per program: arguments (parameters + slot state + inputs), outputs, aliased (outputs
 written into donated arguments: counted once), temporaries, and their total
@@ -41,6 +49,11 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=4096, help="positions per slot")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device-gb", type=float, default=16.0, help="budget per device (16)")
+    parser.add_argument(
+        "--tpu",
+        metavar="TOPOLOGY",
+        help="compile for this TPU topology without a TPU (e.g. v5e:2x2; needs libtpu)",
+    )
     parser.add_argument("--json", type=Path, help="write the table here too")
     args = parser.parse_args()
 
@@ -49,7 +62,7 @@ def main() -> int:
     if "jax" in sys.modules:
         raise RuntimeError("run this script directly: JAX must not be imported before it")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if os.environ["JAX_PLATFORMS"] == "cpu":
+    if os.environ["JAX_PLATFORMS"] == "cpu" and args.tpu is None:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
     return _measure(args)
@@ -69,7 +82,20 @@ def _measure(args) -> int:
     from dspark_jax.models.qwen3 import Qwen3
     from dspark_jax.sharding import MeshConfig, make_mesh
 
-    mesh = make_mesh(MeshConfig(*args.mesh), jax.devices()[: int(np.prod(args.mesh))])
+    size = int(np.prod(args.mesh))
+    devices = jax.devices()
+    impl = None
+    if args.tpu is not None:
+        from jax.experimental import topologies
+
+        topology = topologies.get_topology_desc(topology_name=args.tpu, platform="tpu")
+        devices, impl = list(topology.devices), "pallas_tpu"
+        platform_name = f"TPU {args.tpu} ({devices[0].device_kind}), compiled without the chips"
+    else:
+        platform_name = f"{jax.default_backend()}, {len(devices)} devices made up by XLA"
+    if size > len(devices):
+        raise SystemExit(f"mesh {args.mesh} needs {size} devices; {platform_name} has fewer")
+    mesh = make_mesh(MeshConfig(*args.mesh), devices[:size])
     target_cfg = dataclasses.replace(named_config(args.config), dtype=args.dtype)
     drafter_name = f"dspark-{args.config}"
     drafter_cfg = named_config(drafter_name)
@@ -81,6 +107,7 @@ def _measure(args) -> int:
     gamma = drafter_cfg.block_size
     # One token bucket and one prefill bucket: the largest of each, which set the peak.
     cfg = EngineConfig(
+        attention_impl=impl,
         num_slots=args.slots,
         max_model_len=args.max_model_len,
         prefill_buckets=(256,),
@@ -125,7 +152,7 @@ def _measure(args) -> int:
         f"{args.config} + {drafter_name}, {args.dtype}, mesh {'x'.join(map(str, args.mesh))} "
         f"(data x fsdp x tensor), {args.slots} slots x {args.max_model_len} positions, "
         f"{cfg.pool_pages} pages of {cfg.page_size}; commit {git_commit()}, "
-        f"{datetime.date.today()}, {platform.node()} ({jax.default_backend()})"
+        f"{datetime.date.today()}, {platform.node()}; {platform_name}"
     )
     print("per device:")
     for name, size in parts.items():
@@ -151,6 +178,7 @@ def _measure(args) -> int:
                     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     commit=git_commit(),
                     machine=platform.node(),
+                    platform=platform_name,
                     settings={k: v for k, v in vars(args).items() if k != "json"},
                     parts=parts,
                     rows=rows,
