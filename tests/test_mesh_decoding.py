@@ -135,3 +135,25 @@ def test_axes_that_do_not_divide_the_mesh_are_named():
     three_slots = dataclasses.replace(CFG, num_slots=3, token_buckets=(24,))
     with pytest.raises(ShardingError, match=r"'slots' of size 3 .*data=2"):
         Engine(*_random_pair(), three_slots, mesh=_mesh(2, 1, 2))
+
+
+def test_sharded_decode_holds_no_copy_of_the_page_pools(pair):
+    """The pools are read inside the token-bucket conditional (under `shard_map`) and written
+    after it with a scatter XLA partitions by KV head: none of that may copy a pool. float32
+    pools, because XLA:CPU gathers and scatters bfloat16 through a float32 copy of the whole
+    array (see benchmarks/mesh_memory.py), which would hide the copies this test looks for."""
+    long_cfg = dataclasses.replace(CFG, max_model_len=4096)
+    engine = Engine(*pair, long_cfg, mesh=_mesh(1, 1, 2))
+    state = jax.eval_shape(engine._init, engine.target_params, engine.drafter_params)
+    layer_shard_bytes = sum(
+        int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
+        for x, sh in zip(
+            state.target_pages[0].arrays,
+            engine.state_shardings.target_pages[0].arrays,
+            strict=True,
+        )
+    )
+    assert state.target_pages[0].arrays[0].dtype == np.float32
+    stats = engine.lower()["decode_chunk"].compile().memory_analysis()
+    # 2 target + 1 drafter layers of pools; a single copy of one layer's shard would break this.
+    assert stats.temp_size_in_bytes < layer_shard_bytes / 2
