@@ -13,9 +13,10 @@ a laptop:
 `--tpu TOPOLOGY` compiles for TPU chips that are not there (`jax.experimental.topologies`; it
 needs libtpu, `pip install "jax[tpu]"`, but no TPU) with the Pallas TPU attention: the numbers a
 TPU would see. Without it the programs compile for XLA:CPU with the plain-JAX attention, whose
-temporaries overstate an accelerator's: XLA:CPU has no bf16 gather or scatter, so it converts
-each bf16 page pool read or written to a float32 copy (twice the pool) and hoists that copy out of
-the attention loop -- the CPU rows bound the memory from above, they do not size a chip.
+temporaries overstate an accelerator's: XLA:CPU gathers from a bf16 array through a float32 copy
+of the whole array, so each page pool that attention reads gets a float32 twin (twice the pool),
+hoisted out of the attention loop -- the CPU rows bound the memory from above, they do not
+size a chip.
 
 Columns per program: arguments (parameters + slot state + inputs), outputs, aliased (outputs
 written into donated arguments: counted once), temporaries, and their total

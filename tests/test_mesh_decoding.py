@@ -140,7 +140,7 @@ def test_axes_that_do_not_divide_the_mesh_are_named():
 def test_sharded_decode_holds_no_copy_of_the_page_pools(pair):
     """The pools are read inside the token-bucket conditional (under `shard_map`) and written
     after it with a scatter XLA partitions by KV head: none of that may copy a pool. float32
-    pools, because XLA:CPU gathers and scatters bfloat16 through a float32 copy of the whole
+    pools, because XLA:CPU gathers from bfloat16 arrays through a float32 copy of the whole
     array (see benchmarks/mesh_memory.py), which would hide the copies this test looks for."""
     long_cfg = dataclasses.replace(CFG, max_model_len=4096)
     engine = Engine(*pair, long_cfg, mesh=_mesh(1, 1, 2))
