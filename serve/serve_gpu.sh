@@ -13,4 +13,4 @@ HOST=${HOST:-0.0.0.0}
 PORT=${PORT:-8000}
 
 exec dspark-jax serve ${MODEL:+--target $MODEL --draft $MODEL} --host "$HOST" --port "$PORT" \
-    --batch-size 16 --max-len 4096 --max-new-tokens 1024 "$@"
+    --max-num-seqs 16 --max-model-len 4096 "$@"

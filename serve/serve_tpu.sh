@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Serve on one TPU host in bfloat16 (see `dspark-jax serve --help`). The engine pads batches and
-# prompts to fixed buckets, so the first request of each new shape compiles; later ones do not.
+# Serve on one TPU host in bfloat16 (see `dspark-jax serve --help`). Warm-up compiles every
+# program the engine has; no request compiles afterwards.
 #
 #   MODEL=ckpt/qwen3-8b bash serve/serve_tpu.sh
+#
+# A model whose parameters take more than 75% of one chip (Qwen3-8B on v5e's 16 GB) is split
+# over every chip of the host on the mesh's tensor axis; MESH=data,fsdp,tensor chooses another
+# mesh (docs/engine.md, "On a mesh").
 set -euo pipefail
 
 MODEL=${MODEL:?set MODEL to a converted folder holding target/ and draft/}
 HOST=${HOST:-0.0.0.0}
 PORT=${PORT:-8000}
+MESH=${MESH:-}
 
-exec dspark-jax serve --target "$MODEL" --draft "$MODEL" --dtype bfloat16 \
-    --host "$HOST" --port "$PORT" --batch-size 32 --max-len 4096 --max-new-tokens 1024 "$@"
+exec dspark-jax serve --target "$MODEL" --draft "$MODEL" --dtype bfloat16 ${MESH:+--mesh $MESH} \
+    --host "$HOST" --port "$PORT" --max-num-seqs 32 --max-model-len 4096 "$@"
