@@ -706,7 +706,7 @@ class Engine:
             )
         lowered = {
             "init": self._init.lower(tp, dp),
-            "decode_chunk": self._decode.lower(tp, dp, state),
+            "decode_chunk": self._decode.lower(tp, dp, state, np.asarray(False)),
             "release": self._release.lower(state, np.zeros((self.cfg.num_slots,), bool)),
         }
         for width in self.prefill_widths:
