@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax.checkpoints.converted import load_decoding_models
+from dspark_jax.checkpoints.converted import convert_checkpoints, load_decoding_models
 from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
@@ -107,9 +107,23 @@ def test_mesh_generates_the_single_device_tokens(pair, single_device, shape):
     assert engine.state_shardings.lengths_s.spec == P("data" if shape[0] > 1 else None)
 
 
-def test_parameters_load_straight_into_their_shardings():
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("converted") / "pair"
+    convert_checkpoints(out, draft=EMBEDDED_DRAFT, target=EMBEDDED_TARGET, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("form", ["safetensors", "converted"])
+def test_parameters_load_straight_into_their_shardings(form, request):
+    """Safetensors go through make_array_from_callback, a converted folder through an Orbax
+    restore with global shardings (whose checksum, recorded on one device, must still match)."""
     mesh = _mesh(1, 1, 2)
-    models = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False, mesh=mesh)
+    if form == "safetensors":
+        target, draft = EMBEDDED_TARGET, EMBEDDED_DRAFT
+    else:
+        target = draft = request.getfixturevalue("converted")
+    models = load_decoding_models(target, draft, progress=False, mesh=mesh)
     q_kernel = models.target.layers[0].self_attn.q_proj.kernel[...]
     assert q_kernel.sharding.spec == P(None, "tensor")
     # each device holds half of the heads, none the whole weight
