@@ -54,7 +54,6 @@ def test_server_on_a_mesh_answers_as_one_device():
     served = ServedModel(
         name=MODEL,
         tokenizer=models.tokenizer,
-        vocab_size=models.target.cfg.vocab_size,
         max_model_len=CFG.max_model_len,
         gamma=sharded.gamma,
         stop_tokens=sharded.stop_tokens,
