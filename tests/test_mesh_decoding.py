@@ -14,8 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax.checkpoints.converted import convert_checkpoints, load_decoding_models
 from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
+from dspark_jax.decoding import engine as engine_module
 from dspark_jax.decoding.batching import Request, generate
-from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
 from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
@@ -108,6 +109,34 @@ def test_mesh_generates_the_single_device_tokens(pair, single_device, shape):
     # the memory check counts one device's shard: the pools dominate, split tensor ways
     whole = Engine(*pair, CFG).state_bytes
     assert whole / shape[2] <= engine.state_bytes < whole / shape[2] * 1.1
+
+
+def test_memory_check_weighs_one_device_share(pair, monkeypatch):
+    """A device budget between one device's share of the slot state and the whole of it: the
+    engine on a 1x1x4 mesh fits and is built, the one-device engine is refused. On host memory
+    (CPU devices) the four shares come out of one budget, so the mesh engine is refused too."""
+    mesh = _mesh(1, 1, 4)
+    share = Engine(*pair, CFG, mesh=mesh).state_bytes
+    whole = Engine(*pair, CFG).state_bytes
+    assert share < whole
+    budget = (share + whole) / 2 / engine_module.MEMORY_FRACTION
+    asked = []
+
+    def device_budget(devices):
+        asked.append(list(devices))
+        return budget, "TPU_0(process=0,(0,0,0,0))"
+
+    monkeypatch.setattr(engine_module, "memory_budget", device_budget)
+    Engine(*pair, CFG, mesh=mesh)
+    assert asked[-1] == list(mesh.local_devices)
+    with pytest.raises(EngineError, match=r"need 0\.\d+ GiB \(.* TPU_0.* has"):
+        Engine(*pair, CFG)
+    assert asked[-1] == jax.local_devices()[:1]
+    monkeypatch.setattr(
+        engine_module, "memory_budget", lambda devices: (budget, engine_module.HOST_MEMORY)
+    )
+    with pytest.raises(EngineError, match="host memory has"):
+        Engine(*pair, CFG, mesh=mesh)
 
 
 @pytest.fixture(scope="module")

@@ -140,14 +140,19 @@ MEMORY_FRACTION = 0.9
 HOST_MEMORY = "host memory"  # where `memory_budget` found it: the devices report none
 
 
-def memory_budget() -> tuple[int, str]:
-    """(bytes free, where) on the device the slot state goes to: what its allocator reports, or on
-    backends that report nothing (CPU) the host's available memory (MemAvailable, else all of
-    its physical memory). Parameters are loaded by then, so they are already counted as used."""
-    device = jax.local_devices()[0]
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), str(device)
+def memory_budget(devices: Sequence[jax.Device]) -> tuple[int, str]:
+    """(bytes free, where) on the devices the slot state goes to: the least free that any of
+    them reports (each holds a share, the fullest runs out first), or on backends that report
+    nothing (CPU) the host's available memory (MemAvailable, else all of its physical memory).
+    Parameters are loaded by then, so they are already counted as used."""
+    reported = []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+            reported.append((free, str(device)))
+    if reported:
+        return min(reported, key=lambda r: r[0])
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -168,12 +173,13 @@ def _state_bytes(abstract: SlotState, shardings: SlotState | None) -> int:
     )
 
 
-def _check_memory(state_bytes: int, cfg: EngineConfig, num_devices: int = 1) -> None:
+def _check_memory(state_bytes: int, cfg: EngineConfig, devices: Sequence[jax.Device]) -> None:
     """Refuses an engine whose slot state (the KV page pools above all) cannot fit, before
     anything is allocated: the allocation would fail, or summon the kernel's OOM killer, only
     after minutes of loading and compiling. `state_bytes` is one device's share of the state,
-    `num_devices` how many of this host's devices hold a share."""
-    free, where = memory_budget()
+    `devices` this host's devices that hold a share."""
+    free, where = memory_budget(devices)
+    num_devices = len(devices)
     # Devices without memory of their own (CPU) all take their shares from the host's.
     need = state_bytes * num_devices if where == HOST_MEMORY else state_bytes
     if need > MEMORY_FRACTION * free:
@@ -470,7 +476,9 @@ class Engine:
             out_sh = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = state_sh
         self.state_bytes = _state_bytes(abstract, state_sh)
-        _check_memory(self.state_bytes, cfg, 1 if mesh is None else len(mesh.local_devices))
+        # Unplaced arrays go to the default device, the first local one.
+        local = jax.local_devices()[:1] if mesh is None else mesh.local_devices
+        _check_memory(self.state_bytes, cfg, local)
         self._init = jax.jit(init, out_shardings=state_sh)
         self._prefill = jax.jit(prefill, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
         self._decode = jax.jit(decode, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
