@@ -82,9 +82,9 @@ def held_out(key: str) -> bool:
 
 
 # -- corpus: documented functions of the standard library --------------------------------------
-# Imperative verbs that open docstring summaries, in the order of their frequency in CPython's
-# standard library; "Write a Python function that" + the verb in the third person reads like the
-# default prompt. Summaries that open with anything else keep their wording after a colon.
+# Imperative verbs that commonly open docstring summaries in CPython's standard library; "Write a
+# Python function that" + the verb in the third person reads like the default prompt. Summaries
+# that open with anything else keep their wording after a colon.
 SUMMARY_VERBS = frozenset(
     """return set create get read add construct handle parse remove initialize convert write
     find send process close format delete open run generate make copy print check clear wait
