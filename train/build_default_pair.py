@@ -666,9 +666,9 @@ class DraftBudget:
 
 def drafter_train_configs(target_dir: Path, corpus: Path, budget: DraftBudget) -> dict:
     """{"dspark": TrainConfig, "dflash": TrainConfig}: the tiny recipes' shape at this size."""
-    from configs.recipes import DSPARK_RECIPE, dflash_recipe
     from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
-    from train.trainer import TrainConfig
+    from dspark_jax.configs.recipes import DSPARK_RECIPE, dflash_recipe
+    from dspark_jax.training.trainer import TrainConfig
 
     target = Qwen3Config.from_hf(read_config_json(target_dir)).with_dtype("float32")
     recipe = dataclasses.replace(
