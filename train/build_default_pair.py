@@ -654,6 +654,7 @@ class DraftBudget:
     """What both drafters get: the same data, steps, batch, anchors and learning rate."""
 
     layers: int = 1
+    block_size: int = 7  # the released drafters' block
     markov_rank: int = 64
     num_anchors: int = 64
     batch_size: int = 8
@@ -673,8 +674,6 @@ def drafter_train_configs(target_dir: Path, corpus: Path, budget: DraftBudget) -
     target = Qwen3Config.from_hf(read_config_json(target_dir)).with_dtype("float32")
     recipe = dataclasses.replace(
         DSPARK_RECIPE,
-        num_draft_layers=budget.layers,
-        num_anchors=budget.num_anchors,
         learning_rate=budget.learning_rate,
         dtype="float32",
         global_batch_size=budget.batch_size,
@@ -684,7 +683,7 @@ def drafter_train_configs(target_dir: Path, corpus: Path, budget: DraftBudget) -
     )
     dspark = DrafterConfig(
         model=dataclasses.replace(target, num_hidden_layers=budget.layers),
-        block_size=recipe.block_size,
+        block_size=budget.block_size,
         mask_token_id=SPECIAL_TOKENS.index("<|mask|>"),
         target_layer_ids=budget.target_layer_ids,
         num_target_layers=target.num_hidden_layers,
