@@ -660,7 +660,7 @@ class DraftBudget:
     batch_size: int = 8
     max_length: int = 512
     seq_lens: tuple[int, ...] = (128, 256, 512)
-    steps: int = 800
+    steps: int = 400
     learning_rate: float = 3e-3
     target_layer_ids: tuple[int, ...] = (0, 1, 2)
 
@@ -757,19 +757,48 @@ def cast_folder(src: Path, out: Path, dtype: str = "bfloat16") -> None:
 
 
 # -- the program -------------------------------------------------------------------------------
-def run_command(argv: list[str], log: Path) -> float:
-    """Runs a `dspark-jax` command (output to `log` and the terminal); returns its seconds."""
-    print("$ " + " ".join(argv), flush=True)
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            f.write(line)
-            if "it/s]" not in line and "s/it]" not in line:
-                print("  " + line, end="", flush=True)
-    if proc.wait():
-        raise SystemExit(f"command failed ({proc.returncode}), see {log}: {' '.join(argv)}")
-    return time.perf_counter() - start
+def train_drafters(
+    cli: str, out: Path, configs: dict, jobs: int, summary: dict, save_summary
+) -> None:
+    """Trains the drafters whose exported folder is missing, `jobs` `dspark-jax train` processes
+    at a time (each logs to train-<name>.log), then casts each export for shipping."""
+    todo = [n for n in configs if not (out / "drafters" / n / "model.safetensors").exists()]
+    for name in configs:
+        if name not in todo:
+            print(f"[drafter-{name}] done already", flush=True)
+    running: dict[str, tuple[subprocess.Popen, float, list[str]]] = {}
+    while todo or running:
+        while todo and len(running) < jobs:
+            name = todo.pop(0)
+            config_path = out / "configs" / f"{name}.py"
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            config_path.write_text(config_file_text(configs[name]))
+            argv = [cli, "train", "--config", str(config_path)]
+            argv += ["--output", str(out / "runs" / name), "--no-progress"]
+            log = out / f"train-{name}.log"
+            print(f"[drafter-{name}] $ {' '.join(argv)}  (log: {log})", flush=True)
+            with open(log, "w") as f:
+                proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+            running[name] = (proc, time.perf_counter(), argv)
+        time.sleep(2)
+        for name, (proc, start, argv) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            if proc.returncode:
+                raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}), see its log")
+            seconds = time.perf_counter() - start
+            run_dir = out / "runs" / name
+            cast_folder(run_dir / "drafter", out / "drafters" / name)
+            end = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+            print(f"[drafter-{name}] {seconds:.0f} s, held-out tau {end['tau']:.3f}", flush=True)
+            summary["seconds"][f"drafter-{name}"] = seconds
+            summary[f"drafter-{name}"] = {
+                "command": " ".join(argv[1:]),
+                "parallel_jobs": jobs,
+                "eval_end": end,
+            }
+            save_summary()
 
 
 def folder_bytes(path: Path) -> int:
@@ -783,6 +812,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per kind")
     parser.add_argument("--target-steps", type=int, default=PretrainConfig.steps)
     parser.add_argument("--draft-steps", type=int, default=DraftBudget.steps)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="drafters trained at once (2: both together, for a machine whose cores are shared)",
+    )
     args = parser.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -801,6 +836,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["seconds"][name] = time.perf_counter() - start
         if result is not None:
             summary[name] = result
+        save_summary()
+
+    def save_summary() -> None:
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
 
     corpus, tokenizer_dir, target_dir = out / "corpus", out / "tokenizer", out / "target"
@@ -828,28 +866,14 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = dataclasses.replace(DraftBudget(), steps=args.draft_steps)
     configs = drafter_train_configs(target_dir, corpus, budget)
-    for name, config in configs.items():
-        config_path = out / "configs" / f"{name}.py"
-        run_dir = out / "runs" / name
-
-        def train_drafter(config=config, config_path=config_path, run_dir=run_dir, name=name):
-            config_path.parent.mkdir(parents=True, exist_ok=True)
-            config_path.write_text(config_file_text(config))
-            argv = [dspark_jax_cli, "train", "--config", str(config_path)]
-            argv += ["--output", str(run_dir), "--no-progress"]
-            seconds = run_command(argv, out / f"train-{name}.log")
-            cast_folder(run_dir / "drafter", out / "drafters" / name)
-            result = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-            return {"command": " ".join(argv[1:]), "train_seconds": seconds, "eval_end": result}
-
-        stage(f"drafter-{name}", out / "drafters" / name / "model.safetensors", train_drafter)
+    train_drafters(dspark_jax_cli, out, configs, args.jobs, summary, save_summary)
 
     sizes = {
         "target": folder_bytes(target_dir),
         **{f"drafter-{n}": folder_bytes(out / "drafters" / n) for n in configs},
     }
     summary["bytes"] = sizes
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    save_summary()
     total = sum(summary["seconds"].values())
     print(f"sizes (bytes): {sizes}")
     print(f"stage seconds: {summary['seconds']} (total {total:.0f} s)")
