@@ -3,7 +3,7 @@
 A 4-layer byte-level target (vocab 288: bytes, EOS 256, mask 257, 30 unused rows) and a 2-layer
 drafter tapping layers 0 and 2, in float32 like the fixtures; "vanilla" and "gated" name the
 drafter's Markov head, and the vanilla fixture's target ties its embeddings. The vanilla pair's
-weights ship with the package (`dspark_jax.embedded`).
+weights ship with the package (`dspark_jax.embedded.TINY_DIR`).
 """
 
 from __future__ import annotations

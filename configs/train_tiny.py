@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from dspark_jax import embedded
 from dspark_jax.configs.recipes import DSPARK_RECIPE
 from dspark_jax.configs.tiny import TINY_VANILLA_DSPARK
-from dspark_jax.embedded import EMBEDDED_TARGET
 from dspark_jax.training.recipe import dflash_recipe
 from dspark_jax.training.trainer import TrainConfig
 
-TINY_TARGET = str(EMBEDDED_TARGET)
+TINY_TARGET = str(embedded.TINY_TARGET)
 
 # The released recipe scaled down to the fixture models and a few CPU minutes.
 TINY_RECIPE = dataclasses.replace(

@@ -1,8 +1,11 @@
-"""Where the embedded default model pair lives.
+"""Where the model pairs shipped as package data live.
 
-The tiny byte-level target and drafter of the test fixtures (tests/fixtures/deepspec-tiny-vanilla)
-ship as package data under `assets/tiny-vanilla/` (`target/` and `draft/`, see its README), so the
-programs run offline with no checkpoint given. Library code finds them here.
+The default pair (`assets/default/`: a 4M-parameter Qwen3 target with a BPE tokenizer and chat
+template, and its DSpark drafter, built by train/build_default_pair.py; see its README) is what
+the commands, the server and the notebook decode with when no checkpoint is given, so they write
+readable text offline on any machine. The tiny byte-level pair of the test fixtures
+(`assets/tiny-vanilla/`, the same files as tests/fixtures/deepspec-tiny-vanilla) stays packaged
+for the tiny training recipes (`dspark-jax train --config tiny-dspark`), which train against it.
 """
 
 from __future__ import annotations
@@ -10,7 +13,13 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-EMBEDDED_DIR = Path(str(resources.files("dspark_jax").joinpath("assets", "tiny-vanilla")))
-EMBEDDED_NAME = EMBEDDED_DIR.name
+_ASSETS = Path(str(resources.files("dspark_jax").joinpath("assets")))
+
+EMBEDDED_DIR = _ASSETS / "default"
+EMBEDDED_NAME = "dspark-jax-default"
 EMBEDDED_TARGET = EMBEDDED_DIR / "target"
 EMBEDDED_DRAFT = EMBEDDED_DIR / "draft"
+
+TINY_DIR = _ASSETS / "tiny-vanilla"
+TINY_TARGET = TINY_DIR / "target"
+TINY_DRAFT = TINY_DIR / "draft"

@@ -6,11 +6,21 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from dspark_jax.decoding.engine import EngineConfig
+
+FIXTURE = Path(__file__).parent / "fixtures" / "deepspec-tiny-vanilla"
+# `dspark-jax serve` on the byte-level fixture pair under its old embedded name: the server
+# tests' prompts, lengths and timings were chosen for it.
+FIXTURE_SERVE_FLAGS = [
+    f"--target={FIXTURE / 'target'}",
+    f"--draft={FIXTURE / 'draft'}",
+    "--served-model-name=tiny-vanilla",
+]
 
 DONE = "[DONE]"
 

@@ -1,9 +1,10 @@
-"""`dspark-jax generate` and `dspark-jax eval` on the embedded tiny model, run in-process."""
+"""`dspark-jax generate` and `dspark-jax eval` on the byte-level fixture pair, run in-process."""
 
 import json
 
 import numpy as np
 import pytest
+from fixture_models import fixture_dir
 
 from dspark_jax.calibration.sts import CalibrationRecords
 from dspark_jax.cli import main
@@ -11,11 +12,14 @@ from dspark_jax.decoding.batching import Result
 from dspark_jax.decoding.stats import acceptance_stats
 
 PROMPT = "def parse_args(argv=None):\n    parser = argparse."
+# The byte-level pair: these tests read tokens as bytes and the text as their decoding.
+FIXTURE = fixture_dir("vanilla")
+MODELS = ["--target", str(FIXTURE / "target"), "--draft", str(FIXTURE / "draft")]
 
 
 def _generate(capsys, tmp_path, name, *args):
     out = tmp_path / f"{name}.json"
-    assert main(["generate", *args, "--json", str(out)]) == 0
+    assert main(["generate", *MODELS, *args, "--json", str(out)]) == 0
     captured = capsys.readouterr()
     return json.loads(out.read_text()), captured.out, captured.err
 
@@ -79,11 +83,11 @@ def test_token_id_prompts_and_bad_input(capsys, tmp_path):
     )
     (r,) = data["results"]
     assert r["prompt_ids"] == [100, 101, 102] and len(r["tokens"]) <= 5
-    assert main(["generate", "--token-ids", "1,x"]) == 2
+    assert main(["generate", *MODELS, "--token-ids", "1,x"]) == 2
     assert "--token-ids '1,x'" in capsys.readouterr().err
-    assert main(["generate", "--prompt", "a", "--token-ids", "1"]) == 2
+    assert main(["generate", *MODELS, "--prompt", "a", "--token-ids", "1"]) == 2
     too_long = ["--prompt", "a", "--max-model-len", "16", "--max-new-tokens", "20"]
-    assert main(["generate", *too_long]) == 2
+    assert main(["generate", *MODELS, *too_long]) == 2
     assert "--max-model-len is 16" in capsys.readouterr().err
 
 
@@ -102,7 +106,7 @@ def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     (data_dir / "unused.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
     out = tmp_path / "out"
     args = ["eval", "--datasets-dir", str(data_dir), "--datasets", "code", "chat", "--limit", "2"]
-    args += ["--max-new-tokens", "24", "--max-num-seqs", "2", "--out", str(out)]
+    args += [*MODELS, "--max-new-tokens", "24", "--max-num-seqs", "2", "--out", str(out)]
     assert main(args) == 0
     table = capsys.readouterr().out
     for word in ("dataset", "tau", "speedup", "conditional acceptance", "prefix survival"):
@@ -146,11 +150,11 @@ def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
 
 
 def test_eval_rejects_missing_datasets(capsys, tmp_path):
-    assert main(["eval", "--out", str(tmp_path)]) == 2
+    assert main(["eval", *MODELS, "--out", str(tmp_path)]) == 2
     assert "no datasets" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')
-    assert main(["eval", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert main(["eval", *MODELS, str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 

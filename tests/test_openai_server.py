@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server, in-process (uvicorn on a thread, port 0) on the embedded pair.
+"""The OpenAI-compatible server, in-process (uvicorn on a thread, port 0) on the fixture pair.
 
 Black-box through HTTP: continuous batching (short requests overtake a long one), no
 compilation after warm-up whatever the sampling settings, greedy equal to the engine's offline
@@ -50,7 +50,6 @@ class Served:
 @pytest.fixture(scope="module")
 def served():
     watch_compilations()
-    # The vanilla fixture is the embedded pair (the same files).
     root = fixture_dir("vanilla")
     models = load_decoding_models(root / "target", root / "draft", progress=False)
     engine = Engine(models.target, models.drafter, SMALL_ENGINE, stop_tokens=models.stop_tokens)

@@ -1,9 +1,9 @@
 """`dspark-jax serve` as a real process: the official openai client, start-up validation, drain.
 
-One server process on the embedded pair serves the openai-client checks (models, completions and
-chat, streaming and not, mixed temperatures / top-p / seeds in flight together), then takes a
-SIGTERM with requests running and queued: the queued ones get 503, the running ones finish, the
-process exits 0. Bad settings fail before anything loads, in one line.
+One server process on the byte-level fixture pair serves the openai-client checks (models,
+completions and chat, streaming and not, mixed temperatures / top-p / seeds in flight together),
+then takes a SIGTERM with requests running and queued: the queued ones get 503, the running ones
+finish, the process exits 0. Bad settings fail before anything loads, in one line.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import openai
 import pytest
 from serving_helpers import (
     DONE,
+    FIXTURE_SERVE_FLAGS,
     SMALL_SERVE_FLAGS,
     metrics,
     serve_command,
@@ -85,7 +86,9 @@ def test_bad_settings_are_refused_before_serving(argv, fragment):
 def _start(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(
-        serve_command("--port=0", "--log-level=warning", *SMALL_SERVE_FLAGS, *flags),
+        serve_command(
+            "--port=0", "--log-level=warning", *FIXTURE_SERVE_FLAGS, *SMALL_SERVE_FLAGS, *flags
+        ),
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import DONE, metrics, serve_command, sse_events, wait_idle, wait_until
+from serving_helpers import (
+    DONE,
+    FIXTURE_SERVE_FLAGS,
+    metrics,
+    serve_command,
+    sse_events,
+    wait_idle,
+    wait_until,
+)
 
 CLIENTS = 64
 SECONDS = 300
@@ -27,6 +35,7 @@ SECONDS = 300
 # allocator pools and in-flight buffers swing by (a leak of a few KiB per request shows).
 MEMORY_SLACK = 24 * 2**20
 FLAGS = [
+    *FIXTURE_SERVE_FLAGS,
     "--port=0",
     "--log-level=warning",
     "--max-num-seqs=8",

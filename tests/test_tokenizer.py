@@ -6,7 +6,7 @@ import os
 import pytest
 from _chat_tokenizer import QWEN3_HISTORY_TEMPLATE, build_chat_tokenizer
 
-from dspark_jax.embedded import EMBEDDED_DIR
+from dspark_jax.embedded import TINY_DIR
 from dspark_jax.tokenizer import (
     ByteTokenizer,
     ChatTemplateError,
@@ -16,7 +16,7 @@ from dspark_jax.tokenizer import (
     load_tokenizer,
 )
 
-ASSETS = str(EMBEDDED_DIR)
+ASSETS = str(TINY_DIR)
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
