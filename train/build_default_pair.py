@@ -1,7 +1,8 @@
 """Builds the embedded default model pair from a corpus any Debian + PyPI machine has offline.
 
     apt-get install -y python3-doc        # the Python documentation as HTML
-    python train/build_default_pair.py --out runs/default-pair
+    python train/build_default_pair.py --out runs/default-pair --jobs 2 \
+        --ship dspark_jax/assets/default
 
 Stages, each written under --out and skipped when its output already exists (so an interrupted
 run continues where it stopped; delete a stage's folder to redo it):
@@ -22,6 +23,8 @@ run continues where it stopped; delete a stage's folder to redo it):
                budget (config files written here), exported and cast like the target.
 5. summary.json  sizes, timings, the commands run and the held-out losses; the tables of
                docs/results.md come from benchmarks/default_pair_results.py over this folder.
+6. --ship DIR  copies the target (with its tokenizer) and the DSpark drafter to DIR, e.g. the
+               package's dspark_jax/assets/default.
 
 Everything runs on the default JAX device (a GPU when one is installed) with the same number of
 steps, so a CPU and a GPU run follow the same recipe. The shipped pair is stored in bfloat16 to
@@ -813,6 +816,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-steps", type=int, default=PretrainConfig.steps)
     parser.add_argument("--draft-steps", type=int, default=DraftBudget.steps)
     parser.add_argument(
+        "--ship", type=Path, help="copy the finished pair here (dspark_jax/assets/default)"
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -878,7 +884,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sizes (bytes): {sizes}")
     print(f"stage seconds: {summary['seconds']} (total {total:.0f} s)")
     print(f"target: {target_dir}  drafters: {out / 'drafters'}")
+    if args.ship is not None:
+        ship(args.ship, target_dir, out / "drafters" / SHIPPED_DRAFTER, summary)
+        print(f"shipped the target and the {SHIPPED_DRAFTER} drafter to {args.ship}")
     return 0
+
+
+# The drafter that ships as the default; the DFlash one is trained for the comparison only.
+SHIPPED_DRAFTER = "dspark"
+TARGET_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+def ship(dest: Path, target_dir: Path, drafter_dir: Path, summary: dict) -> None:
+    """Copies the files a decoding run reads into `dest` (target/, draft/) and the build's
+    summary as build.json; the package's assets/default/ is made this way."""
+    import shutil
+
+    for sub, folder, names in (
+        ("target", target_dir, TARGET_FILES),
+        ("draft", drafter_dir, ("config.json", "model.safetensors")),
+    ):
+        (dest / sub).mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copyfile(folder / name, dest / sub / name)
+    (dest / "build.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _write_parity(path: Path, target_dir: Path, corpus: Path) -> dict:
