@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/default_pair_results.py --build runs/default-pair
 
-Reads the folder written by train/build_default_pair.py (target/, drafters/dspark,
+Reads the folder written by scripts/build_default_pair.py (target/, drafters/dspark,
 drafters/dflash, corpus/heldout.jsonl and corpus/calibration.jsonl, all held out from training)
 and runs, each as a `dspark-jax` command recorded with its duration:
 
@@ -206,7 +206,7 @@ def markdown(results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--build", type=Path, required=True, help="train/build_default_pair.py --out"
+        "--build", type=Path, required=True, help="scripts/build_default_pair.py --out"
     )
     parser.add_argument("--out", type=Path, help="results folder (default <build>/results)")
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -1,7 +1,7 @@
 """Where the model pairs shipped as package data live.
 
 The default pair (`assets/default/`: a 4M-parameter Qwen3 target with a BPE tokenizer and chat
-template, and its DSpark drafter, built by train/build_default_pair.py; see its README) is what
+template, and its DSpark drafter, built by scripts/build_default_pair.py; see its README) is what
 the commands, the server and the notebook decode with when no checkpoint is given, so they write
 readable text offline on any machine. The tiny byte-level pair of the test fixtures
 (`assets/tiny-vanilla/`, the same files as tests/fixtures/deepspec-tiny-vanilla) stays packaged

@@ -1,7 +1,7 @@
 """Builds the embedded default model pair from a corpus any Debian + PyPI machine has offline.
 
     apt-get install -y python3-doc        # the Python documentation as HTML
-    python train/build_default_pair.py --out runs/default-pair --jobs 2 \
+    python scripts/build_default_pair.py --out runs/default-pair --jobs 2 \
         --ship dspark_jax/assets/default
 
 Stages, each written under --out and skipped when its output already exists (so an interrupted
@@ -730,7 +730,7 @@ def config_file_text(config) -> str:
     imports = [f"from {m} import {', '.join(sorted(n))}" for m, n in sorted(modules.items())]
     body = pprint.pformat(config, width=100, sort_dicts=False)
     return (
-        '"""Written by train/build_default_pair.py: one drafter of the default pair."""\n\n'
+        '"""Written by scripts/build_default_pair.py: one drafter of the default pair."""\n\n'
         + "\n".join(imports)
         + f"\n\nCONFIG = {body}\n"
     )
