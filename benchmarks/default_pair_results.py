@@ -39,16 +39,21 @@ TEMPERATURES = (0.0, 1.0)
 BOOTSTRAP_SAMPLES = 10_000
 
 
-def run(argv: list[str], log: Path, commands: list[dict]) -> None:
-    """Runs one command (output to `log`), recording it and its duration in `commands`."""
+def run(argv: list[str], log: Path, commands: list[dict], output: Path) -> None:
+    """Runs one command (output to `log`) unless its `output` exists from an earlier call,
+    recording it and its duration in `commands`."""
     shown = " ".join(argv)
+    if output.exists():
+        commands.append({"command": shown, "seconds": None, "log": str(log)})
+        return
     print(f"$ {shown}", flush=True)
     start = time.perf_counter()
     with open(log, "w") as f:
         status = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT).returncode
     if status:
         raise SystemExit(f"failed ({status}), see {log}: {shown}")
-    commands.append({"command": shown, "seconds": round(time.perf_counter() - start, 1)})
+    seconds = round(time.perf_counter() - start, 1)
+    commands.append({"command": shown, "seconds": seconds, "log": str(log)})
 
 
 def per_prompt_rounds(generate_json: Path) -> list[dict[str, np.ndarray]]:
@@ -213,6 +218,11 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=16, help="engine slots")
     parser.add_argument("--concurrency", default="1,8", help="throughput benchmark levels")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--drafters",
+        default=",".join(DRAFTERS),
+        help="generate for these only and stop (to start on one while the other trains)",
+    )
     args = parser.parse_args()
     build = args.build
     out = args.out or build / "results"
@@ -229,35 +239,35 @@ def main() -> int:
     commands: list[dict] = []
 
     for t in TEMPERATURES:
-        for d in DRAFTERS:
+        for d in args.drafters.split(","):
             path = out / f"generate-{d}-t{t:g}.json"
-            if not path.exists():
-                argv = [cli, "generate", "--prompts-file", str(heldout), "--draft", drafts[d]]
-                argv += [*common, "--temperature", f"{t:g}", "--json", str(path)]
-                run(argv, out / f"generate-{d}-t{t:g}.log", commands)
+            argv = [cli, "generate", "--prompts-file", str(heldout), "--draft", drafts[d]]
+            argv += [*common, "--temperature", f"{t:g}", "--json", str(path)]
+            run(argv, out / f"generate-{d}-t{t:g}.log", commands, path)
+    if set(args.drafters.split(",")) != set(DRAFTERS):
+        print("generated for the drafters asked for; run with both for the rest")
+        return 0
 
     records = {}
     for name, prompts in (("calibration", calibration), ("heldout", heldout)):
         folder = out / f"eval-dspark-{name}-t1"
         records[name] = folder / "calibration_records.npz"
-        if not records[name].exists():
-            argv = [cli, "eval", str(prompts), "--draft", drafts["dspark"], *common]
-            # Acceptance only: speed is what the throughput benchmark measures.
-            argv += ["--temperature", "1", "--no-plain", "--out", str(folder)]
-            run(argv, out / f"eval-dspark-{name}-t1.log", commands)
+        argv = [cli, "eval", str(prompts), "--draft", drafts["dspark"], *common]
+        # Acceptance only: speed is what the throughput benchmark measures.
+        argv += ["--temperature", "1", "--no-plain", "--out", str(folder)]
+        run(argv, out / f"eval-dspark-{name}-t1.log", commands, records[name])
     sts_path = out / "sts.json"
-    if not sts_path.exists():
-        argv = [cli, "calibrate", "--records", str(records["calibration"]), str(records["heldout"])]
-        argv += ["--drafter", drafts["dspark"], "--temperature", "1", "--out", str(sts_path)]
-        argv += ["--plot", str(out / "reliability.png")]
-        run(argv, out / "calibrate.log", commands)
+    argv = [cli, "calibrate", "--records", str(records["calibration"]), str(records["heldout"])]
+    argv += ["--drafter", drafts["dspark"], "--temperature", "1", "--out", str(sts_path)]
+    argv += ["--plot", str(out / "reliability.png")]
+    run(argv, out / "calibrate.log", commands, sts_path)
 
-    if not args.skip_throughput and not (out / "throughput.json").exists():
+    if not args.skip_throughput:
         argv = [sys.executable, str(Path(__file__).with_name("throughput.py")), "--target", target]
         argv += ["--draft", drafts["dspark"], "--prompts", str(heldout), "--sts", str(sts_path)]
         argv += ["--concurrency", args.concurrency, "--temperature", "1"]
         argv += ["--out", str(out / "throughput.json"), "--plot", str(out / "throughput.png")]
-        run(argv, out / "throughput.log", commands)
+        run(argv, out / "throughput.log", commands, out / "throughput.json")
 
     gamma = json.loads((Path(drafts["dspark"]) / "config.json").read_text())["block_size"]
     acceptance = acceptance_analysis(out, gamma)
