@@ -1,10 +1,11 @@
 """The measurements of docs/results.md: DSpark vs DFlash drafters of the default target.
 
-    PYTHONPATH=. python benchmarks/default_pair_results.py --build runs/default-pair
+    python benchmarks/default_pair_results.py --build runs/default-pair
 
-Reads the folder written by scripts/build_default_pair.py (target/, drafters/dspark,
-drafters/dflash, corpus/heldout.jsonl and corpus/calibration.jsonl, all held out from training)
-and runs, each as a `dspark-jax` command recorded with its duration:
+Reads the folder written by scripts/build_default_pair.py (target/, the final drafters
+drafters/dspark-distilled and drafters/dflash-distilled, or with --phase '' those of the corpus
+phase; corpus/heldout.jsonl and corpus/calibration.jsonl, held out from training) and runs, each
+as a `dspark-jax` command recorded with its duration:
 
 1. `generate` over the held-out prompts for both drafters at T = 0 and T = 1 (the same prompts,
    seeds and lengths): tau with 95% percentile-bootstrap intervals over prompts (prompts are
@@ -16,8 +17,8 @@ and runs, each as a `dspark-jax` command recorded with its duration:
    speculation, fixed, the best static threshold, the two schedulers on round timings profiled
    here, with the STS temperatures of step 2) on this device.
 
-Writes results.json, acceptance.png and the command logs under --out (default <build>/results)
-and prints the markdown tables.
+Writes results.json, acceptance.png and the command logs under --out (default
+<build>/results<phase>) and prints the markdown tables.
 """
 
 from __future__ import annotations
@@ -213,11 +214,16 @@ def main() -> int:
     parser.add_argument(
         "--build", type=Path, required=True, help="scripts/build_default_pair.py --out"
     )
-    parser.add_argument("--out", type=Path, help="results folder (default <build>/results)")
+    parser.add_argument("--out", type=Path, help="results folder (default <build>/results<phase>)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=16, help="engine slots")
     parser.add_argument("--concurrency", default="1,8", help="throughput benchmark levels")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--phase",
+        default="-distilled",
+        help="drafter folder suffix: '-distilled' (final) or '' (after the corpus phase)",
+    )
     parser.add_argument(
         "--drafters",
         default=",".join(DRAFTERS),
@@ -225,11 +231,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     build = args.build
-    out = args.out or build / "results"
+    out = args.out or build / f"results{args.phase}"
     out.mkdir(parents=True, exist_ok=True)
     cli = str(Path(sys.executable).with_name("dspark-jax"))
     target = str(build / "target")
-    drafts = {d: str(build / "drafters" / d) for d in DRAFTERS}
+    drafts = {d: str(build / "drafters" / f"{d}{args.phase}") for d in DRAFTERS}
     heldout, calibration = (
         build / "corpus" / "heldout.jsonl",
         build / "corpus" / "calibration.jsonl",
