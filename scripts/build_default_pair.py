@@ -20,11 +20,16 @@ run continues where it stopped; delete a stage's folder to redo it):
                Face layout (config.json, model.safetensors, generation_config.json, tokenizer),
                then checked once against transformers' Qwen3ForCausalLM.
 4. drafters/   a DSpark and a DFlash drafter trained for it by `dspark-jax train` with the same
-               budget (config files written here), exported and cast like the target.
-5. summary.json  sizes, timings, the commands run and the held-out losses; the tables of
+   dspark,     budget (config files written here) on the corpus, exported and cast like the
+   dflash      target.
+5. corpus/distill.jsonl  the target's own greedy answers to a seeded sample of training prompts
+               (`dspark-jax generate --no-draft`).
+6. drafters/   each phase-4 drafter fine-tuned on those answers, again with equal budgets: the
+   *-distilled final drafters.
+7. summary.json  sizes, timings, the commands run and the held-out losses; the tables of
                docs/results.md come from benchmarks/default_pair_results.py over this folder.
-6. --ship DIR  copies the target (with its tokenizer) and the DSpark drafter to DIR, e.g. the
-               package's dspark_jax/assets/default.
+8. --ship DIR  copies the target (with its tokenizer) and the final DSpark drafter to DIR, e.g.
+               the package's dspark_jax/assets/default.
 
 Everything runs on the default JAX device (a GPU when one is installed) with the same number of
 steps, so a CPU and a GPU run follow the same recipe. The shipped pair is stored in bfloat16 to
@@ -727,8 +732,8 @@ def drafter_train_configs(target_dir: Path, corpus: Path, budget: DraftBudget) -
 # prompts.
 @dataclasses.dataclass(frozen=True)
 class DistillBudget:
-    prompts: int = 1536
-    new_tokens: int = 256
+    prompts: int = 768
+    new_tokens: int = 192
     slots: int = 64
     steps: int = 300
     learning_rate: float = 2e-3
