@@ -19,7 +19,7 @@ inter-token latency percentiles, slot occupancy over the same loaded phase (the 
 turns in decode rounds that served a live request), tau and drafts verified per round.
 Compilation happens before timing (`warm_up`).
 
-    python benchmarks/throughput.py                 # embedded models, CPU
+    python benchmarks/throughput.py                 # the tiny byte-level pair, CPU
     python benchmarks/throughput.py --target T --draft D --prompts mt-bench.jsonl
     python benchmarks/throughput.py --synthetic qwen3-4b --acceptance 0.9,0.85,0.8,0.75,0.7,0.65,0.6
 
@@ -55,7 +55,7 @@ from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Observer, Request
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.profiling import profile_engine
-from dspark_jax.embedded import EMBEDDED_DIR
+from dspark_jax.embedded import TINY_DIR
 from dspark_jax.models.known_acceptance import KnownAcceptanceDrafter, mute_target
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.tokenizer import ByteTokenizer, encode_chat
@@ -193,8 +193,8 @@ def run_cell(engine: Engine, prompts, lengths, requests_per_client: int, tempera
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default=str(EMBEDDED_DIR / "target"))
-    parser.add_argument("--draft", default=str(EMBEDDED_DIR / "draft"))
+    parser.add_argument("--target", default=str(TINY_DIR / "target"))
+    parser.add_argument("--draft", default=str(TINY_DIR / "draft"))
     parser.add_argument("--prompts", help="eval_datasets-style JSONL (chat models)")
     parser.add_argument("--sps-table", help="folder of sps_c{c}.json tables (else profiled)")
     parser.add_argument("--sts", help="STS artifact (dspark-jax calibrate) for the drafter")

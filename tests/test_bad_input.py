@@ -43,13 +43,13 @@ from dspark_jax.cli import main
 from dspark_jax.conversations import ConversationError, read_turns
 from dspark_jax.decoding.batching import Batcher, Request
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
-from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from dspark_jax.embedded import TINY_DRAFT, TINY_TARGET
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("converted") / "pair"
-    convert_checkpoints(out, draft=EMBEDDED_DRAFT, target=EMBEDDED_TARGET, progress=False)
+    convert_checkpoints(out, draft=TINY_DRAFT, target=TINY_TARGET, progress=False)
     return out
 
 
@@ -68,7 +68,7 @@ def bad_files(tmp_path_factory) -> dict[str, Path]:
         ("zero_heads", "num_attention_heads", 0),
     ):
         folder = root / name
-        shutil.copytree(EMBEDDED_TARGET, folder)
+        shutil.copytree(TINY_TARGET, folder)
         config = json.loads((folder / "config.json").read_text())
         config[key] = value
         (folder / "config.json").write_text(json.dumps(config))
@@ -163,7 +163,7 @@ def test_bad_command_lines_fail_in_one_line(
     command, fragment, bad_files, tmp_path, busy_port, capsys
 ):
     names = {k: str(v) for k, v in bad_files.items()}
-    argv = command.format(**names, tmp=tmp_path, draft=EMBEDDED_DRAFT, busy_port=busy_port)
+    argv = command.format(**names, tmp=tmp_path, draft=TINY_DRAFT, busy_port=busy_port)
     rc, lines = _run(argv.split(), capsys)
     assert rc != 0
     assert len(lines) == 1, lines
@@ -197,7 +197,7 @@ def _leaf_properties(model) -> list[tuple]:
 def test_converted_parameters_share_compiled_programs_with_safetensors(converted):
     """Committed-ness keys jit's cache: Orbax's device placement made every program compile a
     second time for parameters from a converted folder."""
-    from_safetensors = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
+    from_safetensors = load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False)
     from_converted = load_decoding_models(converted, converted, progress=False)
     for attr in ("target", "drafter"):
         a, b = getattr(from_safetensors, attr), getattr(from_converted, attr)
@@ -216,7 +216,7 @@ def test_converted_and_safetensors_compile_the_same_programs(converted):
         num_slots=2, max_model_len=64, rounds_per_chunk=2, prefill_chunk=32, prefill_buckets=(32,)
     )
     counts = []
-    for target in (EMBEDDED_TARGET, converted):
+    for target in (TINY_TARGET, converted):
         models = load_decoding_models(target, None, progress=False)
         engine = Engine(models.target, None, cfg, stop_tokens=models.stop_tokens)
         engine.warm_up()
@@ -235,7 +235,7 @@ def test_converted_decode_speed_matches_safetensors(converted):
     compilation inside the timed loop (24x in the report that opened issue 8)."""
     cfg = EngineConfig(num_slots=1, max_model_len=320, rounds_per_chunk=8, prefill_chunk=64)
     engines = []
-    for target, draft in ((EMBEDDED_TARGET, EMBEDDED_DRAFT), (converted, converted)):
+    for target, draft in ((TINY_TARGET, TINY_DRAFT), (converted, converted)):
         models = load_decoding_models(target, draft, progress=False)
         engine = Engine(models.target, models.drafter, cfg, stop_tokens=(10_000,))
         engine.warm_up()
@@ -253,7 +253,7 @@ def test_converted_decode_speed_matches_safetensors(converted):
 
 # -- 2. one prompt validation for every entry point --------------------------------------------
 def test_python_api_refuses_out_of_vocabulary_ids_and_bad_seeds():
-    models = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
+    models = load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False)
     engine = Engine(models.target, models.drafter, EngineConfig(num_slots=1, max_model_len=64))
     batcher = Batcher(engine)
     vocab = models.target.cfg.vocab_size
@@ -285,7 +285,7 @@ def test_out_of_vocabulary_ids_are_refused_before_compiling(capsys):
 # -- 3. damaged weights never run --------------------------------------------------------------
 def _nan_drafter(root: Path) -> Path:
     folder = root / "nan-draft"
-    shutil.copytree(EMBEDDED_DRAFT, folder)
+    shutil.copytree(TINY_DRAFT, folder)
     source = SafetensorsFolder(folder)
     tensors = {key: np.array(source.get(key)) for key in source.keys()}
     tensors["fc.weight"][0, 0] = np.nan
@@ -322,7 +322,7 @@ def test_modified_target_of_a_converted_folder_is_refused(converted, tmp_path):
 
 # -- 4. context and memory bounds before anything is allocated ---------------------------------
 def test_engine_refuses_a_pool_larger_than_memory():
-    models = load_decoding_models(EMBEDDED_TARGET, None, progress=False)
+    models = load_decoding_models(TINY_TARGET, None, progress=False)
     cfg = EngineConfig(num_slots=1, max_model_len=64, num_pages=10**9)
     with pytest.raises(EngineError, match=r"GiB .* lower --kv-pages"):
         Engine(models.target, None, cfg)
@@ -363,7 +363,7 @@ def test_stale_working_folders_of_killed_runs_are_removed(tmp_path):
         (folder / "part").write_bytes(b"x" * 100)
     two_days_ago = time.time() - 2 * 24 * 3600
     os.utime(legacy_old, (two_days_ago, two_days_ago))
-    convert_checkpoints(tmp_path / "out", draft=EMBEDDED_DRAFT, progress=False)
+    convert_checkpoints(tmp_path / "out", draft=TINY_DRAFT, progress=False)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted(["out", alive.name, legacy_new.name])
 
@@ -382,7 +382,7 @@ def test_ctrl_c_during_orbax_save_exits_130_and_leaves_nothing(tmp_path, monkeyp
 
     monkeypatch.setattr(orbax_io.ocp.StandardCheckpointer, "save", save_then_interrupt)
     handler = signal.getsignal(signal.SIGINT)
-    rc, lines = _run(["convert", "--draft", str(EMBEDDED_DRAFT), "--out", f"{tmp_path}/c"], capsys)
+    rc, lines = _run(["convert", "--draft", str(TINY_DRAFT), "--out", f"{tmp_path}/c"], capsys)
     assert (rc, lines) == (130, ["dspark-jax convert: interrupted"])
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGINT) is handler
@@ -401,6 +401,6 @@ def test_ctrl_c_swallowed_by_a_library_still_stops_the_commit(tmp_path, monkeypa
         return check(*args, **kwargs)
 
     monkeypatch.setattr(converted_module, "check_parameters", check_swallowing_interrupts)
-    rc, lines = _run(["convert", "--draft", str(EMBEDDED_DRAFT), "--out", f"{tmp_path}/c"], capsys)
+    rc, lines = _run(["convert", "--draft", str(TINY_DRAFT), "--out", f"{tmp_path}/c"], capsys)
     assert (rc, lines) == (130, ["dspark-jax convert: interrupted"])
     assert list(tmp_path.iterdir()) == []

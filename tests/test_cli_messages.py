@@ -9,7 +9,7 @@ from importlib.metadata import version
 import pytest
 
 from dspark_jax.cli import main
-from dspark_jax.embedded import EMBEDDED_DRAFT
+from dspark_jax.embedded import TINY_DRAFT
 
 
 def test_version(capsys):
@@ -31,7 +31,7 @@ def test_eval_refuses_a_non_empty_output_folder(tmp_path, capsys):
 
 def test_existing_export_names_the_flag(tmp_path, capsys):
     (tmp_path / "out").mkdir()
-    assert main(["export", "--draft", str(EMBEDDED_DRAFT), "--out", str(tmp_path / "out")]) == 2
+    assert main(["export", "--draft", str(TINY_DRAFT), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "use --overwrite" in err and "overwrite=True" not in err
 

@@ -27,7 +27,7 @@ from dspark_jax.checkpoints.speculators import (
 from dspark_jax.cli import main
 from dspark_jax.config import DRAFTER_MODEL_TYPE
 from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_TARGET
-from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from dspark_jax.embedded import TINY_DRAFT
 from dspark_jax.training.step import new_drafter
 
 
@@ -63,18 +63,18 @@ def test_written_drafter_config_is_refused_by_auto_classes(fresh_drafter, tmp_pa
 
 
 def test_speculators_export_matches_schema_and_reference_tensors(tmp_path, capsys):
-    reference = _tensors(EMBEDDED_DRAFT)
+    reference = _tensors(TINY_DRAFT)
     out = tmp_path / "spec"
-    args = ["export", "--draft", str(EMBEDDED_DRAFT), "--format", "speculators"]
-    assert main([*args, "--target", str(EMBEDDED_TARGET), "--out", str(out)]) == 0
+    args = ["export", "--draft", str(TINY_DRAFT), "--format", "speculators"]
+    assert main([*args, "--target", str(TINY_TARGET), "--out", str(out)]) == 0
     assert "speculators layout" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     check_speculators_config(config)
     assert config["speculators_model_type"] == "dspark"
-    assert config["speculators_config"]["verifier"]["name_or_path"] == str(EMBEDDED_TARGET)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(TINY_TARGET)
     assert config["aux_hidden_state_layer_ids"] == [1, 3]  # DeepSpec's [0, 2], plus one
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
-    cfg, _, _ = load_drafter(EMBEDDED_DRAFT)
+    cfg, _, _ = load_drafter(TINY_DRAFT)
     tensors = _tensors(out)
     shapes = {k: v.shape for k, v in tensors.items()}
     assert shapes == expected_tensors(cfg)
@@ -85,12 +85,12 @@ def test_speculators_export_matches_schema_and_reference_tensors(tmp_path, capsy
 
 def test_speculators_export_refusals(fresh_drafter, tmp_path, capsys):
     # No verifier known for a plain drafter folder.
-    args = ["export", "--draft", str(EMBEDDED_DRAFT), "--format", "speculators"]
+    args = ["export", "--draft", str(TINY_DRAFT), "--format", "speculators"]
     assert main([*args, "--out", str(tmp_path / "a")]) == 2
     assert "--target" in capsys.readouterr().err
     # A drafter whose embedding is not the verifier's would be changed by the loader.
     other = tmp_path / "other-target"
-    shutil.copytree(EMBEDDED_TARGET, other)
+    shutil.copytree(TINY_TARGET, other)
     st = _tensors(other)
     st["model.embed_tokens.weight"] = st["model.embed_tokens.weight"] + 1
     from dspark_jax.checkpoints.safetensors_io import save_safetensors
@@ -102,12 +102,12 @@ def test_speculators_export_refusals(fresh_drafter, tmp_path, capsys):
 
 
 def test_converted_folder_names_its_source_as_verifier(tmp_path):
-    convert_checkpoints(tmp_path / "conv", draft=EMBEDDED_DRAFT, target=EMBEDDED_TARGET)
+    convert_checkpoints(tmp_path / "conv", draft=TINY_DRAFT, target=TINY_TARGET)
     out = tmp_path / "spec"
     args = ["export", "--draft", str(tmp_path / "conv"), "--format", "speculators"]
     assert main([*args, "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["speculators_config"]["verifier"]["name_or_path"] == str(EMBEDDED_TARGET)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(TINY_TARGET)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_converted_folder_names_its_source_as_verifier(tmp_path):
     ],
 )
 def test_schema_check_catches(change, problem):
-    cfg, _, _ = load_drafter(EMBEDDED_DRAFT)
+    cfg, _, _ = load_drafter(TINY_DRAFT)
     config = speculators_config(cfg, "Qwen/Qwen3-4B", ["Qwen3ForCausalLM"])
     check_speculators_config(config)
     with pytest.raises(CheckpointError, match=problem):
@@ -138,11 +138,11 @@ def test_speculators_library_loads_every_tensor(tmp_path):
     from speculators import SpeculatorModel
 
     out = tmp_path / "spec"
-    args = ["export", "--draft", str(EMBEDDED_DRAFT), "--format", "speculators"]
-    assert main([*args, "--target", str(EMBEDDED_TARGET), "--out", str(out)]) == 0
+    args = ["export", "--draft", str(TINY_DRAFT), "--format", "speculators"]
+    assert main([*args, "--target", str(TINY_TARGET), "--out", str(out)]) == 0
     model = SpeculatorModel.from_pretrained(str(out))
     assert type(model).__name__ == "DSparkDraftModel"
     state = model.state_dict()
-    for key, value in _tensors(EMBEDDED_DRAFT).items():
+    for key, value in _tensors(TINY_DRAFT).items():
         assert key in state, key
         np.testing.assert_array_equal(state[key].to(torch.float32).numpy(), value, err_msg=key)
