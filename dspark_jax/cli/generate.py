@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dspark_jax.errors import UserError
 
-DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+DEFAULT_PROMPT = "Write a Python function that replaces tabs with spaces in a string."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
