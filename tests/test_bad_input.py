@@ -87,7 +87,7 @@ def _run(argv: list[str], capsys) -> tuple[int, list[str]]:
 
 # (argv with {placeholders}, fragment of the one stderr line)
 CLI_CASES = [
-    ("generate --token-ids 300,1000,99999 --max-new-tokens 4", "in 0..287 (the vocabulary)"),
+    ("generate --token-ids 300,1000,99999 --max-new-tokens 4", "in 0..4095 (the vocabulary)"),
     ("generate --token-ids 5,x", "expected integers"),
     ("generate --token-ids 1 --prompt hi", "either text prompts"),
     ("generate --prompts-file {notalist}", "notalist.jsonl:2: 'turns' must be a non-empty list"),
