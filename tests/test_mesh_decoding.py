@@ -17,7 +17,7 @@ from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
 from dspark_jax.decoding import engine as engine_module
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
-from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from dspark_jax.embedded import TINY_DRAFT, TINY_TARGET
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import SamplingConfig
@@ -57,8 +57,8 @@ def _requests():
 def _random_pair(num_heads: int = 8, num_kv_heads: int = 4):
     """A random target/drafter pair like the embedded one, but shallower (compiles faster) and
     with heads that tensor axes of 2 and 4 divide (the embedded pair has 6 heads)."""
-    target_cfg = Qwen3Config.from_hf(read_config_json(EMBEDDED_TARGET))
-    drafter_cfg = DrafterConfig.from_hf(read_config_json(EMBEDDED_DRAFT))
+    target_cfg = Qwen3Config.from_hf(read_config_json(TINY_TARGET))
+    drafter_cfg = DrafterConfig.from_hf(read_config_json(TINY_DRAFT))
     heads = dict(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, dtype="float32")
     target_cfg = dataclasses.replace(target_cfg, num_hidden_layers=2, **heads)
     drafter_cfg = dataclasses.replace(
@@ -142,7 +142,7 @@ def test_memory_check_weighs_one_device_share(pair, monkeypatch):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     out = tmp_path_factory.mktemp("converted") / "pair"
-    convert_checkpoints(out, draft=EMBEDDED_DRAFT, target=EMBEDDED_TARGET, progress=False)
+    convert_checkpoints(out, draft=TINY_DRAFT, target=TINY_TARGET, progress=False)
     return out
 
 
@@ -152,7 +152,7 @@ def test_parameters_load_straight_into_their_shardings(form, request):
     restore with global shardings (whose checksum, recorded on one device, must still match)."""
     mesh = _mesh(1, 1, 2)
     if form == "safetensors":
-        target, draft = EMBEDDED_TARGET, EMBEDDED_DRAFT
+        target, draft = TINY_TARGET, TINY_DRAFT
     else:
         target = draft = request.getfixturevalue("converted")
     models = load_decoding_models(target, draft, progress=False, mesh=mesh)
@@ -163,7 +163,7 @@ def test_parameters_load_straight_into_their_shardings(form, request):
     assert shard_shapes == {(q_kernel.shape[0], q_kernel.shape[1] // 2)}
     embed = models.drafter.embed_tokens.embedding[...]
     assert embed.sharding.spec == P("tensor", None)
-    single = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
+    single = load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False)
     np.testing.assert_array_equal(
         np.asarray(q_kernel), np.asarray(single.target.layers[0].self_attn.q_proj.kernel[...])
     )
@@ -173,7 +173,7 @@ def test_parameters_load_straight_into_their_shardings(form, request):
 def test_axes_that_do_not_divide_the_mesh_are_named():
     mesh = _mesh(1, 1, 4)
     with pytest.raises(ShardingError, match="6 attention heads .* tensor axis of size 4"):
-        load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False, mesh=mesh)
+        load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False, mesh=mesh)
     with pytest.raises(ShardingError, match=r"'vocab' of size 290 .*tensor=4"):
         logical_to_spec(("vocab", "embed"), (290, 96), mesh, strict=True)
     # without strict (training's rules) the same dimension is replicated
