@@ -277,9 +277,9 @@ def test_prompts_file_errors_name_file_and_line(bad_files):
 
 
 def test_out_of_vocabulary_ids_are_refused_before_compiling(capsys):
-    rc, lines = _run(["generate", "--token-ids", "1,300", "--max-new-tokens", "4"], capsys)
+    rc, lines = _run(["generate", "--token-ids", "1,4096", "--max-new-tokens", "4"], capsys)
     assert rc == 2 and len(lines) == 1
-    assert "--token-ids 1 300" in lines[0] and "vocabulary" in lines[0]
+    assert "--token-ids 1 4096" in lines[0] and "vocabulary" in lines[0]
 
 
 # -- 3. damaged weights never run --------------------------------------------------------------
