@@ -22,6 +22,7 @@ Compilation happens before timing (`warm_up`).
     python benchmarks/throughput.py                 # the tiny byte-level pair, CPU
     python benchmarks/throughput.py --target T --draft D --prompts mt-bench.jsonl
     python benchmarks/throughput.py --synthetic qwen3-4b --acceptance 0.9,0.85,0.8,0.75,0.7,0.65,0.6
+    python benchmarks/throughput.py --combine c1-32.json c64.json   # levels run separately
 
 `--synthetic CONFIG` measures real shapes without real weights: random weights in `--dtype`, the
 target muted and the drafter replaced by `KnownAcceptanceDrafter`
@@ -222,9 +223,19 @@ def main() -> None:
         default=",".join(f"{name}={t}" for name, t in THRESHOLDS),
         help="the static-threshold grid, POLICY=VALUE,... (the best per concurrency is kept)",
     )
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: join the rows of earlier --out files (concurrency levels run "
+        "separately) into one --out, table and --plot",
+    )
     parser.add_argument("--out", default="throughput.json")
     parser.add_argument("--plot", default="throughput.png")
     args = parser.parse_args()
+    if args.combine:
+        combine(args.combine, args.out, args.plot)
+        return
 
     levels = tuple(int(c) for c in args.concurrency.split(","))
     thresholds = []
@@ -320,6 +331,36 @@ def main() -> None:
     print(markdown_table(rows))
     _plot(rows, args.plot, f"{report['device']}, T={args.temperature}, commit {commit}")
     print(f"wrote {args.out} and {args.plot}")
+
+
+def combine(paths: list[str], out: str, plot: str) -> None:
+    """One report from several runs of this script: their rows by concurrency, and each run's
+    date, commit, device and models kept beside the rows it measured (they may differ)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    rows = sorted(
+        (row for report in reports for row in report["rows"]), key=lambda r: r["concurrency"]
+    )
+    cells = collections.Counter((r["concurrency"], r["mode"]) for r in rows)
+    repeated = sorted(cell for cell, n in cells.items() if n > 1)
+    if repeated:
+        raise SystemExit(f"--combine: {repeated} measured in more than one file")
+    keep = ("date", "commit", "device", "target", "draft", "temperature", "sts")
+    parts = [
+        {
+            "file": p,
+            "levels": sorted({r["concurrency"] for r in rep["rows"]}),
+            **{k: rep.get(k) for k in keep},
+        }
+        for p, rep in zip(paths, reports, strict=True)
+    ]
+    Path(out).write_text(json.dumps({"parts": parts, "rows": rows}, indent=2) + "\n")
+    for part in parts:
+        print(f"c={part['levels']}: {part['date']}  commit {part['commit']}  {part['device']}")
+    print(markdown_table(rows))
+    commits = ", ".join(dict.fromkeys(part["commit"] for part in parts))
+    devices = ", ".join(dict.fromkeys(part["device"] for part in parts))
+    _plot(rows, plot, f"{devices}, T={reports[0]['temperature']}, commits {commits}")
+    print(f"wrote {out} and {plot}")
 
 
 def _prompts(args, models: DecodingModels, n: int) -> list[list[int]]:
