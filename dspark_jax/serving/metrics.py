@@ -20,6 +20,7 @@ global registry, so several servers (tests) in one process do not collide.
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -74,101 +75,123 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+class _Metric(NamedTuple):
+    """One metric of `ServingMetrics`: the attribute holding it and its name after `PREFIX`."""
+
+    attr: str
+    kind: type
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+_METRICS = (
+    _Metric("running", Gauge, "num_requests_running", "Requests holding a slot"),
+    _Metric("waiting", Gauge, "num_requests_waiting", "Requests queued for a slot"),
+    _Metric("slots_busy", Gauge, "slots_busy", "Slots holding a request"),
+    _Metric("slots_total", Gauge, "slots_total", "Slots of the engine"),
+    _Metric("occupancy", Gauge, "slot_occupancy", "Busy slots / slots (0..1)"),
+    _Metric("pages_reserved", Gauge, "kv_pages_reserved", "KV pages reserved by admitted requests"),
+    _Metric("pages_total", Gauge, "kv_pages_total", "KV pages in the pool"),
+    _Metric("kv_usage", Gauge, "kv_cache_usage_perc", "Reserved / pool pages (0..1)"),
+    _Metric(
+        "slot_rounds",
+        Counter,
+        "slot_rounds",
+        "Turns live slots took in decode rounds (/ device_rounds x slots = occupancy)",
+    ),
+    _Metric("device_rounds", Counter, "device_rounds", "Decode rounds the device ran"),
+    _Metric("ready", Gauge, "engine_ready", "1 once warm-up compiled every program"),
+    _Metric("prompt_tokens", Counter, "prompt_tokens", "Prompt tokens of finished requests"),
+    _Metric("generation_tokens", Counter, "generation_tokens", "Tokens generated"),
+    _Metric(
+        "finished",
+        Counter,
+        "request_success",
+        "Requests the engine finished, by reason (abort: cancelled)",
+        ("finished_reason",),
+    ),
+    _Metric(
+        "ttft",
+        Histogram,
+        "time_to_first_token_seconds",
+        "Submission to first token",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    _Metric(
+        "itl",
+        Histogram,
+        "inter_token_latency_seconds",
+        "Time between tokens of one request (a chunk's gap shared by its tokens)",
+        buckets=_ITL_BUCKETS,
+    ),
+    _Metric(
+        "e2e",
+        Histogram,
+        "e2e_request_latency_seconds",
+        "Request arrival to the end of its answer",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    _Metric(
+        "http_responses", Counter, "http_responses", "HTTP responses by status code", ("code",)
+    ),
+    _Metric("drafts", Counter, "spec_decode_num_drafts", "Draft blocks (speculative rounds)"),
+    _Metric(
+        "draft_tokens",
+        Counter,
+        "spec_decode_num_draft_tokens",
+        "Draft tokens proposed (gamma per block)",
+    ),
+    _Metric(
+        "verified_tokens",
+        Counter,
+        "spec_decode_num_verified_tokens",
+        "Draft tokens the policy sent to the target",
+    ),
+    _Metric("accepted_tokens", Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+    _Metric(
+        "accepted_per_pos",
+        Counter,
+        "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by block position (0-based)",
+        ("position",),
+    ),
+    _Metric(
+        "verified_per_pos",
+        Counter,
+        "spec_decode_num_verified_tokens_per_pos",
+        "Draft tokens verified, by block position (0-based)",
+        ("position",),
+    ),
+    _Metric(
+        "mean_acceptance",
+        Gauge,
+        "spec_decode_mean_acceptance_length",
+        "Tokens committed per speculative round since start (1 + accepted / drafts)",
+    ),
+)
+
+
 class ServingMetrics(Observer):
-    """The engine loop's observer (called on the loop thread) and the HTTP layer's counters."""
+    """The engine loop's observer (called on the loop thread) and the HTTP layer's counters.
+
+    Each metric of `_METRICS` is the attribute its table row names (`self.running`, ...).
+    """
 
     def __init__(self, num_slots: int, kv_pages: int, gamma: int):
         watch_compilations()
         self.registry = CollectorRegistry()
-        r = self.registry
-        p = PREFIX
         self.gamma = gamma
         self._slots = num_slots
         self._pages = kv_pages
-        self.running = Gauge(f"{p}num_requests_running", "Requests holding a slot", registry=r)
-        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a slot", registry=r)
-        self.slots_busy = Gauge(f"{p}slots_busy", "Slots holding a request", registry=r)
-        Gauge(f"{p}slots_total", "Slots of the engine", registry=r).set(num_slots)
-        self.occupancy = Gauge(f"{p}slot_occupancy", "Busy slots / slots (0..1)", registry=r)
-        self.pages_reserved = Gauge(
-            f"{p}kv_pages_reserved", "KV pages reserved by admitted requests", registry=r
-        )
-        Gauge(f"{p}kv_pages_total", "KV pages in the pool", registry=r).set(kv_pages)
-        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "Reserved / pool pages (0..1)", registry=r)
-        self.slot_rounds = Counter(
-            f"{p}slot_rounds",
-            "Turns live slots took in decode rounds (/ device_rounds x slots = occupancy)",
-            registry=r,
-        )
-        self.device_rounds = Counter(
-            f"{p}device_rounds", "Decode rounds the device ran", registry=r
-        )
-        self.ready = Gauge(f"{p}engine_ready", "1 once warm-up compiled every program", registry=r)
-        self.prompt_tokens = Counter(
-            f"{p}prompt_tokens", "Prompt tokens of finished requests", registry=r
-        )
-        self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter(
-            f"{p}request_success",
-            "Requests the engine finished, by reason (abort: cancelled)",
-            ["finished_reason"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            f"{p}time_to_first_token_seconds",
-            "Submission to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            f"{p}inter_token_latency_seconds",
-            "Time between tokens of one request (a chunk's gap shared by its tokens)",
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            f"{p}e2e_request_latency_seconds",
-            "Request arrival to the end of its answer",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.http_responses = Counter(
-            f"{p}http_responses", "HTTP responses by status code", ["code"], registry=r
-        )
-        self.drafts = Counter(
-            f"{p}spec_decode_num_drafts", "Draft blocks (speculative rounds)", registry=r
-        )
-        self.draft_tokens = Counter(
-            f"{p}spec_decode_num_draft_tokens",
-            "Draft tokens proposed (gamma per block)",
-            registry=r,
-        )
-        self.verified_tokens = Counter(
-            f"{p}spec_decode_num_verified_tokens",
-            "Draft tokens the policy sent to the target",
-            registry=r,
-        )
-        self.accepted_tokens = Counter(
-            f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
-        )
-        self.accepted_per_pos = Counter(
-            f"{p}spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by block position (0-based)",
-            ["position"],
-            registry=r,
-        )
-        self.verified_per_pos = Counter(
-            f"{p}spec_decode_num_verified_tokens_per_pos",
-            "Draft tokens verified, by block position (0-based)",
-            ["position"],
-            registry=r,
-        )
-        self.mean_acceptance = Gauge(
-            f"{p}spec_decode_mean_acceptance_length",
-            "Tokens committed per speculative round since start (1 + accepted / drafts)",
-            registry=r,
-        )
-        r.register(_CompileCollector())
+        for m in _METRICS:
+            extra = {} if m.buckets is None else {"buckets": m.buckets}
+            metric = m.kind(PREFIX + m.name, m.doc, m.labels, registry=self.registry, **extra)
+            setattr(self, m.attr, metric)
+        self.slots_total.set(num_slots)
+        self.pages_total.set(kv_pages)
+        self.registry.register(_CompileCollector())
         self._drafts = 0
         self._accepted = 0
         # Children exist from the start, so a scrape shows every position (at 0) at once.
