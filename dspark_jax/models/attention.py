@@ -299,11 +299,9 @@ def _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale,
     if layout.impl == "pallas_gpu" and not windowed:
         o_new, lse_new = _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal,
                                               interpret=layout.interpret)
-    elif windowed:
-        o_new, lse_new = _windowed_local_attention(q_thd, k_thd, v_thd, rag, scale, causal,
-                                                   max_q_len)
     else:
-        o_new, lse_new = _local_attention(q_thd, k_thd, v_thd, rag, scale, causal)
+        window = max_q_len if windowed else num_tokens
+        o_new, lse_new = _local_attention(q_thd, k_thd, v_thd, rag, scale, causal, window)
     return _merge(o_pre, lse_pre, o_new, lse_new)
 
 
@@ -319,35 +317,32 @@ def _merge(o_a, lse_a, o_b, lse_b):
     return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _local_attention(q_thd, k_thd, v_thd, rag, scale, causal):
-    """Each token against its own sequence's new tokens (causally, or all of them): dense over
-    the packed axis, which holds only this step's tokens. Returns (out, lse) in float32."""
-    num_tokens, num_heads, head_dim = q_thd.shape
-    kv_heads = k_thd.shape[1]
-    groups = num_heads // kv_heads
-    same_tt = (rag.seq_t[:, None] == rag.seq_t[None, :]) & rag.valid_t[:, None] & rag.valid_t
-    if causal:
-        same_tt &= rag.offset_t[None, :] <= rag.offset_t[:, None]
-    q = q_thd.reshape(num_tokens, kv_heads, groups, head_dim)
-    s_kgts = jnp.einsum("tkgd,skd->kgts", q, k_thd, preferred_element_type=jnp.float32) * scale
-    s_kgts = jnp.where(same_tt[None, None], s_kgts, MASK_VALUE)
-    m_kgt = jnp.max(s_kgts, axis=-1)
-    p_kgts = jnp.where(same_tt[None, None], jnp.exp(s_kgts - m_kgt[..., None]), 0.0)
-    l_kgt = jnp.sum(p_kgts, axis=-1)
-    o_tkgd = jnp.einsum("kgts,skd->tkgd", p_kgts, v_thd.astype(jnp.float32))
-    l_tkg = jnp.transpose(l_kgt, (2, 0, 1))
-    m_tkg = jnp.transpose(m_kgt, (2, 0, 1))
-    seen = l_tkg > 0
-    o_tkgd = o_tkgd / jnp.where(seen, l_tkg, 1.0)[..., None]
-    lse_tkg = jnp.where(seen, m_tkg + jnp.log(jnp.where(seen, l_tkg, 1.0)), -jnp.inf)
-    return (o_tkgd.reshape(num_tokens, num_heads, head_dim),
-            lse_tkg.reshape(num_tokens, num_heads))
+def _masked_softmax(s_xs, mask_xs):
+    """Scores -> unnormalised softmax over the last axis where `mask_xs` (broadcast) holds:
+    (p, max m, sum l) in float32; p is 0 at masked keys, so l is 0 where none is visible."""
+    s_xs = jnp.where(mask_xs, s_xs, MASK_VALUE)
+    m_x = jnp.max(s_xs, axis=-1)
+    p_xs = jnp.where(mask_xs, jnp.exp(s_xs - m_x[..., None]), 0.0)
+    return p_xs, m_x, jnp.sum(p_xs, axis=-1)
 
 
-def _windowed_local_attention(q_thd, k_thd, v_thd, rag, scale, causal, window: int):
-    """`_local_attention` when no sequence has more than `window` tokens: a sequence is a
-    contiguous run of the packed axis, so the tokens a query may see lie in its own block of
-    `window` tokens or the blocks either side. Scores are [T, 3 * window], not [T, T]."""
+def _normalised(acc_xd, m_x, l_x):
+    """An unnormalised output and its softmax max and sum -> (out, log-sum-exp); a query whose
+    sum is 0 (no visible key) keeps its accumulator (zeros) and gets lse -inf."""
+    seen = l_x > 0
+    l_safe = jnp.where(seen, l_x, 1.0)
+    return acc_xd / l_safe[..., None], jnp.where(seen, m_x + jnp.log(l_safe), -jnp.inf)
+
+
+def _local_attention(q_thd, k_thd, v_thd, rag, scale, causal, window: int):
+    """Each token against its own sequence's new tokens (causally, or all of them), which this
+    step's packed axis holds. Returns (out, lse) in float32.
+
+    No sequence may have more than `window` tokens: a sequence is a contiguous run of the
+    packed axis, so the tokens a query may see lie in its own block of `window` tokens or the
+    blocks either side, and scores are [T, 3 * window], not [T, T]. A window of T or more is
+    one block whose neighbours would be all padding: scores over that block alone, [T, T].
+    """
     num_tokens, num_heads, head_dim = q_thd.shape
     kv_heads = k_thd.shape[1]
     groups = num_heads // kv_heads
@@ -358,7 +353,10 @@ def _windowed_local_attention(q_thd, k_thd, v_thd, rag, scale, causal, window: i
         return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=value)
 
     def neighbours(x, value):
-        """[T, ...] -> [blocks, 3 * window, ...]: each block's previous, own and next block."""
+        """[T, ...] -> [blocks, S, ...]: each block's previous, own and next block (S = 3
+        window), or with a single block that block alone (S = window)."""
+        if blocks == 1:
+            return padded(x, value)[None]
         x = jnp.pad(padded(x, value), ((window, window),) + ((0, 0),) * (x.ndim - 1),
                     constant_values=value)
         views = [x[i * window: (i + blocks) * window].reshape(blocks, window, *x.shape[1:])
@@ -367,7 +365,7 @@ def _windowed_local_attention(q_thd, k_thd, v_thd, rag, scale, causal, window: i
 
     seq_t = jnp.where(rag.valid_t, rag.seq_t, -1)
     q_nwkgd = padded(q_thd, 0).reshape(blocks, window, kv_heads, groups, head_dim)
-    k_nskd = neighbours(k_thd.astype(q_thd.dtype), 0)
+    k_nskd = neighbours(k_thd, 0)
     v_nskd = neighbours(v_thd.astype(jnp.float32), 0)
     seq_q_nw = padded(seq_t, -1).reshape(blocks, window)
     off_q_nw = padded(rag.offset_t, 0).reshape(blocks, window)
@@ -376,19 +374,12 @@ def _windowed_local_attention(q_thd, k_thd, v_thd, rag, scale, causal, window: i
     same_nws = (seq_q_nw[:, :, None] == seq_k_ns[:, None, :]) & (seq_q_nw[:, :, None] >= 0)
     if causal:
         same_nws &= off_k_ns[:, None, :] <= off_q_nw[:, :, None]
-    mask = same_nws[:, None, None]
     s_nkgws = jnp.einsum("nwkgd,nskd->nkgws", q_nwkgd, k_nskd,
                          preferred_element_type=jnp.float32) * scale
-    s_nkgws = jnp.where(mask, s_nkgws, MASK_VALUE)
-    m_nkgw = jnp.max(s_nkgws, axis=-1)
-    p_nkgws = jnp.where(mask, jnp.exp(s_nkgws - m_nkgw[..., None]), 0.0)
-    l_nkgw = jnp.sum(p_nkgws, axis=-1)
+    p_nkgws, m_nkgw, l_nkgw = _masked_softmax(s_nkgws, same_nws[:, None, None])
     o_nwkgd = jnp.einsum("nkgws,nskd->nwkgd", p_nkgws, v_nskd)
-    l_nwkg = jnp.transpose(l_nkgw, (0, 3, 1, 2))
-    m_nwkg = jnp.transpose(m_nkgw, (0, 3, 1, 2))
-    seen = l_nwkg > 0
-    o_nwkgd = o_nwkgd / jnp.where(seen, l_nwkg, 1.0)[..., None]
-    lse_nwkg = jnp.where(seen, m_nwkg + jnp.log(jnp.where(seen, l_nwkg, 1.0)), -jnp.inf)
+    o_nwkgd, lse_nwkg = _normalised(o_nwkgd, jnp.transpose(m_nkgw, (0, 3, 1, 2)),
+                                    jnp.transpose(l_nkgw, (0, 3, 1, 2)))
     out_thd = o_nwkgd.reshape(blocks * window, num_heads, head_dim)[:num_tokens]
     lse_th = lse_nwkg.reshape(blocks * window, num_heads)[:num_tokens]
     return out_thd, lse_th
@@ -455,38 +446,34 @@ def _unfold(x_fkrg, folds: _Folds, num_groups: int):
     return x_tkgx.reshape(x_tkgx.shape[0], kv_heads * num_groups, *x_tkgx.shape[3:])
 
 
-def _dense(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
+def _dense_keys(pages, layout, page_table_sp, seq_slot_n, rag):
+    """Every token's slot's whole page table gathered: K, V [T, S, KV, D] and the mask [T, S]
+    of the keys the token sees (S = pages_per_slot * page_size)."""
     (kv_pages,) = pages.arrays
-    slot_t = seq_slot_n[rag.seq_t]
-    kv_tpsxd = kv_pages[page_table_sp[slot_t]]
+    kv_tpsxd = kv_pages[page_table_sp[seq_slot_n[rag.seq_t]]]
     t, pps, page_size = kv_tpsxd.shape[:3]
     kv_tsxd = kv_tpsxd.reshape(t, pps * page_size, *kv_tpsxd.shape[3:])
     k_tskd, v_tskd = _split_combined(kv_tsxd, layout.num_kv_heads, layout.head_dim)
-    mask_t1s = (jnp.arange(pps * page_size)[None, :] < rag.limit_t[:, None])[:, None, :]
-    return attention(q_thd[:, None], k_tskd, v_tskd, mask_t1s, scale)[:, 0]
+    mask_ts = jnp.arange(pps * page_size)[None, :] < rag.limit_t[:, None]
+    return k_tskd, v_tskd, mask_ts
+
+
+def _dense(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
+    """The reference: `layers.attention` itself over the gathered keys."""
+    k_tskd, v_tskd, mask_ts = _dense_keys(pages, layout, page_table_sp, seq_slot_n, rag)
+    return attention(q_thd[:, None], k_tskd, v_tskd, mask_ts[:, None, :], scale)[:, 0]
 
 
 def _dense_lse(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
-    """`_dense` with its log-sum-exp: (out [T, H, D] float32, lse [T, H], -inf: no key)."""
-    (kv_pages,) = pages.arrays
-    slot_t = seq_slot_n[rag.seq_t]
-    kv_tpsxd = kv_pages[page_table_sp[slot_t]]
-    t, pps, page_size = kv_tpsxd.shape[:3]
-    kv_tsxd = kv_tpsxd.reshape(t, pps * page_size, *kv_tpsxd.shape[3:])
-    k_tskd, v_tskd = _split_combined(kv_tsxd, layout.num_kv_heads, layout.head_dim)
-    num_heads = q_thd.shape[1]
-    groups = num_heads // layout.num_kv_heads
-    q = q_thd.reshape(t, layout.num_kv_heads, groups, q_thd.shape[-1])
+    """`_dense` with its log-sum-exp: (out [T, H, D] float32, lse [T, H], -inf: no key).
+    `layers.attention` returns no log-sum-exp, hence the softmax spelled out here."""
+    k_tskd, v_tskd, mask_ts = _dense_keys(pages, layout, page_table_sp, seq_slot_n, rag)
+    t, num_heads, head_dim = q_thd.shape
+    q = q_thd.reshape(t, layout.num_kv_heads, num_heads // layout.num_kv_heads, head_dim)
     s_tkgs = jnp.einsum("tkgd,tskd->tkgs", q, k_tskd, preferred_element_type=jnp.float32) * scale
-    mask_ts = jnp.arange(pps * page_size)[None, :] < rag.limit_t[:, None]
-    s_tkgs = jnp.where(mask_ts[:, None, None], s_tkgs, MASK_VALUE)
-    m_tkg = jnp.max(s_tkgs, axis=-1)
-    p_tkgs = jnp.where(mask_ts[:, None, None], jnp.exp(s_tkgs - m_tkg[..., None]), 0.0)
-    l_tkg = jnp.sum(p_tkgs, axis=-1)
+    p_tkgs, m_tkg, l_tkg = _masked_softmax(s_tkgs, mask_ts[:, None, None])
     o_tkgd = jnp.einsum("tkgs,tskd->tkgd", p_tkgs, v_tskd.astype(jnp.float32))
-    seen = l_tkg > 0
-    o_tkgd = o_tkgd / jnp.where(seen, l_tkg, 1.0)[..., None]
-    lse_tkg = jnp.where(seen, m_tkg + jnp.log(jnp.where(seen, l_tkg, 1.0)), -jnp.inf)
+    o_tkgd, lse_tkg = _normalised(o_tkgd, m_tkg, l_tkg)
     return o_tkgd.reshape(q_thd.shape), lse_tkg.reshape(t, num_heads)
 
 
@@ -536,9 +523,7 @@ def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
         jnp.zeros(q_fkqd.shape, jnp.float32),
     )
     m_fkq, l_fkq, acc_fkqd = jax.lax.fori_loop(0, num_chunks, step, init)
-    seen = l_fkq > 0
-    out_fkqd = acc_fkqd / jnp.where(seen, l_fkq, 1.0)[..., None]
-    lse_fkq = jnp.where(seen, m_fkq + jnp.log(jnp.where(seen, l_fkq, 1.0)), -jnp.inf)
+    out_fkqd, lse_fkq = _normalised(acc_fkqd, m_fkq, l_fkq)
     return _unfold(out_fkqd, folds, groups), _unfold(lse_fkq, folds, groups)
 
 
@@ -728,10 +713,8 @@ def _pallas_gpu_prefix(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, sca
     o_thd = _unfold(o_fkqd, folds, groups)
     l_th = _unfold(l_fkq, folds, groups)
     m_th = _unfold(m_fkq, folds, groups)
-    seen = l_th > 0
-    l_safe = jnp.where(seen, l_th, 1.0)
-    lse_th = jnp.where(seen & rag.valid_t[:, None], m_th + jnp.log(l_safe), -jnp.inf)
-    return o_thd / l_safe[..., None], lse_th
+    out_thd, lse_th = _normalised(o_thd, m_th, l_th)
+    return out_thd, jnp.where(rag.valid_t[:, None], lse_th, -jnp.inf)
 
 
 def _new_kv_from_pages(pages, layout, page_table_sp, seq_slot_n, rag):
