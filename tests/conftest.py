@@ -1,6 +1,8 @@
 import os
 import tempfile
 
+import pytest
+
 # Tests run on CPU; eight host devices let sharding tests build real meshes on one machine.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -9,3 +11,24 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault(
     "DSPARK_JAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="dspark-jax-test-xla-")
 )
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache shared by the runs of one test module (a child process
+    reaches it through `train_helpers.child_env`)."""
+    # Imported here: the module's top sets the environment jax reads when it is imported.
+    import jax
+
+    cache = tmp_path_factory.mktemp("jax-cache")
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    saved = {n: getattr(jax.config, n) for n in names}
+    for name, value in zip(names, (str(cache), 0, 0), strict=True):
+        jax.config.update(name, value)
+    yield cache
+    for name, value in saved.items():
+        jax.config.update(name, value)

@@ -25,98 +25,44 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from train_helpers import REPO, TRAIN_CHILD, child_env, write_conversations, write_train_config
 
 from dspark_jax.cli.train import load_train_config
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.training.data import BatchRows, DataConfig, make_iterator
 from dspark_jax.training.trainer import train
 
-REPO = Path(__file__).parents[1]
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 4
 TIMEOUT_S = 600
 
-CONFIG_FILE = """
-import dataclasses
-from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
-from dspark_jax.sharding import MeshConfig
-from dspark_jax.training.trainer import TrainConfig
-
-recipe = dataclasses.replace(TINY_RECIPE, global_batch_size=8, max_length=48, warmup_ratio=0.0)
-CONFIG = TrainConfig(
-    name="multihost-test",
-    target=TINY_TARGET,
-    drafter=dataclasses.replace(TINY_DSPARK_DRAFTER, num_anchors=8),
-    recipe=recipe,
-    data=({data!r},),
-    num_steps={num_steps},
-    mesh=MeshConfig(*{mesh!r}),
-    anchors_per_chunk=4,
-    seq_lens={seq_lens!r},
-    log_every=1,
-    save_every=2,
-    keep_checkpoints=2,
-)
-"""
-
-# One process of the run. argv[1]: a step whose checkpoint the process dies in (SIGKILL after
-# writing its data-iterator item, before Orbax commits the step), or "" to run normally.
-CHILD = """
-import os, signal, sys
-import grain
-from dspark_jax.cli import main
-
-if sys.argv[1]:
-    original = grain.checkpoint.CheckpointHandler.save
-
-    def save_then_die(self, directory, item=None, args=None):
-        original(self, directory, item, args)
-        if f"/{sys.argv[1]}.orbax-checkpoint-tmp" in str(directory):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    grain.checkpoint.CheckpointHandler.save = save_then_die
-sys.exit(main(["train", *sys.argv[2:]]))
-"""
-
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("multihost-data") / "train.jsonl"
-    source = (REPO / "dspark_jax" / "training" / "loss.py").read_text()
-    with open(path, "w") as f:
-        for k, i in enumerate(range(0, 40 * 80, 80)):
-            # Answers of 4..33 bytes: conversations of 21..50 tokens, in both buckets of (32, 48).
-            messages = [
-                {"role": "user", "content": source[i : i + 16]},
-                {"role": "assistant", "content": source[i + 16 : i + 20 + (k * 29) % 30]},
-            ]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
+    # Answers of 4..33 bytes: conversations of 21..50 tokens, in both buckets of (32, 48).
+    folder = tmp_path_factory.mktemp("multihost-data")
+    return write_conversations(folder / "train.jsonl", range(40), answer_spread=30)
 
 
 def write_config(folder: Path, data: Path, num_steps: int, seq_lens, mesh) -> Path:
-    path = folder / "config.py"
-    text = CONFIG_FILE.format(data=str(data), num_steps=num_steps, seq_lens=seq_lens, mesh=mesh)
-    path.write_text(text)
-    return path
+    return write_train_config(
+        folder / "config.py",
+        batch_size=8,
+        warmup_ratio=0.0,
+        mesh=mesh,
+        name="multihost-test",
+        data=(str(data),),
+        num_steps=num_steps,
+        seq_lens=seq_lens,
+        save_every=2,
+        keep_checkpoints=2,
+    )
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def child_env(cache_dir: Path | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
-    if cache_dir is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    return env
 
 
 class Processes:
@@ -129,13 +75,15 @@ class Processes:
         self.procs = []
         for rank in range(NUM_PROCESSES):
             die = str(die_at) if die_at is not None and rank == 1 else ""
-            args = [sys.executable, "-c", textwrap.dedent(CHILD), die]
+            args = [sys.executable, "-c", textwrap.dedent(TRAIN_CHILD), die]
             args += ["--config", str(config), "--output", str(output), "--no-progress"]
             args += ["--distributed", "--coordinator-address", f"127.0.0.1:{port}"]
             args += ["--num-processes", str(NUM_PROCESSES), "--process-id", str(rank)]
             with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
                 self.procs.append(
-                    subprocess.Popen(args, env=child_env(cache_dir), stdout=out, stderr=err)
+                    subprocess.Popen(
+                        args, env=child_env(cache_dir, LOCAL_DEVICES), stdout=out, stderr=err
+                    )
                 )
 
     def log(self, rank: int) -> str:
@@ -284,7 +232,7 @@ def test_slurm_launcher_runs_two_nodes_under_a_stand_in_srun(tmp_path):
     srun = bin_dir / "srun"
     srun.write_text(FAKE_SRUN)
     srun.chmod(0o755)
-    env = child_env(None)
+    env = child_env(devices=LOCAL_DEVICES)
     env.update(
         PATH=os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env["PATH"]]),
         LOGS=str(logs),

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-import jax
 import pytest
+from train_helpers import TRAIN_CHILD, child_env, write_conversations, write_train_config
 
 from dspark_jax.cli.train import load_train_config
 from dspark_jax.tokenizer import load_tokenizer
@@ -22,85 +20,21 @@ from dspark_jax.training.checkpointing import TrainCheckpointer
 from dspark_jax.training.data import DataConfig, make_iterator
 from dspark_jax.training.trainer import train
 
-REPO = Path(__file__).parents[1]
-
-CONFIG_FILE = """
-import dataclasses
-from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
-from dspark_jax.sharding import MeshConfig
-from dspark_jax.training.trainer import TrainConfig
-
-recipe = dataclasses.replace(TINY_RECIPE, global_batch_size=4, max_length=48, warmup_ratio=0.25)
-CONFIG = TrainConfig(
-    name="resume-test",
-    target=TINY_TARGET,
-    drafter=dataclasses.replace(TINY_DSPARK_DRAFTER, num_anchors=8),
-    recipe=recipe,
-    data=({data!r},),
-    num_steps=6,
-    mesh=MeshConfig(2, 2, 2),
-    anchors_per_chunk=4,
-    seq_lens=(32, 48),
-    log_every=1,
-    save_every=2,
-    keep_checkpoints=2,
-)
-"""
-
-# Run in a subprocess: kills itself while step 4's checkpoint is being written (after the data
-# iterator item, before Orbax commits the step).
-CRASHING_RUN = """
-import os, signal, sys
-import grain
-from dspark_jax.cli import main
-
-original = grain.checkpoint.CheckpointHandler.save
-
-def save_then_die(self, directory, item=None, args=None):
-    original(self, directory, item, args)
-    if "4.orbax-checkpoint-tmp" in str(directory):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-grain.checkpoint.CheckpointHandler.save = save_then_die
-sys.exit(main(["train", "--config", sys.argv[1], "--output", sys.argv[2], "--no-progress",
-               "--no-export"]))
-"""
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """A persistent compilation cache shared by the runs (and the subprocess) of this module."""
-    cache = tmp_path_factory.mktemp("jax-cache")
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    saved = {n: getattr(jax.config, n) for n in names}
-    for name, value in zip(names, (str(cache), 0, 0), strict=True):
-        jax.config.update(name, value)
-    yield cache
-    for name, value in saved.items():
-        jax.config.update(name, value)
-
 
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory, compile_cache):
     root = tmp_path_factory.mktemp("resume")
-    data = root / "train.jsonl"
-    source = (REPO / "dspark_jax" / "training" / "loss.py").read_text()
-    with open(data, "w") as f:
-        for k, i in enumerate(range(0, 40 * 80, 80)):
-            # Answers of 4..63 bytes: conversations of 21..80 tokens fill both buckets or truncate.
-            answer = source[i + 16 : i + 20 + (k * 29) % 60]
-            messages = [
-                {"role": "user", "content": source[i : i + 16]},
-                {"role": "assistant", "content": answer},
-            ]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    path = root / "resume_config.py"
-    path.write_text(CONFIG_FILE.format(data=str(data)))
-    return path
+    # Answers of 4..63 bytes: conversations of 21..80 tokens fill both buckets or truncate.
+    data = write_conversations(root / "train.jsonl", range(40), answer_spread=60)
+    return write_train_config(
+        root / "resume_config.py",
+        name="resume-test",
+        data=(str(data),),
+        num_steps=6,
+        seq_lens=(32, 48),
+        save_every=2,
+        keep_checkpoints=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +85,11 @@ def test_resume_continues_bit_identically(config_file, uninterrupted, tmp_path):
 def test_checkpoint_killed_mid_save_is_ignored(
     config_file, uninterrupted, compile_cache, tmp_path, caplog
 ):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    # Dies while step 4's checkpoint is being written.
+    args = ["4", "--config", str(config_file), "--output", str(tmp_path), "--no-progress"]
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CRASHING_RUN), str(config_file), str(tmp_path)],
-        env=env,
+        [sys.executable, "-c", textwrap.dedent(TRAIN_CHILD), *args, "--no-export"],
+        env=child_env(compile_cache),
         capture_output=True,
         text=True,
         timeout=600,

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from train_helpers import write_conversations, write_train_config
 
 from dspark_jax.checkpoints.safetensors_io import SafetensorsFolder
 from dspark_jax.checkpoints.speculators import VERIFIER_TENSORS, check_speculators_config
@@ -26,72 +27,23 @@ from dspark_jax.training import trainer
 from dspark_jax.training.checkpointing import TrainCheckpointer, TrainCheckpointError
 from dspark_jax.training.trainer import train
 
-REPO = Path(__file__).parents[1]
-
-CONFIG_FILE = """
-import dataclasses
-from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
-from dspark_jax.sharding import MeshConfig
-from dspark_jax.training.trainer import TrainConfig
-
-CONFIG = TrainConfig(
-    name="truth-test",
-    target=TINY_TARGET,
-    drafter=dataclasses.replace(TINY_DSPARK_DRAFTER, num_anchors=8),
-    recipe=dataclasses.replace(
-        TINY_RECIPE, global_batch_size=4, max_length=48, warmup_ratio=0.25
-    ),
-    data=({data!r},),
-    eval_data=("builtin:python-stdlib-eval",),
-    num_steps=2,
-    mesh=MeshConfig(2, 2, 2),
-    anchors_per_chunk=4,
-    log_every=1,
-    save_every=100,
-    keep_checkpoints=5,
-)
-"""
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """A persistent compilation cache shared by the runs of this module."""
-    cache = tmp_path_factory.mktemp("jax-cache")
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    saved = {n: getattr(jax.config, n) for n in names}
-    for name, value in zip(names, (str(cache), 0, 0), strict=True):
-        jax.config.update(name, value)
-    yield cache
-    for name, value in saved.items():
-        jax.config.update(name, value)
-
-
-def _conversation(source: str, k: int) -> dict:
-    # Answers of 4..63 bytes: conversations of 21..80 tokens, so some exceed max_length 48.
-    i = 80 * k
-    answer = source[i + 16 : i + 20 + (k * 29) % 60]
-    return {
-        "messages": [
-            {"role": "user", "content": source[i : i + 16]},
-            {"role": "assistant", "content": answer},
-        ]
-    }
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, compile_cache):
     """(config file, training data with 60 conversations, a separate eval file)."""
     root = tmp_path_factory.mktemp("truth")
-    source = (REPO / "dspark_jax" / "training" / "loss.py").read_text()
-    data, evals = root / "train.jsonl", root / "eval.jsonl"
-    data.write_text("".join(json.dumps(_conversation(source, k)) + "\n" for k in range(60)))
-    evals.write_text("".join(json.dumps(_conversation(source, k)) + "\n" for k in range(60, 68)))
-    config = root / "truth_config.py"
-    config.write_text(CONFIG_FILE.format(data=str(data)))
+    # Answers of 4..63 bytes: conversations of 21..80 tokens, so some exceed max_length 48.
+    data = write_conversations(root / "train.jsonl", range(60), answer_spread=60)
+    evals = write_conversations(root / "eval.jsonl", range(60, 68), answer_spread=60)
+    config = write_train_config(
+        root / "truth_config.py",
+        name="truth-test",
+        data=(str(data),),
+        eval_data=("builtin:python-stdlib-eval",),
+        num_steps=2,
+        save_every=100,
+        keep_checkpoints=5,
+    )
     return config, data, evals
 
 

@@ -1,0 +1,95 @@
+"""Setup shared by the training tests: chat data cut from a file of this repository, a config
+file around the tiny target and drafter, and `dspark-jax train` in a child process that can be
+made to die while writing a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+
+_CONFIG_FILE = """
+import dataclasses
+from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET
+from dspark_jax.sharding import MeshConfig
+from dspark_jax.training.trainer import TrainConfig
+
+recipe = dataclasses.replace(
+    TINY_RECIPE, global_batch_size={batch_size}, max_length=48, warmup_ratio={warmup_ratio}
+)
+CONFIG = TrainConfig(
+    target=TINY_TARGET,
+    drafter=dataclasses.replace(TINY_DSPARK_DRAFTER, num_anchors=8),
+    recipe=recipe,
+    mesh=MeshConfig(*{mesh!r}),
+    anchors_per_chunk=4,
+    log_every=1,
+{fields})
+"""
+
+# One `dspark-jax train` process. argv[1]: a step whose checkpoint the process dies in (SIGKILL
+# after writing its data-iterator item, before Orbax commits the step), or "" to run normally;
+# the rest are the command's arguments.
+TRAIN_CHILD = """
+import os, signal, sys
+import grain
+from dspark_jax.cli import main
+
+if sys.argv[1]:
+    original = grain.checkpoint.CheckpointHandler.save
+
+    def save_then_die(self, directory, item=None, args=None):
+        original(self, directory, item, args)
+        if f"/{sys.argv[1]}.orbax-checkpoint-tmp" in str(directory):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    grain.checkpoint.CheckpointHandler.save = save_then_die
+sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
+def write_conversations(path: Path, ks, answer_spread: int) -> Path:
+    """One conversation per k, cut from training/loss.py at offset 80 k: a 16-byte question and
+    an answer of 4 .. 3 + answer_spread bytes, so 21 .. 20 + answer_spread tokens in all."""
+    source = (REPO / "dspark_jax" / "training" / "loss.py").read_text()
+    with open(path, "w") as f:
+        for k in ks:
+            i = 80 * k
+            answer = source[i + 16 : i + 20 + (k * 29) % answer_spread]
+            messages = [
+                {"role": "user", "content": source[i : i + 16]},
+                {"role": "assistant", "content": answer},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def write_train_config(
+    path: Path, *, batch_size: int = 4, warmup_ratio: float = 0.25, mesh=(2, 2, 2), **fields
+) -> Path:
+    """A config file of the tiny target and drafter (8 anchors, 4 per chunk, sequences of at
+    most 48 tokens, a log line every step); `fields` are further `TrainConfig` fields."""
+    lines = "".join(f"    {name}={value!r},\n" for name, value in fields.items())
+    path.write_text(
+        _CONFIG_FILE.format(batch_size=batch_size, warmup_ratio=warmup_ratio, mesh=mesh,
+                            fields=lines)
+    )
+    return path
+
+
+def child_env(cache_dir: Path | None = None, devices: int | None = None) -> dict[str, str]:
+    """This process's environment for a child that imports this checkout, reads and writes the
+    persistent compilation cache `cache_dir` (if any) and, given `devices`, runs on that many
+    CPU devices."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    if devices is not None:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    return env
