@@ -199,6 +199,35 @@ def test_convert_dtype_bfloat16_casts_stored_params(tmp_path, capsys):
     assert config == {**original, "dtype": "bfloat16"}
 
 
+def test_convert_dtype_float16_for_gpus_without_bfloat16(tmp_path, capsys):
+    # A T4 has no bfloat16: --dtype float16 stores and computes in half precision, within
+    # float16's rounding of the float32 original.
+    src, out = fixture_dir("gated"), tmp_path / "out"
+    args = ("--draft", src / "draft", "--target", src / "target", "--out", out)
+    code, err = _cli(capsys, "convert", *args, "--dtype", "float16")
+    assert code == 0, err
+    manifest = json.loads((out / "dspark_jax.json").read_text())
+    assert manifest["dtype"] == "float16"
+    assert manifest["draft"]["param_dtype"] == manifest["target"]["param_dtype"] == "float16"
+    half = jnp.dtype(jnp.float16)
+    cfg, target, _ = load_target(out)
+    dcfg, drafter, _ = load_drafter(out)
+    assert cfg.dtype == dcfg.model.dtype == "float16"
+    assert {a.dtype for a in jax.tree.leaves(nnx.state(target))} == {half}
+    assert {a.dtype for a in jax.tree.leaves(nnx.state(drafter, nnx.Param))} == {half}
+
+    _, ref_target, _ = load_target(src / "target")
+    got, want = _target_logits(target), _target_logits(ref_target)
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=0.02, atol=0.02)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    _, ref_drafter, _ = load_drafter(src / "draft")
+    got_block, want_block = _draft_outputs(drafter), _draft_outputs(ref_drafter)
+    # corrected logits and confidence logits of the block, after the same greedy tokens
+    np.testing.assert_array_equal(got_block[0], want_block[0])
+    for g, w in zip(got_block[1:], want_block[1:], strict=True):
+        np.testing.assert_allclose(g.astype(np.float32), w, rtol=0.02, atol=0.02)
+
+
 def test_write_drafter_torch_for_a_drafter_trained_here(tmp_path):
     cfg, drafter, fp = load_drafter(fixture_dir("vanilla") / "draft")
     write_drafter_torch(drafter, None, tmp_path / "trained")

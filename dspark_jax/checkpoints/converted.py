@@ -78,7 +78,8 @@ from dspark_jax.tokenizer import copy_tokenizer_bundle, load_tokenizer, stop_tok
 if TYPE_CHECKING:
     from dspark_jax.tokenizer import Tokenizer
 
-CONVERT_DTYPES = ("keep", "float32", "bfloat16")
+# float16 is for GPUs without bfloat16 (a T4 on Colab).
+CONVERT_DTYPES = ("keep", "float32", "bfloat16", "float16")
 _PART_NAMES = {DRAFT: "drafter", TARGET: "target"}
 
 

@@ -14,9 +14,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument(
         "--dtype",
-        choices=("keep", "float32", "bfloat16"),
+        choices=("keep", "float32", "bfloat16", "float16"),
         default="keep",
-        help="parameter dtype to store (default: keep the checkpoint's)",
+        help="parameter dtype to store (default: keep the checkpoint's); float16 for GPUs "
+        "without bfloat16 (e.g. a T4)",
     )
 
 
