@@ -236,6 +236,8 @@ def main() -> None:
     if args.combine:
         combine(args.combine, args.out, args.plot)
         return
+    # The code measured is the code at the start: the tree may change during a long run.
+    commit = git_commit()
 
     levels = tuple(int(c) for c in args.concurrency.split(","))
     thresholds = []
@@ -309,7 +311,6 @@ def main() -> None:
             rows.append({"concurrency": c, "mode": mode, **cell})
             print(_row(rows[-1]), flush=True)
 
-    commit = git_commit()
     device = jax.devices()[0]
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
