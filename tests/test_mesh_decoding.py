@@ -5,6 +5,7 @@ compilation after warm-up. Eight CPU devices come from tests/conftest.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax.checkpoints.converted import convert_checkpoints, load_decoding_models
+from dspark_jax.cli import main
 from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
 from dspark_jax.decoding import engine as engine_module
 from dspark_jax.decoding.batching import Request, generate
@@ -109,6 +111,27 @@ def test_mesh_generates_the_single_device_tokens(pair, single_device, shape):
     # the memory check counts one device's shard: the pools dominate, split tensor ways
     whole = Engine(*pair, CFG).state_bytes
     assert whole / shape[2] <= engine.state_bytes < whole / shape[2] * 1.1
+
+
+def _generate_command(tmp_path, name, *flags):
+    """(tokens per answer, mesh in the JSON settings) of one `dspark-jax generate` run."""
+    out = tmp_path / f"{name}.json"
+    argv = ["generate", "--max-new-tokens", "24", "--max-num-seqs", "4", "--json", str(out)]
+    assert main([*argv, *flags]) == 0
+    report = json.loads(out.read_text())
+    return [r["tokens"] for r in report["results"]], report["settings"]["mesh"]
+
+
+@pytest.mark.parametrize("temperature", ["0", "1"], ids=["greedy", "seeded-sampling"])
+def test_generate_command_on_a_mesh_writes_the_single_device_tokens(tmp_path, temperature):
+    # The user's command on the default pair (4 query / 2 KV heads: tensor 2 divides both) over
+    # the eight test devices: the 4 slots over data, the heads over tensor.
+    flags = ("--temperature", temperature, "--seed", "7")
+    single, no_mesh = _generate_command(tmp_path, "single", *flags)
+    sharded, mesh = _generate_command(tmp_path, "mesh", "--mesh=-1,1,2", *flags)
+    assert no_mesh is None  # the default on CPU: the pair fits one device
+    assert mesh == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert single[0] and sharded == single
 
 
 def test_memory_check_weighs_one_device_share(pair, monkeypatch):

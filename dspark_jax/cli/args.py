@@ -134,17 +134,25 @@ def check_sizes(args: argparse.Namespace) -> None:
         raise UserError(f"--seed must lie in 0..{2**32 - 1}, got {args.seed}")
 
 
-def engine_config(args: argparse.Namespace, positions: Sequence[int], limit: int) -> EngineConfig:
+def engine_config(
+    args: argparse.Namespace, positions: Sequence[int], limit: int, mesh=None
+) -> EngineConfig:
     """The engine settings of an offline run (generate, eval) of requests needing `positions`
     cache positions each (prompt + new tokens + one block; see `request_positions`).
 
     Unless given, --max-model-len is what the longest request needs and the KV pool holds what the
     `--max-num-seqs` largest requests reserve together: the cache follows the tokens the run asks
     for, not slots x a preallocated length. No more slots than requests, and one prefill bucket,
-    keep compilation to what the run uses. `limit` is the model's context."""
+    keep compilation to what the run uses. `limit` is the model's context. On a `mesh` the slots
+    are split over its data and fsdp axes, so their number is rounded up to a multiple of those,
+    within --max-num-seqs (an idle slot costs a row of small arrays; KV pages come from the
+    shared pool only when used)."""
     page = args.page_size
     need = max(positions)
     slots = min(args.max_num_seqs, len(positions))
+    # the rules table puts slots over data and fsdp
+    split = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
+    slots = min(-(-slots // split) * split, args.max_num_seqs)
     prefill = min(args.prefill_chunk, -(-need // 64) * 64)
     max_model_len = args.max_model_len
     if max_model_len is None:
@@ -232,7 +240,7 @@ def decoding_mesh_for(args: argparse.Namespace, target, draft):
 
 def load_models(args: argparse.Namespace, with_drafter: bool = True) -> DecodingModels:
     """Target, tokenizer, stop tokens and (unless `with_drafter` is false) the drafter; both
-    default to the embedded tiny pair. They load straight onto the `--mesh` (or default) mesh."""
+    default to the embedded default pair. They load straight onto the `--mesh` (or default) mesh."""
     from dspark_jax.checkpoints.converted import load_decoding_models
 
     target = args.target or EMBEDDED_TARGET

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     # The same sizing as generate: what the longest conversation needs (turns that still do not
     # fit the model's context are skipped and counted).
     positions = request_positions(args, models, every)
-    cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings)
+    cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings, models.mesh)
     spec = build_engine(models, args, cfg)
     plain = None if args.no_plain else build_engine(models, args, cfg, speculative=False)
     start = time.perf_counter()

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     models = load_models(args, with_drafter=not args.no_draft)
     positions = request_positions(args, models, conversations, id_prompts)
-    cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings)
+    cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings, models.mesh)
     if max(positions) > cfg.max_model_len:
         bound = (
             "--max-model-len"
@@ -223,6 +223,8 @@ def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s) 
             "seed": args.seed,
             "thinking": args.thinking,
             "stop_tokens": list(models.stop_tokens),
+            # the mesh chosen (--mesh or the default), None for one device
+            "mesh": dict(models.mesh.shape) if models.mesh is not None else None,
         },
         "timing": {
             "compile_s": compile_s,
