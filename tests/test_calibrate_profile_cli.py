@@ -107,7 +107,7 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     assert cli.main([*argv, *quick, "--out", str(out)]) == 0
     assert policies.SpsProfile.load(out).buckets[-1] == 16
     assert cli.main([*argv, "--buckets", "2,8", "--out", str(out)]) == 2
-    assert "below num_slots x (gamma + 1)" in capsys.readouterr().err
+    assert "below num_slots x (drafts + 1)" in capsys.readouterr().err
 
     assert cli.main(["profile", "--config", "no-such-model", "--out", str(out)]) == 2
     assert "unknown config" in capsys.readouterr().err

@@ -2,8 +2,12 @@
 
 For one prompt per sampling config, the first three generated tokens (t1, t2, t3) of N seeded
 requests are compared with the exact target distribution by a chi-square goodness-of-fit test at
-alpha = 1e-3. t1 comes from prefill; t2 and t3 come from the first speculative round(s), so the
-accepted-draft, residual (first rejection) and bonus paths all contribute.
+alpha = 1e-3. t1 comes from prefill; t2 and t3 come from the first speculative round(s). Each
+config verifies a fixed number of drafts per round, chosen so that between them every path of
+the verifier reaches t2 or t3: at T=1 one draft (accepted -> t2 is the draft and t3 the bonus
+token; rejected -> t2 is the residual sample), at T=0.7 / top-p 0.9 two drafts (so a rejection of
+the second draft after an accepted first puts a residual sample at t3). Verifying more drafts
+would only add tokens after t3 and cost: the target's work per round follows the drafts verified.
 
 Cells: every (t1, t2, t3) whose exact probability gives an expected count >= 5 is enumerated from
 the target before sampling (so the binning does not depend on the data); everything else is one
@@ -35,6 +39,7 @@ from scipy import stats
 from dspark_jax.decoding import verify as verify_module
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.policies import FixedPolicy
 from dspark_jax.sampling import SamplingConfig, filtered_logprobs
 
 ALPHA = 1e-3
@@ -46,22 +51,24 @@ NEW_TOKENS = 3
 
 T1 = SamplingConfig(temperature=1.0)
 T07_P09 = SamplingConfig(temperature=0.7, top_p=0.9)
-# (prompt, number of samples) per sampling config.
-CASES = {T1: (b"rcname = sel", 65536), T07_P09: (b"th socket ti", 20480)}
+# (prompt, number of samples, drafts verified per round) per sampling config.
+CASES = {T1: (b"rcname = sel", 65536, 1), T07_P09: (b"th socket ti", 20480, 2)}
 PROMPT_LEN = 12
 
-# The cache holds the prompt, the new tokens and the anchor + 7 drafts of a last round. One
-# token bucket (every slot verifying its whole block) keeps compilation to one branch.
-CFG = EngineConfig(
-    num_slots=BATCH,
-    max_model_len=PROMPT_LEN + NEW_TOKENS + 8,
-    page_size=8,
-    rounds_per_chunk=4,
-    prefill_chunk=PROMPT_LEN * 512,
-    prefill_seqs=512,
-    prefill_buckets=(PROMPT_LEN * 512,),
-    token_buckets=(BATCH * 8,),
-)
+
+def _engine_config(gamma):
+    """The cache holds the prompt, the new tokens and a last round's block. One token bucket
+    (every slot verifying its anchor and `gamma` drafts) keeps compilation to one branch."""
+    return EngineConfig(
+        num_slots=BATCH,
+        max_model_len=PROMPT_LEN + NEW_TOKENS + 8,
+        page_size=8,
+        rounds_per_chunk=4,
+        prefill_chunk=PROMPT_LEN * 512,
+        prefill_seqs=512,
+        prefill_buckets=(PROMPT_LEN * 512,),
+        token_buckets=(BATCH * (gamma + 1),),
+    )
 
 
 @functools.cache
@@ -122,10 +129,10 @@ def _cell_probabilities(prompt, cells, sampling):
     return np.exp(logp)
 
 
-def _sample(sampling, prompt, num_samples):
+def _sample(sampling, prompt, num_samples, gamma):
     """The first NEW_TOKENS tokens of `num_samples` seeded requests, and every round's accepts."""
     target, drafter = _models()
-    engine = Engine(target, drafter, CFG)
+    engine = Engine(target, drafter, _engine_config(gamma), policy=FixedPolicy(gamma))
     requests = [
         Request(list(prompt), NEW_TOKENS, seed=i, sampling=sampling) for i in range(num_samples)
     ]
@@ -135,7 +142,7 @@ def _sample(sampling, prompt, num_samples):
 
 def _chi_square(sampling):
     """(p-value, degrees of freedom, power at DETECT_TV, share of rounds accepting draft 1)."""
-    prompt, n = CASES[sampling]
+    prompt, n, gamma = CASES[sampling]
     assert len(prompt) == PROMPT_LEN
     eos = _models()[0].cfg.eos_token_ids[0]
     expected = _expected_cells(prompt, sampling, eos, MIN_EXPECTED / n)
@@ -148,7 +155,7 @@ def _chi_square(sampling):
         probs.append(other)
     bins = {c: i for i, c in enumerate(kept)}
     rest = len(probs) - 1
-    samples, accepted = _sample(sampling, prompt, n)
+    samples, accepted = _sample(sampling, prompt, n, gamma)
     counts = np.zeros(len(probs))
     for cell in samples:
         counts[bins.get(cell, rest)] += 1

@@ -341,6 +341,28 @@ def test_engine_takes_policy_objects_only(toy):
             Engine(target, drafter, TOY_CFG, policy=bad)
 
 
+def test_token_buckets_follow_the_most_drafts_a_policy_verifies(toy):
+    # A fixed gamma below the block verifies gamma + 1 tokens per slot at most: the derived
+    # buckets (hence the compiled target forwards) stop there, and a bucket of that size is
+    # enough; every other policy may ask for the whole block (gamma 2 here).
+    target, drafter = toy
+    unset = dataclasses.replace(TOY_CFG, token_buckets=None)
+    one = Engine(target, drafter, unset, policy=policies.FixedPolicy(1)).token_buckets
+    assert one[0] == 2 and one[-1] == N_TOY * 2
+    assert Engine(target, drafter, unset).token_buckets[-1] == N_TOY * 3
+    assert Engine(target, drafter, unset, policy=policies.FixedPolicy(5)).token_buckets[-1] == (
+        N_TOY * 3
+    )
+    threshold = policies.ThresholdPolicy(0.5)
+    assert Engine(target, drafter, unset, policy=threshold).token_buckets[-1] == N_TOY * 3
+    small = dataclasses.replace(TOY_CFG, token_buckets=(N_TOY * 2,))
+    assert Engine(target, drafter, small, policy=policies.FixedPolicy(1)).token_buckets == (
+        N_TOY * 2,
+    )
+    with pytest.raises(EngineError, match="all slots verifying 2 drafts each would not fit"):
+        Engine(target, drafter, small)
+
+
 def test_engine_requires_confidences_for_confidence_policies(toy):
     target, drafter = toy
     no_head = dataclasses.replace(

@@ -85,8 +85,9 @@ class EngineConfig:
     prompt tokens per prefill call (longer prompts take several, interleaved with decode
     chunks). prefill_seqs: most prompts (chunks) packed into one prefill call.
     token_buckets: token counts the packed verification is padded to (None: derived from the
-    slots and block size). rounds_per_chunk: rounds per `decode_chunk` call. attention_impl:
-    the paged attention path ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
+    slots and the most drafts the policy verifies: the block, or a fixed policy's gamma).
+    rounds_per_chunk: rounds per `decode_chunk` call. attention_impl: the paged attention path
+    ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
     attention_interpret runs the Pallas paths in interpret mode (tests on CPU).
     """
 
@@ -185,12 +186,21 @@ def _check_memory(state_bytes: int, cfg: EngineConfig, devices: Sequence[jax.Dev
     if need > MEMORY_FRACTION * free:
         per = " per device" if num_devices > 1 and where != HOST_MEMORY else ""
         raise EngineError(
-            f"the KV pool and slot state need {need / 2**30:.2f} GiB{per} ({cfg.pool_pages} "
+            f"the KV pool and slot state need {format_bytes(need)}{per} ({cfg.pool_pages} "
             f"pages of {cfg.page_size} tokens, {cfg.num_slots} slots, max_model_len "
-            f"{cfg.max_model_len}) but {where} has {max(free, 0) / 2**30:.2f} GiB free: lower "
+            f"{cfg.max_model_len}) but {where} has {format_bytes(max(free, 0))} free: lower "
             "--kv-pages, --max-model-len, --max-new-tokens or --max-num-seqs (profile: "
             "--context-len)"
         )
+
+
+def format_bytes(n: float) -> str:
+    """'12.34 GiB', '5.6 MiB' or '789 KiB': a small state's size does not read as 0.00 GiB."""
+    for unit, digits in (("GiB", 2), ("MiB", 1)):
+        scale = 2 ** (30 if unit == "GiB" else 20)
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n / 2**10:.0f} KiB"
 
 
 def _geometric(lo: int, hi: int) -> tuple[int, ...]:
@@ -321,8 +331,10 @@ def _check_sts(sts: StsArtifact, drafter: DSparkDrafter | None, fingerprint: str
 
 def token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, ...]:
     """The verification buckets; a policy with a measured SPS profile must use its buckets,
-    since its SPS values describe exactly those token counts."""
-    top = cfg.num_slots * (gamma + 1)
+    since its SPS values describe exactly those token counts. The largest must hold every slot
+    verifying as many drafts as the policy can ask for: the block, or a fixed policy's gamma."""
+    most = most_drafts(policy, gamma)
+    top = cfg.num_slots * (most + 1)
     profile = getattr(policy, "sps", None)
     if isinstance(profile, SpsProfile):
         if cfg.token_buckets is not None and tuple(sorted(cfg.token_buckets)) != profile.buckets:
@@ -336,19 +348,24 @@ def token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, .
     else:
         # Plain decoding packs one token per live slot; a policy verifying whole blocks packs
         # multiples of a block; other policies start at one token per slot.
-        if gamma == 0:
+        if most == 0:
             smallest = 1
-        elif isinstance(policy, FixedPolicy) and policy.gamma >= gamma:
-            smallest = gamma + 1
+        elif isinstance(policy, FixedPolicy):
+            smallest = most + 1
         else:
             smallest = cfg.num_slots
-        buckets = default_token_buckets(cfg.num_slots, gamma, smallest)
+        buckets = default_token_buckets(cfg.num_slots, most, smallest)
     if buckets[-1] < top:
         raise EngineError(
-            f"the largest token bucket {buckets[-1]} is below num_slots x (gamma + 1) = {top}: a "
-            "round of all slots verifying their whole block would not fit"
+            f"the largest token bucket {buckets[-1]} is below num_slots x (drafts + 1) = {top}: a "
+            f"round of all slots verifying {most} drafts each would not fit"
         )
     return buckets
+
+
+def most_drafts(policy: Policy, gamma: int) -> int:
+    """The most drafts `policy` verifies per slot in one round of a block of `gamma`."""
+    return min(policy.gamma, gamma) if isinstance(policy, FixedPolicy) else gamma
 
 
 def _is_stop(tokens_s, stop_sk):
@@ -1009,9 +1026,10 @@ def _spec_round(
     lengths_s = jnp.where(live_s, jnp.clip(lengths_s, 0, gamma), 0).astype(jnp.int32)
     count_s = jnp.where(live_s, lengths_s + 1, 0)
     verify_in_sj = jnp.concatenate([state.anchor_s[:, None], block.tokens_bk], axis=1)
-    # Built at the widest bucket; each branch takes its first `width` tokens (the packing of
-    # the first tokens does not depend on the width).
-    top = count_s.shape[0] * (gamma + 1)
+    # Built at the widest bucket (which holds every slot's count, see `token_buckets`); each
+    # branch takes its first `width` tokens (the packing of the first tokens does not depend on
+    # the width).
+    top = buckets[-1]
     full = TokenBatch.per_slot(start_s, count_s, top, gamma + 1)
     tokens_t = verify_in_sj[full.slot_t, jnp.clip(full.pos_t - start_s[full.slot_t], 0, gamma)]
     taps = drafter.cfg.target_layer_ids
