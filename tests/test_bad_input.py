@@ -324,7 +324,7 @@ def test_modified_target_of_a_converted_folder_is_refused(converted, tmp_path):
 def test_engine_refuses_a_pool_larger_than_memory():
     models = load_decoding_models(TINY_TARGET, None, progress=False)
     cfg = EngineConfig(num_slots=1, max_model_len=64, num_pages=10**9)
-    with pytest.raises(EngineError, match=r"GiB .* lower --kv-pages"):
+    with pytest.raises(EngineError, match=r"need \d+\.\d\d GiB .* lower --kv-pages"):
         Engine(models.target, None, cfg)
 
 

@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.checkpoints.converted import load_decoding_models
     from dspark_jax.cli.args import build_policy, decoding_mesh_for
-    from dspark_jax.decoding.engine import Engine, EngineConfig
+    from dspark_jax.decoding.engine import Engine, EngineConfig, format_bytes
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
 
@@ -276,7 +276,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
     )
     print(
         f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} positions, KV "
-        f"{kv_bytes / 2**20:.0f} MiB{'' if mesh is None else ' per device'}) on "
+        f"{format_bytes(kv_bytes)}{'' if mesh is None else ' per device'}) on "
         f"http://{host}:{port}/v1 -- warming up, /health turns "
         "200 when ready; SIGTERM or Ctrl-C drains and stops",
         flush=True,
