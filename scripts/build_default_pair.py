@@ -4,6 +4,10 @@
     python scripts/build_default_pair.py --out runs/default-pair --jobs 2 \
         --ship dspark_jax/assets/default
 
+The default `--preset full` is the shipped pair's recipe: about 45 minutes on a quiet 2-core CPU
+(the same JAX version reproduces the shipped target bit for bit), a few on a GPU. `--preset quick`
+runs every stage on smaller budgets in about 15 minutes, for a weaker pair.
+
 Stages, each written under --out and skipped when its output already exists (so an interrupted
 run continues where it stopped; delete a stage's folder to redo it):
 
@@ -565,7 +569,7 @@ def pretrain_target(out: Path, tokenizer_dir: Path, corpus: Path, pre: PretrainC
 
     def loss_fn(params, rows_bt):
         m = nnx.merge(graphdef, params)
-        logits_btv = m.logits(m(rows_bt[:, :-1]).hidden_btd)
+        logits_btv = m.logits(m(rows_bt[:, :-1]).hidden)
         return optax.softmax_cross_entropy_with_integer_labels(logits_btv, rows_bt[:, 1:]).mean()
 
     @jax.jit
@@ -649,7 +653,7 @@ def check_transformers_parity(target_dir: Path, corpus: Path, num_tokens: int = 
     folder = SafetensorsFolder(target_dir)
     tensors = {k: np.asarray(folder.get(k), np.float32) for k in folder.keys()}
     ours = target_from_torch(cfg, DictSource(tensors))
-    ours_btv = np.asarray(ours.logits(ours(rows).hidden_btd))
+    ours_btv = np.asarray(ours.logits(ours(rows).hidden))
     theirs = Qwen3ForCausalLM.from_pretrained(target_dir).float().eval()
     with torch.no_grad():
         theirs_btv = theirs(torch.from_numpy(rows.astype(np.int64))).logits.numpy()
@@ -880,6 +884,39 @@ def train_drafters(
             save_summary()
 
 
+# -- presets -------------------------------------------------------------------------------------
+# "full" is the recipe of the shipped pair (dspark_jax/assets/default/build.json): about 45
+# minutes on a quiet 2-core CPU (its README has the measurement), minutes on a GPU. "quick" is the
+# same pipeline at a quarter of the target's tokens and shorter drafter phases with half the
+# anchors, about 15 minutes on that CPU: for trying the pipeline, not for shipping (its target
+# is much weaker, see the README).
+PRESETS: dict[str, dict[str, dict]] = {
+    "full": {"target": {}, "draft": {}, "distill": {}},
+    "quick": {
+        "target": {"steps": 300},
+        "draft": {"steps": 100, "num_anchors": 32},
+        "distill": {"prompts": 512, "steps": 200},
+    },
+}
+
+
+def preset_budgets(
+    name: str, target_steps: int | None = None, draft_steps: int | None = None
+) -> tuple[PretrainConfig, DraftBudget, DistillBudget]:
+    """The three budgets of preset `name`, with explicit step counts taking precedence."""
+    if name not in PRESETS:
+        raise SystemExit(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    preset = PRESETS[name]
+    pre = dataclasses.replace(PretrainConfig(), **preset["target"])
+    draft = dataclasses.replace(DraftBudget(), **preset["draft"])
+    distill = dataclasses.replace(DistillBudget(), **preset["distill"])
+    if target_steps is not None:
+        pre = dataclasses.replace(pre, steps=target_steps)
+    if draft_steps is not None:
+        draft = dataclasses.replace(draft, steps=draft_steps)
+    return pre, draft, distill
+
+
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -889,8 +926,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/default-pair"))
     parser.add_argument("--docs", type=Path, default=DOCS_HTML, help="python3-doc HTML folder")
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per kind")
-    parser.add_argument("--target-steps", type=int, default=PretrainConfig.steps)
-    parser.add_argument("--draft-steps", type=int, default=DraftBudget.steps)
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="full",
+        help="full: the shipped pair's recipe (the default; about 45 minutes on a quiet 2-core "
+        "CPU, minutes on a GPU); quick: a weaker pair in about 15 minutes of that CPU",
+    )
+    parser.add_argument("--target-steps", type=int, help="override the preset's target steps")
+    parser.add_argument("--draft-steps", type=int, help="override the preset's phase-1 steps")
     parser.add_argument(
         "--ship", type=Path, help="copy the finished pair here (dspark_jax/assets/default)"
     )
@@ -901,11 +945,22 @@ def main(argv: list[str] | None = None) -> int:
         help="drafters trained at once (2: both together, for a machine whose cores are shared)",
     )
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary.setdefault("seconds", {})
+    pre, budget, distill = preset_budgets(args.preset, args.target_steps, args.draft_steps)
+    budgets = {"target": pre, "draft": budget, "distill": distill}
+    budgets = json.loads(json.dumps({k: dataclasses.asdict(v) for k, v in budgets.items()}))
+    if summary.setdefault("budgets", budgets) != budgets:
+        raise SystemExit(
+            f"{out} was started with other budgets ({summary['budgets']}); "
+            "use another --out or the same preset and steps"
+        )
+    summary["preset"] = args.preset
+    print(f"preset {args.preset}: {budgets}", flush=True)
     dspark_jax_cli = str(Path(sys.executable).with_name("dspark-jax"))
 
     def stage(name: str, done: Path, fn) -> None:
@@ -934,7 +989,6 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir / "tokenizer.json",
         lambda: build_tokenizer(tokenizer_dir, corpus / "train.jsonl"),
     )
-    pre = dataclasses.replace(PretrainConfig(), steps=args.target_steps)
     stage(
         "target",
         target_dir / "model.safetensors",
@@ -946,10 +1000,8 @@ def main(argv: list[str] | None = None) -> int:
         lambda: _write_parity(out / "parity.json", target_dir, corpus),
     )
 
-    budget = dataclasses.replace(DraftBudget(), steps=args.draft_steps)
     configs = drafter_train_configs(target_dir, corpus, budget)
     train_drafters(dspark_jax_cli, out, configs, args.jobs, summary, save_summary)
-    distill = DistillBudget()
     stage(
         "distill",
         corpus / "distill.jsonl",
@@ -964,9 +1016,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary["bytes"] = sizes
     save_summary()
-    total = sum(summary["seconds"].values())
+    # Wall time of this invocation (the drafters of a phase train side by side with --jobs 2,
+    # so the stage times overlap and do not add up to it; a resumed run counts what it ran).
+    summary["wall_seconds"] = time.perf_counter() - started
+    save_summary()
     print(f"sizes (bytes): {sizes}")
-    print(f"stage seconds: {summary['seconds']} (total {total:.0f} s)")
+    stages = {k: round(v) for k, v in summary["seconds"].items()}
+    print(f"stage seconds: {stages}; wall {summary['wall_seconds'] / 60:.1f} min")
     print(f"target: {target_dir}  drafters: {out / 'drafters'}")
     if args.ship is not None:
         ship(args.ship, target_dir, out / "drafters" / SHIPPED_DRAFTER, summary)
