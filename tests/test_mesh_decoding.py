@@ -152,7 +152,7 @@ def test_memory_check_weighs_one_device_share(pair, monkeypatch):
     monkeypatch.setattr(engine_module, "memory_budget", device_budget)
     Engine(*pair, CFG, mesh=mesh)
     assert asked[-1] == list(mesh.local_devices)
-    with pytest.raises(EngineError, match=r"need \d+\.\d MiB \(.* TPU_0.* has"):
+    with pytest.raises(EngineError, match=r"need \d+ KiB \(.* TPU_0.* has \d+ KiB free"):
         Engine(*pair, CFG)
     assert asked[-1] == jax.local_devices()[:1]
     monkeypatch.setattr(

@@ -143,5 +143,5 @@ def test_profile_buckets_must_match_the_engine():
     small = policies.SpsProfile((4, 8, 16), [3.0, 2.0, 1.0])
     # Buckets left to the profile, which stops short of every slot verifying its whole block.
     unset = dataclasses.replace(CFG, token_buckets=None)
-    with pytest.raises(EngineError, match="num_slots x \\(gamma \\+ 1\\)"):
+    with pytest.raises(EngineError, match="num_slots x \\(drafts \\+ 1\\)"):
         Engine(target, drafter, unset, policy=policies.PrefixSchedulePolicy(small))
