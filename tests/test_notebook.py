@@ -24,9 +24,10 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 # here), still enough for held-out loss to fall and tau to rise. The slow set runs the default.
 KERNEL_PARAMETERS = {"train_drafter": {"CPU_STEPS = 300  # @param": "CPU_STEPS = 40  # @param"}}
 KERNEL_RUNS = [
-    *NOTEBOOKS,
+    *(pytest.param(p, KERNEL_PARAMETERS.get(p.stem, {}), id=p.stem) for p in NOTEBOOKS),
     pytest.param(
         NOTEBOOK_DIR / "train_drafter.ipynb",
+        {},
         marks=pytest.mark.slow,
         id="train_drafter-default-steps",
     ),
@@ -98,11 +99,10 @@ def _set_parameters(nb, parameters: dict[str, str]) -> None:
         hits[0].source = hits[0].source.replace(old, new)
 
 
-@pytest.mark.parametrize("path", KERNEL_RUNS, ids=lambda p: p.stem)
-def test_notebook_runs_in_a_kernel(path, request, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("path", "parameters"), KERNEL_RUNS)
+def test_notebook_runs_in_a_kernel(path, parameters, tmp_path, monkeypatch):
     nb = _read(path)
-    if not request.node.callspec.id.endswith("-default-steps"):
-        _set_parameters(nb, KERNEL_PARAMETERS.get(path.stem, {}))
+    _set_parameters(nb, parameters)
     skipped = [c for c in nb.cells if _tags(c) & SKIP_TAGS]
     nb.cells = [c for c in nb.cells if not _tags(c) & SKIP_TAGS]
     assert all(c.cell_type == "code" for c in skipped)

@@ -196,8 +196,7 @@ def _check_memory(state_bytes: int, cfg: EngineConfig, devices: Sequence[jax.Dev
 
 def format_bytes(n: float) -> str:
     """'12.34 GiB', '5.6 MiB' or '789 KiB': a small state's size does not read as 0.00 GiB."""
-    for unit, digits in (("GiB", 2), ("MiB", 1)):
-        scale = 2 ** (30 if unit == "GiB" else 20)
+    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1)):
         if n >= scale:
             return f"{n / scale:.{digits}f} {unit}"
     return f"{n / 2**10:.0f} KiB"
