@@ -58,15 +58,18 @@ PROMPT_LEN = 12
 
 def _engine_config(gamma):
     """The cache holds the prompt, the new tokens and a last round's block. One token bucket
-    (every slot verifying its anchor and `gamma` drafts) keeps compilation to one branch."""
+    (every slot verifying its anchor and `gamma` drafts) keeps compilation to one branch. One
+    prefill call takes a prompt for every slot: requests finish after a round or two, so
+    admitting fewer per step would leave most slots idle through rounds that cost the whole
+    bucket (it halves the test's time)."""
     return EngineConfig(
         num_slots=BATCH,
         max_model_len=PROMPT_LEN + NEW_TOKENS + 8,
         page_size=8,
         rounds_per_chunk=4,
-        prefill_chunk=PROMPT_LEN * 512,
-        prefill_seqs=512,
-        prefill_buckets=(PROMPT_LEN * 512,),
+        prefill_chunk=PROMPT_LEN * BATCH,
+        prefill_seqs=BATCH,
+        prefill_buckets=(PROMPT_LEN * BATCH,),
         token_buckets=(BATCH * (gamma + 1),),
     )
 

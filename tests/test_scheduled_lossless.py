@@ -41,9 +41,9 @@ CFG = EngineConfig(
     max_model_len=32,
     page_size=8,
     rounds_per_chunk=4,
-    prefill_chunk=len(PROMPT) * 512,
-    prefill_seqs=512,
-    prefill_buckets=(len(PROMPT) * 512,),
+    prefill_chunk=len(PROMPT) * BATCH,
+    prefill_seqs=BATCH,
+    prefill_buckets=(len(PROMPT) * BATCH,),
     token_buckets=(BATCH * 8,),
 )
 # SPS(B) = 1 / (2R + B) for R = 4096 requests: admitting a candidate pays off while its survival
@@ -60,9 +60,9 @@ SEQ_CFG = EngineConfig(
     max_model_len=64,
     page_size=16,
     rounds_per_chunk=8,
-    prefill_chunk=len(PROMPT) * 256,
-    prefill_seqs=256,
-    prefill_buckets=(len(PROMPT) * 256,),
+    prefill_chunk=len(PROMPT) * N_SEQ // 2,
+    prefill_seqs=N_SEQ // 2,
+    prefill_buckets=(len(PROMPT) * N_SEQ // 2,),
     token_buckets=(N_SEQ // 2 * 8,),
 )
 SLOTS = N_SEQ // 2
