@@ -22,6 +22,11 @@ are rolled back to --context between chunks). Reported:
   use (batch x context positions): the paged attention reads only those, whatever the pool.
 - programs: XLA compilations during warm-up (every program of the engine); the timed chunks
   must compile nothing.
+
+With --profile DIR, one more plain and one more speculative chunk at --profile-batch run under
+the XLA profiler (benchmarks/xla_profile.py): device busy time against wall time, time by op kind
+and the most expensive ops, printed after the table and kept in the JSON; the traces stay in DIR
+for Perfetto or TensorBoard.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import xla_profile
 from flax import nnx
 from provenance import git_commit
 
@@ -182,6 +188,37 @@ class CompileCounter:
             self.count += 1
 
 
+def _rolled_back(state, slots: int, context: int, rep: int):
+    """Every slot live again at `context` cached positions, with fresh keys for repeat `rep`."""
+    return state.replace(
+        live_s=jnp.ones((slots,), bool),
+        lengths_s=jnp.full((slots,), context, jnp.int32),
+        num_generated_s=jnp.zeros((slots,), jnp.int32),
+        key_data_s=jax.random.key_data(
+            jax.vmap(jax.random.key)(jnp.arange(slots, dtype=jnp.uint32) + rep * slots)
+        ),
+    )
+
+
+def profile_chunk(engine: Engine, context: int, temperature: float, trace_dir: Path) -> dict:
+    """An XLA profile of one decode chunk (warmed up first), summarized by xla_profile."""
+    slots = engine.cfg.num_slots
+    engine.warm_up()
+    state = filled_state(engine, context, temperature)
+    state, out = engine.decode_chunk(_rolled_back(state, slots, context, 0))
+    state = _rolled_back(state, slots, context, 1)
+    jax.block_until_ready((out.count_s, state.lengths_s))
+
+    def one_chunk():
+        jax.block_until_ready(engine.decode_chunk(state)[1].count_s)
+
+    wall = xla_profile.capture(one_chunk, trace_dir)
+    # The same executable the chunk ran (jit's cache): its HLO names the profiled ops' shapes.
+    hlo_text = engine.lower()["decode_chunk"].compile().as_text()
+    (trace_dir / "decode_chunk.hlo.txt").write_text(hlo_text)
+    return xla_profile.summarize(trace_dir, "jit_decode", wall, hlo_text=hlo_text)
+
+
 def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
     """(median seconds per round, committed tokens per request-round, warm-up compiles,
     compiles while timing) with every slot live at `context` cached positions."""
@@ -194,14 +231,7 @@ def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
         warm_compiles, counter.count = counter.count, 0
         per_round, tokens = [], []
         for rep in range(repeats + 1):
-            state = state.replace(
-                live_s=jnp.ones((slots,), bool),
-                lengths_s=jnp.full((slots,), context, jnp.int32),
-                num_generated_s=jnp.zeros((slots,), jnp.int32),
-                key_data_s=jax.random.key_data(
-                    jax.vmap(jax.random.key)(jnp.arange(slots, dtype=jnp.uint32) + rep * slots)
-                ),
-            )
+            state = _rolled_back(state, slots, context, rep)
             jax.block_until_ready(state.lengths_s)
             start = time.perf_counter()
             state, out = engine.decode_chunk(state)
@@ -256,6 +286,10 @@ def run(args: argparse.Namespace) -> dict:
             row[f"{mode}_tokens_per_round"] = tokens
             row[f"{mode}_programs"] = compiles
             row[f"{mode}_compiles_while_timing"] = late
+            if args.profile and batch == args.profile_batch:
+                row[f"{mode}_profile"] = profile_chunk(
+                    engine, context, args.temperature, Path(args.profile) / f"{mode}-b{batch}"
+                )
         kv = batch * context * kv_bytes_per_position(target_cfg)
         draft_kv = batch * context * kv_bytes_per_position(drafter_cfg.model)
         row["target_step_bytes"] = target_weights + kv
@@ -356,12 +390,28 @@ def main() -> None:
         "--bandwidth-json", help="bandwidth measured by benchmarks/bandwidth.py (beats the others)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="also capture an XLA profile of one plain and one speculative chunk at "
+        "--profile-batch into DIR/<mode>-b<batch> and tabulate where its time goes",
+    )
+    parser.add_argument("--profile-batch", type=int, help="(default: the first batch size)")
     parser.add_argument("--json", default="decode_speed.json", help="output JSON path")
     args = parser.parse_args()
     if min(args.batch_sizes) < 1 or args.rounds < 1 or args.repeats < 1:
         parser.error("--batch-sizes, --rounds and --repeats must be >= 1")
+    if args.profile_batch is None:
+        args.profile_batch = args.batch_sizes[0]
+    elif args.profile and args.profile_batch not in args.batch_sizes:
+        parser.error(f"--profile-batch {args.profile_batch} is not among --batch-sizes")
     result = run(args)
     print(format_table(result))
+    for row in result["rows"]:
+        for mode in ("plain", "spec"):
+            if f"{mode}_profile" in row:
+                title = f"{mode} chunk, batch {row['batch']} ({args.rounds} rounds)"
+                print(xla_profile.format_summary(row[f"{mode}_profile"], title))
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.json}")
 

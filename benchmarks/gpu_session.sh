@@ -66,7 +66,8 @@ if [[ " $stages " == *" bench "* ]]; then
   stage bandwidth python3 benchmarks/bandwidth.py --gib "$bw_gib" --json "$out/bandwidth.json"
   # shellcheck disable=SC2086  # the size's word lists split on purpose
   stage decode_speed python3 benchmarks/decode_speed.py --config "$size" --batch-sizes $batches \
-    --bandwidth-json "$out/bandwidth.json" --json "$out/decode_speed.json"
+    --bandwidth-json "$out/bandwidth.json" --profile "$out/profile" --profile-batch 8 \
+    --json "$out/decode_speed.json"
   # shellcheck disable=SC2086
   stage cost_model python3 benchmarks/cost_model.py --config "$size" --dtype bfloat16 \
     --slots "$slots" --packed-slots "$packed" --contexts $contexts --max-lens $max_lens \
