@@ -1,19 +1,37 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: the tests that exercise the engine, the attention kernels, the
-# verifier and the training step on the GPU, then every benchmark; tables on stdout, JSON under
-# $OUT. Prepare here (network) with `bash benchmarks/gpu_wheels.sh`, then run on the device
+# verifier and the training step on the GPU, then every benchmark; tables on stdout, JSON, plots
+# and profiles in the results folder (below). Prepare here (network) with `bash benchmarks/gpu_wheels.sh`, then run on the device
 # machine, carrying .whl:
 #
 #   bash benchmarks/gpu_session.sh            # tests + benchmarks (about 10 minutes on an H100)
 #   STAGES="bench" bash benchmarks/gpu_session.sh   # benchmarks only
 #   SIZE=tiny JAX_PLATFORMS=cpu STAGES=bench bash benchmarks/gpu_session.sh   # smoke run on CPU
 #
-# Each stage's output goes to $OUT/<stage>.log as well; a failing stage does not stop the next
-# ones, and the exit code says whether any failed.
+# Each stage's output goes to <results>/<stage>.log as well, beside its JSON/PNG; a failing stage
+# does not stop the next ones, and the exit code says whether any failed. Results go to
+# $RESULTS (default gpu_out/). On the device machine ($OUT set), which returns at most 8 files
+# of 16 MiB from $OUT, two folders deep at most, they go to /tmp/dspark-gpu instead, and after
+# every stage $OUT gets them packed as results.tar.gz (profiles' raw xplane files left out),
+# beside session.log, this whole output; a call cut off at its time limit keeps what it had.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu_out}
+if [ -n "${OUT:-}" ]; then
+  out=${RESULTS:-/tmp/dspark-gpu}; pack=$OUT
+  exec > >(tee -a "$OUT/session.log") 2>&1
+else
+  out=${RESULTS:-gpu_out}; pack=
+fi
 mkdir -p "$out"
+pack_results() {  # one archive under 16 MiB: without the raw traces if they would not fit
+  [ -n "$pack" ] || return 0
+  tar czf "$pack/results.tar.gz" -C "$out" --exclude='*.xplane.pb' \
+    --exclude='vm.trace.json.gz' . || return 0
+  if [ "$(stat -c %s "$pack/results.tar.gz")" -gt $((15 * 1024 * 1024)) ]; then
+    echo "(results.tar.gz over 15 MiB: packed again without the profile traces)"
+    tar czf "$pack/results.tar.gz" -C "$out" --exclude='plugins' . || true
+  fi
+}
 stages=${STAGES:-"tests bench"}
 size=${SIZE:-qwen3-4b}
 if [ "$size" = tiny ]; then
@@ -47,6 +65,7 @@ stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures
   local start=$SECONDS
   if ! "$@" 2>&1 | tee "$out/$name.log"; then failed+=("$name"); fi
   echo "=== $name took $((SECONDS - start)) s"
+  pack_results
 }
 
 echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"
@@ -83,6 +102,8 @@ if [[ " $stages " == *" bench "* ]]; then
     --out "$out/throughput.json" --plot "$out/throughput.png"
   stage train_throughput python3 benchmarks/train_throughput.py "${train[@]}" \
     --json "$out/train_throughput.json"
+  # The four aims (HBM floor, round/step, scheduler vs the rest, MFU): met, not met or missing.
+  stage targets python3 benchmarks/gpu_targets.py "$out" --json "$out/targets.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED stages: ${failed[*]}"; exit 1; fi

@@ -7,10 +7,15 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-# Commands run in-process keep their compiled programs in a cache private to this test session.
+# Compiled programs go to a persistent cache private to this test session (both xdist workers
+# and the processes tests start inherit it): commands run in-process use it through
+# DSPARK_JAX_COMPILATION_CACHE, everything else through JAX's own setting. Many tests build an
+# engine whose programs another test already compiled (the same fixture models, configuration
+# and policy): on this CPU a decode program takes 8-20 s to compile and seconds to run.
 os.environ.setdefault(
     "DSPARK_JAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="dspark-jax-test-xla-")
 )
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DSPARK_JAX_COMPILATION_CACHE"])
 
 
 @pytest.fixture(scope="module")
