@@ -45,18 +45,27 @@ else
   packed=64; conc=1,8,32,64,128; bw_gib=4; dtype=bfloat16
   attn="--kv-heads 8 --groups 4 --head-dim 128 --kv-lens 512,1024,2048,4096 --capacity 8192"
   attn+=" --capacities 2048,4096,8192,16384"
-  train=(--target qwen3-4b --drafter dspark-qwen3-4b --dtype bfloat16 --batch 8 --seq-len 4096
-         --anchors 512 --chunk 64)
+  # The released recipe (configs/train_qwen3.py): one 4096-token sequence per micro-step, the
+  # rest of the batch by gradient accumulation; eight sequences at once would need about eight
+  # times the step's temporaries (28 GiB at one, from XLA's analysis).
+  train=(--target qwen3-4b --drafter dspark-qwen3-4b --dtype bfloat16 --batch 4 --microbatches 4
+         --seq-len 4096 --anchors 512 --chunk 64 --steps 5 --warmup 1)
 fi
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+# Benchmarks: one process, which may take 90% of the GPU's memory (JAX's default is 75%).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# The package runs from the checkout (no install step: the machine has no network).
+# The package itself, installed editable from this checkout with the machine's own setuptools
+# (no network, no dependencies pulled): the top-level configs/ folder is dspark_jax.configs only
+# through pyproject's package-dir mapping, so a bare checkout on PYTHONPATH cannot import it.
+if ! python3 -c "import dspark_jax.configs" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . ||
+    { echo "could not install the package from this checkout"; exit 1; }
+fi
 dspark() { python3 -m dspark_jax.cli "$@"; }
 failed=()
 stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures
@@ -75,7 +84,10 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 if [[ " $stages " == *" tests "* ]]; then
   # Engine (paged, packed, Pallas GPU kernels natively), attention paths, verifier, exactness
   # against the reference traces and transformers, losslessness, the training step.
-  stage tests python3 -m pytest -q -x -p no:cacheprovider \
+  # Two pytest workers share the GPU: neither may grab a fixed fraction of its memory up front.
+  # --maxfail, not -x: one call should show every failing area, not only the first.
+  stage tests env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    python3 -m pytest -q --maxfail=8 -p no:cacheprovider \
     tests/test_attention.py tests/test_engine.py tests/test_verify.py tests/test_sampling.py \
     tests/test_fixture_parity.py tests/test_transformers_parity.py tests/test_lossless.py \
     tests/test_scheduled_engine.py tests/test_train_step.py tests/test_train_loss.py
