@@ -2,8 +2,9 @@
 
 The chain of trust: the "dense" reference is held to `layers.attention` (today's contiguous-cache
 code) on the same keys; every other path is held to the dense reference. Kernel paths run in
-Pallas interpret mode on CPU, except the ragged TPU kernel, which JAX cannot interpret (see the
-module docstring): everything we feed it is checked through its shipped pure-JAX reference.
+Pallas interpret mode on CPU (the Triton kernels natively on a GPU), except the ragged TPU
+kernel, which JAX cannot interpret (see the module docstring): everything we feed it is checked
+through its shipped pure-JAX reference.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dspark_jax.models import attention as attn
 from dspark_jax.models.layers import attention as contiguous_attention
 
 SCALE = 0.3
+# The Triton kernels run natively on a GPU and in Pallas interpret mode everywhere else.
+GPU_INTERPRET = jax.default_backend() != "gpu"
 
 
 @dataclasses.dataclass
@@ -213,7 +216,7 @@ def _gpu_cases():
 def test_pallas_gpu_matches_dense(groups, causal, per_fold):
     case = make_case(20 + groups, groups=groups, page_size=PAGE_SIZES[groups])
     ref = run(case, case.layout("dense"), causal)
-    layout = case.layout("pallas_gpu", interpret=True, queries_per_fold=per_fold)
+    layout = case.layout("pallas_gpu", interpret=GPU_INTERPRET, queries_per_fold=per_fold)
     out = run(case, layout, causal)
     np.testing.assert_allclose(out, ref, rtol=0, atol=f32_tolerance(case))
     assert_padding_zero(case, out)
@@ -286,6 +289,17 @@ def test_pallas_tpu_kernel_inputs_match_dense(groups, causal, per_fold):
     np.testing.assert_allclose(out, ref, rtol=0, atol=f32_tolerance(case))
 
 
+@pytest.mark.parametrize(
+    ("page_size", "head_dim", "refused"),
+    [(12, 16, "power-of-two page_size, got 12"), (16, 24, "power-of-two head_dim, got 24"),
+     (16, 8, "head_dim >= 16, got 8")],
+)
+def test_pallas_gpu_layout_refuses_shapes_triton_cannot_take(page_size, head_dim, refused):
+    with pytest.raises(ValueError, match=refused):
+        attn.PagedLayout(8, page_size, 2, head_dim, "pallas_gpu")
+    attn.PagedLayout(8, page_size, 2, head_dim, "jax")  # the pure-JAX path takes any shape
+
+
 def test_pallas_tpu_pages_pad_head_dim_to_lanes():
     layout = attn.PagedLayout(8, 4, 2, 64, "pallas_tpu")
     (kv_pages,) = attn.init_pages(layout, jnp.bfloat16).arrays
@@ -318,7 +332,7 @@ BF16_U = 2.0**-8
 
 @pytest.mark.parametrize(
     ("impl", "layout_kw"),
-    [("dense", {}), ("jax", {}), ("pallas_gpu", {"interpret": True}), ("pallas_tpu", {})],
+    [("dense", {}), ("jax", {}), ("pallas_gpu", {"interpret": GPU_INTERPRET}), ("pallas_tpu", {})],
 )
 @pytest.mark.parametrize("causal", [True, False])
 def test_bfloat16_within_bf16_rounding_of_float32_truth(impl, layout_kw, causal):
@@ -339,13 +353,13 @@ def test_bfloat16_within_bf16_rounding_of_float32_truth(impl, layout_kw, causal)
 @pytest.mark.parametrize("impl", ["dense", "jax", "pallas_tpu", "pallas_gpu"])
 def test_write_kv_drops_invalid_tokens_and_leaves_other_slots_alone(impl):
     page_size, pages_per_slot = 4, 3
-    layout = attn.PagedLayout(10, page_size, 2, 8, impl)
+    layout = attn.PagedLayout(10, page_size, 2, 16, impl)
     table = jnp.array([[3, 7, 0], [5, 1, 0]], jnp.int32)  # slot 0 owns 3,7; slot 1 owns 5,1
     rng = np.random.default_rng(0)
     before = attn.Pages(tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype)
                               for a in attn.init_pages(layout, jnp.float32).arrays))
-    k_thd = jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32)
-    v_thd = jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32)
+    k_thd = jnp.asarray(rng.standard_normal((5, 2, 16)), jnp.float32)
+    v_thd = jnp.asarray(rng.standard_normal((5, 2, 16)), jnp.float32)
     slot_t = jnp.array([0, 0, 1, 1, 0], jnp.int32)
     pos_t = jnp.array([5, 0, 2, 3, pages_per_slot * page_size], jnp.int32)
     valid_t = jnp.array([True, False, True, False, True])  # the last is past the page table
@@ -369,7 +383,8 @@ def test_write_kv_drops_invalid_tokens_and_leaves_other_slots_alone(impl):
 
 
 @pytest.mark.parametrize(
-    ("impl", "layout_kw"), [("dense", {}), ("jax", {}), ("pallas_gpu", {"interpret": True})]
+    ("impl", "layout_kw"),
+    [("dense", {}), ("jax", {}), ("pallas_gpu", {"interpret": GPU_INTERPRET})],
 )
 def test_one_program_across_lengths(impl, layout_kw):
     def attend_fn(*args, **kwargs):  # a fresh function: jit caches are per function object
@@ -480,7 +495,7 @@ def test_new_kv_mode_matches_the_reference(impl, window, causal):
     """The engine's mode -- prefix from the pages, the new tokens from `new_kv` -- equals
     attention over the keys in place, whole or with the new tokens windowed (max_q_len)."""
     case = make_case(40, groups=2, page_size=4, seqs=SHORT_SEQS)
-    layout = case.layout(impl, interpret=impl == "pallas_gpu")
+    layout = case.layout(impl, interpret=impl == "pallas_gpu" and GPU_INTERPRET)
     pages = fill(case, layout)
     out = _attend(jnp.asarray(case.q_thd), pages, layout, *case.args(), scale=SCALE,
                   causal=causal, new_kv=_new_kv(case), max_q_len=window)

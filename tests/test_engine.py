@@ -237,6 +237,13 @@ def test_requests_that_cannot_fit_are_refused(setup):
         generate(spec, [Request([1, 2], max_new_tokens=0)])
 
 
+def test_a_page_size_the_kernels_cannot_take_is_refused(setup):
+    _, target, drafter, _ = setup
+    cfg = dataclasses.replace(CFG, page_size=12, attention_impl="pallas_gpu")
+    with pytest.raises(EngineError, match="power-of-two page_size, got 12"):
+        Engine(target, drafter, cfg)
+
+
 def test_stop_tokens_end_requests(setup):
     variant, _, _, spec = setup
     trace = reference_traces(variant)["traces"][0]
@@ -259,10 +266,14 @@ def _trace_prefix(variant, impl, interpret, num_tokens):
     return traces, results
 
 
+# The Triton kernels run natively on a GPU and in Pallas interpret mode everywhere else.
+GPU_INTERPRET = jax.default_backend() != "gpu"
+
+
 @pytest.mark.parametrize(
     "impl, interpret",
-    [("dense", False), ("pallas_gpu", True)],
-    ids=["dense", "pallas_gpu-interpret"],
+    [("dense", False), ("pallas_gpu", GPU_INTERPRET)],
+    ids=["dense", "pallas_gpu"],
 )
 def test_attention_paths_reproduce_the_traces(impl, interpret):
     """The engine's other attention paths -- the dense reference and the Pallas GPU kernels run
@@ -277,7 +288,7 @@ def test_attention_paths_reproduce_the_traces(impl, interpret):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_kernel_path_reproduces_whole_traces_in_interpret_mode(variant):
-    traces, results = _trace_prefix(variant, "pallas_gpu", True, REFERENCE_NEW_TOKENS)
+    traces, results = _trace_prefix(variant, "pallas_gpu", GPU_INTERPRET, REFERENCE_NEW_TOKENS)
     for trace, res in zip(traces, results, strict=True):
         assert res.tokens[:96] == trace["output"]
         assert res.committed.tolist() == trace["acceptance_lengths"]

@@ -425,26 +425,29 @@ class Engine:
         self.token_buckets = token_buckets(cfg, policy, gamma)
         self.prefill_widths = cfg.prefill_widths()
         impl = cfg.attention_impl or attention.default_impl()
-        self.target_layout = attention.PagedLayout(
-            cfg.pool_pages,
-            cfg.page_size,
-            target.cfg.num_key_value_heads,
-            target.cfg.head_dim,
-            impl,
-            interpret=cfg.attention_interpret,
-        )
-        self.draft_layout = (
-            None
-            if drafter is None
-            else attention.PagedLayout(
+        try:  # a page size or head dim the attention path cannot take is the user's to change
+            self.target_layout = attention.PagedLayout(
                 cfg.pool_pages,
                 cfg.page_size,
-                drafter.cfg.model.num_key_value_heads,
-                drafter.cfg.model.head_dim,
+                target.cfg.num_key_value_heads,
+                target.cfg.head_dim,
                 impl,
                 interpret=cfg.attention_interpret,
             )
-        )
+            self.draft_layout = (
+                None
+                if drafter is None
+                else attention.PagedLayout(
+                    cfg.pool_pages,
+                    cfg.page_size,
+                    drafter.cfg.model.num_key_value_heads,
+                    drafter.cfg.model.head_dim,
+                    impl,
+                    interpret=cfg.attention_interpret,
+                )
+            )
+        except ValueError as err:
+            raise EngineError(str(err)) from err
         self._target_graph, self.target_params = nnx.split(target)
         self._drafter_graph, self.drafter_params = (
             nnx.split(drafter) if drafter is not None else (None, None)
@@ -714,12 +717,19 @@ class Engine:
             0, np.zeros((1,), np.int32), 0, 2, np.zeros(1, np.int32), 0.0, 0, 1.0, 1, (), 0,
         )  # fmt: skip
 
-    def lower(self) -> dict[str, Any]:
+    def lower(self, platforms: tuple[str, ...] | None = None) -> dict[str, Any]:
         """Every program lowered from shapes alone (verb name -> `jax.stages.Lowered`).
 
         Works for models built with `nnx.eval_shape`, whose parameters are never allocated:
         `.compile().memory_analysis()` then gives XLA's per-device memory for a model that does
-        not fit this machine (benchmarks/mesh_memory.py)."""
+        not fit this machine (benchmarks/mesh_memory.py). `platforms` (e.g. ("cuda",)) lowers
+        for other backends than the one at hand, without their devices (Pallas kernels included;
+        such programs can be inspected, not compiled, here)."""
+        platforms = None if platforms is None else tuple(platforms)
+
+        def lower_fn(fn, *args):
+            return fn.trace(*args).lower(lowering_platforms=platforms)
+
         tp, dp = self.target_params, self.drafter_params
         state = jax.eval_shape(self._init, tp, dp)
         if self.state_shardings is not None:
@@ -729,13 +739,13 @@ class Engine:
                 self.state_shardings,
             )
         lowered = {
-            "init": self._init.lower(tp, dp),
-            "decode_chunk": self._decode.lower(tp, dp, state, np.asarray(False)),
-            "release": self._release.lower(state, np.zeros((self.cfg.num_slots,), bool)),
+            "init": lower_fn(self._init, tp, dp),
+            "decode_chunk": lower_fn(self._decode, tp, dp, state, np.asarray(False)),
+            "release": lower_fn(self._release, state, np.zeros((self.cfg.num_slots,), bool)),
         }
         for width in self.prefill_widths:
             batch = batch_to_device(self.pack_prefill([self._scratch_item()], width))
-            lowered[f"prefill_{width}"] = self._prefill.lower(tp, dp, state, batch)
+            lowered[f"prefill_{width}"] = lower_fn(self._prefill, tp, dp, state, batch)
         return lowered
 
     def warm_up(self) -> None:

@@ -47,8 +47,9 @@ Implementations (`PagedLayout.impl`; `default_impl` picks one per backend):
   successor); the warning is silenced at import. Verified on CPU in Pallas interpret mode
   against the dense reference; speed on a GPU was not measured in this work (none was at
   hand): expected memory-bound decode/verification reading each slot's pages about once per
-  step. Triton needs head_dim and page_size to be powers of two, and page_size >= 16 keeps
-  every key block at Triton's minimum dot size whatever the page table width.
+  step. Triton needs head_dim and page_size to be powers of two (the layout refuses others)
+  and dots at least 16 wide: pages of fewer than 16 tokens are read several to a key block,
+  the page table padded to whole blocks (keys past a sequence's length are masked).
 
 Every path computes scores and softmax in float32 and returns q's dtype. A query token with no
 visible key (padding past `cu_q_lens[num_seqs]`, or a sequence whose kv length is 0) gets zeros.
@@ -67,6 +68,9 @@ import jax.numpy as jnp
 from dspark_jax.models.layers import MASK_VALUE, attention
 
 IMPLS = ("dense", "jax", "pallas_tpu", "pallas_gpu")
+
+# Triton's dot wants every operand dimension >= 16.
+_MIN_DOT = 16
 
 # Lane width of TPU vector registers: the ragged kernel broadcasts its softmax statistics over
 # 128 lanes onto the head dim, so the head dim it sees must be a multiple of it.
@@ -100,6 +104,18 @@ class PagedLayout:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_chunk_pages < 0:
             raise ValueError(f"kv_chunk_pages must be >= 0, got {self.kv_chunk_pages}")
+        if self.impl == "pallas_gpu":
+            # Triton's block shapes are powers of two and its dots at least 16 wide.
+            for name in ("page_size", "head_dim"):
+                value = getattr(self, name)
+                if value & (value - 1):
+                    raise ValueError(
+                        f"the pallas_gpu attention needs a power-of-two {name}, got {value}"
+                    )
+            if self.head_dim < _MIN_DOT:
+                raise ValueError(
+                    f"the pallas_gpu attention needs head_dim >= {_MIN_DOT}, got {self.head_dim}"
+                )
 
     @property
     def chunk_pages(self) -> int:
@@ -612,13 +628,20 @@ def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: 
 
     kv_heads, queries, head_dim = q_kqd.shape
     _, num_pages, page_size, _ = k_pages.shape
-    pages_per_slot = table_p.shape[0]
     block_h = min(64, max(16, pl.next_power_of_2(queries)))
     padded = -(-queries // block_h) * block_h
     q_kqd = jnp.pad(q_kqd, ((0, 0), (0, padded - queries), (0, 0)))
-    k_splits = _largest_divisor(pages_per_slot, 16)
-    pages_per_split = pages_per_slot // k_splits
-    pages_per_block = _largest_divisor(pages_per_split, 8, power_of_two=True)
+    # A block of keys is `pages_per_block` whole pages and must hold at least Triton's smallest
+    # dot operand (16 rows): pages smaller than that are taken `unit` at a time, the table
+    # padded with page 0 up to a whole number of units (keys past `length` are masked anyway).
+    unit = max(1, _MIN_DOT // page_size)
+    units = -(-table_p.shape[0] // unit)
+    table_p = jnp.pad(table_p, (0, units * unit - table_p.shape[0]))
+    k_splits = _largest_divisor(units, 16)
+    pages_per_split = units * unit // k_splits
+    pages_per_block = unit * _largest_divisor(
+        pages_per_split // unit, max(1, 8 // unit), power_of_two=True
+    )
     kernel = functools.partial(
         gpu_paged.paged_attention_kernel,
         num_heads=queries,
