@@ -11,7 +11,9 @@ frozen target forward, packed anchor blocks, chunked loss with remat, AdamW upda
 Prints a table and writes JSON (--json). Model FLOPs count one target forward (over the whole
 sequence, attention as executed: dense) and the drafter's forward plus a backward of twice its
 forward cost (the frozen lm_head only needs the input gradient); remat recomputation is not
-counted, so MFU is model FLOPs utilisation.
+counted, so MFU is model FLOPs utilisation. Memory: XLA's analysis of the compiled step
+(arguments, temporaries, their peak) beside the allocator's measured peak where the backend
+keeps one (GPU/TPU).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from provenance import git_commit
 
 from dspark_jax import configs
 from dspark_jax.config import DrafterConfig, Qwen3Config
+from dspark_jax.decoding.engine import format_bytes
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
 from dspark_jax.training import step as S
@@ -139,13 +142,15 @@ def run(args: argparse.Namespace) -> dict:
     )
     batch = _batch(args.batch, args.seq_len, target_cfg.vocab_size, 0)
 
+    # Compiled ahead of the first step so XLA's own account of its memory can be read; the
+    # timed steps run this very executable.
     t0 = time.perf_counter()
-    state, metrics = step(state, frozen, batch)
-    jax.block_until_ready(metrics)
+    step = step.lower(state, frozen, batch).compile()
     compile_s = time.perf_counter() - t0
+    xla_memory = xla_memory_bytes(step)
     for _ in range(args.warmup):
         state, metrics = step(state, frozen, batch)
-    jax.block_until_ready(metrics)
+    jax.block_until_ready(state)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -153,6 +158,10 @@ def run(args: argparse.Namespace) -> dict:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    # What the allocator saw at its peak (weights, optimizer state, batch and the step's
+    # temporaries); backends without an allocator report (CPU) give None.
+    stats = jax.devices()[0].memory_stats() or {}
+    measured_peak = stats.get("peak_bytes_in_use")
     flops = model_flops(target_cfg, drafter_cfg, args.batch, args.seq_len, args.chunk)
     peak = _peak_flops(jax.devices()[0])
     result = {
@@ -180,8 +189,34 @@ def run(args: argparse.Namespace) -> dict:
         "achieved_tflops": flops["total"] / step_s / 1e12,
         "mfu": None if peak is None else flops["total"] / step_s / (peak * jax.device_count()),
         "loss": float(metrics["loss"]),
+        "xla_memory": xla_memory,
+        "measured_peak_bytes": None if measured_peak is None else int(measured_peak),
     }
     return result
+
+
+def xla_memory_bytes(compiled) -> dict | None:
+    """XLA's memory analysis of a compiled step, in bytes: arguments, outputs, aliased
+    (outputs written into donated arguments), temporaries, and the peak they add up to
+    (arguments + outputs - aliased + temporaries); None where the backend gives none."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    fields = {
+        "arguments": analysis.argument_size_in_bytes,
+        "outputs": analysis.output_size_in_bytes,
+        "aliased": analysis.alias_size_in_bytes,
+        "temporaries": analysis.temp_size_in_bytes,
+    }
+    fields = {k: int(v) for k, v in fields.items()}
+    fields["peak"] = (
+        fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"]
+    )
+    return fields
+
+
+def _bytes(n: int | None) -> str:
+    return "n/a" if n is None else format_bytes(n)
 
 
 def main() -> None:
@@ -201,6 +236,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default="train_throughput.json", help="where to write results")
     args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    if args.batch % args.microbatches:
+        parser.error(f"--batch {args.batch} does not split into {args.microbatches} microbatches")
     result = run(args)
     rows = [
         ("device", result["device"]),
@@ -215,6 +254,13 @@ def main() -> None:
         ("model TFLOP/step", f"{result['model_tflop_per_step']:.4f}"),
         ("achieved TFLOP/s", f"{result['achieved_tflops']:.3f}"),
         ("MFU", "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"),
+    ]
+    xla = result["xla_memory"] or {}
+    rows += [
+        ("XLA memory: args / temps", f"{_bytes(xla.get('arguments'))} / "
+         f"{_bytes(xla.get('temporaries'))}"),
+        ("XLA memory: peak", _bytes(xla.get("peak"))),
+        ("measured peak", _bytes(result["measured_peak_bytes"])),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
