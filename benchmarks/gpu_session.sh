@@ -84,10 +84,11 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 if [[ " $stages " == *" tests "* ]]; then
   # Engine (paged, packed, Pallas GPU kernels natively), attention paths, verifier, exactness
   # against the reference traces and transformers, losslessness, the training step.
-  # Two pytest workers share the GPU: neither may grab a fixed fraction of its memory up front.
-  # --maxfail, not -x: one call should show every failing area, not only the first.
+  # Four pytest workers (compiling is CPU work; the machine has 16 cores) share the GPU: none
+  # may grab a fixed fraction of its memory up front. --maxfail, not -x: one call should show
+  # every failing area, not only the first.
   stage tests env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    python3 -m pytest -q --maxfail=8 -p no:cacheprovider \
+    python3 -m pytest -q -n 4 --maxfail=8 -p no:cacheprovider \
     tests/test_attention.py tests/test_engine.py tests/test_verify.py tests/test_sampling.py \
     tests/test_fixture_parity.py tests/test_transformers_parity.py tests/test_lossless.py \
     tests/test_scheduled_engine.py tests/test_train_step.py tests/test_train_loss.py

@@ -450,12 +450,21 @@ def test_work_per_step_does_not_follow_pool_or_table_width(impl, follows_pool):
     assert (sizes[1] > sizes[0]) == follows_pool, sizes
 
 
+def test_the_environment_overrides_the_default_path(monkeypatch):
+    monkeypatch.setenv("DSPARK_JAX_ATTENTION", "dense")
+    assert attn.default_impl("gpu") == "dense"
+    monkeypatch.setenv("DSPARK_JAX_ATTENTION", "triton")
+    with pytest.raises(ValueError, match="DSPARK_JAX_ATTENTION='triton' is not an attention"):
+        attn.default_impl()
+
+
 def test_default_impl_by_backend():
     assert attn.default_impl("cpu") == "jax"
     assert attn.default_impl("tpu") == "pallas_tpu"
     assert attn.default_impl("gpu") == "pallas_gpu"
     assert attn.default_impl("cuda") == "pallas_gpu"
-    assert attn.default_impl() == "jax"  # the tests run on CPU
+    backend = {"cpu": "jax", "gpu": "pallas_gpu", "tpu": "pallas_tpu"}[jax.default_backend()]
+    assert attn.default_impl() == backend
 
 
 def test_layout_rejects_unknown_impl_and_mismatched_queries():

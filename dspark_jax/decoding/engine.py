@@ -424,8 +424,8 @@ class Engine:
             )
         self.token_buckets = token_buckets(cfg, policy, gamma)
         self.prefill_widths = cfg.prefill_widths()
-        impl = cfg.attention_impl or attention.default_impl()
         try:  # a page size or head dim the attention path cannot take is the user's to change
+            impl = cfg.attention_impl or attention.default_impl()
             self.target_layout = attention.PagedLayout(
                 cfg.pool_pages,
                 cfg.page_size,

@@ -6,7 +6,8 @@ in physical page `page_table_sp[s, p]`. Attention runs over a packed (ragged) to
 token t belongs to one sequence, and each sequence is one slot's contiguous run of new query
 tokens, whose keys and values `write_kv` has already stored.
 
-Implementations (`PagedLayout.impl`; `default_impl` picks one per backend):
+Implementations (`PagedLayout.impl`; `default_impl` picks one per backend, or the one named by
+the environment variable DSPARK_JAX_ATTENTION):
 
 - "dense": the reference. Every query gathers all `pages_per_slot` pages of its slot and calls
   `layers.attention` with a mask, so it is exact against the contiguous-cache code and its cost
@@ -60,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 
 import jax
@@ -68,6 +70,7 @@ import jax.numpy as jnp
 from dspark_jax.models.layers import MASK_VALUE, attention
 
 IMPLS = ("dense", "jax", "pallas_tpu", "pallas_gpu")
+ATTENTION_ENV = "DSPARK_JAX_ATTENTION"
 
 # Triton's dot wants every operand dimension >= 16.
 _MIN_DOT = 16
@@ -152,7 +155,18 @@ class Pages:
 
 
 def default_impl(backend: str | None = None) -> str:
-    """The attention path for a JAX backend name (the default backend when None)."""
+    """The attention path for a JAX backend name (the default backend when None).
+
+    The environment variable DSPARK_JAX_ATTENTION (one of IMPLS) overrides the choice for every
+    engine that does not name its own: the way out when a backend's kernel does not build or
+    misbehaves on some machine ("jax" runs everywhere)."""
+    chosen = os.environ.get(ATTENTION_ENV, "").strip()
+    if chosen:
+        if chosen not in IMPLS:
+            raise ValueError(
+                f"{ATTENTION_ENV}={chosen!r} is not an attention path; expected one of {IMPLS}"
+            )
+        return chosen
     backend = (backend or jax.default_backend()).lower()
     if backend == "tpu":
         return "pallas_tpu"
