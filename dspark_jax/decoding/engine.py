@@ -38,6 +38,7 @@ is pinned to the same shardings, so donation holds and no call compiles a second
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -717,18 +718,24 @@ class Engine:
             0, np.zeros((1,), np.int32), 0, 2, np.zeros(1, np.int32), 0.0, 0, 1.0, 1, (), 0,
         )  # fmt: skip
 
-    def lower(self, platforms: tuple[str, ...] | None = None) -> dict[str, Any]:
+    def lower(
+        self, platforms: tuple[str, ...] | None = None, gpu_kind: str = "NVIDIA H100"
+    ) -> dict[str, Any]:
         """Every program lowered from shapes alone (verb name -> `jax.stages.Lowered`).
 
         Works for models built with `nnx.eval_shape`, whose parameters are never allocated:
         `.compile().memory_analysis()` then gives XLA's per-device memory for a model that does
         not fit this machine (benchmarks/mesh_memory.py). `platforms` (e.g. ("cuda",)) lowers
         for other backends than the one at hand, without their devices (Pallas kernels included;
-        such programs can be inspected, not compiled, here)."""
+        such programs can be inspected, not compiled, here). Lowering for a GPU on a machine
+        without one targets `gpu_kind` (a device kind as JAX reports it), which the Triton
+        kernels' lowering asks for on jax >= 0.11."""
         platforms = None if platforms is None else tuple(platforms)
+        target = _absent_gpu_target(platforms, gpu_kind)
 
         def lower_fn(fn, *args):
-            return fn.trace(*args).lower(lowering_platforms=platforms)
+            with target():
+                return fn.trace(*args).lower(lowering_platforms=platforms)
 
         tp, dp = self.target_params, self.drafter_params
         state = jax.eval_shape(self._init, tp, dp)
@@ -763,6 +770,20 @@ class Engine:
         return sum(
             f._cache_size() for f in (self._init, self._prefill, self._decode, self._release)
         )
+
+
+def _absent_gpu_target(platforms: tuple[str, ...] | None, gpu_kind: str):
+    """A context that names the GPU to lower for when `platforms` asks for one this process
+    does not have. jax >= 0.11's Pallas Triton lowering reads the target's compute capability
+    from the device, or from an abstract mesh's `AbstractDevice` when there is no device
+    (jax 0.10 assumed compute capability 9.0); without one it raises "No supported GPU
+    devices found"."""
+    wants_gpu = platforms is not None and bool({"cuda", "rocm", "gpu"} & set(platforms))
+    if not wants_gpu or jax.default_backend() == "gpu":
+        return contextlib.nullcontext
+    device = jax.sharding.AbstractDevice(device_kind=gpu_kind, num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+    return lambda: jax.sharding.use_abstract_mesh(mesh)
 
 
 def _place(params, mesh: Mesh):
