@@ -10,6 +10,7 @@ through its shipped pure-JAX reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.extend
@@ -298,6 +299,56 @@ def test_pallas_gpu_layout_refuses_shapes_triton_cannot_take(page_size, head_dim
     with pytest.raises(ValueError, match=refused):
         attn.PagedLayout(8, page_size, 2, head_dim, "pallas_gpu")
     attn.PagedLayout(8, page_size, 2, head_dim, "jax")  # the pure-JAX path takes any shape
+
+
+@pytest.mark.parametrize("table_pages", [1, 3, 8, 41, 256, 257, 1000])
+@pytest.mark.parametrize(("page_size", "head_dim", "itemsize"),
+                         [(1, 16, 4), (4, 32, 4), (16, 128, 2), (16, 128, 4), (64, 128, 2),
+                          (256, 128, 2)])
+def test_pallas_gpu_blocking_fits_triton(table_pages, page_size, head_dim, itemsize):
+    """Key blocks are whole pages, at least 16 keys (Triton's smallest dot), at most 32 KiB
+    unless one page is larger, a power of two of pages or of 16-key units; the splits cover the
+    table, at most 16 of them, none empty; and a long table of any length is walked in full
+    blocks, not page by page."""
+    k_splits, per_split, per_block = attn._gpu_paged_blocking(
+        table_pages, page_size, head_dim, itemsize
+    )
+    unit = max(1, 16 // page_size)
+    keys = per_block * page_size
+    units = per_block // unit
+    assert keys >= 16 and per_block % unit == 0 and units & (units - 1) == 0
+    assert keys * head_dim * itemsize <= 32 * 1024 or per_block == unit
+    assert per_split % per_block == 0 and 1 <= k_splits <= 16
+    assert k_splits * per_split >= table_pages > (k_splits - 1) * per_split
+    full_block = max(unit, 32 * 1024 // (head_dim * itemsize * page_size))
+    if table_pages >= full_block:
+        assert per_block * 2 > full_block
+
+
+def test_pallas_gpu_partials_merge_splits_and_blocks():
+    """One fold against a long page table, walked in several splits of several blocks each
+    (float32 and head_dim 128: 4 pages of 16 keys a block; 200 pages: 13 splits of 4 blocks),
+    the last used block partial and the last splits past the length: the merged partial
+    softmax is exact attention over the first `length` keys."""
+    rng = np.random.default_rng(7)
+    kv_heads, queries, head_dim, page_size, num_pages, table_pages = 2, 3, 128, 16, 240, 200
+    assert attn._gpu_paged_blocking(table_pages, page_size, head_dim, 4) == (13, 16, 4)
+    length = 1877  # 118 pages in use: split 7 partial, splits 8-12 past the length
+    k_pages = rng.standard_normal((kv_heads, num_pages, page_size, head_dim), np.float32)
+    v_pages = rng.standard_normal((kv_heads, num_pages, page_size, head_dim), np.float32)
+    q = rng.standard_normal((kv_heads, queries, head_dim), np.float32) / np.sqrt(head_dim)
+    table = rng.permutation(num_pages)[:table_pages].astype(np.int32)
+    acc, total, peak = jax.jit(
+        functools.partial(attn._gpu_paged_partials, interpret=GPU_INTERPRET)
+    )(q, k_pages, v_pages, table, np.int32(length))
+    out, lse = attn._normalised(acc, peak, total)
+    keys = k_pages[:, table].reshape(kv_heads, -1, head_dim)[:, :length]
+    values = v_pages[:, table].reshape(kv_heads, -1, head_dim)[:, :length]
+    scores = np.einsum("kqd,ksd->kqs", q.astype(np.float64), keys)
+    ref_lse = np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1)) + scores.max(-1)
+    ref = np.einsum("kqs,ksd->kqd", np.exp(scores - ref_lse[..., None]), values)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=0, atol=2e-5)
 
 
 def test_pallas_tpu_pages_pad_head_dim_to_lanes():

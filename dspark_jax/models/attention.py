@@ -50,7 +50,9 @@ the environment variable DSPARK_JAX_ATTENTION):
   hand): expected memory-bound decode/verification reading each slot's pages about once per
   step. Triton needs head_dim and page_size to be powers of two (the layout refuses others)
   and dots at least 16 wide: pages of fewer than 16 tokens are read several to a key block,
-  the page table padded to whole blocks (keys past a sequence's length are masked).
+  the page table padded to whole blocks (keys past a sequence's length are masked). A key block
+  holds at most 32 KiB (128 keys at Qwen3's head_dim 128 in bfloat16), and a table of any
+  length is walked in such blocks by up to 16 parallel splits (`_gpu_paged_blocking`).
 
 Every path computes scores and softmax in float32 and returns q's dtype. A query token with no
 visible key (padding past `cu_q_lens[num_seqs]`, or a sequence whose kv length is 0) gets zeros.
@@ -74,6 +76,13 @@ ATTENTION_ENV = "DSPARK_JAX_ATTENTION"
 
 # Triton's dot wants every operand dimension >= 16.
 _MIN_DOT = 16
+
+# Bytes of one block of keys (and one of values) that the Triton paged kernel loads per step:
+# Triton stages `num_stages` (2) of each in shared memory. 32 KiB is the largest block JAX's own
+# GPU tests of the kernel run (256 keys x head_dim 64 in float16) and what Qwen3's shapes give
+# at 128 keys (head_dim 128, bfloat16); a float32 cache or larger pages take fewer keys a step
+# rather than asking for more shared memory than an A100 (164 KiB) has.
+_GPU_KV_BLOCK_BYTES = 32 * 1024
 
 # Lane width of TPU vector registers: the ragged kernel broadcasts its softmax statistics over
 # 128 lanes onto the head dim, so the head dim it sees must be a multiple of it.
@@ -630,6 +639,34 @@ def _largest_divisor(n: int, at_most: int, power_of_two: bool = False) -> int:
     return 1
 
 
+def _gpu_paged_blocking(
+    table_pages: int, page_size: int, head_dim: int, itemsize: int
+) -> tuple[int, int, int]:
+    """How the Triton paged kernel walks a page table of `table_pages` entries: (k_splits,
+    pages_per_split, pages_per_block), the table padded with page 0 to k_splits *
+    pages_per_split entries.
+
+    A block of keys is `pages_per_block` whole pages, a power of two times `unit`: it must hold
+    at least Triton's smallest dot operand (16 rows), so pages smaller than that are taken
+    `unit` at a time, and it stays within _GPU_KV_BLOCK_BYTES unless one unit is larger. The
+    blocks are shared among up to 16 splits that run in parallel (flash-decoding), their
+    partial softmaxes merged after. The padding costs nothing past a sequence's length: the
+    kernel stops at its last page and masks keys past its length within the last block. The
+    block size does not depend on how `table_pages` factors (a prime table length would
+    otherwise be walked one page at a time)."""
+    unit = max(1, _MIN_DOT // page_size)
+    block_keys = max(_MIN_DOT, _GPU_KV_BLOCK_BYTES // (head_dim * itemsize))
+    units_per_block = max(1, block_keys // (unit * page_size))
+    pages_per_block = unit << (units_per_block.bit_length() - 1)  # a power of two of units
+    # No block much larger than the table itself (a short table would read mostly padding).
+    while pages_per_block > unit and pages_per_block // 2 >= table_pages:
+        pages_per_block //= 2
+    blocks = -(-table_pages // pages_per_block)
+    blocks_per_split = -(-blocks // min(16, blocks))
+    k_splits = -(-blocks // blocks_per_split)
+    return k_splits, blocks_per_split * pages_per_block, pages_per_block
+
+
 def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: bool):
     """One fold against its slot's pages: unnormalised output and softmax residuals.
 
@@ -645,17 +682,10 @@ def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: 
     block_h = min(64, max(16, pl.next_power_of_2(queries)))
     padded = -(-queries // block_h) * block_h
     q_kqd = jnp.pad(q_kqd, ((0, 0), (0, padded - queries), (0, 0)))
-    # A block of keys is `pages_per_block` whole pages and must hold at least Triton's smallest
-    # dot operand (16 rows): pages smaller than that are taken `unit` at a time, the table
-    # padded with page 0 up to a whole number of units (keys past `length` are masked anyway).
-    unit = max(1, _MIN_DOT // page_size)
-    units = -(-table_p.shape[0] // unit)
-    table_p = jnp.pad(table_p, (0, units * unit - table_p.shape[0]))
-    k_splits = _largest_divisor(units, 16)
-    pages_per_split = units * unit // k_splits
-    pages_per_block = unit * _largest_divisor(
-        pages_per_split // unit, max(1, 8 // unit), power_of_two=True
+    k_splits, pages_per_split, pages_per_block = _gpu_paged_blocking(
+        table_p.shape[0], page_size, head_dim, k_pages.dtype.itemsize
     )
+    table_p = jnp.pad(table_p, (0, k_splits * pages_per_split - table_p.shape[0]))
     kernel = functools.partial(
         gpu_paged.paged_attention_kernel,
         num_heads=queries,
