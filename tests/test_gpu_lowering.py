@@ -55,3 +55,38 @@ def test_engine_programs_lower_for_cuda_with_the_triton_kernels(speculative, pag
         if name != "init":
             # The slot state is donated: every leaf's buffer is reused for its output.
             assert text.count("tf.aliasing_output") == state_leaves, name
+
+
+@pytest.mark.parametrize(
+    ("table_pages", "page_size", "dtype"),
+    [(1, 4, "float32"), (41, 16, "float32"), (257, 16, "bfloat16"), (37, 128, "bfloat16")],
+)
+def test_paged_kernel_lowers_for_any_table_length(table_pages, page_size, dtype):
+    """The Triton paged kernel over page tables whose length is not a power of two (the
+    engine's table is max_model_len / page_size, whatever that is): Pallas' Triton lowering
+    refuses loads whose size is not a power of two, so the blocking must keep every block a
+    power of two however the table is split."""
+    import functools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dspark_jax.decoding.engine import _absent_gpu_target
+    from dspark_jax.models import attention as attn
+
+    kv_heads, queries, head_dim, num_pages = 2, 5, 128, 300
+    args = (
+        jax.ShapeDtypeStruct((kv_heads, queries, head_dim), dtype),
+        jax.ShapeDtypeStruct((kv_heads, num_pages, page_size, head_dim), dtype),
+        jax.ShapeDtypeStruct((kv_heads, num_pages, page_size, head_dim), dtype),
+        jax.ShapeDtypeStruct((table_pages,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    kernel = jax.jit(functools.partial(attn._gpu_paged_partials, interpret=False))
+    with _absent_gpu_target(("cuda",), "NVIDIA H100")():
+        lowered = kernel.trace(*args).lower(lowering_platforms=("cuda",))
+    assert set(_custom_calls(lowered)) == {TRITON}
+    k_splits, per_split, per_block = attn._gpu_paged_blocking(
+        table_pages, page_size, head_dim, np.dtype(dtype).itemsize
+    )
+    assert per_block * page_size >= 16 and k_splits * per_split >= table_pages
