@@ -731,10 +731,9 @@ class Engine:
         without one targets `gpu_kind` (a device kind as JAX reports it), which the Triton
         kernels' lowering asks for on jax >= 0.11."""
         platforms = None if platforms is None else tuple(platforms)
-        target = _absent_gpu_target(platforms, gpu_kind)
 
         def lower_fn(fn, *args):
-            with target():
+            with _absent_gpu_target(platforms, gpu_kind):
                 return fn.trace(*args).lower(lowering_platforms=platforms)
 
         tp, dp = self.target_params, self.drafter_params
@@ -772,18 +771,19 @@ class Engine:
         )
 
 
+@contextlib.contextmanager
 def _absent_gpu_target(platforms: tuple[str, ...] | None, gpu_kind: str):
-    """A context that names the GPU to lower for when `platforms` asks for one this process
-    does not have. jax >= 0.11's Pallas Triton lowering reads the target's compute capability
-    from the device, or from an abstract mesh's `AbstractDevice` when there is no device
-    (jax 0.10 assumed compute capability 9.0); without one it raises "No supported GPU
-    devices found"."""
+    """Names the GPU to lower for while `platforms` asks for one this process does not have.
+    jax >= 0.11's Pallas Triton lowering reads the target's compute capability from the
+    device, or from an abstract mesh's `AbstractDevice` when there is no device (jax 0.10
+    assumed compute capability 9.0); without one it raises "No supported GPU devices found"."""
     wants_gpu = platforms is not None and bool({"cuda", "rocm", "gpu"} & set(platforms))
     if not wants_gpu or jax.default_backend() == "gpu":
-        return contextlib.nullcontext
+        yield
+        return
     device = jax.sharding.AbstractDevice(device_kind=gpu_kind, num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
-    return lambda: jax.sharding.use_abstract_mesh(mesh)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        yield
 
 
 def _place(params, mesh: Mesh):
