@@ -1,4 +1,5 @@
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -17,10 +18,18 @@ if os.environ["JAX_PLATFORMS"] != "cpu":
 # DSPARK_JAX_COMPILATION_CACHE, everything else through JAX's own setting. Many tests build an
 # engine whose programs another test already compiled (the same fixture models, configuration
 # and policy): on this CPU a decode program takes 8-20 s to compile and seconds to run.
-os.environ.setdefault(
-    "DSPARK_JAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="dspark-jax-test-xla-")
-)
+# The process that makes the folder (pytest's main process; xdist workers inherit the variable)
+# removes it when the run ends, so repeated runs do not pile up caches of ~80 MB in /tmp.
+_OWN_CACHE = None
+if "DSPARK_JAX_COMPILATION_CACHE" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="dspark-jax-test-xla-")
+    os.environ["DSPARK_JAX_COMPILATION_CACHE"] = _OWN_CACHE
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DSPARK_JAX_COMPILATION_CACHE"])
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
