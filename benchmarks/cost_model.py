@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from decode_speed import CONFIGS, pair_configs, random_pair
-from provenance import git_commit
+from provenance import CompileClock, git_commit
 
+from dspark_jax.cli import use_compilation_cache
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.profiling import CarriedLengths, filled_state
 
@@ -67,17 +68,27 @@ def round_ms(cases: list[tuple[Engine, int, np.ndarray]], repeats: int) -> list[
 
 
 def run(args: argparse.Namespace) -> dict:
+    with CompileClock() as clock:
+        result = _sweeps(args)
+    print(f"built {clock.programs} programs in {clock.compile_s:.0f} s", flush=True)
+    return {**result, "programs": clock.programs, "compile_s": clock.compile_s}
+
+
+def _sweeps(args: argparse.Namespace) -> dict:
     # Random weights at a raised context limit: the sweep reaches past the real model's.
     target_cfg, drafter_cfg = pair_configs(args.config, args.dtype, max_position_embeddings=1 << 16)
     target, drafter = random_pair(target_cfg, drafter_cfg, args.dtype, args.seed)
     gamma = drafter_cfg.block_size
     room = (args.rounds + 1) * (gamma + 1)
     small = dict(prefill_chunk=16, prefill_buckets=(16,), rounds_per_chunk=args.rounds)
+    # Plain steps of every slot pack exactly `slots` tokens: one token bucket, so the decode
+    # program compiles one target forward rather than one per default bucket (1, 2, 4, ...).
+    plain_small = dict(small, token_buckets=(args.slots,))
     all_live = np.zeros((args.slots,), np.int32)
 
     context_rows = []
     longest = max(args.contexts)
-    cfg = EngineConfig(num_slots=args.slots, max_model_len=longest + room, **small)
+    cfg = EngineConfig(num_slots=args.slots, max_model_len=longest + room, **plain_small)
     plain = Engine(target, None, cfg)
     plain.warm_up()
     context_ms = round_ms([(plain, c, all_live) for c in args.contexts], args.repeats)
@@ -87,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
 
     prealloc_rows, engines = [], []
     for max_len in args.max_lens:
-        cfg = EngineConfig(num_slots=args.slots, max_model_len=max_len, **small)
+        cfg = EngineConfig(num_slots=args.slots, max_model_len=max_len, **plain_small)
         engines.append(Engine(target, None, cfg))
         engines[-1].warm_up()
     prealloc_ms = round_ms([(e, 48, all_live) for e in engines], args.repeats)
@@ -168,6 +179,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="cost_model.json")
     args = parser.parse_args()
+    use_compilation_cache()
     result = run(args)
     print(format_table(result))
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -45,9 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 import xla_profile
 from flax import nnx
-from provenance import git_commit
+from provenance import CompileClock, git_commit
 
 from dspark_jax import configs
+from dspark_jax.cli import use_compilation_cache
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.profiling import filled_state
 from dspark_jax.models.drafter import DSparkDrafter
@@ -71,7 +72,6 @@ BANDWIDTH_GBS = (
     ("TPU v6 lite", 1640.0),
     ("TPU v4", 1200.0),
 )
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Parameters read by row lookups only, so a decode step touches a few rows, not the table.
 LOOKUP_ONLY = {"target": ("embed_tokens",), "drafter": ("embed_tokens", "markov_w1")}
 
@@ -177,17 +177,6 @@ def kv_bytes_per_position(cfg) -> int:
     )
 
 
-class CompileCounter:
-    """Counts XLA backend compilations while installed."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event: str, *args, **kwargs) -> None:
-        if event == COMPILE_EVENT:
-            self.count += 1
-
-
 def _rolled_back(state, slots: int, context: int, rep: int):
     """Every slot live again at `context` cached positions, with fresh keys for repeat `rep`."""
     return state.replace(
@@ -220,33 +209,29 @@ def profile_chunk(engine: Engine, context: int, temperature: float, trace_dir: P
 
 
 def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
-    """(median seconds per round, committed tokens per request-round, warm-up compiles,
-    compiles while timing) with every slot live at `context` cached positions."""
-    counter = CompileCounter()
-    jax.monitoring.register_event_duration_secs_listener(counter)
+    """(median seconds per round, committed tokens per request-round, the warm-up's
+    `CompileClock`, programs built while timing) with every slot live at `context` cached
+    positions."""
     slots = engine.cfg.num_slots
-    try:
+    with CompileClock() as warm:
         engine.warm_up()
         state = filled_state(engine, context, temperature)
-        warm_compiles, counter.count = counter.count, 0
-        per_round, tokens = [], []
-        for rep in range(repeats + 1):
+        # An untimed chunk: it also compiles the small eager ops that roll the slots back.
+        state, out = engine.decode_chunk(_rolled_back(state, slots, context, 0))
+        jax.block_until_ready(out.count_s)
+    per_round, tokens = [], []
+    with CompileClock() as late:
+        for rep in range(1, repeats + 1):
             state = _rolled_back(state, slots, context, rep)
             jax.block_until_ready(state.lengths_s)
             start = time.perf_counter()
             state, out = engine.decode_chunk(state)
             jax.block_until_ready(out.count_s)
             elapsed = time.perf_counter() - start
-            if rep == 0:
-                # The first chunk also compiles the small eager ops that reset the state above.
-                counter.count = 0
-                continue
             rounds = int(np.sum(np.asarray(out.step_tokens_r) > 0))
             per_round.append(elapsed / rounds)
             tokens.append(float(np.sum(np.asarray(out.count_s))) / (rounds * slots))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(counter)
-    return statistics.median(per_round), statistics.median(tokens), warm_compiles, counter.count
+    return statistics.median(per_round), statistics.median(tokens), warm, late.programs
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -267,24 +252,57 @@ def run(args: argparse.Namespace) -> dict:
         target, LOOKUP_ONLY["target"], tied=target_cfg.tie_word_embeddings
     )
     drafter_weights = bytes_read_per_step(drafter, LOOKUP_ONLY["drafter"])
-    rows = []
+    result = {
+        "benchmark": "decode_speed",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "config": args.config,
+        "target": target_name,
+        "drafter": drafter_name,
+        "dtype": args.dtype,
+        "gamma": gamma,
+        "context": context,
+        "max_len": max_len,
+        "rounds_per_chunk": args.rounds,
+        "repeats": args.repeats,
+        "temperature": args.temperature,
+        "bandwidth_gbs": bandwidth,
+        "target_weight_bytes": target_weights,
+        "drafter_weight_bytes": drafter_weights,
+        "rows": [],
+    }
+    rows = result["rows"]
     for batch in args.batch_sizes:
+        # Every slot is live and the fixed policy verifies whole blocks, so each round packs
+        # exactly `batch` (plain) or `batch * (gamma + 1)` tokens: one token bucket each. The
+        # engines' default buckets would add the smaller ones, each a branch of the decode
+        # program holding a whole target forward to compile (seven at 64 slots), never run here.
         cfg = EngineConfig(
             num_slots=batch,
             max_model_len=max_len,
             rounds_per_chunk=args.rounds,
             prefill_chunk=16,
             prefill_buckets=(16,),
+            token_buckets=(batch,),
         )
-        engines = {"plain": Engine(target, None, cfg), "spec": Engine(target, drafter, cfg)}
+        engines = {
+            "plain": Engine(target, None, cfg),
+            "spec": Engine(
+                target, drafter, dataclasses.replace(cfg, token_buckets=(batch * (gamma + 1),))
+            ),
+        }
         row: dict = {"batch": batch}
         for mode, engine in engines.items():
-            seconds, tokens, compiles, late = time_chunks(
+            seconds, tokens, warm, late = time_chunks(
                 engine, context, args.repeats, args.temperature
             )
             row[f"{mode}_ms"] = seconds * 1e3
             row[f"{mode}_tokens_per_round"] = tokens
-            row[f"{mode}_programs"] = compiles
+            row[f"{mode}_programs"] = warm.programs
+            row[f"{mode}_compile_s"] = warm.compile_s
             row[f"{mode}_compiles_while_timing"] = late
             if args.profile and batch == args.profile_batch:
                 row[f"{mode}_profile"] = profile_chunk(
@@ -305,30 +323,15 @@ def run(args: argparse.Namespace) -> dict:
             for tau in args.taus
         }
         rows.append(row)
-        print(f"batch {batch} done", flush=True)
+        print(
+            f"batch {batch} done (compiled {row['plain_programs'] + row['spec_programs']} "
+            f"programs in {row['plain_compile_s'] + row['spec_compile_s']:.0f} s)",
+            flush=True,
+        )
+        if args.json:  # what is measured so far survives a run cut off later
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
-    return {
-        "benchmark": "decode_speed",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "device": device.device_kind,
-        "platform": device.platform,
-        "jax": jax.__version__,
-        "config": args.config,
-        "target": target_name,
-        "drafter": drafter_name,
-        "dtype": args.dtype,
-        "gamma": gamma,
-        "context": context,
-        "max_len": max_len,
-        "rounds_per_chunk": args.rounds,
-        "repeats": args.repeats,
-        "temperature": args.temperature,
-        "bandwidth_gbs": bandwidth,
-        "target_weight_bytes": target_weights,
-        "drafter_weight_bytes": drafter_weights,
-        "rows": rows,
-    }
+    return result
 
 
 def format_table(result: dict) -> str:
@@ -361,7 +364,8 @@ def format_table(result: dict) -> str:
     late = sum(
         r["plain_compiles_while_timing"] + r["spec_compiles_while_timing"] for r in result["rows"]
     )
-    lines.append(f"compilations while timing: {late}")
+    built = sum(r["plain_compile_s"] + r["spec_compile_s"] for r in result["rows"])
+    lines.append(f"compilations while timing: {late}; building the programs took {built:.0f} s")
     lines.append(
         f"{result['device']} ({result['platform']}), {result['target']} + {result['drafter']}, "
         f"{result['dtype']}, gamma {result['gamma']}, context {result['context']}, max_model_len "
@@ -405,6 +409,7 @@ def main() -> None:
         args.profile_batch = args.batch_sizes[0]
     elif args.profile and args.profile_batch not in args.batch_sizes:
         parser.error(f"--profile-batch {args.profile_batch} is not among --batch-sizes")
+    use_compilation_cache()
     result = run(args)
     print(format_table(result))
     for row in result["rows"]:

@@ -4,9 +4,17 @@
 # and profiles in the results folder (below). Prepare here (network) with `bash benchmarks/gpu_wheels.sh`, then run on the device
 # machine, carrying .whl:
 #
-#   bash benchmarks/gpu_session.sh            # tests + benchmarks (about 10 minutes on an H100)
+#   bash benchmarks/gpu_session.sh            # tests + benchmarks
 #   STAGES="bench" bash benchmarks/gpu_session.sh   # benchmarks only
+#   STAGES="throughput_c1 throughput_c8" bash benchmarks/gpu_session.sh   # just these stages
 #   SIZE=tiny JAX_PLATFORMS=cpu STAGES=bench bash benchmarks/gpu_session.sh   # smoke run on CPU
+#
+# STAGES names "tests", "bench" (every benchmark stage, in the order below) or single stages.
+# The benchmark stages come in the order of what the project's aims need: bandwidth and
+# decode_speed (HBM floor, round/step), train_throughput (MFU), throughput_c64 (the scheduler
+# at concurrency 64), then the other tables, then throughput (the levels measured so far
+# combined) and targets. So a call cut off at the device's 10-minute limit has the aims first,
+# and the next call names the stages that are left.
 #
 # Each stage's output goes to <results>/<stage>.log as well, beside its JSON/PNG; a failing stage
 # does not stop the next ones, and the exit code says whether any failed. Results go to
@@ -14,6 +22,8 @@
 # of 16 MiB from $OUT, two folders deep at most, they go to /tmp/dspark-gpu instead, and after
 # every stage $OUT gets them packed as results.tar.gz (profiles' raw xplane files left out),
 # beside session.log, this whole output; a call cut off at its time limit keeps what it had.
+# The device gets the working tree without git: pass the commit it is, DSPARK_JAX_COMMIT=<hash>,
+# for the results to name it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${OUT:-}" ]; then
@@ -36,13 +46,13 @@ stages=${STAGES:-"tests bench"}
 size=${SIZE:-qwen3-4b}
 if [ "$size" = tiny ]; then
   # Small enough for a CPU smoke run of the script itself.
-  batches="1 8"; contexts="64 256"; max_lens="256 2048"; slots=8; packed=8; conc=1,8
+  batches="1 8"; contexts="64 256"; max_lens="256 2048"; slots=8; packed=8; levels="8 1"
   dtype=float32
   attn="--kv-heads 2 --groups 2 --head-dim 32 --kv-lens 64,256 --capacity 512 --capacities 256,512"
   train=(); bw_gib=0.25
 else
   batches="1 8 32 64"; contexts="256 1024 4096"; max_lens="1024 8192 32768"; slots=32
-  packed=64; conc=1,8,32,64,128; bw_gib=4; dtype=bfloat16
+  packed=64; levels="64 1 8 32 128"; bw_gib=4; dtype=bfloat16
   attn="--kv-heads 8 --groups 4 --head-dim 128 --kv-lens 512,1024,2048,4096 --capacity 8192"
   attn+=" --capacities 2048,4096,8192,16384"
   # The released recipe (configs/train_qwen3.py): one 4096-token sequence per micro-step, the
@@ -51,7 +61,22 @@ else
   train=(--target qwen3-4b --drafter dspark-qwen3-4b --dtype bfloat16 --batch 4 --microbatches 4
          --seq-len 4096 --anchors 512 --chunk 64 --steps 5 --warmup 1)
 fi
+# The serving-load benchmark runs one concurrency level per stage: the aim's level (the first
+# of $levels) among the aims' stages, the others after the remaining tables.
+bench_stages="bandwidth decode_speed train_throughput throughput_c${levels%% *} cost_model"
+bench_stages+=" attention_paths profile"
+for c in ${levels#* }; do bench_stages+=" throughput_c$c"; done
+bench_stages+=" throughput targets"
+for name in $stages; do
+  if [[ " tests bench $bench_stages " != *" $name "* ]]; then
+    echo "STAGES: no stage named $name (tests, bench, $bench_stages)"; exit 2
+  fi
+done
+want() { [[ " $stages " == *" $1 "* || ( " $stages " == *" bench "* && $1 != tests ) ]]; }
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+# Programs two stages or two engines share (a profile compiling the decode chunk again to read
+# its HLO, prefill programs of engines that differ only in policy) compile once per machine.
+export DSPARK_JAX_COMPILATION_CACHE=${DSPARK_JAX_COMPILATION_CACHE:-/tmp/dspark-gpu-xla}
 # Benchmarks: one process, which may take 90% of the GPU's memory (JAX's default is 75%).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
 if [ -d .whl ]; then
@@ -77,11 +102,13 @@ stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures
   pack_results
 }
 
-echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${DSPARK_JAX_COMMIT:-unknown}")
+export DSPARK_JAX_COMMIT=$commit  # benchmarks/provenance.py reads it where git is missing
+echo "== $(date -u +%FT%TZ) commit $commit, stages: $stages"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
-if [[ " $stages " == *" tests "* ]]; then
+if want tests; then
   # Engine (paged, packed, Pallas GPU kernels natively), attention paths, verifier, exactness
   # against the reference traces and transformers, losslessness, the training step.
   # Four pytest workers (compiling is CPU work; the machine has 16 cores) share the GPU: none
@@ -94,30 +121,49 @@ if [[ " $stages " == *" tests "* ]]; then
     tests/test_scheduled_engine.py tests/test_train_step.py tests/test_train_loss.py
 fi
 
-if [[ " $stages " == *" bench "* ]]; then
+want bandwidth &&
   stage bandwidth python3 benchmarks/bandwidth.py --gib "$bw_gib" --json "$out/bandwidth.json"
-  # shellcheck disable=SC2086  # the size's word lists split on purpose
+# shellcheck disable=SC2086  # the size's word lists split on purpose
+want decode_speed &&
   stage decode_speed python3 benchmarks/decode_speed.py --config "$size" --batch-sizes $batches \
     --bandwidth-json "$out/bandwidth.json" --profile "$out/profile" --profile-batch 8 \
     --json "$out/decode_speed.json"
-  # shellcheck disable=SC2086
-  stage cost_model python3 benchmarks/cost_model.py --config "$size" --dtype bfloat16 \
-    --slots "$slots" --packed-slots "$packed" --contexts $contexts --max-lens $max_lens \
-    --json "$out/cost_model.json"
-  # shellcheck disable=SC2086
-  stage attention_paths python3 benchmarks/attention_paths.py $attn --dtype bfloat16 \
-    --slots "$slots" --q-len 8 --json "$out/attention_paths.json"
-  stage profile dspark profile --config "$size" --dtype bfloat16 --mode verify \
-    --max-num-seqs "$packed" --out "$out/sps.json"
-  # Real shapes, random weights, a drafter whose per-position acceptance is chosen (tau ~4.4).
-  stage throughput python3 benchmarks/throughput.py --synthetic "$size" --dtype "$dtype" \
-    --concurrency "$conc" --thresholds threshold=0.5,cumulative-threshold=0.3 \
-    --out "$out/throughput.json" --plot "$out/throughput.png"
+want train_throughput &&
   stage train_throughput python3 benchmarks/train_throughput.py "${train[@]}" \
     --json "$out/train_throughput.json"
-  # The four aims (HBM floor, round/step, scheduler vs the rest, MFU): met, not met or missing.
-  stage targets python3 benchmarks/gpu_targets.py "$out" --json "$out/targets.json"
+for c in $levels; do
+  # Real shapes, random weights, a drafter whose per-position acceptance is chosen (tau ~4.4);
+  # the prompts are 48 tokens, so two prefill buckets serve every packing of them.
+  want "throughput_c$c" &&
+    stage "throughput_c$c" python3 benchmarks/throughput.py --synthetic "$size" --dtype "$dtype" \
+      --concurrency "$c" --thresholds threshold=0.5,cumulative-threshold=0.3 \
+      --prefill-buckets 64,256 --out "$out/throughput_c$c.json" --plot ""
+  if [ "$c" = "${levels%% *}" ]; then  # the tables that come after the aim's level
+    # shellcheck disable=SC2086
+    want cost_model &&
+      stage cost_model python3 benchmarks/cost_model.py --config "$size" --dtype bfloat16 \
+        --slots "$slots" --packed-slots "$packed" --contexts $contexts --max-lens $max_lens \
+        --json "$out/cost_model.json"
+    # shellcheck disable=SC2086
+    want attention_paths &&
+      stage attention_paths python3 benchmarks/attention_paths.py $attn --dtype bfloat16 \
+        --slots "$slots" --q-len 8 --json "$out/attention_paths.json"
+    want profile &&
+      stage profile dspark profile --config "$size" --dtype bfloat16 --mode verify \
+        --max-num-seqs "$packed" --out "$out/sps.json"
+  fi
+done
+if want throughput; then
+  parts=("$out"/throughput_c*.json)
+  if [ -e "${parts[0]}" ]; then
+    stage throughput python3 benchmarks/throughput.py --combine "${parts[@]}" \
+      --out "$out/throughput.json" --plot "$out/throughput.png"
+  else
+    echo "=== throughput: no throughput_c*.json in $out to combine"; failed+=(throughput)
+  fi
 fi
+# The four aims (HBM floor, round/step, scheduler vs the rest, MFU): met, not met or missing.
+want targets && stage targets python3 benchmarks/gpu_targets.py "$out" --json "$out/targets.json"
 
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED stages: ${failed[*]}"; exit 1; fi
 echo "all stages passed"

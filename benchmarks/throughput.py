@@ -47,10 +47,11 @@ from pathlib import Path
 import jax
 import numpy as np
 from decode_speed import CONFIGS, pair_configs, random_pair
-from provenance import git_commit
+from provenance import CompileClock, git_commit
 
 from dspark_jax.calibration.sts import StsArtifact
 from dspark_jax.checkpoints.converted import DecodingModels, load_decoding_models
+from dspark_jax.cli import use_compilation_cache
 from dspark_jax.conversations import read_turns
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Observer, Request
@@ -206,6 +207,11 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--context-len", type=int, default=128, help="profiling context")
     parser.add_argument(
+        "--prefill-buckets",
+        help="prefill token buckets, comma-separated (default: the engine's, 16 doubling to "
+        "256); each is a program every engine compiles, so prompts of one length need few",
+    )
+    parser.add_argument(
         "--synthetic",
         choices=sorted(CONFIGS),
         help="random weights of these shapes and a "
@@ -231,13 +237,14 @@ def main() -> None:
         "separately) into one --out, table and --plot",
     )
     parser.add_argument("--out", default="throughput.json")
-    parser.add_argument("--plot", default="throughput.png")
+    parser.add_argument("--plot", default="throughput.png", help="('' for none)")
     args = parser.parse_args()
     if args.combine:
         combine(args.combine, args.out, args.plot)
         return
     # The code measured is the code at the start: the tree may change during a long run.
     commit = git_commit()
+    use_compilation_cache()
 
     levels = tuple(int(c) for c in args.concurrency.split(","))
     thresholds = []
@@ -247,6 +254,9 @@ def main() -> None:
             parser.error(f"--thresholds: {item!r} is not threshold=V or cumulative-threshold=V")
         thresholds.append((name, float(value)))
     lengths = tuple(int(n) for n in args.lengths.split(","))
+    prefill_buckets = None
+    if args.prefill_buckets:
+        prefill_buckets = tuple(int(n) for n in args.prefill_buckets.split(","))
     n_prompts = max(levels) * args.requests_per_client
     if args.synthetic:
         if args.sts or args.prompts:
@@ -265,52 +275,6 @@ def main() -> None:
     longest = max(len(p) for p in prompts)
     max_model_len = -(-(longest + max(lengths) + gamma + 1) // 16) * 16
 
-    rows, tables = [], {}
-    for c in levels:
-        cfg = EngineConfig(
-            num_slots=c, max_model_len=max_model_len, prefill_chunk=256, prefill_seqs=8
-        )
-        if args.sps_table:
-            profile = policies.SpsProfile.load(Path(args.sps_table) / f"sps_c{c}.json")
-        else:
-            print(f"profiling rounds of {c} slots ...", flush=True)
-            profile = profile_engine(
-                target, drafter, cfg, context_len=args.context_len, steps=8, repeats=3
-            )
-        tables[c] = profile.to_json()
-        cfg = dataclasses.replace(cfg, token_buckets=profile.buckets)
-
-        def measure(engine: Engine, setting: str = "") -> dict:
-            engine.warm_up()
-            cell = run_cell(engine, prompts, lengths, args.requests_per_client, args.temperature)
-            return {**cell, "setting": setting}
-
-        def spec(policy, cfg=cfg):
-            return Engine(
-                target,
-                drafter,
-                cfg,
-                policy=policy,
-                stop_tokens=models.stop_tokens,
-                sts=sts,
-                drafter_fingerprint=models.drafter_fingerprint,
-            )
-
-        cells = {"no speculation": measure(Engine(target, None, cfg))}
-        cells["fixed gamma"] = measure(spec(None))
-        best = None
-        for name, t in thresholds:
-            label = f"{'a_k' if name.startswith('cumulative') else 'c_k'} >= {t}"
-            cell = measure(spec(policies.make_policy(name, gamma, threshold=t)), label)
-            if best is None or cell["throughput"] > best["throughput"]:
-                best = cell
-        cells["best threshold"] = best
-        cells["scheduler (Alg. 1)"] = measure(spec(policies.PrefixSchedulePolicy(profile)))
-        cells["scheduler (5.2)"] = measure(spec(policies.AsyncSchedulePolicy(profile)))
-        for mode, cell in cells.items():
-            rows.append({"concurrency": c, "mode": mode, **cell})
-            print(_row(rows[-1]), flush=True)
-
     device = jax.devices()[0]
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -324,14 +288,83 @@ def main() -> None:
         "sts": args.sts,
         "lengths": lengths,
         "requests_per_client": args.requests_per_client,
-        "sps_tables": tables,
-        "rows": rows,
+        "sps_tables": {},
+        "rows": [],
+        "thresholds": [],  # every static threshold tried; the rows keep the best per level
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    rows, tables = report["rows"], report["sps_tables"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for c in levels:
+        cfg = EngineConfig(
+            num_slots=c,
+            max_model_len=max_model_len,
+            prefill_chunk=256,
+            prefill_seqs=8,
+            prefill_buckets=prefill_buckets,
+        )
+        if args.sps_table:
+            profile = policies.SpsProfile.load(Path(args.sps_table) / f"sps_c{c}.json")
+        else:
+            print(f"profiling rounds of {c} slots ...", flush=True)
+            with CompileClock() as clock:
+                profile = profile_engine(
+                    target, drafter, cfg, context_len=args.context_len, steps=8, repeats=3
+                )
+            print(f"  profiled in {clock.wall_s:.0f} s ({clock.compile_s:.0f} s compiling)")
+        tables[c] = profile.to_json()
+        cfg = dataclasses.replace(cfg, token_buckets=profile.buckets)
+
+        def measure(mode: str, engine: Engine, setting: str = "", c=c) -> dict:
+            with CompileClock() as clock:
+                engine.warm_up()
+            cell = run_cell(engine, prompts, lengths, args.requests_per_client, args.temperature)
+            cell.update(setting=setting, programs=clock.programs, compile_s=clock.compile_s)
+            print(_row({"concurrency": c, "mode": mode, **cell}), flush=True)
+            return cell
+
+        def keep(mode: str, cell: dict, c=c) -> None:
+            # Written cell by cell: a run cut off later still leaves what it measured.
+            rows.append({"concurrency": c, "mode": mode, **cell})
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+        def spec(policy, cfg=cfg):
+            return Engine(
+                target,
+                drafter,
+                cfg,
+                policy=policy,
+                stop_tokens=models.stop_tokens,
+                sts=sts,
+                drafter_fingerprint=models.drafter_fingerprint,
+            )
+
+        # Plain decoding packs at most one token per slot: one bucket of `c` serves every
+        # round, where the profile's larger ones would be compiled and never run.
+        plain = Engine(target, None, dataclasses.replace(cfg, token_buckets=(c,)))
+        keep("no speculation", measure("no speculation", plain))
+        keep("fixed gamma", measure("fixed gamma", spec(None)))
+        best = None
+        for name, t in thresholds:
+            label = f"{'a_k' if name.startswith('cumulative') else 'c_k'} >= {t}"
+            cell = measure("threshold", spec(policies.make_policy(name, gamma, threshold=t)), label)
+            report["thresholds"].append({"concurrency": c, **cell})
+            if best is None or cell["throughput"] > best["throughput"]:
+                best = cell
+        keep("best threshold", best)
+        keep(
+            "scheduler (Alg. 1)",
+            measure("scheduler (Alg. 1)", spec(policies.PrefixSchedulePolicy(profile))),
+        )
+        keep(
+            "scheduler (5.2)",
+            measure("scheduler (5.2)", spec(policies.AsyncSchedulePolicy(profile))),
+        )
+
     print(f"\n{report['date']}  commit {commit}  {report['device']}  T={args.temperature}")
     print(markdown_table(rows))
-    _plot(rows, args.plot, f"{report['device']}, T={args.temperature}, commit {commit}")
-    print(f"wrote {args.out} and {args.plot}")
+    if args.plot:
+        _plot(rows, args.plot, f"{report['device']}, T={args.temperature}, commit {commit}")
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
 
 
 def combine(paths: list[str], out: str, plot: str) -> None:
@@ -354,14 +387,21 @@ def combine(paths: list[str], out: str, plot: str) -> None:
         }
         for p, rep in zip(paths, reports, strict=True)
     ]
-    Path(out).write_text(json.dumps({"parts": parts, "rows": rows}, indent=2) + "\n")
+    # The runs' own fields once each where they agree (as one run's report has them), listed
+    # where they differ; the parts say which run measured which levels.
+    joined = {}
+    for k in keep:
+        values = list(dict.fromkeys(str(part[k]) for part in parts))
+        joined[k] = parts[0][k] if len(values) == 1 else ", ".join(values)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({**joined, "parts": parts, "rows": rows}, indent=2) + "\n")
     for part in parts:
         print(f"c={part['levels']}: {part['date']}  commit {part['commit']}  {part['device']}")
     print(markdown_table(rows))
-    commits = ", ".join(dict.fromkeys(part["commit"] for part in parts))
-    devices = ", ".join(dict.fromkeys(part["device"] for part in parts))
-    _plot(rows, plot, f"{devices}, T={reports[0]['temperature']}, commits {commits}")
-    print(f"wrote {out} and {plot}")
+    if plot:
+        title = f"{joined['device']}, T={joined['temperature']}, commits {joined['commit']}"
+        _plot(rows, plot, title)
+    print(f"wrote {out}" + (f" and {plot}" if plot else ""))
 
 
 def _prompts(args, models: DecodingModels, n: int) -> list[list[int]]:
@@ -401,11 +441,14 @@ def synthetic_models(args) -> DecodingModels:
 
 def _row(r: dict) -> str:
     verified = "-" if r["verified"] is None else f"{r['verified']:.2f}"
+    built = ""
+    if "programs" in r:  # rows of earlier runs may lack it
+        built = f"  (warm-up: {r['programs']} programs, {r['compile_s']:.0f} s)"
     return (
         f"c={r['concurrency']:>3} {r['mode']:<20} {r['throughput']:8.1f} tok/s "
         f"{r['per_user']:7.1f} tok/s/user  TTFT p50 {r['ttft_ms'][0]:7.1f} ms  "
         f"ITL p50 {r['itl_ms'][0]:6.2f} ms  occupancy {r['occupancy']:.2f}  tau {r['tau']:.2f}  "
-        f"verified {verified}  {r['setting']}"
+        f"verified {verified}  {r['setting']}" + built
     )
 
 

@@ -1,0 +1,96 @@
+"""The benchmarks' shared pieces: provenance (commit, compile cost) and throughput's --combine,
+which joins concurrency levels measured in separate GPU calls for gpu_targets.py to judge."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_targets  # noqa: E402
+import provenance  # noqa: E402
+import throughput  # noqa: E402
+
+
+def test_compile_clock_counts_programs_built_inside_it():
+    def fresh(x):  # a function no other test compiled
+        return jnp.cos(x) * 3.25 + 1.0
+
+    f = jax.jit(fresh)
+    x = jnp.ones((7, 5))
+    with provenance.CompileClock() as clock:
+        f(x).block_until_ready()
+    assert clock.programs == 1
+    assert clock.compile_s > 0 and clock.wall_s >= clock.compile_s
+    with provenance.CompileClock() as again:
+        f(x).block_until_ready()  # jit's cache: nothing built
+    assert again.programs == 0
+    f(x + 1).block_until_ready()  # outside any clock: not counted anywhere
+    assert clock.programs == 1
+
+
+def test_git_commit_without_git_names_the_commit_it_was_given(monkeypatch):
+    def no_git(*args, **kwargs):
+        raise subprocess.CalledProcessError(128, "git", stderr="not a git repository")
+
+    monkeypatch.setattr(provenance.subprocess, "run", no_git)
+    monkeypatch.delenv(provenance.COMMIT_ENV, raising=False)
+    assert provenance.git_commit() == "unknown"
+    monkeypatch.setenv(provenance.COMMIT_ENV, "abc1234")
+    assert provenance.git_commit() == "abc1234"
+
+
+def _part(folder: Path, name: str, level: int, commit: str, throughputs: dict) -> str:
+    report = {
+        "date": f"2026-11-24T1{level % 10}:00:00+00:00",
+        "commit": commit,
+        "device": "gpu: NVIDIA H100 80GB HBM3",
+        "target": "synthetic qwen3-4b (bfloat16)",
+        "draft": "known acceptance 0.9 (c=4.0)",
+        "temperature": 1.0,
+        "sts": None,
+        "rows": [
+            {"concurrency": level, "mode": mode, "throughput": t, "per_user": t / level,
+             "ttft_ms": [1.0, 2.0, 3.0], "itl_ms": [1.0, 2.0, 3.0], "occupancy": 0.9,
+             "tau": 4.0, "verified": 6.0, "setting": ""}
+            for mode, t in throughputs.items()
+        ],  # fmt: skip
+    }
+    path = folder / name
+    path.write_text(json.dumps(report))
+    return str(path)
+
+
+def test_combine_joins_levels_that_gpu_targets_then_judges(tmp_path):
+    others = {"no speculation": 1000.0, "fixed gamma": 1500.0, "best threshold": 1600.0}
+    c64 = _part(tmp_path, "c64.json", 64, "abc1234",
+                {**others, "scheduler (Alg. 1)": 1900.0, "scheduler (5.2)": 1800.0})  # fmt: skip
+    c1 = _part(tmp_path, "c1.json", 1, "def5678", {"no speculation": 90.0, "fixed gamma": 200.0})
+    out = tmp_path / "joined" / "throughput.json"  # a folder that does not exist yet
+    throughput.combine([c64, c1], str(out), plot="")
+    joined = json.loads(out.read_text())
+    assert [(r["concurrency"], r["mode"]) for r in joined["rows"]][:2] == [
+        (1, "no speculation"),
+        (1, "fixed gamma"),
+    ]
+    assert len(joined["rows"]) == 7
+    # What the runs share is kept as one run has it; what differs is listed.
+    assert joined["device"] == "gpu: NVIDIA H100 80GB HBM3"
+    assert joined["temperature"] == 1.0 and joined["sts"] is None
+    assert joined["commit"] == "abc1234, def5678"
+    assert [p["levels"] for p in joined["parts"]] == [[64], [1]]
+    row = gpu_targets.scheduler_target(joined)
+    assert row["met"] is True
+    assert row["value"] == pytest.approx(1900.0 / 1600.0)
+    assert "NVIDIA H100" in row["detail"]
+
+
+def test_combine_refuses_a_cell_measured_twice(tmp_path):
+    a = _part(tmp_path, "a.json", 8, "abc1234", {"fixed gamma": 10.0})
+    b = _part(tmp_path, "b.json", 8, "abc1234", {"fixed gamma": 11.0})
+    with pytest.raises(SystemExit, match="more than one file"):
+        throughput.combine([a, b], str(tmp_path / "out.json"), plot="")
