@@ -325,6 +325,21 @@ def test_pallas_gpu_blocking_fits_triton(table_pages, page_size, head_dim, items
         assert per_block * 2 > full_block
 
 
+@pytest.mark.parametrize("tokens", [16, 48, 64, 128, 256, 272, 512, 4096])
+@pytest.mark.parametrize(("head_dim", "itemsize"), [(32, 4), (64, 2), (128, 2), (128, 4),
+                                                    (256, 4)])  # fmt: skip
+def test_pallas_gpu_new_token_blocks_fit_triton(tokens, head_dim, itemsize):
+    """The flash kernel's blocks over the new tokens divide them, are powers of two of at least
+    16 rows, at most 128, within 32 KiB unless 16 rows are larger, and as large as that allows
+    when the token count does (Qwen3's bf16 head_dim 128: 128; float32: 64)."""
+    block = attn._gpu_mha_block(tokens, head_dim, itemsize)
+    assert tokens % block == 0 and block >= 16 and block & (block - 1) == 0
+    assert block <= 128 and (block * head_dim * itemsize <= 32 * 1024 or block == 16)
+    fits = max(16, min(128, 32 * 1024 // (head_dim * itemsize)))
+    if tokens % fits == 0:
+        assert block == fits
+
+
 def test_pallas_gpu_partials_merge_splits_and_blocks():
     """One fold against a long page table, walked in several splits of several blocks each
     (float32 and head_dim 128: 4 pages of 16 keys a block; 200 pages: 13 splits of 4 blocks),

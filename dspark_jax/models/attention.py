@@ -728,6 +728,15 @@ def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: 
     return o_kqd[:, :queries], l_kq[:, :queries], m_kq[:, :queries]
 
 
+def _gpu_mha_block(padded_tokens: int, head_dim: int, itemsize: int) -> int:
+    """The flash kernel's query and key block for `padded_tokens` (a multiple of 16) new
+    tokens: a power of two dividing them, at most 128, and within _GPU_KV_BLOCK_BYTES per block
+    as the paged kernel's key blocks are (a float32 block of 128 x 128 would ask Triton for
+    about 256 KiB of shared memory: the query block and two stages of keys and values)."""
+    most = max(_MIN_DOT, min(128, _GPU_KV_BLOCK_BYTES // (head_dim * itemsize)))
+    return _largest_divisor(padded_tokens, most, power_of_two=True)
+
+
 def _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal, *, interpret: bool):
     """Attention among the packed new tokens of each sequence (causal or not), with its
     log-sum-exp, by the shipped flash attention: one segment id per sequence keeps sequences
@@ -738,8 +747,8 @@ def _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal, *, interpret: 
     groups = num_heads // k_thd.shape[1]
     k_thd = jnp.repeat(k_thd, groups, axis=1)
     v_thd = jnp.repeat(v_thd, groups, axis=1)
-    padded = -(-num_tokens // 16) * 16
-    block = _largest_divisor(padded, 128, power_of_two=True)
+    padded = -(-num_tokens // _MIN_DOT) * _MIN_DOT
+    block = _gpu_mha_block(padded, head_dim, jnp.dtype(q_thd.dtype).itemsize)
     pad = ((0, padded - num_tokens), (0, 0), (0, 0))
     segment_t = jnp.pad(jnp.where(rag.valid_t, rag.seq_t, -1), (0, padded - num_tokens),
                         constant_values=-1)
