@@ -11,10 +11,20 @@ rm -rf .whl && mkdir -p .whl
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
 # The runtime dependencies missing from the GPU image, and what they need in turn.
-for pkg in grain fastapi starlette uvicorn pydantic pydantic-core annotated-types \
-           typing-inspection tensorboardX openai distro jiter sniffio array-record dm-tree; do
+fetch() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp "${plat[@]}" -d .whl "$pkg"
+    --implementation cp "${plat[@]}" -d .whl "$@"
+}
+for pkg in grain fastapi starlette uvicorn pydantic annotated-types \
+           typing-inspection tensorboardX openai distro jiter sniffio array-record dm-tree; do
+  fetch "$pkg"
 done
+# pydantic needs one exact pydantic-core: the one its metadata names, not the newest.
+core=$(unzip -p .whl/pydantic-[0-9]*.whl '*/METADATA' |
+       sed -n 's/^Requires-Dist: pydantic-core==\([^ ;]*\).*/\1/p')
+fetch "pydantic-core==${core:?pydantic names no pydantic-core version}"
+# Flax as rehearsed with the image's jax 0.11.2 (docs/benchmarks.md): the image's own flax is
+# of a version nobody has read, and releases before 0.12.8 lack APIs the package uses.
+fetch "flax==0.12.12"
 ls -la .whl
 du -sh .whl
