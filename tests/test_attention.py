@@ -533,6 +533,39 @@ def test_default_impl_by_backend():
     assert attn.default_impl() == backend
 
 
+class _FakeGpu:
+    platform = "gpu"
+
+    def __init__(self, kind, capability):
+        self.device_kind = kind
+        if capability is not None:
+            self.compute_capability = capability
+
+
+@pytest.mark.parametrize(
+    ("kind", "capability", "expected"),
+    [("Tesla T4", "7.5", "jax"), ("Tesla V100-SXM2-16GB", "7.0", "jax"),
+     ("NVIDIA A100-SXM4-80GB", "8.0", "pallas_gpu"), ("NVIDIA H100 80GB HBM3", "9.0", "pallas_gpu"),
+     ("AMD Instinct MI300X", None, "pallas_gpu"), ("odd", "sm_75", "pallas_gpu")],
+)  # fmt: skip
+def test_gpus_older_than_ampere_default_to_pure_jax(monkeypatch, kind, capability, expected):
+    """Triton's kernels need Ampere or newer: on a T4 (Colab's free GPU) or a V100 the default
+    is the pure-JAX path, with a warning that says why and how to override it; a device that
+    does not state a readable capability keeps the kernels. A named backend (lowering for a
+    GPU that is not here) is never second-guessed."""
+    monkeypatch.delenv("DSPARK_JAX_ATTENTION", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGpu(kind, capability)])
+    if expected == "jax":
+        with pytest.warns(RuntimeWarning, match=rf"{kind} \(compute capability {capability}\)"):
+            assert attn.default_impl() == "jax"
+    else:
+        assert attn.default_impl() == expected
+    assert attn.default_impl("gpu") == "pallas_gpu"
+    monkeypatch.setenv("DSPARK_JAX_ATTENTION", "pallas_gpu")
+    assert attn.default_impl() == "pallas_gpu"
+
+
 def test_layout_rejects_unknown_impl_and_mismatched_queries():
     with pytest.raises(ValueError, match="unknown attention impl"):
         attn.PagedLayout(4, 4, 2, 16, "flash")

@@ -164,7 +164,8 @@ class Pages:
 
 
 def default_impl(backend: str | None = None) -> str:
-    """The attention path for a JAX backend name (the default backend when None).
+    """The attention path for a JAX backend name (when None: the default backend, and on a GPU
+    older than Ampere the pure-JAX path, see `_pre_ampere_gpu`).
 
     The environment variable DSPARK_JAX_ATTENTION (one of IMPLS) overrides the choice for every
     engine that does not name its own: the way out when a backend's kernel does not build or
@@ -176,12 +177,42 @@ def default_impl(backend: str | None = None) -> str:
                 f"{ATTENTION_ENV}={chosen!r} is not an attention path; expected one of {IMPLS}"
             )
         return chosen
-    backend = (backend or jax.default_backend()).lower()
+    if backend is None:
+        backend = jax.default_backend()
+        old_gpu = _pre_ampere_gpu() if backend == "gpu" else None
+        if old_gpu is not None:
+            warnings.warn(
+                f"{old_gpu}: the Triton attention kernels need compute capability 8.0 (Ampere) "
+                f"or newer, so attention runs as pure JAX ({ATTENTION_ENV}=pallas_gpu to try "
+                "the kernels anyway)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return "jax"
+    backend = backend.lower()
     if backend == "tpu":
         return "pallas_tpu"
     if backend in ("gpu", "cuda", "rocm"):
         return "pallas_gpu"
     return "jax"
+
+
+# Triton builds its kernels for Ampere (compute capability 8.0) and newer: Turing and Volta (a
+# Colab T4, a V100) lack the bfloat16 tensor-core instructions the attention kernels use.
+_TRITON_MIN_CAPABILITY = 8.0
+
+
+def _pre_ampere_gpu() -> str | None:
+    """'<device kind> (compute capability X)' when the first device is an NVIDIA GPU older than
+    Ampere, else None (also when the device does not say: the kernels stay the GPU default)."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    try:
+        if capability is None or float(capability) >= _TRITON_MIN_CAPABILITY:
+            return None
+    except (TypeError, ValueError):
+        return None
+    return f"{device.device_kind} (compute capability {capability})"
 
 
 def init_pages(layout: PagedLayout, dtype) -> Pages:
