@@ -93,12 +93,14 @@ if ! python3 -c "import dspark_jax.configs" 2>/dev/null; then
 fi
 dspark() { python3 -m dspark_jax.cli "$@"; }
 failed=()
-stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures
+summary=()
+stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures and times
   local name=$1; shift
   echo "=== $name: $*"
-  local start=$SECONDS
-  if ! "$@" 2>&1 | tee "$out/$name.log"; then failed+=("$name"); fi
+  local start=$SECONDS result=ok
+  if ! "$@" 2>&1 | tee "$out/$name.log"; then failed+=("$name"); result=FAILED; fi
   echo "=== $name took $((SECONDS - start)) s"
+  summary+=("$(printf '%-18s %6d s  %s' "$name" $((SECONDS - start)) "$result")")
   pack_results
 }
 
@@ -165,5 +167,9 @@ fi
 # The four aims (HBM floor, round/step, scheduler vs the rest, MFU): met, not met or missing.
 want targets && stage targets python3 benchmarks/gpu_targets.py "$out" --json "$out/targets.json"
 
+# Last, where a reply that keeps only the end of the output still shows it: what ran, how long
+# each stage took (to plan the next call within the device's limit), and what failed.
+echo "== stages (total $SECONDS s):"
+printf '   %s\n' "${summary[@]}"
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED stages: ${failed[*]}"; exit 1; fi
 echo "all stages passed"
