@@ -8,6 +8,7 @@
 #   STAGES="bench" bash benchmarks/gpu_session.sh   # benchmarks only
 #   STAGES="throughput_c1 throughput_c8" bash benchmarks/gpu_session.sh   # just these stages
 #   SIZE=tiny JAX_PLATFORMS=cpu STAGES=bench bash benchmarks/gpu_session.sh   # smoke run on CPU
+#   DEADLINE=560 bash benchmarks/gpu_session.sh   # stop cleanly within a 600 s device call
 #
 # STAGES names "tests", "bench" (every benchmark stage, in the order below) or single stages.
 # The benchmark stages come in the order of what the project's aims need: bandwidth and
@@ -91,14 +92,33 @@ if ! python3 -c "import dspark_jax.configs" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . ||
     { echo "could not install the package from this checkout"; exit 1; }
 fi
-dspark() { python3 -m dspark_jax.cli "$@"; }
 failed=()
 summary=()
+# DEADLINE (seconds from the start, optional): a stage gets only the time left before it, and
+# none starts once it has passed. Set it under the device call's limit (DEADLINE=560 with a
+# 600 s call): a stage stopped there still has its partial JSON packed and the summary printed,
+# which a call killed at its limit would not.
 stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures and times
   local name=$1; shift
+  local start=$SECONDS result=ok limit=()
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -le 5 ]; then
+      echo "=== $name: not started, DEADLINE=$DEADLINE s passed"
+      summary+=("$(printf '%-18s %8s  %s' "$name" - "not started")"); failed+=("$name")
+      return
+    fi
+    limit=(timeout --kill-after=15 "$left")
+  fi
   echo "=== $name: $*"
-  local start=$SECONDS result=ok
-  if ! "$@" 2>&1 | tee "$out/$name.log"; then failed+=("$name"); result=FAILED; fi
+  "${limit[@]}" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then
+    failed+=("$name"); result=FAILED
+    if [ ${#limit[@]} -gt 0 ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
+      result="stopped at DEADLINE=$DEADLINE s"
+    fi
+  fi
   echo "=== $name took $((SECONDS - start)) s"
   summary+=("$(printf '%-18s %6d s  %s' "$name" $((SECONDS - start)) "$result")")
   pack_results
@@ -151,8 +171,8 @@ for c in $levels; do
       stage attention_paths python3 benchmarks/attention_paths.py $attn --dtype bfloat16 \
         --slots "$slots" --q-len 8 --json "$out/attention_paths.json"
     want profile &&
-      stage profile dspark profile --config "$size" --dtype bfloat16 --mode verify \
-        --max-num-seqs "$packed" --out "$out/sps.json"
+      stage profile python3 -m dspark_jax.cli profile --config "$size" --dtype bfloat16 \
+        --mode verify --max-num-seqs "$packed" --out "$out/sps.json"
   fi
 done
 if want throughput; then
