@@ -2,6 +2,7 @@
 which joins concurrency levels measured in separate GPU calls for gpu_targets.py to judge."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,41 @@ def test_combine_refuses_a_cell_measured_twice(tmp_path):
     b = _part(tmp_path, "b.json", 8, "abc1234", {"fixed gamma": 11.0})
     with pytest.raises(SystemExit, match="more than one file"):
         throughput.combine([a, b], str(tmp_path / "out.json"), plot="")
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+
+
+def _session(tmp_path, **env):
+    run_env = {**os.environ, "SIZE": "tiny", "JAX_PLATFORMS": "cpu",
+               "RESULTS": str(tmp_path / "results"), **env}  # fmt: skip
+    run_env.pop("OUT", None)
+    return subprocess.run(
+        ["bash", str(SCRIPT)], env=run_env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_gpu_session_refuses_a_stage_it_does_not_have(tmp_path):
+    done = _session(tmp_path, STAGES="tests bandwith")
+    assert done.returncode == 2
+    assert "no stage named bandwith" in done.stdout and "throughput_c8" in done.stdout
+
+
+def test_gpu_session_runs_named_stages_and_ends_with_their_summary(tmp_path):
+    """Only the stages named run (here the aims' judge, on an empty results folder), the
+    commit comes from DSPARK_JAX_COMMIT where git cannot say, and with DEADLINE passed no stage
+    starts: each is listed as not started and the run fails."""
+    done = _session(tmp_path, STAGES="targets", GIT_DIR=str(tmp_path / "no-git"),
+                    DSPARK_JAX_COMMIT="abc1234")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "commit abc1234, stages: targets" in done.stdout
+    assert "=== targets:" in done.stdout and "=== bandwidth" not in done.stdout
+    assert (tmp_path / "results" / "targets.json").exists()
+    summary = done.stdout[done.stdout.index("== stages"):]
+    assert "targets" in summary and "ok" in summary and "all stages passed" in summary
+
+    late = _session(tmp_path, STAGES="bandwidth targets", DEADLINE="0")
+    assert late.returncode == 1
+    summary = late.stdout[late.stdout.index("== stages"):]
+    assert summary.count("not started") == 2
+    assert "FAILED stages: bandwidth targets" in summary
