@@ -310,7 +310,10 @@ def main() -> None:
                 profile = profile_engine(
                     target, drafter, cfg, context_len=args.context_len, steps=8, repeats=3
                 )
-            print(f"  profiled in {clock.wall_s:.0f} s ({clock.compile_s:.0f} s compiling)")
+            print(
+                f"  profiled in {clock.wall_s:.0f} s ({clock.compile_s:.0f} s compiling)",
+                flush=True,
+            )
         tables[c] = profile.to_json()
         cfg = dataclasses.replace(cfg, token_buckets=profile.buckets)
 
@@ -394,7 +397,9 @@ def combine(paths: list[str], out: str, plot: str) -> None:
         values = list(dict.fromkeys(str(part[k]) for part in parts))
         joined[k] = parts[0][k] if len(values) == 1 else ", ".join(values)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({**joined, "parts": parts, "rows": rows}, indent=2) + "\n")
+    thresholds = [t for report in reports for t in report.get("thresholds", [])]
+    joined_report = {**joined, "parts": parts, "rows": rows, "thresholds": thresholds}
+    Path(out).write_text(json.dumps(joined_report, indent=2) + "\n")
     for part in parts:
         print(f"c={part['levels']}: {part['date']}  commit {part['commit']}  {part['device']}")
     print(markdown_table(rows))

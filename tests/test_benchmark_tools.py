@@ -60,6 +60,10 @@ def _part(folder: Path, name: str, level: int, commit: str, throughputs: dict) -
              "tau": 4.0, "verified": 6.0, "setting": ""}
             for mode, t in throughputs.items()
         ],  # fmt: skip
+        # Every threshold tried at the level (the rows keep the best).
+        "thresholds": [{"concurrency": level, "throughput": throughputs["best threshold"]}]
+        if "best threshold" in throughputs
+        else [],
     }
     path = folder / name
     path.write_text(json.dumps(report))
@@ -84,6 +88,7 @@ def test_combine_joins_levels_that_gpu_targets_then_judges(tmp_path):
     assert joined["temperature"] == 1.0 and joined["sts"] is None
     assert joined["commit"] == "abc1234, def5678"
     assert [p["levels"] for p in joined["parts"]] == [[64], [1]]
+    assert joined["thresholds"] == [{"concurrency": 64, "throughput": 1600.0}]
     row = gpu_targets.scheduler_target(joined)
     assert row["met"] is True
     assert row["value"] == pytest.approx(1900.0 / 1600.0)
