@@ -17,6 +17,7 @@ from dspark_jax.checkpoints.converted import convert_checkpoints, load_decoding_
 from dspark_jax.cli import main
 from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
 from dspark_jax.decoding import engine as engine_module
+from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
 from dspark_jax.embedded import TINY_DRAFT, TINY_TARGET
@@ -226,3 +227,19 @@ def test_sharded_decode_holds_no_copy_of_the_page_pools(pair):
     stats = engine.lower()["decode_chunk"].compile().memory_analysis()
     # 2 target + 1 drafter layers of pools; a single copy of one layer's shard would break this.
     assert stats.temp_size_in_bytes < layer_shard_bytes / 2
+
+
+def test_policy_switch_on_a_mesh_selects_without_compiling(pair, single_device):
+    """Selecting a member of a switch places its carry as the sharded state's (committed to the
+    mesh): no program compiles, and member 0 (the whole block) gives the single-device tokens."""
+    target, drafter = pair
+    gamma = drafter.cfg.block_size
+    switch = policies.PolicySwitch((policies.FixedPolicy(gamma), policies.FixedPolicy(1)))
+    engine = Engine(target, drafter, CFG, policy=switch, mesh=_mesh(2, 1, 2))
+    engine.warm_up()
+    programs = engine.compiled_programs()
+    whole, _ = generate(engine, _requests(), policy_index=0)
+    one, _ = generate(engine, _requests(), policy_index=1)
+    assert engine.compiled_programs() == programs, "selecting a policy compiled"
+    assert [r.tokens for r in whole] == single_device[0]
+    assert max(r.verified.max() for r in one) == 1 < max(r.verified.max() for r in whole)

@@ -176,7 +176,8 @@ class Batcher:
 
     `max_waiting` bounds the queue (`submit` raises QueueFullError past it). `timed` makes every
     device call wait for its result and books its time in `timing` (offline measurement; the
-    server runs untimed so the device never waits for the host).
+    server runs untimed so the device never waits for the host). `policy_index`: for an engine
+    built with a `PolicySwitch`, the member that chooses the verified lengths (else the first).
     """
 
     def __init__(
@@ -186,6 +187,7 @@ class Batcher:
         max_waiting: int = 4096,
         observer: Observer | None = None,
         timed: bool = False,
+        policy_index: int | None = None,
     ):
         self.engine = engine
         cfg = engine.cfg
@@ -196,6 +198,8 @@ class Batcher:
         self.slot_rounds = 0  # turns live slots took in decode rounds
         self.device_rounds = 0
         self.state = engine.init_state()
+        if policy_index is not None:
+            self.state = engine.select_policy(self.state, policy_index)
         self.allocator = PageAllocator(cfg.pool_pages)
         self.free_slots = collections.deque(range(cfg.num_slots))
         self.owners: list[Handle | None] = [None] * cfg.num_slots
@@ -492,12 +496,16 @@ def generate(
     requests: Sequence[Request],
     on_tokens: Callable[[int, list[int]], None] | None = None,
     progress: bool = False,
+    policy_index: int | None = None,
 ) -> tuple[list[Result], LoopTiming]:
     """Offline batch inference: every request through one continuously batched loop.
 
     `on_tokens(i, new_tokens)` streams request i's tokens as they are read. Returns the results
-    in request order and where the time went (each device call is timed)."""
-    batcher = Batcher(engine, max_waiting=max(len(requests), 1), timed=True)
+    in request order and where the time went (each device call is timed). `policy_index`: see
+    `Batcher`."""
+    batcher = Batcher(
+        engine, max_waiting=max(len(requests), 1), timed=True, policy_index=policy_index
+    )
     results: list[Result | None] = [None] * len(requests)
     bar = None
     if progress:

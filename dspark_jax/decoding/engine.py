@@ -52,7 +52,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.calibration.sts import STS_TEMP_RTOL, StsArtifact
-from dspark_jax.decoding.policies import FixedPolicy, Policy, PolicyError, SpsProfile
+from dspark_jax.decoding import policies
+from dspark_jax.decoding.policies import FixedPolicy, Policy, PolicyError, PolicySwitch, SpsProfile
 from dspark_jax.decoding.verify import verify_packed
 from dspark_jax.errors import UserError
 from dspark_jax.models import attention, paged
@@ -331,12 +332,23 @@ def _check_sts(sts: StsArtifact, drafter: DSparkDrafter | None, fingerprint: str
 
 def token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, ...]:
     """The verification buckets; a policy with a measured SPS profile must use its buckets,
-    since its SPS values describe exactly those token counts. The largest must hold every slot
-    verifying as many drafts as the policy can ask for: the block, or a fixed policy's gamma."""
+    since its SPS values describe exactly those token counts (the profiles of a switch's members
+    must agree). The largest must hold every slot verifying as many drafts as the policy can ask
+    for: the block, or a fixed policy's gamma."""
     most = most_drafts(policy, gamma)
     top = cfg.num_slots * (most + 1)
-    profile = getattr(policy, "sps", None)
-    if isinstance(profile, SpsProfile):
+    profiles = {
+        p.sps.buckets: p.sps
+        for p in policies.members(policy)
+        if isinstance(getattr(p, "sps", None), SpsProfile)
+    }
+    if len(profiles) > 1:
+        raise EngineError(
+            f"the switch's SPS profiles measure different token buckets ({sorted(profiles)}); "
+            "one engine runs one set of buckets"
+        )
+    if profiles:
+        (profile,) = profiles.values()
         if cfg.token_buckets is not None and tuple(sorted(cfg.token_buckets)) != profile.buckets:
             raise EngineError(
                 f"token_buckets {tuple(sorted(cfg.token_buckets))} differ from the SPS profile's "
@@ -350,8 +362,8 @@ def token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, .
         # multiples of a block; other policies start at one token per slot.
         if most == 0:
             smallest = 1
-        elif isinstance(policy, FixedPolicy):
-            smallest = most + 1
+        elif all(isinstance(p, FixedPolicy) for p in policies.members(policy)):
+            smallest = min(most_drafts(p, gamma) for p in policies.members(policy)) + 1
         else:
             smallest = cfg.num_slots
         buckets = default_token_buckets(cfg.num_slots, most, smallest)
@@ -364,8 +376,12 @@ def token_buckets(cfg: EngineConfig, policy: Policy, gamma: int) -> tuple[int, .
 
 
 def most_drafts(policy: Policy, gamma: int) -> int:
-    """The most drafts `policy` verifies per slot in one round of a block of `gamma`."""
-    return min(policy.gamma, gamma) if isinstance(policy, FixedPolicy) else gamma
+    """The most drafts `policy` (any member of a switch) verifies per slot in one round of a
+    block of `gamma`."""
+    return max(
+        min(p.gamma, gamma) if isinstance(p, FixedPolicy) else gamma
+        for p in policies.members(policy)
+    )
 
 
 def _is_stop(tokens_s, stop_sk):
@@ -408,8 +424,9 @@ class Engine:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a Policy, got {type(policy).__name__}")
         if drafter is not None and policy.needs_confidence and drafter.confidence_head is None:
+            names = [type(p).__name__ for p in policies.members(policy) if p.needs_confidence]
             raise EngineError(
-                f"{type(policy).__name__} needs confidences; this drafter has no confidence head"
+                f"{', '.join(names)} needs confidences; this drafter has no confidence head"
             )
         self.policy = policy
         self.stop_tokens = tuple(stop_tokens) or target.cfg.eos_token_ids
@@ -547,6 +564,25 @@ class Engine:
 
     def init_state(self) -> SlotState:
         return self._init(self.target_params, self.drafter_params)
+
+    def select_policy(self, state: SlotState, index: int) -> SlotState:
+        """`state` with member `index` of the engine's `PolicySwitch` choosing the verified
+        lengths from the next round on, with no new program. Every member's carry starts
+        afresh, as in a new state (a history-based policy first waits for its history)."""
+        if not isinstance(self.policy, PolicySwitch):
+            raise PolicyError(
+                f"select_policy needs an engine built with a PolicySwitch; this one runs "
+                f"{type(self.policy).__name__} only"
+            )
+        carry = self.policy.init_carry(self.cfg.num_slots, max(self.gamma, 1), index)
+        # Placed exactly as the carry it replaces, committed to its devices or not: an argument
+        # placed differently is a new entry in the programs' dispatch caches -- a recompilation.
+        carry = jax.tree.map(
+            lambda new, old: jax.device_put(new, old.sharding) if old.committed else new,
+            carry,
+            state.policy_carry,
+        )
+        return state.replace(policy_carry=carry)
 
     # -- verbs ---------------------------------------------------------------------------------
     def prefill(self, state: SlotState, batch: PrefillBatch) -> tuple[SlotState, PrefillOutput]:

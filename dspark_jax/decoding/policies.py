@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -308,6 +309,84 @@ class AsyncSchedulePolicy:
             rounds_seen=carry.rounds_seen + 1,
         )
         return lengths_b, carry
+
+
+# -- several policies, one program --------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SwitchCarry:
+    """Which policy of a `PolicySwitch` runs (an int32 scalar) and every member's own carry."""
+
+    index: jax.Array
+    carries: tuple
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PolicySwitch:
+    """Several policies compiled into one engine program; the engine state says which one runs.
+
+    A policy is part of the decode program (its thresholds and SPS tables are constants there),
+    so an engine per policy compiles the target's and drafter's forwards once per policy. An
+    engine built with a switch compiles them once: `Engine.select_policy(state, i)` makes member
+    i decide the lengths from the next round on, with no new program. Every round runs all the
+    members' length rules -- a few operations on [slots, gamma] arrays each -- and keeps the
+    chosen one's lengths with a select, not a conditional (a conditional on a GPU reads its
+    branch index back to the host). The members' carries advance only while they are chosen.
+
+    Selecting a member is lossless whenever it happens between rounds: each member decides from
+    information available before the drafts it judges were sampled, and which member runs is
+    fixed before the round starts."""
+
+    policies: tuple
+    needs_confidence: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        members = tuple(self.policies)
+        if not members:
+            raise PolicyError("a policy switch needs at least one policy")
+        for p in members:
+            if isinstance(p, PolicySwitch):
+                raise PolicyError("a policy switch cannot hold another switch; list its members")
+            if not isinstance(p, Policy):
+                raise PolicyError(f"a policy switch holds policies, got {type(p).__name__}")
+        object.__setattr__(self, "policies", members)
+        object.__setattr__(self, "needs_confidence", any(p.needs_confidence for p in members))
+
+    def __len__(self) -> int:
+        return len(self.policies)
+
+    def init_carry(self, batch: int, gamma: int, index: int = 0) -> SwitchCarry:
+        self.check_index(index)
+        return SwitchCarry(
+            jnp.asarray(np.int32(index)), tuple(p.init_carry(batch, gamma) for p in self.policies)
+        )
+
+    def check_index(self, index: int) -> None:
+        if not isinstance(index, (int, np.integer)) or not 0 <= index < len(self.policies):
+            raise PolicyError(
+                f"policy index must be an integer in 0..{len(self.policies) - 1}, got {index!r}"
+            )
+
+    def reset_slots(self, carry: SwitchCarry, mask_b: jax.Array) -> SwitchCarry:
+        carries = tuple(
+            p.reset_slots(c, mask_b) for p, c in zip(self.policies, carry.carries, strict=True)
+        )
+        return SwitchCarry(carry.index, carries)
+
+    def step(self, conf_logits_bk, active_b, carry: SwitchCarry):
+        lengths, carries = [], []
+        for i, (p, old) in enumerate(zip(self.policies, carry.carries, strict=True)):
+            lengths_b, new = p.step(conf_logits_bk, active_b, old)
+            chosen = carry.index == i
+            lengths.append(_masked(lengths_b, active_b))
+            carries.append(jax.tree.map(functools.partial(jnp.where, chosen), new, old))
+        lengths_b = jnp.take(jnp.stack(lengths), carry.index, axis=0, mode="clip")
+        return lengths_b, SwitchCarry(carry.index, tuple(carries))
+
+
+def members(policy: Policy) -> tuple:
+    """The policies a policy stands for: a switch's members, else the policy itself."""
+    return policy.policies if isinstance(policy, PolicySwitch) else (policy,)
 
 
 POLICY_NAMES = ("fixed", "threshold", "cumulative-threshold", "scheduler", "async-scheduler")
