@@ -17,7 +17,9 @@ had work to hand out; `throughput_with_tail` in the JSON includes the drain at t
 per-user speed (median over requests of decode tokens / decode time), time to first token and
 inter-token latency percentiles, slot occupancy over the same loaded phase (the share of slot
 turns in decode rounds that served a live request), tau and drafts verified per round.
-Compilation happens before timing (`warm_up`).
+Compilation happens before timing (`warm_up`). Each level builds two engines: the plain one
+and one speculative engine holding every policy above (`policies.PolicySwitch`), so the
+target's and drafter's forwards compile once per level, not once per policy.
 
     python benchmarks/throughput.py                 # the tiny byte-level pair, CPU
     python benchmarks/throughput.py --target T --draft D --prompts mt-bench.jsonl
@@ -121,8 +123,16 @@ def _weighted_percentiles(pairs, qs) -> list[float]:
     return [float(values[order][np.searchsorted(cum, q / 100.0)]) for q in qs]
 
 
-def run_cell(engine: Engine, prompts, lengths, requests_per_client: int, temperature: float):
+def run_cell(
+    engine: Engine,
+    prompts,
+    lengths,
+    requests_per_client: int,
+    temperature: float,
+    policy_index: int | None = None,
+):
     """One closed-loop run with `engine.cfg.num_slots` clients; returns the cell's numbers.
+    `policy_index`: the member of the engine's `PolicySwitch` that runs.
 
     The clients draw from one shared pool of `clients * requests_per_client` requests, each taking
     the next the moment its previous one finishes. Throughput and occupancy are measured over the
@@ -131,7 +141,7 @@ def run_cell(engine: Engine, prompts, lengths, requests_per_client: int, tempera
     requests' lengths."""
     clients = engine.cfg.num_slots
     observer = _Latencies()
-    batcher = Batcher(engine, observer=observer)
+    batcher = Batcher(engine, observer=observer, policy_index=policy_index)
     rng = np.random.default_rng(0)
     pool = collections.deque(
         Request(
@@ -317,10 +327,14 @@ def main() -> None:
         tables[c] = profile.to_json()
         cfg = dataclasses.replace(cfg, token_buckets=profile.buckets)
 
-        def measure(mode: str, engine: Engine, setting: str = "", c=c) -> dict:
+        def measure(mode: str, engine: Engine, setting: str = "", index=None, c=c) -> dict:
+            # Programs and seconds compiled for this cell: the switch engine's cells after its
+            # first reuse its programs and show none.
             with CompileClock() as clock:
                 engine.warm_up()
-            cell = run_cell(engine, prompts, lengths, args.requests_per_client, args.temperature)
+            cell = run_cell(
+                engine, prompts, lengths, args.requests_per_client, args.temperature, index
+            )
             cell.update(setting=setting, programs=clock.programs, compile_s=clock.compile_s)
             print(_row({"concurrency": c, "mode": mode, **cell}), flush=True)
             return cell
@@ -330,38 +344,41 @@ def main() -> None:
             rows.append({"concurrency": c, "mode": mode, **cell})
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
-        def spec(policy, cfg=cfg):
-            return Engine(
-                target,
-                drafter,
-                cfg,
-                policy=policy,
-                stop_tokens=models.stop_tokens,
-                sts=sts,
-                drafter_fingerprint=models.drafter_fingerprint,
-            )
-
         # Plain decoding packs at most one token per slot: one bucket of `c` serves every
         # round, where the profile's larger ones would be compiled and never run.
         plain = Engine(target, None, dataclasses.replace(cfg, token_buckets=(c,)))
         keep("no speculation", measure("no speculation", plain))
-        keep("fixed gamma", measure("fixed gamma", spec(None)))
+        # Every speculative policy in one engine: the target's and drafter's forwards compile
+        # once per level, not once per policy (`policies.PolicySwitch`).
+        labels = [f"{'a_k' if n.startswith('cumulative') else 'c_k'} >= {t}" for n, t in thresholds]
+        members = (
+            policies.FixedPolicy(gamma),
+            *(policies.make_policy(n, gamma, threshold=t) for n, t in thresholds),
+            policies.PrefixSchedulePolicy(profile),
+            policies.AsyncSchedulePolicy(profile),
+        )
+        spec = Engine(
+            target,
+            drafter,
+            cfg,
+            policy=policies.PolicySwitch(members),
+            stop_tokens=models.stop_tokens,
+            sts=sts,
+            drafter_fingerprint=models.drafter_fingerprint,
+        )
+        keep("fixed gamma", measure("fixed gamma", spec, index=0))
         best = None
-        for name, t in thresholds:
-            label = f"{'a_k' if name.startswith('cumulative') else 'c_k'} >= {t}"
-            cell = measure("threshold", spec(policies.make_policy(name, gamma, threshold=t)), label)
+        for i, label in enumerate(labels, start=1):
+            cell = measure("threshold", spec, label, index=i)
             report["thresholds"].append({"concurrency": c, **cell})
             if best is None or cell["throughput"] > best["throughput"]:
                 best = cell
-        keep("best threshold", best)
-        keep(
-            "scheduler (Alg. 1)",
-            measure("scheduler (Alg. 1)", spec(policies.PrefixSchedulePolicy(profile))),
-        )
-        keep(
-            "scheduler (5.2)",
-            measure("scheduler (5.2)", spec(policies.AsyncSchedulePolicy(profile))),
-        )
+        if best is not None:
+            keep("best threshold", best)
+        n = len(labels)
+        keep("scheduler (Alg. 1)", measure("scheduler (Alg. 1)", spec, index=n + 1))
+        keep("scheduler (5.2)", measure("scheduler (5.2)", spec, index=n + 2))
+        del plain, spec
 
     print(f"\n{report['date']}  commit {commit}  {report['device']}  T={args.temperature}")
     print(markdown_table(rows))
