@@ -58,6 +58,7 @@ def answer_conversations(
     on_turn: TurnCallback | None = None,
     progress: bool = False,
     skip_unfit: bool = False,
+    policy_index: int | None = None,
 ) -> ConversationRun:
     """Answers every conversation turn by turn; see the module docstring.
 
@@ -65,9 +66,12 @@ def answer_conversations(
     its turn i+1 (with that answer in its context) joins the running batch. A prompt that does
     not fit the engine raises `EngineError`, or with `skip_unfit` ends its conversation there
     and is listed in `skipped`. Request seeds are `seed + conversation * max_turns + turn`.
+    `policy_index`: the member of the engine's `PolicySwitch` that runs (see `Batcher`).
     """
     max_turns = max((len(c) for c in conversations), default=0)
-    batcher = Batcher(engine, max_waiting=max(len(conversations), 1), timed=True)
+    batcher = Batcher(
+        engine, max_waiting=max(len(conversations), 1), timed=True, policy_index=policy_index
+    )
     run = ConversationRun(turns=[], timing=batcher.timing, skipped=[])
     stop = engine.stop_tokens
     bar = None
@@ -179,8 +183,10 @@ def evaluate_dataset(
     seed: int = 0,
     enable_thinking: bool = False,
     progress: bool = False,
+    policy_index: int | None = None,
 ) -> tuple[DatasetReport, ConversationRun]:
-    """Speculative decoding over `conversations`, then plain decoding on the same prompts."""
+    """Speculative decoding over `conversations`, then plain decoding on the same prompts.
+    `policy_index`: the member of `spec`'s `PolicySwitch` that runs."""
     run = answer_conversations(
         spec,
         tokenizer,
@@ -191,6 +197,7 @@ def evaluate_dataset(
         enable_thinking=enable_thinking,
         progress=progress,
         skip_unfit=True,
+        policy_index=policy_index,
     )
     plain_timing = replay(plain, run) if plain is not None else None
     report = DatasetReport(
