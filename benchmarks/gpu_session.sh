@@ -67,7 +67,7 @@ fi
 bench_stages="bandwidth decode_speed train_throughput throughput_c${levels%% *} cost_model"
 bench_stages+=" attention_paths profile"
 for c in ${levels#* }; do bench_stages+=" throughput_c$c"; done
-bench_stages+=" throughput targets"
+bench_stages+=" switch_cost throughput targets"
 for name in $stages; do
   if [[ " tests bench $bench_stages " != *" $name "* ]]; then
     echo "STAGES: no stage named $name (tests, bench, $bench_stages)"; exit 2
@@ -76,7 +76,7 @@ done
 want() { [[ " $stages " == *" $1 "* || ( " $stages " == *" bench "* && $1 != tests ) ]]; }
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 # Programs two stages or two engines share (a profile compiling the decode chunk again to read
-# its HLO, prefill programs of engines that differ only in policy) compile once per machine.
+# its HLO, the switch-cost stage's engines) compile once per machine.
 export DSPARK_JAX_COMPILATION_CACHE=${DSPARK_JAX_COMPILATION_CACHE:-/tmp/dspark-gpu-xla}
 # Benchmarks: one process, which may take 90% of the GPU's memory (JAX's default is 75%).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
@@ -140,7 +140,8 @@ if want tests; then
     python3 -m pytest -q -n 4 --maxfail=8 -p no:cacheprovider \
     tests/test_attention.py tests/test_engine.py tests/test_verify.py tests/test_sampling.py \
     tests/test_fixture_parity.py tests/test_transformers_parity.py tests/test_lossless.py \
-    tests/test_scheduled_engine.py tests/test_train_step.py tests/test_train_loss.py
+    tests/test_scheduled_engine.py tests/test_policy_switch.py tests/test_train_step.py \
+    tests/test_train_loss.py
 fi
 
 want bandwidth &&
@@ -175,6 +176,11 @@ for c in $levels; do
         --mode verify --max-num-seqs "$packed" --out "$out/sps.json"
   fi
 done
+# What the serving-load tables' one-engine-for-all-policies costs a round (ratio ~1 expected):
+# the scheduler under the switch against its own engine, at the aim's level.
+want switch_cost &&
+  stage switch_cost python3 benchmarks/policy_switch_cost.py --synthetic "$size" \
+    --dtype "$dtype" --concurrency "${levels%% *}" --members 5 --json "$out/switch_cost.json"
 if want throughput; then
   parts=("$out"/throughput_c*.json)
   if [ -e "${parts[0]}" ]; then

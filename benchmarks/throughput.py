@@ -240,6 +240,12 @@ def main() -> None:
         help="the static-threshold grid, POLICY=VALUE,... (the best per concurrency is kept)",
     )
     parser.add_argument(
+        "--separate-engines",
+        action="store_true",
+        help="one speculative engine per policy (compiles each) instead of one PolicySwitch "
+        "engine for all: a check that the switch does not change the numbers",
+    )
+    parser.add_argument(
         "--combine",
         nargs="+",
         metavar="JSON",
@@ -296,6 +302,7 @@ def main() -> None:
         else args.draft,
         "temperature": args.temperature,
         "sts": args.sts,
+        "speculative_engines": "one per policy" if args.separate_engines else "one PolicySwitch",
         "lengths": lengths,
         "requests_per_client": args.requests_per_client,
         "sps_tables": {},
@@ -349,7 +356,8 @@ def main() -> None:
         plain = Engine(target, None, dataclasses.replace(cfg, token_buckets=(c,)))
         keep("no speculation", measure("no speculation", plain))
         # Every speculative policy in one engine: the target's and drafter's forwards compile
-        # once per level, not once per policy (`policies.PolicySwitch`).
+        # once per level, not once per policy (`policies.PolicySwitch`). --separate-engines
+        # builds one engine per policy instead, to check that the switch costs nothing.
         labels = [f"{'a_k' if n.startswith('cumulative') else 'c_k'} >= {t}" for n, t in thresholds]
         members = (
             policies.FixedPolicy(gamma),
@@ -357,28 +365,38 @@ def main() -> None:
             policies.PrefixSchedulePolicy(profile),
             policies.AsyncSchedulePolicy(profile),
         )
-        spec = Engine(
-            target,
-            drafter,
-            cfg,
-            policy=policies.PolicySwitch(members),
-            stop_tokens=models.stop_tokens,
-            sts=sts,
-            drafter_fingerprint=models.drafter_fingerprint,
-        )
-        keep("fixed gamma", measure("fixed gamma", spec, index=0))
+
+        def spec(policy, cfg=cfg):
+            return Engine(
+                target,
+                drafter,
+                cfg,
+                policy=policy,
+                stop_tokens=models.stop_tokens,
+                sts=sts,
+                drafter_fingerprint=models.drafter_fingerprint,
+            )
+
+        switch = None if args.separate_engines else spec(policies.PolicySwitch(members))
+
+        def member(mode: str, i: int, setting="", switch=switch, members=members) -> dict:
+            if switch is not None:
+                return measure(mode, switch, setting, index=i)
+            return measure(mode, spec(members[i]), setting)
+
+        keep("fixed gamma", member("fixed gamma", 0))
         best = None
         for i, label in enumerate(labels, start=1):
-            cell = measure("threshold", spec, label, index=i)
+            cell = member("threshold", i, label)
             report["thresholds"].append({"concurrency": c, **cell})
             if best is None or cell["throughput"] > best["throughput"]:
                 best = cell
         if best is not None:
             keep("best threshold", best)
         n = len(labels)
-        keep("scheduler (Alg. 1)", measure("scheduler (Alg. 1)", spec, index=n + 1))
-        keep("scheduler (5.2)", measure("scheduler (5.2)", spec, index=n + 2))
-        del plain, spec
+        keep("scheduler (Alg. 1)", member("scheduler (Alg. 1)", n + 1))
+        keep("scheduler (5.2)", member("scheduler (5.2)", n + 2))
+        del plain, switch
 
     print(f"\n{report['date']}  commit {commit}  {report['device']}  T={args.temperature}")
     print(markdown_table(rows))
@@ -398,7 +416,9 @@ def combine(paths: list[str], out: str, plot: str) -> None:
     repeated = sorted(cell for cell, n in cells.items() if n > 1)
     if repeated:
         raise SystemExit(f"--combine: {repeated} measured in more than one file")
-    keep = ("date", "commit", "device", "target", "draft", "temperature", "sts")
+    keep = (
+        "date", "commit", "device", "target", "draft", "temperature", "sts", "speculative_engines"
+    )
     parts = [
         {
             "file": p,
