@@ -137,3 +137,16 @@ def test_engine_checks_the_switch():
     )
     with pytest.raises(policies.PolicyError, match=r"integer in 0\.\.1"):
         switch.select_policy(switch.init_state(), 2)
+
+
+def test_buckets_hold_the_members_longest_verification():
+    """A switch's buckets serve every member: the largest holds the most drafts any member asks
+    for, and a switch of fixed policies starts at the shortest one's block."""
+    target, drafter = load_pair("vanilla")
+    unset = dataclasses.replace(CFG, token_buckets=None)
+    slots, gamma = CFG.num_slots, drafter.cfg.block_size
+    fixed = policies.PolicySwitch((policies.FixedPolicy(1), policies.FixedPolicy(3)))
+    assert Engine(target, drafter, unset, policy=fixed).token_buckets == (2, 4, 8, 16)
+    mixed = policies.PolicySwitch((policies.FixedPolicy(1), policies.ThresholdPolicy(0.5)))
+    buckets = Engine(target, drafter, unset, policy=mixed).token_buckets
+    assert buckets[0] == slots and buckets[-1] == slots * (gamma + 1)
