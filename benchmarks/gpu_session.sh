@@ -53,7 +53,7 @@ if [ "$size" = tiny ]; then
   train=(); bw_gib=0.25
 else
   batches="1 8 32 64"; contexts="256 1024 4096"; max_lens="1024 8192 32768"; slots=32
-  packed=64; levels="64 1 8 32 128"; bw_gib=4; dtype=bfloat16
+  packed=64; levels="64 1 8 32 128 256"; bw_gib=4; dtype=bfloat16
   attn="--kv-heads 8 --groups 4 --head-dim 128 --kv-lens 512,1024,2048,4096 --capacity 8192"
   attn+=" --capacities 2048,4096,8192,16384"
   # The released recipe (configs/train_qwen3.py): one 4096-token sequence per micro-step, the
