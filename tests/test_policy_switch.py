@@ -72,7 +72,7 @@ def test_bad_switches_and_indices_are_refused():
         policies.PolicySwitch((inner,))
     switch = policies.PolicySwitch((policies.FixedPolicy(1), policies.FixedPolicy(2)))
     assert not switch.needs_confidence
-    for bad in (2, -1, 0.5, "1"):
+    for bad in (2, -1, 0.5, "1", True):
         with pytest.raises(policies.PolicyError, match=r"integer in 0\.\.1"):
             switch.init_carry(4, 3, bad)
 

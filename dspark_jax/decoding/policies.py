@@ -362,7 +362,8 @@ class PolicySwitch:
         )
 
     def check_index(self, index: int) -> None:
-        if not isinstance(index, (int, np.integer)) or not 0 <= index < len(self.policies):
+        ok = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+        if not ok or not 0 <= index < len(self.policies):
             raise PolicyError(
                 f"policy index must be an integer in 0..{len(self.policies) - 1}, got {index!r}"
             )
