@@ -21,7 +21,7 @@ import statistics
 import jax
 from decode_speed import CONFIGS
 from provenance import git_commit
-from throughput import synthetic_models
+from throughput import THRESHOLDS, speculative_policies, synthetic_models
 
 from dspark_jax.checkpoints.converted import load_decoding_models
 from dspark_jax.cli import use_compilation_cache
@@ -50,7 +50,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--members", default="1,5,6", help="switch members to time (0..6)")
+    parser.add_argument(
+        "--members", default="1,5,6", help="switch members to time (0: fixed, 1-4: thresholds, "
+        "5: Algorithm 1, 6: Section 5.2)"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     use_compilation_cache()
@@ -64,15 +67,8 @@ def main() -> None:
     cfg = EngineConfig(num_slots=c, max_model_len=256 + args.new_tokens, prefill_chunk=256)
     profile = profile_engine(target, drafter, cfg, context_len=64, steps=4, repeats=2)
     cfg = dataclasses.replace(cfg, token_buckets=profile.buckets)
-    members = (
-        policies.FixedPolicy(gamma),
-        policies.ThresholdPolicy(0.5),
-        policies.ThresholdPolicy(0.7),
-        policies.ThresholdPolicy(0.3, cumulative=True),
-        policies.ThresholdPolicy(0.5, cumulative=True),
-        policies.PrefixSchedulePolicy(profile),
-        policies.AsyncSchedulePolicy(profile),
-    )
+    # The serving-load table's switch: fixed gamma, its default thresholds, the two schedulers.
+    members = speculative_policies(gamma, THRESHOLDS, profile)
     vocab = target.cfg.vocab_size
     requests = [
         Request(

@@ -17,9 +17,10 @@ had work to hand out; `throughput_with_tail` in the JSON includes the drain at t
 per-user speed (median over requests of decode tokens / decode time), time to first token and
 inter-token latency percentiles, slot occupancy over the same loaded phase (the share of slot
 turns in decode rounds that served a live request), tau and drafts verified per round.
-Compilation happens before timing (`warm_up`). Each level builds two engines: the plain one
-and one speculative engine holding every policy above (`policies.PolicySwitch`), so the
-target's and drafter's forwards compile once per level, not once per policy.
+Compilation happens before timing (`warm_up`). Beside the SPS profile's, each level builds two
+engines: the plain one and one speculative engine holding every policy above
+(`policies.PolicySwitch`), so the target's and drafter's forwards compile once per level, not
+once per policy.
 
     python benchmarks/throughput.py                 # the tiny byte-level pair, CPU
     python benchmarks/throughput.py --target T --draft D --prompts mt-bench.jsonl
@@ -359,12 +360,7 @@ def main() -> None:
         # once per level, not once per policy (`policies.PolicySwitch`). --separate-engines
         # builds one engine per policy instead, to check that the switch costs nothing.
         labels = [f"{'a_k' if n.startswith('cumulative') else 'c_k'} >= {t}" for n, t in thresholds]
-        members = (
-            policies.FixedPolicy(gamma),
-            *(policies.make_policy(n, gamma, threshold=t) for n, t in thresholds),
-            policies.PrefixSchedulePolicy(profile),
-            policies.AsyncSchedulePolicy(profile),
-        )
+        members = speculative_policies(gamma, thresholds, profile)
 
         def spec(policy, cfg=cfg):
             return Engine(
@@ -403,6 +399,17 @@ def main() -> None:
     if args.plot:
         _plot(rows, args.plot, f"{report['device']}, T={args.temperature}, commit {commit}")
     print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+
+
+def speculative_policies(gamma: int, thresholds, profile: policies.SpsProfile) -> tuple:
+    """The table's speculative policies in its row order: fixed gamma, each (name, threshold)
+    of `thresholds`, Algorithm 1 and the Section 5.2 variant on `profile`."""
+    return (
+        policies.FixedPolicy(gamma),
+        *(policies.make_policy(name, gamma, threshold=t) for name, t in thresholds),
+        policies.PrefixSchedulePolicy(profile),
+        policies.AsyncSchedulePolicy(profile),
+    )
 
 
 def combine(paths: list[str], out: str, plot: str) -> None:
