@@ -156,12 +156,30 @@ def test_notebook_runs_in_a_kernel(path, parameters, tmp_path, monkeypatch):
         assert set(result["domains"]) == {"math", "code", "chat"}
 
 
+# A kernel in which dspark_jax cannot be imported, as on a fresh Colab runtime: a None entry in
+# sys.modules makes importlib.util.find_spec answer None.
+HIDE_PACKAGE = 'import sys\nsys.modules["dspark_jax"] = None'
+
+
 def test_install_cell_outside_a_checkout_says_what_to_do(tmp_path):
-    # Opened away from a checkout with both form fields empty (a fresh Colab), the cell stops at
-    # once with the one line that says what to fill in, instead of failing cells later.
-    nb = nbformat.v4.new_notebook(cells=[_install_cell(_read(NOTEBOOK_DIR / "quickstart.ipynb"))])
+    # Opened away from a checkout with both form fields empty and nothing installed (a fresh
+    # Colab), the cell stops at once with the one line that says what to fill in, instead of
+    # failing cells later.
+    install = _install_cell(_read(NOTEBOOK_DIR / "quickstart.ipynb"))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(HIDE_PACKAGE), install])
     with pytest.raises(CellExecutionError, match="set REPO_URL .* or WHEEL"):
         _execute(nb, tmp_path, timeout=120)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_install_cell_outside_a_checkout_keeps_an_installed_package(path, tmp_path):
+    # Away from a checkout but with dspark_jax already importable (installed from a wheel, or the
+    # cell run before on Colab), the cell keeps it rather than refusing to go on.
+    nb = nbformat.v4.new_notebook(cells=[_install_cell(_read(path))])
+    ran = _execute(nb, tmp_path, timeout=120)
+    out = _stdout(ran.cells[0])
+    assert "dspark_jax is already installed (" in out and "nothing to do" in out
+    assert "pip install" not in out
 
 
 # Run in the fresh virtualenv by the test below: the driver is the only thing there besides the
