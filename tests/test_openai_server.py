@@ -302,6 +302,48 @@ def test_stop_strings_cut_text_and_free_the_slot(served):
     wait_idle(served.url)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_counts_what_the_client_got(served, stream):
+    """A stop string cuts the answer and cancels the rest: the metrics count the answer the
+    client got (finish reason stop, its tokens, their latencies), not the tokens the engine
+    produced before the cancel landed."""
+    prompt = "def main():\n    "
+    free = _complete(served.url, prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    stop = free["choices"][0]["text"][3:5]
+    wait_idle(served.url)
+    before = metrics(served.url)
+    body = {
+        "prompt": prompt,
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stop": stop,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+    }
+    if stream:
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as r:
+            events = list(sse_events(r))
+        assert events[-1] == DONE
+        finish, usage = events[-3]["choices"][0]["finish_reason"], events[-2]["usage"]
+    else:
+        r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        finish, usage = r.json()["choices"][0]["finish_reason"], r.json()["usage"]
+    assert finish == "stop" and usage["completion_tokens"] < 8
+    after = wait_idle(served.url)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew("dspark:request_success_total{finished_reason=stop}") == 1
+    assert grew("dspark:request_success_total{finished_reason=abort}") == 0
+    assert grew("dspark:generation_tokens_total") == usage["completion_tokens"]
+    assert grew("dspark:prompt_tokens_total") == usage["prompt_tokens"]
+    # Every token after the first has one inter-token latency.
+    assert grew("dspark:inter_token_latency_seconds_count") == usage["completion_tokens"] - 1
+
+
 def test_streaming_chat_with_usage_through_the_openai_client(served):
     client = served.client
     stream = client.chat.completions.create(

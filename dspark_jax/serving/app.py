@@ -148,26 +148,32 @@ class _Live:
     def __init__(self, loop: asyncio.AbstractEventLoop, runner: EngineRunner):
         self.loop = loop
         self.runner = runner
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # (kind, payload, when the engine thread delivered it; None for interruptions)
+        self.queue: asyncio.Queue[tuple[str, Any, float | None]] = asyncio.Queue()
         self.handle = None
         self.started = False  # a token has arrived
+        self.arrived = 0  # tokens that arrived
         self.ended = False
+        self.failed = False  # the engine failed
 
     def on_event(self, kind: str, payload: Any) -> None:
         """Called on the engine thread."""
+        at = time.monotonic()
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-            self.loop.call_soon_threadsafe(self._put, kind, payload)
+            self.loop.call_soon_threadsafe(self._put, kind, payload, at)
 
-    def _put(self, kind: str, payload: Any) -> None:
+    def _put(self, kind: str, payload: Any, at: float) -> None:
         if kind == "tokens":
             self.started = True
+            self.arrived += len(payload)
         elif kind in ("done", "error"):
             self.ended = True
-        self.queue.put_nowait((kind, payload))
+            self.failed = kind == "error"
+        self.queue.put_nowait((kind, payload, at))
 
     def interrupt(self, kind: str) -> None:
         """Ends the request early: `kind` ("disconnected", "shed") reaches the reader next."""
-        self.queue.put_nowait((kind, None))
+        self.queue.put_nowait((kind, None, None))
         self.cancel()
 
     def cancel(self) -> None:
@@ -177,24 +183,38 @@ class _Live:
 
 
 class _Generation:
-    """Reads one request's events: text deltas cut at stop strings, token ids, finish reason."""
+    """Reads one request's events: text deltas cut at stop strings, token ids, finish reason.
+    Times the tokens the answer keeps (inter-token latency)."""
 
-    def __init__(self, live: _Live, tokenizer: Any, stop_strings, hidden_ids: frozenset[int]):
+    def __init__(
+        self,
+        live: _Live,
+        tokenizer: Any,
+        stop_strings,
+        hidden_ids: frozenset[int],
+        metrics: ServingMetrics,
+    ):
         self.live = live
         self.text = TextStream(tokenizer)
         self.stops = StopStrings(stop_strings)
         self.hidden_ids = hidden_ids  # stop token ids: they end the text, they are not text
+        self.metrics = metrics
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.last_at: float | None = None  # when the previous tokens arrived
 
     async def next_piece(self) -> tuple[str, list[int]] | None:
         """The next (text, token ids) piece, or None once finished. Raises ApiError when the
         engine failed or a drain shed the request, _ClientGone when the client left."""
         if self.finish_reason is not None:
             return None
-        kind, payload = await self.live.queue.get()
+        kind, payload, at = await self.live.queue.get()
         if kind == "tokens":
-            return self._tokens(payload)
+            text, kept = self._tokens(payload)
+            if self.last_at is not None:  # the first token's wait is the time to first token
+                self.metrics.observe_tokens(len(kept), (at - self.last_at) / len(payload))
+            self.last_at = at
+            return text, kept
         if kind == "done":
             text = self.stops.feed(self.text.flush())
             text += self.stops.finish()
@@ -223,6 +243,16 @@ class _Generation:
                 break
         self.token_ids += ids
         return "".join(texts), ids
+
+    def outcome(self) -> tuple[str, int] | None:
+        """(finish reason, generation tokens) as the metrics count this request: what its answer
+        held, or "abort" and every token that arrived before it was cut short (client gone,
+        shed); None when the engine failed."""
+        if self.live.failed:
+            return None
+        if self.finish_reason in ("stop", "length"):
+            return self.finish_reason, len(self.token_ids)
+        return "abort", self.live.arrived
 
     def usage(self, prompt_tokens: int) -> api.Usage:
         completion = len(self.token_ids)
@@ -479,6 +509,11 @@ class OpenAIServer:
         except ServiceUnavailable as e:
             raise _unavailable(str(e)) from None
         self.live.add(live)
+        hidden = frozenset(engine_req.stop_token_ids) | (
+            frozenset() if req.ignore_eos else frozenset(self.model.stop_tokens)
+        )
+        gen = _Generation(live, self.model.tokenizer, req.stop_strings, hidden, self.metrics)
+        prompt_len = len(prompt_ids)
         finished = False
 
         def finish() -> None:
@@ -492,13 +527,12 @@ class OpenAIServer:
             live.cancel()
             self.live.discard(live)
             self.metrics.e2e.observe(time.monotonic() - arrived)
+            outcome = gen.outcome()
+            if outcome is not None:
+                self.metrics.observe_request(outcome[0], prompt_len, outcome[1])
 
         watcher = asyncio.create_task(self._watch_disconnect(http, live, finish))
 
-        hidden = frozenset(engine_req.stop_token_ids) | (
-            frozenset() if req.ignore_eos else frozenset(self.model.stop_tokens)
-        )
-        gen = _Generation(live, self.model.tokenizer, req.stop_strings, hidden)
         prefix = "chatcmpl" if chat else "cmpl"
         shape = _Shape(
             chat,
@@ -507,7 +541,6 @@ class OpenAIServer:
             self.model.name,
             req.return_token_ids,
         )
-        prompt_len = len(prompt_ids)
         if not req.stream:
             try:
                 return await self._whole(gen, shape, prompt_len)
@@ -556,6 +589,7 @@ class OpenAIServer:
                 if text or (ids and shape.with_ids):
                     yield _sse(shape.dump(shape.chunk(text, ids)))
                 piece = await gen.next_piece()
+            finish()  # the request is over (and counted) before its client hears so
             yield _sse(shape.dump(shape.chunk("", [], gen.finish_reason)))
             if include_usage:
                 yield _sse(shape.dump(shape.usage_chunk(gen.usage(prompt_len))))
