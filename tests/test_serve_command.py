@@ -227,6 +227,66 @@ def test_serve_openai_client_and_sigterm_drain(tmp_path):
             proc.wait()
 
 
+# Requests long enough to outlast a short drain deadline many times over on any host.
+UNENDING = {"max_tokens": 3990, "ignore_eos": True, "temperature": 1.5}
+
+
+def _abort_running_requests(tmp_path, drain_timeout: float, signals: int) -> float:
+    """One long streaming and one long non-streaming request, then `signals` Ctrl-Cs: both
+    requests are cut short by the server itself with a whole answer, and the process exits 0
+    without a traceback. Returns the seconds from the first Ctrl-C to the exit."""
+    proc, url = _start(tmp_path, "--max-model-len=4000", f"--drain-timeout={drain_timeout}")
+    try:
+        assert wait_until(lambda: _health(url) == 200, 600, interval=0.2)
+        started: list = []
+
+        def stream() -> list:
+            body = {"prompt": "a", "stream": True, **UNENDING}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                return list(_note_first(sse_events(r), started))
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            streamed = pool.submit(stream)
+            whole = pool.submit(
+                httpx.post, f"{url}/v1/completions", json={"prompt": "b", **UNENDING}, timeout=120
+            )
+            assert wait_until(
+                lambda: started and metrics(url)["dspark:num_requests_running"] == 2, 120, 0.02
+            )
+            t0 = time.monotonic()
+            for _ in range(signals):
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.2)
+            events, answer = streamed.result(), whole.result()
+        assert proc.wait(60) == 0
+        waited = time.monotonic() - t0
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["type"] == "service_unavailable"
+        assert "shut down before this request finished" in answer.json()["error"]["message"]
+        assert events[-1] == DONE
+        assert events[-2]["choices"][0]["finish_reason"] == "abort"
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
+        log = (tmp_path / "serve.log").read_text()
+        assert "Traceback" not in log and "ERROR" not in log, log
+        return waited
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_drain_deadline_ends_running_requests_with_whole_answers(tmp_path):
+    waited = _abort_running_requests(tmp_path, drain_timeout=0.5, signals=1)
+    assert 0.5 <= waited < 15
+
+
+def test_a_second_ctrl_c_aborts_running_requests_at_once(tmp_path):
+    waited = _abort_running_requests(tmp_path, drain_timeout=300, signals=2)
+    assert waited < 15
+
+
 def test_ctrl_c_during_warm_up_exits_promptly(tmp_path):
     """Warm-up cannot be interrupted mid-compilation; Ctrl-C still ends the process at once
     (after --drain-timeout), with status 0 and no traceback."""

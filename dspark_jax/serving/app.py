@@ -16,7 +16,9 @@ so a request refused or shed before it started still gets a proper status code.
 
 A client that goes away cancels its request: a watcher per request waits for the ASGI
 disconnect message. Draining (SIGTERM, Ctrl-C) refuses new requests, answers 503 to those that
-have not produced a token yet, and lets the others finish.
+have not produced a token yet, and lets the others finish until the drain deadline; then it
+aborts them through the engine runner, so each still gets a whole answer: a 503 error object
+(non-streaming) or a last chunk with finish reason "abort" and `data: [DONE]` (streaming).
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ class _Live:
         self.queue.put_nowait((kind, payload, at))
 
     def interrupt(self, kind: str) -> None:
-        """Ends the request early: `kind` ("disconnected", "shed") reaches the reader next."""
+        """Ends the request early: `kind` ("disconnected", "shed", "aborted") reaches the
+        reader next."""
         self.queue.put_nowait((kind, None, None))
         self.cancel()
 
@@ -224,6 +227,9 @@ class _Generation:
             raise ApiError(500, str(payload), kind="server_error", code="engine_failed")
         if kind == "shed":
             raise _unavailable("the server is shutting down; this request did not start")
+        if kind == "aborted":
+            self.finish_reason = "abort"
+            return None
         raise _ClientGone
 
     def _tokens(self, ids: list[int]) -> tuple[str, list[int]]:
@@ -374,19 +380,35 @@ class OpenAIServer:
         metrics.ready.set_function(lambda: float(self.status == "ok"))
 
     # -- life cycle ------------------------------------------------------------------------------
-    def drain(self) -> None:
-        """(On the event loop.) Refuses new requests and sheds those that have not started."""
+    def drain(self, deadline_s: float | None = None) -> None:
+        """(On the event loop.) Refuses new requests, sheds those that have not started and,
+        `deadline_s` later, aborts those still running (None: lets them finish)."""
         self.draining = True
         self.runner.close()
         for live in list(self.live):
             if not live.started:
                 live.interrupt("shed")
+        if deadline_s is not None and self.loop is not None:
+            self.loop.call_later(deadline_s, self.abort_running)
 
-    def request_drain(self) -> None:
+    def abort_running(self) -> None:
+        """(On the event loop.) Ends every request in flight now, each with a whole answer; the
+        engine runner frees their slots."""
+        for live in list(self.live):
+            live.interrupt("aborted" if live.started else "shed")
+
+    def request_drain(self, deadline_s: float | None = None) -> None:
         """`drain` from any thread (or a signal handler)."""
+        self._call_soon(self.drain, deadline_s)
+
+    def request_abort(self) -> None:
+        """`abort_running` from any thread (or a signal handler)."""
+        self._call_soon(self.abort_running)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         if self.loop is not None:
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.drain)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing runs
+                self.loop.call_soon_threadsafe(fn, *args)
 
     @property
     def status(self) -> str:
@@ -567,6 +589,8 @@ class OpenAIServer:
                 texts.append(piece[0])
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+        if gen.finish_reason == "abort":
+            raise _unavailable("the server shut down before this request finished")
         body = shape.response("".join(texts), gen, gen.usage(prompt_len))
         return JSONResponse(shape.dump(body))
 

@@ -9,9 +9,14 @@
   never timed out: `_HeadDeadline` answers 408 and closes when a request head is not complete
   `read_timeout_s` after the connection opened (or after its first bytes, on a kept-alive
   connection). Bodies have their own deadline in the app (`HttpLimits.read_timeout_s`).
-- SIGTERM and SIGINT (Ctrl-C) drain: the app stops taking requests and sheds those not started
-  (503), uvicorn stops accepting connections and waits up to `drain_timeout_s` for the running
-  ones, then cancels what is left. A second Ctrl-C stops waiting.
+- SIGTERM and SIGINT (Ctrl-C) drain: uvicorn closes the listening socket and the app stops
+  taking requests and sheds those not started (503). Running requests get `drain_timeout_s` to
+  finish; then the app aborts them itself, so each ends with a whole answer (503, or a last
+  chunk with finish reason "abort" and [DONE]) and the process exits 0 with nothing cancelled
+  mid-write. A second Ctrl-C aborts them at once. uvicorn's own deadline, which cancels
+  connection tasks (tracebacks, a bare 500, a stream cut mid-chunk), is set
+  `_ABORT_GRACE_S` past ours: only a client that stops reading its answer meets it, or a third
+  Ctrl-C.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from dspark_jax.serving.metrics import ServingMetrics
 from dspark_jax.serving.runtime import FAILED, EngineRunner
 
 log = logging.getLogger(__name__)
+
+# Time the requests aborted at the drain deadline get to write their last bytes.
+_ABORT_GRACE_S = 5.0
 
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -128,18 +136,26 @@ def _protocol(read_timeout_s: float) -> type[H11Protocol]:
 
 
 class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_signal):
+    def __init__(self, config: uvicorn.Config, on_drain, on_abort):
         super().__init__(config)
-        self._on_signal = on_signal
+        self._on_drain = on_drain
+        self._on_abort = on_abort
+        self._aborted = False
 
     def handle_exit(self, sig: int, frame) -> None:
         # Not uvicorn's own: once shut down it raises the signal again, so SIGTERM would end the
-        # process with the signal's status instead of the drain's exit 0.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
+        # process with the signal's status instead of the drain's exit 0. And its second Ctrl-C
+        # (force_exit) leaves requests and the lifespan to be cancelled mid-await, each with a
+        # traceback; ours aborts the requests, which end at once, and leaves force_exit to a
+        # third.
+        if not self.should_exit:
             self.should_exit = True
-            self._on_signal()
+            self._on_drain()
+        elif sig == signal.SIGINT and not self._aborted:
+            self._aborted = True
+            self._on_abort()
+        elif sig == signal.SIGINT:
+            self.force_exit = True
 
 
 class HttpServer:
@@ -166,10 +182,12 @@ class HttpServer:
             log_level=log_level,
             access_log=access_log,
             timeout_keep_alive=5,
-            timeout_graceful_shutdown=drain_timeout_s,
+            timeout_graceful_shutdown=drain_timeout_s + _ABORT_GRACE_S,
             limit_concurrency=max_connections,
         )
-        self._server = _Uvicorn(config, app_server.request_drain)
+        self._server = _Uvicorn(
+            config, lambda: app_server.request_drain(drain_timeout_s), app_server.request_abort
+        )
         self._thread: threading.Thread | None = None
 
     @property
