@@ -51,13 +51,8 @@ def test_server_on_a_mesh_answers_as_one_device():
     mesh = make_mesh(MeshConfig(1, 1, 2), jax.devices()[:2])
     models = load_decoding_models(root / "target", root / "draft", progress=False, mesh=mesh)
     sharded = Engine(models.target, models.drafter, CFG, stop_tokens=models.stop_tokens, mesh=mesh)
-    served = ServedModel(
-        name=MODEL,
-        tokenizer=models.tokenizer,
-        max_model_len=CFG.max_model_len,
-        gamma=sharded.gamma,
-        stop_tokens=sharded.stop_tokens,
-        defaults=SamplingDefaults.from_model_dir(models.model_dir),
+    served = ServedModel.of_engine(
+        sharded, MODEL, models.tokenizer, SamplingDefaults.from_model_dir(models.model_dir)
     )
     app_server = build_app_server(
         sharded, served, max_waiting=16, limits=HttpLimits(read_timeout_s=5.0)

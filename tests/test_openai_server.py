@@ -69,13 +69,8 @@ def served():
             )
         ],
     )
-    model = ServedModel(
-        name=MODEL,
-        tokenizer=models.tokenizer,
-        max_model_len=SMALL_ENGINE.max_model_len,
-        gamma=engine.gamma,
-        stop_tokens=engine.stop_tokens,
-        defaults=SamplingDefaults.from_model_dir(models.model_dir),
+    model = ServedModel.of_engine(
+        engine, MODEL, models.tokenizer, SamplingDefaults.from_model_dir(models.model_dir)
     )
     app_server = build_app_server(
         engine, model, max_waiting=64, limits=HttpLimits(read_timeout_s=READ_TIMEOUT_S)
@@ -139,7 +134,51 @@ def test_models_and_health(served):
     assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
     models = served.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert models.data[0].model_extra["max_model_len"] == SMALL_ENGINE.max_model_len
+
+
+def test_a_request_may_use_all_of_the_advertised_max_model_len(served):
+    advertised = served.client.models.list().data[0].model_extra["max_model_len"]
+    # The engine keeps one verification block (anchor + 7 drafts) beyond a request's last token.
+    assert advertised == SMALL_ENGINE.max_model_len - 8
+    prompt = list(b"# a long one\n")
+    body = dict(prompt=prompt, temperature=0, ignore_eos=True)
+    full = _complete(served.url, max_tokens=advertised - len(prompt), **body)
+    assert full["usage"]["total_tokens"] == advertised
+    r = httpx.post(
+        f"{served.url}/v1/completions",
+        json={**body, "max_tokens": advertised - len(prompt) + 1},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+CHAT = [{"role": "user", "content": "x"}]
+LONG = "x" * 600  # over max_model_len on its own
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("completions", {"prompt": LONG}, "prompt"),
+        ("completions", {"prompt": LONG, "max_tokens": 5}, "prompt"),
+        ("completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+        ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+        ("chat/completions", {"messages": CHAT, "max_tokens": 5000}, "max_tokens"),
+        (
+            "chat/completions",
+            {"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 5000},
+            "max_completion_tokens",
+        ),
+    ],
+)
+def test_context_length_errors_name_the_field(served, path, body, param):
+    r = httpx.post(f"{served.url}/v1/{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == param
+    assert "max_model_len 504" in error["message"]
 
 
 def test_greedy_equals_offline_generate_and_plain_greedy(served):

@@ -73,8 +73,9 @@ def test_bad_settings_are_refused_before_loading(argv, fragment):
         (["--port", "70000"], "--port must be in 0..65535"),
         (["--host", "no-such-host.invalid"], "cannot resolve"),
         (["--max-model-len", "100000"], "max_position_embeddings"),
+        (["--max-model-len", "4090"], "use at most 4088"),  # 4096 less one block of 7 + 1
         (["--kv-pages", "3"], "cannot hold one request"),
-        (["--max-num-seqs", "60000", "--max-model-len", "4096"], "lower --kv-pages"),
+        (["--max-num-seqs", "60000", "--max-model-len", "4088"], "lower --kv-pages"),
     ],
 )
 def test_bad_settings_are_refused_before_serving(argv, fragment):
@@ -102,6 +103,16 @@ def _start(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
 def _openai_checks(url: str) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # --max-model-len is what /v1/models advertises and what a request may use, prompt + answer.
+    assert client.models.list().data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    full = client.completions.create(
+        model=MODEL,
+        prompt=[65],
+        max_tokens=MAX_MODEL_LEN - 1,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.usage.total_tokens == MAX_MODEL_LEN
     greedy = client.completions.create(
         model=MODEL, prompt="def add(a, b):\n", max_tokens=24, temperature=0
     )

@@ -128,7 +128,7 @@ class _ExplodingBatcher:
 
 def test_engine_failure_answers_in_flight_requests_and_stops_the_server(monkeypatch):
     monkeypatch.setattr(runtime, "Batcher", _ExplodingBatcher)
-    model = ServedModel("m", ByteTokenizer(), 64, 0, (256,))
+    model = ServedModel("m", ByteTokenizer(), 64, (256,))
     app_server = OpenAIServer(
         EngineRunner(_Engine(), max_waiting=4), model, ServingMetrics(1, 1, 0)
     )
@@ -150,7 +150,7 @@ def test_engine_failure_answers_in_flight_requests_and_stops_the_server(monkeypa
 
 
 def _chat_server(tokenizer) -> OpenAIServer:
-    model = ServedModel("m", tokenizer, 256, 0, (tokenizer.eos_token_id,))
+    model = ServedModel("m", tokenizer, 256, (tokenizer.eos_token_id,))
     return OpenAIServer(EngineRunner(_Engine(), max_waiting=1), model, ServingMetrics(1, 1, 0))
 
 

@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--max-model-len",
         type=int,
-        help=f"most positions per request, prompt + answer + one block (default: "
-        f"{DEFAULT_MAX_MODEL_LEN} or the model's context if smaller)",
+        help=f"most tokens per request, prompt + answer, as /v1/models advertises it (default: "
+        f"{DEFAULT_MAX_MODEL_LEN}, or what the model's context leaves after one verification "
+        "block)",
     )
     engine.add_argument(
         "--kv-pages",
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.checkpoints.converted import load_decoding_models
     from dspark_jax.cli.args import build_policy, decoding_mesh_for
-    from dspark_jax.decoding.engine import Engine, EngineConfig, format_bytes
+    from dspark_jax.decoding.engine import Engine, EngineConfig, block_positions, format_bytes
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
 
@@ -215,10 +216,19 @@ def _serve(args: argparse.Namespace, sock) -> int:
     mesh = decoding_mesh_for(args, target, draft)
     models = load_decoding_models(target, draft, dtype=args.dtype, progress=False, mesh=mesh)
     context = models.target.cfg.max_position_embeddings
-    max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, context)
+    # The engine keeps one verification block beyond each request's last token: it gets those
+    # positions on top, so a request may use all of --max-model-len for prompt + answer.
+    block = block_positions(models.gamma)
+    max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, context - block)
+    if max_model_len + block > context:
+        raise UserError(
+            f"--max-model-len {max_model_len} plus one verification block ({block} positions) "
+            f"exceeds the model's context (max_position_embeddings {context}); use at most "
+            f"{context - block}"
+        )
     cfg = EngineConfig(
         num_slots=args.max_num_seqs,
-        max_model_len=max_model_len,
+        max_model_len=max_model_len + block,
         page_size=args.page_size,
         num_pages=args.kv_pages,
         rounds_per_chunk=args.rounds_per_chunk,
@@ -246,13 +256,8 @@ def _serve(args: argparse.Namespace, sock) -> int:
         mesh=mesh,
     )
     kv_bytes = engine.state_bytes
-    model = ServedModel(
-        name=name,
-        tokenizer=models.tokenizer,
-        max_model_len=max_model_len,
-        gamma=engine.gamma,
-        stop_tokens=engine.stop_tokens,
-        defaults=SamplingDefaults.from_model_dir(models.model_dir),
+    model = ServedModel.of_engine(
+        engine, name, models.tokenizer, SamplingDefaults.from_model_dir(models.model_dir)
     )
     app_server = build_app_server(
         engine,
@@ -275,7 +280,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         else "plain decoding"
     )
     print(
-        f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} positions, KV "
+        f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} tokens, KV "
         f"{format_bytes(kv_bytes)}{'' if mesh is None else ' per device'}) on "
         f"http://{host}:{port}/v1 -- warming up, /health turns "
         "200 when ready; SIGTERM or Ctrl-C drains and stops",

@@ -77,6 +77,13 @@ class EngineError(UserError):
     """A request or setting the engine cannot serve as configured."""
 
 
+def block_positions(gamma: int) -> int:
+    """Cache positions a request may write past its last token: its final round verifies an
+    anchor and gamma drafts there. A server sizes max_model_len this much above the prompt +
+    answer tokens it takes."""
+    return gamma + 1
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static shapes of the engine.
@@ -603,7 +610,12 @@ class Engine:
     # -- host helpers --------------------------------------------------------------------------
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache positions a request can touch: its prompt, its tokens and one block beyond."""
-        return prompt_len + max_new_tokens + self.gamma + 1
+        return prompt_len + max_new_tokens + block_positions(self.gamma)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most prompt + new tokens one request may have: max_model_len less one block."""
+        return self.cfg.max_model_len - block_positions(self.gamma)
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return -(-self.positions_needed(prompt_len, max_new_tokens) // self.cfg.page_size)

@@ -47,7 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from dspark_jax.config import read_config_json
 from dspark_jax.decoding.batching import QueueFullError, Request
-from dspark_jax.decoding.engine import EngineError
+from dspark_jax.decoding.engine import Engine, EngineError
 from dspark_jax.errors import UserError
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.serving import protocol as api
@@ -90,10 +90,21 @@ class ServedModel:
 
     name: str
     tokenizer: Any
+    # Most prompt + completion tokens per request, as /v1/models advertises it: the engine's
+    # max_model_len less the verification block it keeps beyond (`Engine.max_request_tokens`).
     max_model_len: int
-    gamma: int  # drafts per block (0: plain decoding)
     stop_tokens: tuple[int, ...]  # end-of-generation ids the engine stops at (unless ignore_eos)
     defaults: SamplingDefaults = SamplingDefaults()
+
+    @classmethod
+    def of_engine(
+        cls,
+        engine: Engine,
+        name: str,
+        tokenizer: Any,
+        defaults: SamplingDefaults = SamplingDefaults(),
+    ) -> ServedModel:
+        return cls(name, tokenizer, engine.max_request_tokens, engine.stop_tokens, defaults)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,17 +500,7 @@ class OpenAIServer:
     def engine_request(self, req: api.GenerationRequest, prompt_ids: list[int]) -> Request:
         model = self.model
         defaults = model.defaults
-        limit = req.token_limit if isinstance(req, api.ChatCompletionRequest) else req.max_tokens
-        if limit is None:
-            # What fits the context (vLLM's default): the engine also needs one block beyond.
-            limit = model.max_model_len - len(prompt_ids) - model.gamma - 1
-            if limit < 1:
-                raise ApiError(
-                    400,
-                    f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate "
-                    f"within max_model_len {model.max_model_len}",
-                    code="context_length_exceeded",
-                )
+        limit = self.token_limit(req, len(prompt_ids))
         top_k = defaults.top_k if req.top_k is None else max(req.top_k, 0)  # -1 means off
         sampling = SamplingConfig(
             temperature=defaults.temperature if req.temperature is None else req.temperature,
@@ -514,6 +515,33 @@ class OpenAIServer:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
         )
+
+    def token_limit(self, req: api.GenerationRequest, prompt_len: int) -> int:
+        """The request's max new tokens; what fits the context when it names none (vLLM's
+        default). Raises ApiError (context_length_exceeded) when prompt + answer cannot fit."""
+        context = self.model.max_model_len
+        limit = req.token_limit
+        prompt = "messages" if isinstance(req, api.ChatCompletionRequest) else "prompt"
+        owner = "messages'" if prompt == "messages" else "prompt's"
+        if prompt_len >= context:
+            raise ApiError(
+                400,
+                f"the {owner} {prompt_len} tokens leave no room to generate within "
+                f"max_model_len {context}",
+                param=prompt,
+                code="context_length_exceeded",
+            )
+        if limit is None:
+            return context - prompt_len
+        if prompt_len + limit > context:
+            raise ApiError(
+                400,
+                f"the {owner} {prompt_len} tokens plus {req.token_limit_param} {limit} make "
+                f"{prompt_len + limit}, over max_model_len {context}",
+                param=req.token_limit_param,
+                code="context_length_exceeded",
+            )
+        return limit
 
     async def generate(self, http: HttpRequest, req: api.GenerationRequest, chat: bool) -> Response:
         arrived = time.monotonic()

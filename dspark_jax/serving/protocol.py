@@ -87,6 +87,15 @@ class GenerationRequest(_Strict):
         return self
 
     @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        """The field `token_limit` came from."""
+        return "max_tokens"
+
+    @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -175,6 +184,10 @@ class ChatCompletionRequest(GenerationRequest):
     def token_limit(self) -> int | None:
         """max_completion_tokens (the current name) wins over the deprecated max_tokens."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     @property
     def enable_thinking(self) -> bool:
