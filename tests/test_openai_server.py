@@ -467,7 +467,7 @@ def test_full_queue_answers_503_at_once(served):
         (b'{"prompt": "x", "max_tokens": 600}', 400, "max_model_len"),
         (b'{"prompt": "x", "seed": -1}', 400, "seed"),
         (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
-        (b'{"prompt": "x", "n": 2}', 400, "n=2"),
+        (b'{"prompt": "x", "n": 2}', 400, "n: 2 is not supported"),
         (b'{"prompt": "x", "stream": 1}', 400, "stream"),
         (b'{"prompt": "x", "frobnicate": true}', 400, "frobnicate"),
         (b'{"prompt": [1, 2, 300]}', 400, "0..287 (the vocabulary)"),
@@ -495,6 +495,47 @@ def test_bad_completion_bodies_get_4xx(served, body, status, fragment):
     error = r.json()["error"]
     assert fragment.lower() in error["message"].lower(), error
     assert error["type"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(
+    "path, body, param, fragment",
+    [
+        ("completions", {"prompt": "x", "n": 2}, "n", "2 is not supported"),
+        ("completions", {"prompt": "x", "echo": True}, "echo", "true is not supported"),
+        ("completions", {"prompt": "x", "logprobs": 1}, "logprobs", "1 is not supported"),
+        ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "0.5"),
+        ("completions", {"prompt": "x", "store": True}, "store", "true is not supported"),
+        ("completions", {"prompt": "x", "stop": 5}, "stop", "a string or an array of strings"),
+        ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1", "at least 1 character"),
+        ("completions", {"prompt": [1, "a"]}, "prompt.1", "valid integer"),
+        ("completions", {"prompt": "x", "stream_options": {}}, "stream_options", "stream: true"),
+        ("chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
+        ("chat/completions", {"messages": CHAT, "tools": TOOLS}, "tools", "not supported"),
+        ("chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier", "flex"),
+        (
+            "chat/completions",
+            {"messages": CHAT, "reasoning_effort": "low"},
+            "reasoning_effort",
+            "low",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages.0.content",
+            "a string or an array of text parts",
+        ),
+    ],
+)
+def test_refusals_name_the_field_in_one_message(served, path, body, param, fragment):
+    r = httpx.post(f"{served.url}/v1/{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}: ") and ";" not in error["message"]
+    assert fragment in error["message"]
 
 
 def test_bad_chat_bodies_and_routes_get_4xx(served):

@@ -78,6 +78,36 @@ def test_schemas():
             schema.model_validate_json(body)
 
 
+def test_null_is_the_default_where_openai_allows_null():
+    nulls = b'"n": null, "stream": null, "ignore_eos": null, "return_token_ids": null'
+    req = CompletionRequest.model_validate_json(b'{"prompt": "x", "echo": null, ' + nulls + b"}")
+    assert (req.n, req.stream, req.echo, req.ignore_eos, req.return_token_ids) == (
+        1,
+        False,
+        False,
+        False,
+        False,
+    )
+    chat = ChatCompletionRequest.model_validate_json(
+        b'{"messages": [{"role": "user", "content": "x"}], ' + nulls + b', "stream_options": null}'
+    )
+    assert (chat.n, chat.stream, chat.ignore_eos, chat.return_token_ids) == (1, False, False, False)
+
+
+def test_neutral_values_of_fields_the_server_does_not_implement_are_accepted():
+    CompletionRequest.model_validate_json(
+        b'{"prompt": "x", "store": false, "metadata": {"team": "a"}, "service_tier": "auto",'
+        b' "user": "u1", "suffix": "", "best_of": 1, "logprobs": null, "logit_bias": {},'
+        b' "presence_penalty": 0, "frequency_penalty": null}'
+    )
+    ChatCompletionRequest.model_validate_json(
+        b'{"messages": [{"role": "user", "content": "x"}], "store": false, "metadata": {},'
+        b' "service_tier": "default", "user": "u1", "parallel_tool_calls": true, "tools": [],'
+        b' "tool_choice": "none", "logprobs": false, "top_logprobs": 0,'
+        b' "response_format": {"type": "text"}, "reasoning_effort": null}'
+    )
+
+
 def test_spec_decode_counters_per_position():
     m = ServingMetrics(num_slots=2, kv_pages=10, gamma=3)
     m.on_rounds(np.array([3, 2, 0]), np.array([3, 1, 0]), 3)

@@ -360,14 +360,39 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def _validation_message(error: ValidationError) -> tuple[str, str | None]:
+def _validation_message(error: ValidationError, body: bytes) -> tuple[str, str | None]:
+    """The errors as one line, each after the place in the body it concerns
+    (`messages.0.content`), and the first such place as the error's param."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        data = None
     parts, param = [], None
     for e in error.errors(include_url=False):
-        loc = ".".join(str(x) for x in e["loc"])
+        loc = _body_path(data, e["loc"])
         param = param or (loc or None)
         msg = e["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
+        part = f"{loc}: {msg}" if loc else msg
+        if part not in parts:
+            parts.append(part)
     return "; ".join(parts), param
+
+
+def _body_path(data: Any, loc: tuple[str | int, ...]) -> str:
+    """`loc` without what is not a place in the body: pydantic puts the tag of the union member
+    it tried among the field names (`stop.array.1`)."""
+    if data is None:
+        return ".".join(str(key) for key in loc)
+    node, path = data, []
+    for key in loc:
+        if isinstance(node, dict):  # an absent field (missing, or its default refused) too
+            node = node.get(key)
+        elif isinstance(node, list) and isinstance(key, int) and key < len(node):
+            node = node[key]
+        else:
+            continue
+        path.append(str(key))
+    return ".".join(path)
 
 
 class OpenAIServer:
@@ -470,7 +495,7 @@ class OpenAIServer:
         try:
             req = schema.model_validate_json(body)
         except ValidationError as e:
-            message, param = _validation_message(e)
+            message, param = _validation_message(e, body)
             raise ApiError(400, message, param=param) from None
         if req.model is not None and req.model != self.model.name:
             raise ApiError(

@@ -4,8 +4,12 @@ Requests are validated strictly: unknown fields, wrong JSON types (a string wher
 belongs, 1 for true), non-finite numbers (`1e400` parses as infinity) and out-of-range values
 are refused with a 400 naming the field, instead of being coerced or failing deep inside the
 engine. Fields of the OpenAI API that this server does not implement are accepted only at their
-neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: null`, ...), so a client never
-silently gets something other than what it asked for.
+neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: null`, `store: false`, ...), so a
+client never silently gets something other than what it asked for; fields with no effect on
+the answer (`user`, `metadata`, `parallel_tool_calls` without tools) are accepted and ignored.
+Where the OpenAI API lets a field be null, null means its default. Fields that take one of
+several JSON types (`prompt`, `stop`, message `content`) pick the schema by the JSON type sent,
+so an error names one place and says one thing.
 
 Extensions shared with vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
 (the generated token ids beside the text) and, for chat, `chat_template_kwargs`
@@ -14,9 +18,20 @@ Extensions shared with vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_to
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 
 # Engine arrays are int32; seeds are uint32 PRNG seeds.
 INT32_MAX = 2**31 - 1
@@ -34,28 +49,68 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS
 Penalty = Annotated[float, Field(allow_inf_nan=False)]
 
 
+def _json(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _only(*allowed: Any) -> AfterValidator:
+    """Accepts a field this server does not implement at its neutral values only."""
+    shown = " or ".join(_json(a) for a in allowed)
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise ValueError(f"{_json(value)} is not supported by this server (use {shown})")
+        return value
+
+    return AfterValidator(check)
+
+
+def _null_means(default: Any) -> BeforeValidator:
+    """For fields the OpenAI API lets a client send as null: null is the default."""
+    return BeforeValidator(lambda value: default if value is None else value)
+
+
+def _by_json_type(kinds: dict[type, str], expected: str, items: dict[type, str] | None = None):
+    """A union member chosen by the JSON type of the value (and of a list's first item, where
+    `items` says so), so only that member's errors are reported; a value of no listed type is
+    one error saying what was `expected`."""
+
+    def pick(value: Any) -> str | None:
+        if items is not None and isinstance(value, list) and value:
+            return items.get(type(value[0]))
+        return kinds.get(type(value))
+
+    return Discriminator(
+        pick, custom_error_type="invalid_type", custom_error_message=f"expected {expected}"
+    )
+
+
+Flag = Annotated[bool, _null_means(False)]
+Stop = Annotated[
+    Annotated[StopString, Tag("string")]
+    | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS), Tag("array")],
+    _by_json_type({str: "string", list: "array"}, "a string or an array of strings"),
+]
+Prompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[TokenIds, Tag("ids")]
+    | Annotated[list[str], Tag("texts")]
+    | Annotated[list[TokenIds], Tag("id lists")],
+    _by_json_type(
+        {str: "text", list: "ids"},
+        "a string, an array of token ids, or an array of one of either",
+        items={int: "ids", str: "texts", list: "id lists"},
+    ),
+]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-def _require_neutral(model: BaseModel, neutral: dict[str, tuple[Any, ...]]) -> None:
-    for name, allowed in neutral.items():
-        value = getattr(model, name)
-        if value not in allowed:
-            shown = " or ".join("null" if a is None else repr(a) for a in allowed)
-            raise ValueError(f"{name}={value!r} is not supported by this server (use {shown})")
-
-
-_NEUTRAL_SAMPLING = {
-    "n": (1,),
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
-    "logit_bias": (None, {}),
-}
+    include_usage: Flag = False
 
 
 class GenerationRequest(_Strict):
@@ -67,24 +122,27 @@ class GenerationRequest(_Strict):
     top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
+    ignore_eos: Flag = False
+    n: Annotated[int, _null_means(1), _only(1)] = 1
+    stream: Flag = False
     stream_options: StreamOptions | None = None
-    return_token_ids: bool = False
+    return_token_ids: Flag = False
     user: str | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[Penalty | None, _only(None, 0.0)] = None
+    frequency_penalty: Annotated[Penalty | None, _only(None, 0.0)] = None
+    logit_bias: Annotated[dict[str, float] | None, _only(None, {})] = None
+    store: Annotated[bool | None, _only(None, False)] = None
+    metadata: dict[str, str] | None = None
+    service_tier: Annotated[str | None, _only(None, "auto", "default")] = None
 
-    @model_validator(mode="after")
-    def _supported(self):
-        _require_neutral(self, _NEUTRAL_SAMPLING)
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _with_stream(cls, value: StreamOptions | None, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream: true")
+        return value
 
     @property
     def token_limit(self) -> int | None:
@@ -110,28 +168,22 @@ class CompletionRequest(GenerationRequest):
     """POST /v1/completions. `prompt` is text or token ids; a list of one of either is accepted
     as the same single prompt (the forms the OpenAI API allows), more than one is refused."""
 
-    prompt: str | TokenIds | list[str] | list[TokenIds]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    prompt: Prompt
+    echo: Annotated[bool, _null_means(False), _only(False)] = False
+    suffix: Annotated[str | None, _only(None, "")] = None
+    best_of: Annotated[int | None, _only(None, 1)] = None
+    logprobs: Annotated[int | None, _only(None)] = None
 
-    @model_validator(mode="after")
-    def _single_prompt(self):
-        _require_neutral(
-            self,
-            {"echo": (False,), "suffix": (None,), "best_of": (None, 1), "logprobs": (None,)},
-        )
-        prompt = self.prompt
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt):
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                raise ValueError(
-                    f"prompt holds {len(prompt)} prompts; this server takes one per request"
-                )
-            self.prompt = prompt[0]
-        if not self.prompt:
-            raise ValueError("prompt is empty")
-        return self
+                raise ValueError(f"holds {len(prompt)} prompts; this server takes one per request")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
 
 
 class TextPart(_Strict):
@@ -139,9 +191,15 @@ class TextPart(_Strict):
     text: str
 
 
+Content = Annotated[
+    Annotated[str, Tag("string")] | Annotated[list[TextPart], Tag("parts")],
+    _by_json_type({str: "string", list: "parts"}, "a string or an array of text parts"),
+]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Content | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -162,23 +220,14 @@ class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: TokenCount | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | None = None
-
-    @model_validator(mode="after")
-    def _chat_supported(self):
-        _require_neutral(
-            self,
-            {
-                "logprobs": (None, False),
-                "top_logprobs": (None,),
-                "tools": (None, []),
-                "tool_choice": (None, "none"),
-            },
-        )
-        return self
+    logprobs: Annotated[bool | None, _only(None, False)] = None
+    top_logprobs: Annotated[int | None, _only(None, 0)] = None
+    tools: Annotated[list[Any] | None, _only(None, [])] = None
+    tool_choice: Annotated[Any, _only(None, "none")] = None
+    parallel_tool_calls: bool | None = None  # no effect without tools
+    response_format: Annotated[dict[str, Any] | None, _only(None, {"type": "text"})] = None
+    # Thinking is chat_template_kwargs.enable_thinking here; an effort cannot be honoured.
+    reasoning_effort: Annotated[Any, _only(None)] = None
 
     @property
     def token_limit(self) -> int | None:
