@@ -527,6 +527,12 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
             "messages.0.content",
             "a string or an array of text parts",
         ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user"}]},
+            "messages.0.content",
+            "needs content",
+        ),
     ],
 )
 def test_refusals_name_the_field_in_one_message(served, path, body, param, fragment):
@@ -536,6 +542,50 @@ def test_refusals_name_the_field_in_one_message(served, path, body, param, fragm
     assert error["param"] == param
     assert error["message"].startswith(f"{param}: ") and ";" not in error["message"]
     assert fragment in error["message"]
+
+
+def test_nulls_neutral_values_and_every_role_are_accepted(served):
+    nulls = dict(n=None, stream=None, ignore_eos=None, return_token_ids=None)
+    r = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"prompt": "x", "max_tokens": 4, "echo": None, "store": False, **nulls},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert "token_ids" not in r.json()["choices"][0]
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "system", "content": "# tools\n"},
+        {"role": "user", "content": "what is 2+2?"},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "add"},
+    ]
+    neutral = dict(
+        store=False,
+        parallel_tool_calls=False,
+        metadata={"team": "search"},
+        service_tier="auto",
+        user="u1",
+        response_format={"type": "text"},
+        reasoning_effort=None,
+        tools=[],
+        tool_choice="none",
+    )
+    r = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 4, **nulls, **neutral},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_streamed_chat_deltas_have_no_null_fields(served):
+    body = {"messages": CHAT, "max_tokens": 6, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as r:
+        deltas = [e["choices"][0]["delta"] for e in sse_events(r) if e != DONE]
+    assert deltas[0] == {"role": "assistant"}
+    assert deltas[-1] == {}
+    assert all(set(d) == {"content"} and d["content"] for d in deltas[1:-1])
 
 
 def test_bad_chat_bodies_and_routes_get_4xx(served):

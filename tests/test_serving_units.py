@@ -16,7 +16,13 @@ from dspark_jax.serving import runtime
 from dspark_jax.serving.app import ApiError, OpenAIServer, ServedModel
 from dspark_jax.serving.http_server import HttpServer, bind_socket
 from dspark_jax.serving.metrics import ServingMetrics
-from dspark_jax.serving.protocol import ChatCompletionRequest, CompletionRequest
+from dspark_jax.serving.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    CompletionRequest,
+)
 from dspark_jax.serving.runtime import EngineRunner
 from dspark_jax.serving.text_stream import StopStrings, TextStream
 from dspark_jax.tokenizer import ByteTokenizer
@@ -108,6 +114,36 @@ def test_neutral_values_of_fields_the_server_does_not_implement_are_accepted():
     )
 
 
+def test_chat_roles():
+    tool = ChatCompletionRequest.model_validate_json(
+        b'{"messages": [{"role": "user", "content": "2+2?"},'
+        b' {"role": "assistant", "content": null},'
+        b' {"role": "tool", "content": "4", "tool_call_id": "call_1"}]}'
+    )
+    assert tool.messages[2].tool_call_id == "call_1"
+    assert tool.messages[1].text() == ""
+    developer = ChatCompletionRequest.model_validate_json(
+        b'{"messages": [{"role": "developer", "content": "be brief"}]}'
+    )
+    assert developer.messages[0].template_role == "system"
+    for body in (
+        b'{"messages": [{"role": "user"}]}',
+        b'{"messages": [{"role": "user", "content": null}]}',
+        b'{"messages": [{"role": "user", "content": "x", "tool_call_id": "call_1"}]}',
+    ):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate_json(body)
+
+
+def test_stream_deltas_leave_out_what_they_do_not_carry():
+    assert ChatDelta().model_dump() == {}
+    assert ChatDelta(content="hi").model_dump(mode="json") == {"content": "hi"}
+    chunk = ChatCompletionChunk(
+        id="c", created=0, model="m", choices=[ChatChunkChoice(delta=ChatDelta())]
+    )
+    assert chunk.model_dump()["choices"][0]["delta"] == {}
+
+
 def test_spec_decode_counters_per_position():
     m = ServingMetrics(num_slots=2, kv_pages=10, gamma=3)
     m.on_rounds(np.array([3, 2, 0]), np.array([3, 1, 0]), 3)
@@ -195,6 +231,9 @@ def test_chat_template_and_enable_thinking():
     messages = b'"messages": [{"role": "user", "content": "hi"}]'
     plain = rendered(b"{" + messages + b"}")
     assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    # A developer message is a system message to the template (OpenAI's newer name for it).
+    developer = rendered(b'{"messages": [{"role": "developer", "content": "be brief"}]}')
+    assert developer.startswith("<|im_start|>system\nbe brief<|im_end|>\n")
     thinking = rendered(b"{" + messages + b', "chat_template_kwargs": {"enable_thinking": true}}')
     assert thinking == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     # Streamed text leaves special tokens out and keeps the think markers (no reasoning parser).
@@ -206,7 +245,9 @@ def test_chat_template_and_enable_thinking():
 def test_a_template_that_refuses_the_messages_is_a_400():
     tokenizer = build_chat_tokenizer("{{ raise_exception('roles must alternate') }}")
     server = _chat_server(tokenizer)
-    req = ChatCompletionRequest.model_validate_json(b'{"messages": [{"role": "user"}]}')
+    req = ChatCompletionRequest.model_validate_json(
+        b'{"messages": [{"role": "user", "content": "x"}]}'
+    )
     with pytest.raises(ApiError, match="roles must alternate") as caught:
         asyncio.run(server.prompt_ids(req))
     assert caught.value.status == 400

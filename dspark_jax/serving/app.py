@@ -509,7 +509,7 @@ class OpenAIServer:
     async def prompt_ids(self, req: api.GenerationRequest) -> list[int]:
         tokenizer = self.model.tokenizer
         if isinstance(req, api.ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
 
             def render() -> list[int]:
                 return encode_chat(tokenizer, messages, enable_thinking=req.enable_thinking)

@@ -31,6 +31,7 @@ from pydantic import (
     Tag,
     ValidationInfo,
     field_validator,
+    model_serializer,
 )
 
 # Engine arrays are int32; seeds are uint32 PRNG seeds.
@@ -199,8 +200,31 @@ Content = Annotated[
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Content | None = None
+    # Only an assistant message may leave its content out (OpenAI: one that calls tools).
+    content: Annotated[Content | None, Field(validate_default=True)] = None
     name: str | None = None
+    tool_call_id: str | None = None  # which call a tool message answers
+
+    @field_validator("content")
+    @classmethod
+    def _required(cls, content, info: ValidationInfo):
+        role = info.data.get("role")
+        if content is None and role not in (None, "assistant"):
+            raise ValueError(f"a {role} message needs content")
+        return content
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_only(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("role") != "tool":
+            raise ValueError("only a tool message answers a tool call")
+        return value
+
+    @property
+    def template_role(self) -> str:
+        """The role the chat template sees: OpenAI's developer messages are system messages
+        of the newer models, and templates know only the older name."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         if self.content is None:
@@ -293,8 +317,15 @@ class ChatCompletion(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """A streamed message delta: its fields are left out, not null, when it has none (the last
+    chunk's delta is {})."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
