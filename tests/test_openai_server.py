@@ -132,8 +132,15 @@ def _clients(url: str, n: int) -> list[httpx.Client]:
 
 def test_models_and_health(served):
     assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
+    head = httpx.head(f"{served.url}/health")
+    assert head.status_code == 200 and head.content == b""
     models = served.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert served.client.models.retrieve(MODEL).model_dump() == models.data[0].model_dump()
+    r = httpx.get(f"{served.url}/v1/models/gpt-4")
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "model"
 
 
 def test_a_request_may_use_all_of_the_advertised_max_model_len(served):

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP app (FastAPI) over one `EngineRunner`.
 
-Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
-server-sent events in the OpenAI chunk format, ending with `data: [DONE]`), `GET /health`
-(503 until warm-up has compiled every program, and again while draining) and `GET /metrics`
-(Prometheus text).
+Endpoints: `GET /v1/models` and `GET /v1/models/{id}`, `POST /v1/completions`,
+`POST /v1/chat/completions` (streaming as server-sent events in the OpenAI chunk format, ending
+with `data: [DONE]`), `GET` or `HEAD /health` (503 until warm-up has compiled every program, and
+again while draining) and `GET /metrics` (Prometheus text).
 
 A request's path: the body is read with a size limit and a deadline (a body shorter than its
 Content-Length gets 408 instead of holding the connection), validated by the strict schemas of
@@ -458,10 +458,22 @@ class OpenAIServer:
         return (200 if status == "ok" else 503), body
 
     def models(self) -> api.ModelList:
-        card = api.ModelCard(
+        return api.ModelList(data=[self.model_card(self.model.name)])
+
+    def model_card(self, name: str) -> api.ModelCard:
+        if name != self.model.name:
+            raise self._unknown_model(name)
+        return api.ModelCard(
             id=self.model.name, created=self.created, max_model_len=self.model.max_model_len
         )
-        return api.ModelList(data=[card])
+
+    def _unknown_model(self, name: str) -> ApiError:
+        return ApiError(
+            404,
+            f"the model {name!r} does not exist; this server serves {self.model.name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
     # -- requests ------------------------------------------------------------------------------
     async def read_body(self, request: HttpRequest) -> bytes:
@@ -498,12 +510,7 @@ class OpenAIServer:
             message, param = _validation_message(e, body)
             raise ApiError(400, message, param=param) from None
         if req.model is not None and req.model != self.model.name:
-            raise ApiError(
-                404,
-                f"the model {req.model!r} does not exist; this server serves {self.model.name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._unknown_model(req.model)
         return req
 
     async def prompt_ids(self, req: api.GenerationRequest) -> list[int]:
@@ -750,7 +757,7 @@ def create_app(server: OpenAIServer):
             ApiError(500, f"internal error: {type(error).__name__}", kind="server_error")
         )
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         status, body = server.health()
         return JSONResponse(body, status_code=status)
@@ -762,6 +769,10 @@ def create_app(server: OpenAIServer):
     @app.get("/v1/models")
     async def models():
         return JSONResponse(server.models().model_dump(mode="json"))
+
+    @app.get("/v1/models/{name:path}")  # a served name may hold slashes (org/model)
+    async def model(name: str):
+        return JSONResponse(server.model_card(name).model_dump(mode="json"))
 
     async def endpoint(http: HttpRequest, schema, chat: bool) -> Response:
         try:
