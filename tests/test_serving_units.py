@@ -12,6 +12,7 @@ from _chat_tokenizer import build_chat_tokenizer
 from pydantic import ValidationError
 
 from dspark_jax.decoding.batching import Handle
+from dspark_jax.embedded import EMBEDDED_TARGET
 from dspark_jax.serving import runtime
 from dspark_jax.serving.app import ApiError, OpenAIServer, ServedModel
 from dspark_jax.serving.http_server import HttpServer, bind_socket
@@ -25,7 +26,7 @@ from dspark_jax.serving.protocol import (
 )
 from dspark_jax.serving.runtime import EngineRunner
 from dspark_jax.serving.text_stream import StopStrings, TextStream
-from dspark_jax.tokenizer import ByteTokenizer
+from dspark_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def test_incremental_text_never_splits_a_character():
@@ -240,6 +241,19 @@ def test_chat_template_and_enable_thinking():
     stream = TextStream(tokenizer)
     ids = tokenizer.encode("<think>ok</think> done<|im_end|>")
     assert "".join(stream.push([i]) for i in ids) + stream.flush() == "<think>ok</think> done"
+
+
+def test_a_prompt_past_the_tokenizer_limit_is_a_400_without_a_tokenizer_warning(caplog):
+    tokenizer = load_tokenizer(EMBEDDED_TARGET)
+    limit = tokenizer.model_max_length
+    server = _chat_server(tokenizer)
+    req = CompletionRequest.model_validate({"prompt": "hello world " * limit})
+    ids = asyncio.run(server.prompt_ids(req))
+    assert len(ids) > limit
+    with pytest.raises(ApiError) as caught:
+        server.token_limit(req, len(ids))
+    assert caught.value.body.error.code == "context_length_exceeded"
+    assert not [r for r in caplog.records if "longer than the specified maximum" in r.message]
 
 
 def test_a_template_that_refuses_the_messages_is_a_400():

@@ -395,6 +395,9 @@ def _body_path(data: Any, loc: tuple[str | int, ...]) -> str:
     return ".".join(path)
 
 
+_NO_LIMIT = int(1e30)  # transformers' own "no maximum" (VERY_LARGE_INTEGER)
+
+
 class OpenAIServer:
     """The request handlers and the drain; `create_app` puts them behind FastAPI."""
 
@@ -414,6 +417,11 @@ class OpenAIServer:
         self.draining = False
         self.created = int(time.time())
         metrics.ready.set_function(lambda: float(self.status == "ok"))
+        # Prompts are measured against max_model_len here (a 400 for one that cannot fit); a
+        # Hugging Face tokenizer's own limit would only log "Token indices sequence length is
+        # longer than the specified maximum" ahead of it.
+        if getattr(model.tokenizer, "model_max_length", None) is not None:
+            model.tokenizer.model_max_length = _NO_LIMIT
 
     # -- life cycle ------------------------------------------------------------------------------
     def drain(self, deadline_s: float | None = None) -> None:
