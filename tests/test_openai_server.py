@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import socket
 import threading
 import time
@@ -630,6 +631,7 @@ def _answer(sock: socket.socket) -> bytes:
 
 
 def test_slow_heads_time_out_without_a_thread_each(served):
+    timeouts_before = metrics(served.url).get("dspark:http_responses_total{code=408}", 0)
     threads = threading.active_count()
     clients = [_open(served.url) for _ in range(60)]
     try:
@@ -650,6 +652,11 @@ def test_slow_heads_time_out_without_a_thread_each(served):
             c.close()
     assert all(a.startswith(b"HTTP/1.1 408") for a in answers), {a[:40] for a in answers}
     assert waited < READ_TIMEOUT_S + 5
+    # Each an OpenAI error object, each counted.
+    error = json.loads(answers[0].split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["type"] == "timeout" and "request head did not arrive" in error["message"]
+    timeouts = metrics(served.url)["dspark:http_responses_total{code=408}"]
+    assert timeouts - timeouts_before == len(clients)
 
 
 def test_short_bodies_time_out_with_408_without_a_thread_each(served):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 import httpx
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from _chat_tokenizer import build_chat_tokenizer
 from pydantic import ValidationError
+from serving_helpers import wait_until
 
 from dspark_jax.decoding.batching import Handle
 from dspark_jax.embedded import EMBEDDED_TARGET
@@ -191,6 +193,43 @@ class _ExplodingBatcher:
         if self.arrived.wait(0.01):
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
         return False
+
+
+class _IdleBatcher(_ExplodingBatcher):
+    def step(self) -> bool:
+        return False
+
+
+def test_past_max_connections_a_request_gets_an_openai_503(monkeypatch):
+    monkeypatch.setattr(runtime, "Batcher", _IdleBatcher)
+    model = ServedModel("m", ByteTokenizer(), 64, (256,))
+    metrics = ServingMetrics(1, 1, 0)
+    app_server = OpenAIServer(EngineRunner(_Engine(), max_waiting=4), model, metrics)
+    server = HttpServer(
+        app_server, bind_socket("127.0.0.1", 0), max_connections=2, log_level="critical"
+    ).start()
+    host, port = server.address
+    url = f"http://{host}:{port}/health"
+    idle = []
+    try:
+        assert app_server.runner.wait_ready(30)
+        assert httpx.get(url, timeout=10).status_code == 200
+        idle = [socket.create_connection((host, port), timeout=10) for _ in range(2)]
+        connections = server._server.server_state.connections
+        assert wait_until(lambda: len(connections) == 2, 10)
+        refused = httpx.get(url, timeout=10)
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert "--max-connections 2" in refused.json()["error"]["message"]
+        assert metrics.http_responses.labels("503")._value.get() == 1
+        for c in idle:
+            c.close()
+        assert wait_until(lambda: httpx.get(url, timeout=10).status_code == 200, 10)
+    finally:
+        for c in idle:
+            c.close()
+        server.shutdown(30)
 
 
 def test_engine_failure_answers_in_flight_requests_and_stops_the_server(monkeypatch):

@@ -735,8 +735,34 @@ class _CountStatus:
                 self.metrics.http_responses.labels(str(CLIENT_CLOSED)).inc()
 
 
-def create_app(server: OpenAIServer):
-    """The ASGI app: FastAPI routes over `server`, wrapped to count response codes."""
+class _ConnectionLimit:
+    """ASGI wrapper answering a request that arrives while more than `limit` connections are
+    open with an OpenAI 503 (Retry-After, Connection: close). uvicorn's own limit_concurrency
+    answers text/plain with no Retry-After, before the app (or its response counter) sees it."""
+
+    def __init__(self, app, limit: int, open_connections: Callable[[], int]):
+        self.app = app
+        self.limit = limit
+        self.open_connections = open_connections
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (count := self.open_connections()) > self.limit:
+            error = _unavailable(
+                f"the server has {count} connections open (--max-connections {self.limit})"
+            )
+            error.headers.update(_CLOSE)
+            return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(
+    server: OpenAIServer,
+    max_connections: int | None = None,
+    open_connections: Callable[[], int] = lambda: 0,
+):
+    """The ASGI app: FastAPI routes over `server`, behind the connection limit (None: none;
+    `open_connections` counts them, the request's own included), wrapped to count response
+    codes."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -797,4 +823,6 @@ def create_app(server: OpenAIServer):
     async def chat_completions(http: HttpRequest):
         return await endpoint(http, api.ChatCompletionRequest, chat=True)
 
+    if max_connections is not None:
+        app = _ConnectionLimit(app, max_connections, open_connections)
     return _CountStatus(app, server.metrics)

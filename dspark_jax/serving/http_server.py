@@ -6,9 +6,12 @@
   still holds a socket and a buffer, so every read has a deadline. uvicorn bounds the request
   head's size (h11's incomplete-event limit, 16 KiB) and closes idle keep-alive connections
   (`timeout_keep_alive`), but a client that sends its head one byte at a time (slow loris) is
-  never timed out: `_HeadDeadline` answers 408 and closes when a request head is not complete
-  `read_timeout_s` after the connection opened (or after its first bytes, on a kept-alive
-  connection). Bodies have their own deadline in the app (`HttpLimits.read_timeout_s`).
+  never timed out: `_HeadDeadline` answers 408 (an OpenAI error object, counted in the
+  metrics) and closes when a request head is not complete `read_timeout_s` after the connection
+  opened (or after its first bytes, on a kept-alive connection). Bodies have their own deadline
+  in the app (`HttpLimits.read_timeout_s`).
+- Past `max_connections` open connections a request gets 503 from the app (an OpenAI error with
+  Retry-After, counted), not from uvicorn's limit_concurrency (text/plain, uncounted).
 - SIGTERM and SIGINT (Ctrl-C) drain: uvicorn closes the listening socket and the app stops
   taking requests and sheds those not started (503). Running requests get `drain_timeout_s` to
   finish; then the app aborts them itself, so each ends with a whole answer (503, or a last
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import signal
 import socket
@@ -34,7 +38,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.errors import UserError
-from dspark_jax.serving.app import HttpLimits, OpenAIServer, ServedModel, create_app
+from dspark_jax.serving.app import ApiError, HttpLimits, OpenAIServer, ServedModel, create_app
 from dspark_jax.serving.metrics import ServingMetrics
 from dspark_jax.serving.runtime import FAILED, EngineRunner
 
@@ -43,7 +47,17 @@ log = logging.getLogger(__name__)
 # Time the requests aborted at the drain deadline get to write their last bytes.
 _ABORT_GRACE_S = 5.0
 
-_TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+def _timeout_answer(read_timeout_s: float) -> bytes:
+    error = ApiError(
+        408, f"the request head did not arrive within {read_timeout_s:g} s", kind="timeout"
+    )
+    body = json.dumps(error.body.model_dump()).encode()
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
 
 
 class ServerStartError(UserError):
@@ -91,6 +105,8 @@ class _HeadDeadline(H11Protocol):
     keep-alive timeout, which closes it silently (answering it could race a new request)."""
 
     read_timeout_s: float = 30.0
+    timeout_answer: bytes = b""
+    timeouts = None  # the metrics' counter of 408 answers
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
@@ -127,12 +143,18 @@ class _HeadDeadline(H11Protocol):
     def _expired(self) -> None:
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.write(_TIMEOUT_408)
+            self.transport.write(self.timeout_answer)
             self.transport.close()
+            self.timeouts.inc()
 
 
-def _protocol(read_timeout_s: float) -> type[H11Protocol]:
-    return type("HeadDeadlineProtocol", (_HeadDeadline,), {"read_timeout_s": read_timeout_s})
+def _protocol(read_timeout_s: float, metrics: ServingMetrics) -> type[H11Protocol]:
+    attributes = {
+        "read_timeout_s": read_timeout_s,
+        "timeout_answer": _timeout_answer(read_timeout_s),
+        "timeouts": metrics.http_responses.labels("408"),
+    }
+    return type("HeadDeadlineProtocol", (_HeadDeadline,), attributes)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -175,15 +197,17 @@ class HttpServer:
         self.app_server = app_server
         self.sock = sock
         self.drain_timeout_s = drain_timeout_s
+        app = create_app(
+            app_server, max_connections, lambda: len(self._server.server_state.connections)
+        )
         config = uvicorn.Config(
-            create_app(app_server),
-            http=_protocol(read_timeout_s),
+            app,
+            http=_protocol(read_timeout_s, app_server.metrics),
             lifespan="on",
             log_level=log_level,
             access_log=access_log,
             timeout_keep_alive=5,
             timeout_graceful_shutdown=drain_timeout_s + _ABORT_GRACE_S,
-            limit_concurrency=max_connections,
         )
         self._server = _Uvicorn(
             config, lambda: app_server.request_drain(drain_timeout_s), app_server.request_abort
