@@ -110,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM / Ctrl-C, seconds running requests get to finish (default 30)",
+        help="on SIGTERM / Ctrl-C, seconds running requests get to finish before the server "
+        "aborts them, each with a whole answer (default 30)",
     )
     http.add_argument(
         "--log-level",

@@ -264,7 +264,7 @@ class _Generation:
     def outcome(self) -> tuple[str, int] | None:
         """(finish reason, generation tokens) as the metrics count this request: what its answer
         held, or "abort" and every token that arrived before it was cut short (client gone,
-        shed); None when the engine failed."""
+        shed or aborted by a drain); None when the engine failed."""
         if self.live.failed:
             return None
         if self.finish_reason in ("stop", "length"):
