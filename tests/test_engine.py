@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fixture_models import VARIANTS, load_pair, reference_traces
 
-from dspark_jax.decoding.batching import Batcher, Request, generate
+from dspark_jax.decoding.batching import Batcher, Observer, Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
 from dspark_jax.sampling import SamplingConfig
 
@@ -205,6 +205,31 @@ def test_cancelled_requests_free_their_slot_and_pages(setup):
     assert events[0][-1] == "done" and events[5] == ["done"]
     assert batcher.allocator.free == spec.cfg.pool_pages
     assert sorted(batcher.free_slots) == list(range(spec.cfg.num_slots))
+
+
+def test_the_observer_times_every_token_the_engine_produced(setup):
+    """benchmarks/throughput.py measures time to first token and inter-token latency with
+    these two hooks."""
+    _, _, _, spec = setup
+
+    class Counting(Observer):
+        first = later = 0
+
+        def on_first_token(self, ttft_s: float) -> None:
+            self.first += 1
+
+        def on_tokens(self, count: int, inter_token_s: float) -> None:
+            assert inter_token_s >= 0
+            self.later += count
+
+    observer = Counting()
+    batcher = Batcher(spec, observer=observer)
+    results = {}
+    for i, r in enumerate(_mixed_requests(T1)[:3]):
+        batcher.submit(r, lambda kind, p, i=i: results.update({i: p}) if kind == "done" else None)
+    batcher.run_until_idle()
+    assert observer.first == 3
+    assert observer.first + observer.later == sum(len(r.tokens) for r in results.values())
 
 
 def test_long_prompts_prefill_in_chunks(setup):

@@ -92,14 +92,16 @@ EventCallback = Callable[[str, Any], None]
 class Observer:
     """Hooks the loop calls (on its thread) for metrics; every method is a no-op here.
 
-    Per-request outcomes (finish reason, tokens, inter-token latency) are not among them: a
-    driver that cuts an answer short of what the engine produced (the server's stop strings)
-    knows them better than the loop does."""
+    They see what the engine produced. A driver that cuts answers short of that (the server's
+    stop strings) counts finish reasons and tokens, and times the tokens it keeps, itself."""
 
     def on_step(self, waiting: int, running: int, slots_busy: int, pages_reserved: int) -> None:
         pass
 
     def on_first_token(self, ttft_s: float) -> None:
+        pass
+
+    def on_tokens(self, count: int, inter_token_s: float) -> None:
         pass
 
     def on_rounds(self, verified_r: np.ndarray, accepted_r: np.ndarray, gamma: int) -> None:
@@ -128,6 +130,7 @@ class Handle:
     committed: list[np.ndarray] = dataclasses.field(default_factory=list)
     conf: list[np.ndarray] = dataclasses.field(default_factory=list)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finished: bool = False
     cancelled: bool = False
 
@@ -410,7 +413,7 @@ class Batcher:
         for i, handle in enumerate(handles):
             if handle.cancelled or handle.prefilled < len(handle.request.prompt_ids):
                 continue  # a later chunk of the same prompt is still to come
-            handle.first_token_at = now
+            handle.first_token_at = handle.last_token_at = now
             self.observer.on_first_token(now - handle.submitted)
             self._deliver(handle, [int(first[i])])
             if finished[i]:
@@ -419,6 +422,7 @@ class Batcher:
 
     def _read_chunk(self, out, owners: list[Handle | None]) -> None:
         host = jax.device_get(out)
+        now = time.monotonic()
         gamma = self.engine.gamma
         ran = host.verified_sr >= 0
         if gamma:
@@ -442,6 +446,9 @@ class Batcher:
             if count:
                 if self.timed:
                     self.timing.decoded_tokens += count
+                gap = now - (handle.last_token_at or now)
+                self.observer.on_tokens(count, gap / count)
+                handle.last_token_at = now
                 self._deliver(handle, host.tokens_sc[slot, :count].tolist())
             if host.finished_s[slot]:
                 self._free(handle)
