@@ -12,6 +12,7 @@ import shutil
 import signal
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -149,6 +150,37 @@ def test_data_alone_holds_out_its_own_eval_set(files, tmp_path, capsys, monkeypa
         )
     (bar,) = _RecordingBar.instances
     assert bar.initial == 1 and bar.n == 3 and len(dispatched) == 3
+
+
+def test_throughput_leaves_out_evaluation_pauses(files, tmp_path, monkeypatch):
+    """steps_per_s and seq_tokens_per_s count training time only, also when an evaluation falls
+    inside a log interval (--eval-every not a multiple of log_every): on a clock where a step
+    takes 1 s and an evaluation 100 s, every interval trains at 1 step/s."""
+    clock = [0.0]
+
+    def taking(seconds, make):
+        def made(*args, **kwargs):
+            run = make(*args, **kwargs)
+
+            def timed(*a):
+                clock[0] += seconds
+                return run(*a)
+
+            return timed
+
+        return made
+
+    monkeypatch.setattr(trainer, "make_train_step", taking(1.0, trainer.make_train_step))
+    monkeypatch.setattr(trainer, "make_eval_step", taking(100.0, trainer.make_eval_step))
+    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    config = _config(files, num_steps=8, log_every=4, eval_every=3)
+    result = train(config, tmp_path, progress=False, export=False)
+    train_logs = [h for h in result.history if h["split"] == "train"]
+    assert [h["step"] for h in train_logs] == [4, 8]
+    # The first step (compilation) is outside the timing: 3 steps, then 4.
+    assert [h["steps_per_s"] for h in train_logs] == [1.0, 1.0]
+    tokens = config.recipe.global_batch_size * config.recipe.max_length
+    assert [h["seq_tokens_per_s"] for h in train_logs] == [tokens, tokens]
 
 
 def test_too_little_data_to_hold_out_is_refused(files, tmp_path, capsys):

@@ -551,7 +551,10 @@ def train(
     inflight: collections.deque[jax.Array] = collections.deque()
     pending: list[dict[str, jax.Array]] = []
     first_step = step
-    timed_steps, timed_tokens = 0, 0
+    # Throughput of a log interval: its timed steps and tokens over the training time, which is
+    # `timed_seconds` (before the interval's evaluation pauses) plus the time since
+    # `interval_start`.
+    timed_steps, timed_tokens, timed_seconds = 0, 0, 0.0
     truncations = _Truncations(recipe.max_length)
     interval_start = time.perf_counter()
     saved_step = resumed_from
@@ -602,26 +605,28 @@ def train(
                     entry = {"split": "train", "step": step, **_mean_records(records)}
                     entry["truncated"] = truncations.take_interval()
                     if timed_steps:
-                        elapsed = time.perf_counter() - interval_start
+                        elapsed = timed_seconds + time.perf_counter() - interval_start
                         entry["steps_per_s"] = timed_steps / elapsed
                         entry["seq_tokens_per_s"] = timed_tokens / elapsed
                     log.write(entry)
                     history.append(entry)
                     if bar is not None:
                         bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['tau']:.2f}")
-                    pending, timed_steps, timed_tokens = [], 0, 0
+                    pending, timed_steps, timed_tokens, timed_seconds = [], 0, 0, 0.0
                     interval_start = time.perf_counter()
                 paused = False
                 if evaluate is not None and config.eval_every and step % config.eval_every == 0:
                     if step != end:  # the end has its own evaluation below
                         finished(block_all=True)
+                        timed_seconds += time.perf_counter() - interval_start
                         run_eval(step)
                         paused = True
                 if step % config.save_every == 0 or step == end:
                     checkpointer.save(state, iterator, record)
                     saved_step = step
                 if paused:
-                    # Evaluation time is not training time: keep it out of the bar's rate.
+                    # Evaluation time is not training time: keep it out of the bar's rate and
+                    # the logged throughput.
                     if bar is not None:
                         bar.unpause()
                     interval_start = time.perf_counter()
