@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
 import struct
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -150,6 +152,24 @@ def test_data_alone_holds_out_its_own_eval_set(files, tmp_path, capsys, monkeypa
         )
     (bar,) = _RecordingBar.instances
     assert bar.initial == 1 and bar.n == 3 and len(dispatched) == 3
+
+
+def test_notices_print_once(capsys):
+    """Orbax imports absl, which can leave the root logger a stderr handler (logging's
+    basicConfig): the trainer's notices still print once, in the command's own format."""
+    from dspark_jax.cli.train import _console_log
+
+    root = logging.getLogger()
+    basic = logging.StreamHandler(sys.stderr)
+    basic.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    root.addHandler(basic)
+    try:
+        with _console_log():
+            logging.getLogger("dspark_jax.training.trainer").warning("holding out 4")
+    finally:
+        root.removeHandler(basic)
+    assert capsys.readouterr().err == "WARNING: holding out 4\n"
+    assert logging.getLogger("dspark_jax").propagate
 
 
 def test_throughput_leaves_out_evaluation_pauses(files, tmp_path, monkeypatch):

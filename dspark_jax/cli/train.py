@@ -83,21 +83,24 @@ def _seq_lens(text: str) -> tuple[int, ...]:
 @contextlib.contextmanager
 def _console_log():
     """The trainer's notices (held-out split, truncation, resume, extension, Ctrl-C) on stderr,
-    printed above the progress bar."""
+    printed above the progress bar, once each: they do not also reach the root logger, to which
+    absl (imported by Orbax) may have given a stderr handler of its own."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     package = logging.getLogger("dspark_jax")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    level = package.level
+    level, propagate = package.level, package.propagate
     package.addHandler(handler)
     package.setLevel(logging.INFO)
+    package.propagate = False
     try:
         with logging_redirect_tqdm(loggers=[package]):
             yield
     finally:
         package.removeHandler(handler)
         package.setLevel(level)
+        package.propagate = propagate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
