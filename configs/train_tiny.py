@@ -16,7 +16,9 @@ from dspark_jax.training.trainer import TrainConfig
 
 TINY_TARGET = str(embedded.TINY_TARGET)
 
-# The released recipe scaled down to the fixture models and a few CPU minutes.
+# The released recipe scaled down to the fixture models and a few CPU minutes. max_length holds a
+# built-in corpus piece (at most 255 bytes, so 255 byte tokens) and its end-of-turn token: no
+# sequence is truncated.
 TINY_RECIPE = dataclasses.replace(
     DSPARK_RECIPE,
     learning_rate=3e-3,

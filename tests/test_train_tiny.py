@@ -14,8 +14,10 @@ from dspark_jax.checkpoints.converted import load_drafter, load_target
 from dspark_jax.cli import main
 from dspark_jax.cli.train import load_train_config, train_config_names
 from dspark_jax.config import ConfigError
-from dspark_jax.configs.train_tiny import TINY_TARGET, TRAIN_CONFIGS
+from dspark_jax.configs.train_tiny import TINY_RECIPE, TINY_TARGET, TRAIN_CONFIGS
 from dspark_jax.errors import UserError
+from dspark_jax.tokenizer import encode_conversation, load_tokenizer
+from dspark_jax.training.corpus import write_python_stdlib_corpus
 from dspark_jax.training.trainer import TrainConfig, train
 
 
@@ -50,6 +52,19 @@ def test_named_configs_and_errors():
             recipe=released.recipe,
             drafter=dataclasses.replace(dflash.drafter, num_anchors=512),
         )
+
+
+def test_tiny_recipe_truncates_nothing(tmp_path):
+    """Every conversation of the built-in corpus fits the tiny recipe's max_length with its
+    end-of-turn token, so the drafter trains on the end of every answer (pieces with multi-byte
+    characters included)."""
+    tokenizer = load_tokenizer(TINY_TARGET)
+    lengths = [
+        len(encode_conversation(tokenizer, json.loads(line)["messages"])[0])
+        for path in write_python_stdlib_corpus(tmp_path)
+        for line in path.read_text().splitlines()
+    ]
+    assert max(lengths) == TINY_RECIPE.max_length
 
 
 def test_cli_trains_and_exports(tmp_path, capsys):
