@@ -27,7 +27,12 @@ from dspark_jax.cli import main
 from dspark_jax.cli.train import load_train_config
 from dspark_jax.configs.train_tiny import TINY_TARGET
 from dspark_jax.training import trainer
-from dspark_jax.training.checkpointing import TrainCheckpointer, TrainCheckpointError
+from dspark_jax.training.checkpointing import (
+    TrainCheckpointer,
+    TrainCheckpointError,
+    find_checkpoint,
+    read_meta,
+)
 from dspark_jax.training.trainer import train
 
 
@@ -223,6 +228,16 @@ def test_extend_a_finished_run(files, base_run, tmp_path, caplog):
     assert "learning-rate schedule is recomputed for 3 steps" in caplog.text
     with pytest.raises(TrainCheckpointError, match="at step 3, past the 1 steps asked for"):
         train(_config(files, num_steps=1), run, progress=False, export=False)
+
+
+def test_reading_a_checkpoint_is_quiet(base_run, caplog):
+    """Resuming, --init-from and export read checkpoints through read-only Orbax managers, which
+    must not warn about their read-only settings on every open."""
+    base, _ = base_run
+    with caplog.at_level(logging.WARNING):
+        directory, step = find_checkpoint(base)
+        assert read_meta(directory, step)["total_steps"] == 2
+    assert [r.getMessage() for r in caplog.records if r.name == "absl"] == []
 
 
 def _tensors(folder: Path) -> dict[str, np.ndarray]:

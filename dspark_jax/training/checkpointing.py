@@ -44,20 +44,29 @@ class TrainCheckpointError(UserError):
 RESUMABLE_CHANGES = ("total_steps",)
 
 
-def _options(max_to_keep: int | None, async_save: bool) -> ocp.CheckpointManagerOptions:
-    return ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
-        cleanup_tmp_directories=True,
-        enable_async_checkpointing=async_save,
-        create=max_to_keep is not None,
-        read_only=max_to_keep is None,
-    )
+class _ReadOnlyNotice(logging.Filter):
+    """Orbax's warning that a manager opens its folder read-only: said on every read here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
 
 
 def _reader(directory: Path) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        directory, options=_options(None, False), item_names=(STATE, DATA, META)
+    """A manager that only reads `directory`. Its options are the ones Orbax would otherwise set
+    itself for read-only use (and warn about); its remaining warning is filtered while it opens."""
+    options = ocp.CheckpointManagerOptions(
+        read_only=True,
+        create=False,
+        save_interval_steps=0,
+        cleanup_tmp_directories=False,
+        enable_async_checkpointing=False,
     )
+    absl_logger, notice = logging.getLogger("absl"), _ReadOnlyNotice()
+    absl_logger.addFilter(notice)
+    try:
+        return ocp.CheckpointManager(directory, options=options, item_names=(STATE, DATA, META))
+    finally:
+        absl_logger.removeFilter(notice)
 
 
 def find_checkpoint(path: str | os.PathLike) -> tuple[Path, int] | None:
@@ -110,7 +119,12 @@ class TrainCheckpointer:
             logger.warning("ignoring incomplete checkpoint %s (a save was interrupted)", name)
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=_options(max_to_keep, async_save),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                cleanup_tmp_directories=True,
+                enable_async_checkpointing=async_save,
+                create=True,
+            ),
             item_names=(STATE, DATA, META),
         )
 
