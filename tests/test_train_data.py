@@ -248,6 +248,21 @@ def test_several_files_and_config_errors(tmp_path):
         make_iterator(DataConfig(paths=(a,), seq_len=8, batch_size=1), BYTES, BatchRows((0, 1), 2))
 
 
+def test_data_errors_say_what_is_wrong_with_which_file(tmp_path):
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    blank = write_jsonl(tmp_path / "blank.jsonl", ["", "  "])
+    for path in (empty, blank):
+        with pytest.raises(DataError, match=f"^{path}: no conversations .*empty or blank lines"):
+            JsonlConversationSource([path])
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["{}", "not json"])
+    with pytest.raises(DataError, match=f"^{bad}: no usable conversations .*2 bad records"):
+        JsonlConversationSource([bad], skip_bad_records=True)
+    good = write_jsonl(tmp_path / "good.jsonl", [json.dumps(record(0))])
+    assert len(JsonlConversationSource([good, empty])) == 1
+    with pytest.raises(DataError, match=f"^{tmp_path}: is a folder, not a JSONL file"):
+        JsonlConversationSource([str(tmp_path)])
+
+
 class CountingByteTokenizer(ByteTokenizer):
     calls = 0
 

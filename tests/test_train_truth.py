@@ -209,12 +209,21 @@ def test_throughput_leaves_out_evaluation_pauses(files, tmp_path, monkeypatch):
 
 
 def test_too_little_data_to_hold_out_is_refused(files, tmp_path, capsys):
-    config_file, data, _ = files
+    config_file, data, evals = files
     small = tmp_path / "small.jsonl"
     small.write_text("".join(data.read_text().splitlines(keepends=True)[:9]))
-    args = ["train", "--config", str(config_file), "--data", str(small), "--output"]
-    assert main([*args, str(tmp_path / "run"), "--no-progress"]) == 2
-    assert "too few to hold out an evaluation set" in capsys.readouterr().err
+    args = ["train", "--config", str(config_file), "--output", str(tmp_path / "run")]
+    assert main([*args, "--data", str(small), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{small}: 9 conversations, too few to hold out an evaluation set" in err
+    # An empty file is said to be empty, whether or not evaluation data is given.
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for eval_args in ([], ["--eval-data", str(evals)]):
+        assert main([*args, "--data", str(empty), *eval_args, "--no-progress"]) == 2
+        assert capsys.readouterr().err == (
+            f"dspark-jax train: error: {empty}: no conversations (empty or blank lines only)\n"
+        )
 
 
 def test_extend_a_finished_run(files, base_run, tmp_path, caplog):

@@ -194,7 +194,8 @@ class JsonlConversationSource:
     """Random-access grain source over the conversations of JSONL files.
 
     Indexes and validates every line once; elements are `{"messages": [...], "where": "file:line"}`
-    read back from disk on access. Blank lines are ignored. `turns` as in `DataConfig`; with
+    read back from disk on access. Blank lines are ignored; files without a single conversation
+    between them are refused. `turns` as in `DataConfig`; with
     `heldout` > 0 the source holds only its `part` of the split (see the module doc), and
     `num_total` counts the conversations of both parts.
     """
@@ -213,6 +214,8 @@ class JsonlConversationSource:
         starts, ends, files, lines, hashes = [], [], [], [], []
         self.num_skipped = 0
         for file_index, path in enumerate(self._paths):
+            if os.path.isdir(path):
+                raise DataError(f"{path}: is a folder, not a JSONL file")
             if not os.path.isfile(path):
                 raise DataError(f"{path}: no such file")
             offset = 0
@@ -237,6 +240,13 @@ class JsonlConversationSource:
         if self.num_skipped:
             logger.warning("skipped %d bad records in %s", self.num_skipped, self._paths)
         self.num_total = len(starts)
+        if not self.num_total:
+            files = ", ".join(self._paths)
+            if self.num_skipped:
+                raise DataError(
+                    f"{files}: no usable conversations ({self.num_skipped} bad records skipped)"
+                )
+            raise DataError(f"{files}: no conversations (empty or blank lines only)")
         keep = np.ones(self.num_total, bool)
         if heldout:
             if heldout >= self.num_total:

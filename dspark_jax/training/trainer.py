@@ -71,6 +71,7 @@ from dspark_jax.training.corpus import resolve_data_paths
 from dspark_jax.training.data import (
     BatchRows,
     DataConfig,
+    DataError,
     JsonlConversationSource,
     check_seq_lens,
     global_batch,
@@ -362,8 +363,8 @@ def heldout_count(config: TrainConfig, data_paths: tuple[str, ...]) -> tuple[int
     wanted = config.eval_batches * config.recipe.global_batch_size
     count = min(wanted, total // MAX_HOLDOUT_SHARE)
     if count < 1:
-        raise ConfigError(
-            f"the training data holds {total} conversations, too few to hold out an evaluation "
+        raise DataError(
+            f"{', '.join(data_paths)}: {total} conversations, too few to hold out an evaluation "
             f"set (at most 1 in {MAX_HOLDOUT_SHARE}); pass --eval-data FILE, or --eval-data with "
             "no file to train without evaluation"
         )
