@@ -226,6 +226,31 @@ def test_too_little_data_to_hold_out_is_refused(files, tmp_path, capsys):
         )
 
 
+def test_data_is_checked_before_the_target_is_loaded(files, tmp_path, capsys, monkeypatch):
+    """Bad training or evaluation data is refused before the target (a download of gigabytes
+    for a hub id) is loaded."""
+    config_file, data, evals = files
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data was checked")
+
+    monkeypatch.setattr(trainer, "_setup_models", no_models)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": "x"}\n')
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Why?"]}) + "\n")
+    missing = tmp_path / "no.jsonl"
+    cases = [
+        (["--data", str(bad), "--eval-data", str(evals)], f"{bad}:1: "),
+        (["--data", str(data), "--eval-data", str(missing)], f"{missing}: no such file"),
+        (["--data", str(data), "--eval-data", str(prompts)], f"{prompts}:1: a {{\"turns\""),
+    ]
+    for data_args, message in cases:
+        args = ["train", "--config", str(config_file), "--output", str(tmp_path / "run")]
+        assert main([*args, *data_args, "--no-progress"]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_extend_a_finished_run(files, base_run, tmp_path, caplog):
     base, _ = base_run
     run = tmp_path / "run"

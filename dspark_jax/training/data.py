@@ -538,24 +538,34 @@ def make_dataset(
     return _BatchRowsMapDataset(ds, rows).map(tokenize)
 
 
-def make_iterator(
-    config: DataConfig, tokenizer: Tokenizer, rows: BatchRows | None = None
-) -> grain.DatasetIterator:
-    """A checkpointable iterator of this process's length-bucketed batches.
-
-    `get_state()` / `set_state()` resume exactly (the state is JSON-serialisable). `rows` default
-    to this process's contiguous block (`BatchRows.of_process` of jax's process index and count);
-    pass other rows to simulate several processes.
-    """
-    if rows is None:
-        rows = BatchRows.of_process(jax.process_index(), jax.process_count(), config.batch_size)
-    source = JsonlConversationSource(
+def open_source(config: DataConfig) -> JsonlConversationSource:
+    """The conversations of `config.paths` (its `part` of them), indexed and checked."""
+    return JsonlConversationSource(
         config.paths,
         config.skip_bad_records,
         turns=config.turns,
         heldout=config.heldout,
         part=config.part,
     )
+
+
+def make_iterator(
+    config: DataConfig,
+    tokenizer: Tokenizer,
+    rows: BatchRows | None = None,
+    source: JsonlConversationSource | None = None,
+) -> grain.DatasetIterator:
+    """A checkpointable iterator of this process's length-bucketed batches.
+
+    `get_state()` / `set_state()` resume exactly (the state is JSON-serialisable). `rows` default
+    to this process's contiguous block (`BatchRows.of_process` of jax's process index and count);
+    pass other rows to simulate several processes. `source`: `open_source(config)` when already
+    opened (indexing reads every line of the files).
+    """
+    if rows is None:
+        rows = BatchRows.of_process(jax.process_index(), jax.process_count(), config.batch_size)
+    if source is None:
+        source = open_source(config)
     examples = make_dataset(source, tokenizer, config, rows)
     options = grain.ReadOptions(
         num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size

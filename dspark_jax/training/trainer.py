@@ -76,6 +76,7 @@ from dspark_jax.training.data import (
     check_seq_lens,
     global_batch,
     make_iterator,
+    open_source,
     resolve_pad_id,
 )
 from dspark_jax.training.loss import LossWeights
@@ -384,6 +385,36 @@ def heldout_count(config: TrainConfig, data_paths: tuple[str, ...]) -> tuple[int
     return count, total
 
 
+@dataclasses.dataclass(frozen=True)
+class _RunData:
+    """The pipelines of the training data and the held-out data (None: no evaluation), with
+    their sources indexed and checked."""
+
+    train: DataConfig
+    train_source: JsonlConversationSource
+    eval: DataConfig | None
+    eval_source: JsonlConversationSource | None
+
+
+def _open_data(config: TrainConfig, output_dir: Path, rows: BatchRows) -> _RunData:
+    """The run's data (built-in corpora written under `output_dir`), every file read once to
+    index and check it: `eval_data` files whole, or with `holdout` the held-out part of `data`."""
+    recipe = config.recipe
+    data_paths = resolve_data_paths(config.data, output_dir)
+    eval_paths = resolve_data_paths(config.eval_data, output_dir)
+    heldout = heldout_count(config, data_paths)[0] if config.holdout else 0
+    common = dict(
+        seq_len=recipe.max_length, batch_size=len(rows.rows), seed=recipe.seed, turns=config.turns
+    )
+    train = DataConfig(paths=data_paths, seq_lens=config.seq_lens, heldout=heldout, **common)
+    held = None
+    if heldout:
+        held = DataConfig(paths=data_paths, heldout=heldout, part="heldout", **common)
+    elif eval_paths:
+        held = DataConfig(paths=eval_paths, **common)
+    return _RunData(train, open_source(train), held, None if held is None else open_source(held))
+
+
 def _schedule_change(
     recipe: TrainRecipe, step: int, saved_total: int, total_steps: int
 ) -> tuple[float, float]:
@@ -424,21 +455,22 @@ def train(
     is_main = jax.process_index() == 0
     if is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-
-    data_paths = resolve_data_paths(config.data, output_dir)
-    eval_paths = resolve_data_paths(config.eval_data, output_dir)
-    heldout, num_conversations = 0, None
-    if config.holdout:
-        heldout, num_conversations = heldout_count(config, data_paths)
+    # The sequence dimension is never sharded, so these shardings (and the jitted steps) take
+    # every bucket length; each new length compiles once.
+    shardings = batch_shardings(mesh, recipe.global_batch_size, recipe.max_length)
+    # Each process reads the rows of the global batch that its devices hold.
+    rows = BatchRows(
+        addressable_rows(shardings["length"], recipe.global_batch_size), recipe.global_batch_size
+    )
+    # Bad data is refused before the target (perhaps a download of gigabytes) is loaded.
+    data = _open_data(config, output_dir, rows)
 
     models, params, frozen, tokenizer = _setup_models(config, mesh, progress)
 
     if config.num_steps is not None:
         total_steps = config.num_steps
     else:
-        if num_conversations is None:
-            num_conversations = count_conversations(data_paths, config.turns)
-        per_epoch = num_conversations - heldout
+        per_epoch = len(data.train_source)
         total_steps = max(1, recipe.num_epochs * (per_epoch // recipe.global_batch_size))
     warmup_steps = int(recipe.warmup_ratio * total_steps)
     optimizer, schedule = make_optimizer(
@@ -451,26 +483,9 @@ def train(
         num_microbatches,
         config.loss_weights,
     )
-
-    # The sequence dimension is never sharded, so these shardings (and the jitted steps) take
-    # every bucket length; each new length compiles once.
-    shardings = batch_shardings(mesh, recipe.global_batch_size, recipe.max_length)
-    # Each process reads the rows of the global batch that its devices hold.
-    rows = BatchRows(
-        addressable_rows(shardings["length"], recipe.global_batch_size), recipe.global_batch_size
-    )
-    data_cfg = DataConfig(
-        paths=data_paths,
-        seq_len=recipe.max_length,
-        seq_lens=config.seq_lens,
-        batch_size=len(rows.rows),
-        seed=recipe.seed,
-        turns=config.turns,
-        heldout=heldout,
-    )
-    iterator = make_iterator(data_cfg, tokenizer, rows)
+    iterator = make_iterator(data.train, tokenizer, rows, data.train_source)
     # Processes bucket their own rows: with several buckets they pad to a common length.
-    pad_id = resolve_pad_id(tokenizer, data_cfg.pad_id) if len(data_cfg.seq_lens) > 1 else None
+    pad_id = resolve_pad_id(tokenizer, data.train.pad_id) if len(data.train.seq_lens) > 1 else None
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
     record = config.run_record(total_steps, num_microbatches)
     resumed_from = checkpointer.latest_step()
@@ -517,8 +532,7 @@ def train(
         recipe.global_batch_size,
         recipe.max_length,
     )
-    eval_source = data_paths if heldout else eval_paths
-    eval_batches = _eval_batches(config, eval_source, heldout, tokenizer, rows, shardings)
+    eval_batches = _eval_batches(config, data, tokenizer, rows, shardings)
     evaluate = None
     if eval_batches:
         evaluate = make_eval_step(
@@ -765,28 +779,12 @@ def _drafter_diffs(a: DrafterConfig, b: DrafterConfig) -> list[str]:
 
 
 def _eval_batches(
-    config: TrainConfig,
-    paths: tuple[str, ...],
-    heldout: int,
-    tokenizer,
-    rows: BatchRows,
-    shardings,
+    config: TrainConfig, data: _RunData, tokenizer, rows: BatchRows, shardings
 ) -> list[dict[str, jax.Array]]:
-    """The first `config.eval_batches` batches of the held-out data (fixed for the whole run):
-    `paths` whole, or with `heldout` the held-out part of them."""
-    if not paths:
+    """The first `config.eval_batches` batches of the held-out data (fixed for the whole run)."""
+    if data.eval is None:
         return []
-    data_cfg = DataConfig(
-        paths=paths,
-        seq_len=config.recipe.max_length,
-        batch_size=len(rows.rows),
-        seed=config.recipe.seed,
-        num_epochs=None,
-        turns=config.turns,
-        heldout=heldout,
-        part="heldout" if heldout else "train",
-    )
-    iterator = make_iterator(data_cfg, tokenizer, rows)
+    iterator = make_iterator(data.eval, tokenizer, rows, data.eval_source)
     return [global_batch(next(iterator), shardings) for _ in range(config.eval_batches)]
 
 
