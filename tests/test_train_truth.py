@@ -249,6 +249,37 @@ def test_data_is_checked_before_the_target_is_loaded(files, tmp_path, capsys, mo
         args = ["train", "--config", str(config_file), "--output", str(tmp_path / "run")]
         assert main([*args, *data_args, "--no-progress"]) == 2
         assert message in capsys.readouterr().err
+        assert not (tmp_path / "run").exists()
+
+
+def _tree(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))}
+
+
+def test_a_refused_run_leaves_nothing_behind(files, base_run, tmp_path, capsys):
+    """A fresh run refused while it sets up removes what it made (the run folder, the built-in
+    corpus it wrote, the checkpoints folder); a resumed run's folder keeps what it held."""
+    config_file, data, _ = files
+    out = tmp_path / "new" / "run"
+    args = ["train", "--config", str(config_file), "--output", str(out), "--no-progress"]
+    missing = str(tmp_path / "nope")
+    # The config evaluates on the built-in corpus, written into the run folder before the
+    # target, the drafter and the checkpoints are read.
+    for bad in (["--data", missing], ["--target", missing], ["--init-from", missing]):
+        assert main([*args, *bad]) == 2
+        assert missing in capsys.readouterr().err
+        assert not (tmp_path / "new").exists(), bad
+    out.mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    assert main([*args, "--target", missing]) == 2
+    assert _tree(out) == {"notes.txt": 4}
+    resumed = tmp_path / "resumed"
+    shutil.copytree(base_run[0], resumed)
+    before = _tree(resumed)
+    args[args.index(str(out))] = str(resumed)
+    assert main([*args, "--target", missing]) == 2
+    assert missing in capsys.readouterr().err
+    assert _tree(resumed) == before
 
 
 def test_extend_a_finished_run(files, base_run, tmp_path, caplog):

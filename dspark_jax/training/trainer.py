@@ -29,10 +29,12 @@ Output folder:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -444,9 +446,51 @@ def train(
     """Trains (or resumes, or extends) `config` in `output_dir`; see the module docstring.
 
     `stop_after` ends the call after that many total steps (saving a checkpoint), as a preempted
-    job would; calling again resumes.
+    job would; calling again resumes. A call that fails before training starts (bad data, a
+    missing target, a checkpoint of another run) removes what it added to `output_dir`.
     """
     output_dir = Path(output_dir).absolute()
+    folder = _RunFolder(output_dir, jax.process_index() == 0)
+    try:
+        return _train(config, output_dir, folder, stop_after, progress, export)
+    except BaseException:
+        folder.remove_setup()
+        raise
+
+
+class _RunFolder:
+    """What setting up a run adds to its folder (the folder itself, the built-in corpora, the
+    checkpoints folder), removed again when the setup fails: a refused run leaves nothing
+    behind, and the folder of a run being resumed keeps everything it held. Only process 0,
+    which creates the folder, removes anything."""
+
+    SETUP = ("data", "checkpoints")
+
+    def __init__(self, path: Path, owner: bool):
+        self.path, self.owner = path, owner
+        self.missing = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+        self.had = {name for name in self.SETUP if (path / name).exists()}
+        self.set_up = False
+
+    def remove_setup(self) -> None:
+        if not self.owner or self.set_up:
+            return
+        for name in self.SETUP:
+            if name not in self.had:
+                shutil.rmtree(self.path / name, ignore_errors=True)
+        for made in self.missing:
+            with contextlib.suppress(OSError):
+                made.rmdir()
+
+
+def _train(
+    config: TrainConfig,
+    output_dir: Path,
+    folder: _RunFolder,
+    stop_after: int | None,
+    progress: bool,
+    export: bool,
+) -> TrainResult:
     recipe = config.recipe
     mesh = make_mesh(config.mesh)
     num_microbatches = config.num_microbatches(mesh.shape["data"] * mesh.shape["fsdp"])
@@ -546,6 +590,7 @@ def train(
         )
     eval_key = jax.random.PRNGKey(recipe.seed + EVAL_SEED_OFFSET)
 
+    folder.set_up = True
     log = _MetricsLog(output_dir, is_main)
     history: list[dict[str, Any]] = []
 
