@@ -26,6 +26,8 @@ from dspark_jax.checkpoints.speculators import VERIFIER_TENSORS, check_speculato
 from dspark_jax.cli import main
 from dspark_jax.cli.train import load_train_config
 from dspark_jax.configs.train_tiny import TINY_TARGET
+from dspark_jax.embedded import TINY_DRAFT
+from dspark_jax.errors import UserError
 from dspark_jax.training import trainer
 from dspark_jax.training.checkpointing import (
     TrainCheckpointer,
@@ -282,6 +284,37 @@ def test_a_refused_run_leaves_nothing_behind(files, base_run, tmp_path, capsys):
     assert _tree(resumed) == before
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--stop-after", "0"], "argument --stop-after: must be >= 1, got 0"),
+        (["--stop-after", "-1"], "argument --stop-after: must be >= 1, got -1"),
+        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["--eval-every", "x"], "argument --eval-every: expected a whole number, got 'x'"),
+        (["--anchors-per-chunk", "0"], "argument --anchors-per-chunk: must be >= 1, got 0"),
+        (["--anchors-per-chunk", "3"], "--anchors-per-chunk (3) must divide num_anchors (8)"),
+        (["--seq-lens", "8,16"], "--seq-lens must be strictly ascending lengths"),
+        (["--per-device-batch-size", "3"], "--per-device-batch-size 3 x 4 batch-parallel"),
+        (["--init-from", str(TINY_DRAFT)], f"--init-from {TINY_DRAFT} does not match the config"),
+    ],
+)
+def test_errors_name_the_flags(files, tmp_path, capsys, flags, message):
+    """A flag's value that does not fit is refused in one line naming the flag as typed, not the
+    config field it sets; nothing runs and nothing is written."""
+    config_file, _, _ = files
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(config_file), "--output", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_stop_after_must_be_positive(files, tmp_path):
+    with pytest.raises(UserError, match="stop_after must be >= 1 or None, got 0"):
+        train(_config(files), tmp_path / "run", stop_after=0)
+    assert not (tmp_path / "run").exists()
+
+
 def test_extend_a_finished_run(files, base_run, tmp_path, caplog):
     base, _ = base_run
     run = tmp_path / "run"
@@ -396,7 +429,7 @@ def test_init_from_exported_drafter_and_mismatch(files, base_run, tmp_path):
     base, _ = base_run
     _starts_where_base_ended(files, base_run, base / "drafter", tmp_path / "run")
     wrong = dataclasses.replace(_config(files).drafter, markov_rank=16)
-    with pytest.raises(Exception, match="does not match config.drafter: .*markov_rank"):
+    with pytest.raises(Exception, match="does not match the config's drafter: .*markov_rank"):
         train(
             _config(files, init_drafter=str(base), drafter=wrong),
             tmp_path / "wrong",

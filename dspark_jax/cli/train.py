@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -69,6 +70,39 @@ def _mesh(text: str):
     from dspark_jax.cli.args import parse_mesh
 
     return parse_mesh(text)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+# Flags that set a TrainConfig field: an error about the field (from the config or the run) names
+# the flag when the flag was given. Fields whose names are plain words (target, data, mesh) are
+# left alone, since the words also occur in messages as prose.
+FLAG_OF_FIELD = {
+    "num_steps": "--steps",
+    "init_drafter": "--init-from",
+    "anchors_per_chunk": "--anchors-per-chunk",
+    "per_device_batch_size": "--per-device-batch-size",
+    "seq_lens": "--seq-lens",
+    "eval_every": "--eval-every",
+    "save_every": "--save-every",
+    "eval_data": "--eval-data",
+}
+
+
+def _naming_flags(message: str, fields) -> str:
+    """`message` with the config fields among `fields` named as their flags."""
+    for field in fields:
+        if field in FLAG_OF_FIELD:
+            message = re.sub(rf"(?<![\w./]){field}\b", FLAG_OF_FIELD[field], message)
+    return message
 
 
 def _seq_lens(text: str) -> tuple[int, ...]:
@@ -131,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=_at_least_one,
         help="total optimizer steps (override); more than a finished run's extends it",
     )
     parser.add_argument(
@@ -140,18 +174,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start from these drafter weights: an exported or converted drafter folder, or a "
         "training run / checkpoint (runs/x, runs/x/checkpoints/60); the optimizer starts afresh",
     )
-    parser.add_argument("--eval-every", type=int, help="held-out evaluation every N steps")
-    parser.add_argument("--save-every", type=int, help="checkpoint every N steps (override)")
+    parser.add_argument(
+        "--eval-every", type=_at_least_one, help="held-out evaluation every N steps"
+    )
+    parser.add_argument(
+        "--save-every", type=_at_least_one, help="checkpoint every N steps (override)"
+    )
     parser.add_argument("--mesh", type=_mesh, help="data,fsdp,tensor sizes; -1 = the rest")
-    parser.add_argument("--per-device-batch-size", type=int, help="micro-batch per device")
-    parser.add_argument("--anchors-per-chunk", type=int, help="anchors per loss chunk")
+    parser.add_argument(
+        "--per-device-batch-size", type=_at_least_one, help="micro-batch per device"
+    )
+    parser.add_argument("--anchors-per-chunk", type=_at_least_one, help="anchors per loss chunk")
     parser.add_argument(
         "--seq-lens",
         type=_seq_lens,
         help="length buckets, ascending and ending at the recipe's max_length (e.g. 128,256)",
     )
     parser.add_argument(
-        "--stop-after", type=int, help="stop (with a checkpoint) after this many total steps"
+        "--stop-after",
+        type=_at_least_one,
+        help="stop (with a checkpoint) after this many total steps",
     )
     parser.add_argument("--no-export", action="store_true", help="skip the final export")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -176,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from dspark_jax.cli.paths import check_output_folder
+    from dspark_jax.errors import UserError
     from dspark_jax.training.trainer import TrainingInterrupted, train
 
     config = load_train_config(args.config)
@@ -198,13 +241,14 @@ def run(args: argparse.Namespace) -> int:
         overrides.update(eval_data=(), holdout=True)
     elif args.eval_data is not None:
         overrides["holdout"] = False
-    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    output = Path(args.output or Path("runs") / config.name)
-    # Process 0 alone creates the run folder; other processes probing (and removing) it at the
-    # same moment on a shared filesystem could delete it from under each other's probes.
-    if jax.process_index() == 0:
-        check_output_folder(output, "--output")
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
+        config = dataclasses.replace(config, **given)
+        output = Path(args.output or Path("runs") / config.name)
+        # Process 0 alone creates the run folder; other processes probing (and removing) it at
+        # the same moment on a shared filesystem could delete it from under each other's probes.
+        if jax.process_index() == 0:
+            check_output_folder(output, "--output")
         with _console_log():
             result = train(
                 config,
@@ -216,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     except TrainingInterrupted as e:
         print(f"dspark-jax train: {e}", file=sys.stderr)
         return 130
+    except UserError as e:
+        raise UserError(_naming_flags(str(e), given)) from None
     summary = {
         "output": str(result.output_dir),
         "step": result.final_step,

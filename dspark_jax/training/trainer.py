@@ -449,6 +449,8 @@ def train(
     job would; calling again resumes. A call that fails before training starts (bad data, a
     missing target, a checkpoint of another run) removes what it added to `output_dir`.
     """
+    if stop_after is not None and stop_after < 1:
+        raise ConfigError(f"stop_after must be >= 1 or None, got {stop_after}")
     output_dir = Path(output_dir).absolute()
     folder = _RunFolder(output_dir, jax.process_index() == 0)
     try:
@@ -800,7 +802,7 @@ def _setup_models(config: TrainConfig, mesh, progress: bool):
         diffs = _drafter_diffs(loaded_cfg, drafter_cfg)
         if diffs:
             raise ConfigError(
-                f"init_drafter {config.init_drafter} does not match config.drafter: "
+                f"init_drafter {config.init_drafter} does not match the config's drafter: "
                 + "; ".join(diffs)
             )
         if found is None:
