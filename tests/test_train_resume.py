@@ -4,8 +4,10 @@ partially filled bucket buffers at the resume point), keep-last-N, and a save ki
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from train_helpers import TRAIN_CHILD, child_env, write_conversations, write_tra
 
 from dspark_jax.cli.train import load_train_config
 from dspark_jax.tokenizer import load_tokenizer
-from dspark_jax.training.checkpointing import TrainCheckpointer
+from dspark_jax.training.checkpointing import TrainCheckpointer, TrainCheckpointError
 from dspark_jax.training.data import DataConfig, make_iterator
 from dspark_jax.training.trainer import train
 
@@ -108,3 +110,42 @@ def test_checkpoint_killed_mid_save_is_ignored(
     assert _losses(result.history) == {s: uninterrupted[s] for s in (3, 4, 5, 6)}
     assert not [p for p in ckpt_dir.iterdir() if ".orbax-checkpoint-tmp" in p.name]
     assert TrainCheckpointer(ckpt_dir, 2).all_steps() == [4, 6]
+
+
+def test_resuming_on_other_data_is_refused(config_file, uninterrupted, tmp_path, caplog):
+    """A run records the data it reads (their text, not their file names): resuming on other or
+    changed data is refused rather than applying the saved data position to it; the same text
+    under another name resumes, and so does a checkpoint of an earlier version (no record)."""
+    config = load_train_config(str(config_file))
+
+    def on(path):
+        return dataclasses.replace(config, data=(str(path),))
+
+    data = tmp_path / "data.jsonl"
+    shutil.copy(config.data[0], data)
+    run = tmp_path / "run"
+    train(on(data), run, stop_after=3, progress=False, export=False)
+
+    other = write_conversations(tmp_path / "other.jsonl", range(40, 80), answer_spread=60)
+    with pytest.raises(TrainCheckpointError, match=f"trained on other data .*{other}: 40 conv"):
+        train(on(other), run, progress=False, export=False)
+    original = data.read_text()
+    data.write_text(original + original.splitlines(keepends=True)[0])
+    with pytest.raises(TrainCheckpointError, match="41 conversations, fingerprint [0-9a-f]+ now"):
+        train(on(data), run, progress=False, export=False)
+    # Blank lines do not count, the order of the lines does.
+    data.write_text(original.replace("\n", "\n\n"))
+    moved = tmp_path / "moved.jsonl"
+    data.rename(moved)
+    result = train(on(moved), run, stop_after=4, progress=False, export=False)
+    assert result.resumed_from == 3
+
+    meta = run / "checkpoints" / "4" / "meta" / "metadata"
+    record = json.loads(meta.read_text())
+    del record["data"]
+    meta.write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING, logger="dspark_jax.training.trainer"):
+        result = train(on(moved), run, progress=False, export=False)
+    assert "does not record the data it was trained on" in caplog.text
+    assert result.resumed_from == 4
+    assert _losses(result.history) == {s: uninterrupted[s] for s in (5, 6)}

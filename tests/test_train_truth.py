@@ -245,7 +245,7 @@ def test_data_is_checked_before_the_target_is_loaded(files, tmp_path, capsys, mo
     cases = [
         (["--data", str(bad), "--eval-data", str(evals)], f"{bad}:1: "),
         (["--data", str(data), "--eval-data", str(missing)], f"{missing}: no such file"),
-        (["--data", str(data), "--eval-data", str(prompts)], f"{prompts}:1: a {{\"turns\""),
+        (["--data", str(data), "--eval-data", str(prompts)], f'{prompts}:1: a {{"turns"'),
     ]
     for data_args, message in cases:
         args = ["train", "--config", str(config_file), "--output", str(tmp_path / "run")]

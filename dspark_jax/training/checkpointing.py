@@ -39,9 +39,11 @@ class TrainCheckpointError(UserError):
     """A checkpoint that cannot be restored into this run."""
 
 
-# Run-record fields that may change when a run is resumed: the total step count (extending or
-# shortening the run; the learning-rate schedule follows the new total).
-RESUMABLE_CHANGES = ("total_steps",)
+# Run-record fields that `check_record` leaves to the caller: the total step count may change
+# when a run is resumed (extending or shortening it; the learning-rate schedule follows the new
+# total), and the trainer compares the data itself (its refusal says how the data differ, and
+# records of earlier versions hold none).
+NOT_COMPARED = ("total_steps", "data")
 
 
 class _ReadOnlyNotice(logging.Filter):
@@ -170,25 +172,13 @@ class TrainCheckpointer:
         """(state saved at `step` (default: newest), its run record), the state placed with
         `abstract_state`'s shardings.
 
-        `data_iterator` is moved to the saved position. `meta` must equal the saved record (the
-        same drafter, target and recipe) except in `RESUMABLE_CHANGES`, else TrainCheckpointError.
+        `data_iterator` is moved to the saved position. `meta` must agree with the saved record
+        (`check_record`), else TrainCheckpointError.
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise TrainCheckpointError(f"{self.directory}: no complete checkpoint to restore")
-        saved_meta = self._manager.restore(
-            step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-        )[META]
-        diffs = sorted(
-            k
-            for k in set(saved_meta) | set(meta)
-            if saved_meta.get(k) != meta.get(k) and k not in RESUMABLE_CHANGES
-        )
-        if diffs:
-            raise TrainCheckpointError(
-                f"{self.directory}/{step} belongs to a different run (differs in: "
-                f"{', '.join(diffs)}); use a new output folder or the original settings"
-            )
+        saved_meta = self.check_record(meta, step)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -199,6 +189,24 @@ class TrainCheckpointer:
             ),
         )
         return restored[STATE], saved_meta
+
+    def check_record(self, meta: dict[str, Any], step: int) -> dict[str, Any]:
+        """The run record saved with `step`, once it equals `meta` (the same drafter, target and
+        recipe) but for `NOT_COMPARED`; else TrainCheckpointError."""
+        saved_meta = self._manager.restore(
+            step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+        )[META]
+        diffs = sorted(
+            k
+            for k in set(saved_meta) | set(meta)
+            if saved_meta.get(k) != meta.get(k) and k not in NOT_COMPARED
+        )
+        if diffs:
+            raise TrainCheckpointError(
+                f"{self.directory}/{step} belongs to a different run (differs in: "
+                f"{', '.join(diffs)}); use a new output folder or the original settings"
+            )
+        return saved_meta
 
     def wait_until_finished(self) -> None:
         self._manager.wait_until_finished()

@@ -195,9 +195,10 @@ class JsonlConversationSource:
 
     Indexes and validates every line once; elements are `{"messages": [...], "where": "file:line"}`
     read back from disk on access. Blank lines are ignored; files without a single conversation
-    between them are refused. `turns` as in `DataConfig`; with
-    `heldout` > 0 the source holds only its `part` of the split (see the module doc), and
-    `num_total` counts the conversations of both parts.
+    between them are refused. `turns` as in `DataConfig`; with `heldout` > 0 the source holds
+    only its `part` of the split (see the module doc), and `num_total` counts the conversations
+    of both parts. `fingerprint` identifies the text of all of them in order (whatever the
+    files are called), so that a resumed run can tell it reads the data it started on.
     """
 
     def __init__(
@@ -213,6 +214,7 @@ class JsonlConversationSource:
         self._turns = turns
         starts, ends, files, lines, hashes = [], [], [], [], []
         self.num_skipped = 0
+        fingerprint = hashlib.blake2b(digest_size=16)
         for file_index, path in enumerate(self._paths):
             if os.path.isdir(path):
                 raise DataError(f"{path}: is a folder, not a JSONL file")
@@ -231,6 +233,7 @@ class JsonlConversationSource:
                             raise DataError(f"{path}:{line_no}: {e}") from None
                         self.num_skipped += 1
                         continue
+                    fingerprint.update(raw.strip() + b"\n")
                     starts.append(start)
                     ends.append(offset)
                     files.append(file_index)
@@ -240,6 +243,7 @@ class JsonlConversationSource:
         if self.num_skipped:
             logger.warning("skipped %d bad records in %s", self.num_skipped, self._paths)
         self.num_total = len(starts)
+        self.fingerprint = fingerprint.hexdigest()
         if not self.num_total:
             files = ", ".join(self._paths)
             if self.num_skipped:
@@ -263,6 +267,10 @@ class JsonlConversationSource:
         self._fds: dict[int, int] = {}
         self._fd_pid = os.getpid()
         self._fd_lock = threading.Lock()
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(self._paths)
 
     def __len__(self) -> int:
         return len(self._starts)

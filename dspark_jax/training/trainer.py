@@ -195,8 +195,11 @@ class TrainConfig:
             )
         return global_batch // micro
 
-    def run_record(self, total_steps: int, num_microbatches: int) -> dict[str, Any]:
-        """What a checkpoint must agree with to be resumed by this run (JSON-normalised)."""
+    def run_record(
+        self, total_steps: int, num_microbatches: int, data: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """What a checkpoint must agree with to be resumed by this run (JSON-normalised); `data`
+        identifies the data it reads."""
         record = {
             "drafter": self.drafter.to_hf(),
             "recipe": dataclasses.asdict(self.recipe),
@@ -205,6 +208,7 @@ class TrainConfig:
             "num_microbatches": num_microbatches,
             "anchors_per_chunk": self.anchors_per_chunk,
             "init_drafter": _model_reference(self.init_drafter),
+            "data": data,
         }
         return json.loads(json.dumps(record))
 
@@ -397,6 +401,25 @@ class _RunData:
     eval: DataConfig | None
     eval_source: JsonlConversationSource | None
 
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must read again, for its run record: the text of the training and
+        evaluation files (with their names, which are not compared) and the held-out count."""
+
+        def of(source: JsonlConversationSource | None) -> dict[str, Any] | None:
+            if source is None:
+                return None
+            return {
+                "paths": [str(Path(p).resolve()) for p in source.paths],
+                "conversations": source.num_total,
+                "fingerprint": source.fingerprint,
+            }
+
+        return {
+            "train": of(self.train_source),
+            "eval": of(self.eval_source),
+            "heldout": self.train.heldout,
+        }
+
 
 def _open_data(config: TrainConfig, output_dir: Path, rows: BatchRows) -> _RunData:
     """The run's data (built-in corpora written under `output_dir`), every file read once to
@@ -415,6 +438,60 @@ def _open_data(config: TrainConfig, output_dir: Path, rows: BatchRows) -> _RunDa
     elif eval_paths:
         held = DataConfig(paths=eval_paths, **common)
     return _RunData(train, open_source(train), held, None if held is None else open_source(held))
+
+
+def _check_resumable(checkpointer: TrainCheckpointer, step: int, record: dict[str, Any]) -> int:
+    """The total step count saved with checkpoint `step`, once the checkpoint is one this run
+    (`record`) can resume: the same run, reading the same data, not past its last step."""
+    saved = checkpointer.check_record(record, step)
+    where = checkpointer.directory / str(step)
+    if "data" not in saved:
+        logger.warning(
+            "%s does not record the data it was trained on (written by an earlier version): "
+            "resuming without checking that the data are the same",
+            where,
+        )
+    else:
+        differences = _data_differences(saved["data"], record["data"])
+        if differences:
+            raise TrainCheckpointError(
+                f"{where} was trained on other data than this run reads ({differences}); "
+                "resume with the original data, or start a new run in another output folder "
+                "(from this checkpoint's weights with --init-from)"
+            )
+    total_steps = record["total_steps"]
+    if step > total_steps:
+        raise TrainCheckpointError(
+            f"{checkpointer.directory} is at step {step}, past the {total_steps} steps asked "
+            f"for; to use an earlier state, export or --init-from one of its checkpoints "
+            f"({', '.join(map(str, checkpointer.all_steps()))})"
+        )
+    return saved["total_steps"]
+
+
+def _data_differences(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """How the data identities `saved` and `now` (`_RunData.identity`) differ, or ''. The files'
+    names do not count: the same text moved elsewhere is the same data."""
+
+    def described(files: dict[str, Any] | None) -> str:
+        if files is None:
+            return "none"
+        return (
+            f"{', '.join(files['paths'])}: {files['conversations']} conversations, "
+            f"fingerprint {files['fingerprint'][:12]}"
+        )
+
+    differences = []
+    for part, label in (("train", "training data"), ("eval", "evaluation data")):
+        a, b = saved.get(part), now.get(part)
+        if (a and {**a, "paths": None}) != (b and {**b, "paths": None}):
+            differences.append(f"{label}: {described(a)} then, {described(b)} now")
+    if saved.get("heldout") != now.get("heldout"):
+        differences.append(
+            f"held out for evaluation: {saved.get('heldout')} conversations then, "
+            f"{now.get('heldout')} now"
+        )
+    return "; ".join(differences)
 
 
 def _schedule_change(
@@ -508,16 +585,22 @@ def _train(
     rows = BatchRows(
         addressable_rows(shardings["length"], recipe.global_batch_size), recipe.global_batch_size
     )
-    # Bad data is refused before the target (perhaps a download of gigabytes) is loaded.
+    # Bad data, and a checkpoint of another run or of other data, are refused before the target
+    # (perhaps a download of gigabytes) is loaded.
     data = _open_data(config, output_dir, rows)
-
-    models, params, frozen, tokenizer = _setup_models(config, mesh, progress)
-
     if config.num_steps is not None:
         total_steps = config.num_steps
     else:
         per_epoch = len(data.train_source)
         total_steps = max(1, recipe.num_epochs * (per_epoch // recipe.global_batch_size))
+    checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
+    record = config.run_record(total_steps, num_microbatches, data.identity())
+    resumed_from = checkpointer.latest_step()
+    if resumed_from is not None:
+        saved_total = _check_resumable(checkpointer, resumed_from, record)
+
+    models, params, frozen, tokenizer = _setup_models(config, mesh, progress)
+
     warmup_steps = int(recipe.warmup_ratio * total_steps)
     optimizer, schedule = make_optimizer(
         recipe.learning_rate, total_steps, warmup_steps, recipe.weight_decay, recipe.max_grad_norm
@@ -532,21 +615,11 @@ def _train(
     iterator = make_iterator(data.train, tokenizer, rows, data.train_source)
     # Processes bucket their own rows: with several buckets they pad to a common length.
     pad_id = resolve_pad_id(tokenizer, data.train.pad_id) if len(data.train.seq_lens) > 1 else None
-    checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
-    record = config.run_record(total_steps, num_microbatches)
-    resumed_from = checkpointer.latest_step()
     init_checkpoint = None if config.init_drafter is None else find_checkpoint(config.init_drafter)
     if init_checkpoint is not None and resumed_from is None:
         restored = restore_state(*init_checkpoint, _abstract(state, state_shardings(state, mesh)))
         state = state._replace(params=restored.params)
     if resumed_from is not None:
-        saved_total = read_meta(checkpointer.directory, resumed_from)["total_steps"]
-        if resumed_from > total_steps:
-            raise TrainCheckpointError(
-                f"{checkpointer.directory} is at step {resumed_from}, past the {total_steps} "
-                f"steps asked for; to use an earlier state, export or --init-from one of its "
-                f"checkpoints ({', '.join(map(str, checkpointer.all_steps()))})"
-            )
         abstract = _abstract(state, state_shardings(state, mesh))
         state, _ = checkpointer.restore(abstract, iterator, record)
         logger.info("resumed from step %d", resumed_from)
