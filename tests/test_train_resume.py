@@ -14,7 +14,13 @@ import sys
 import textwrap
 
 import pytest
-from train_helpers import TRAIN_CHILD, child_env, write_conversations, write_train_config
+from train_helpers import (
+    TRAIN_CHILD,
+    child_env,
+    read_events,
+    write_conversations,
+    write_train_config,
+)
 
 from dspark_jax.cli.train import load_train_config
 from dspark_jax.tokenizer import load_tokenizer
@@ -82,6 +88,31 @@ def test_resume_continues_bit_identically(config_file, uninterrupted, tmp_path):
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
     assert {"loss", "ce", "l1", "bce", "tau", "accept_rate_k", "conf_bias", "lr"} <= set(logged[0])
+
+
+def test_a_resumed_run_logs_each_step_once(config_file, uninterrupted, tmp_path):
+    """metrics.jsonl is cut back to the checkpoint a run resumes from, so steps logged after it
+    by a run that died are not listed twice; TensorBoard is told to drop them (a session start
+    at the first step logged again); a finished run run again logs nothing."""
+    config = load_train_config(str(config_file))
+    train(config, tmp_path, stop_after=3, progress=False, export=False)
+    # As if the run had died after logging step 3, before its checkpoint was complete, in the
+    # middle of a line.
+    shutil.rmtree(tmp_path / "checkpoints" / "3")
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"split": "train", "st')
+    result = train(config, tmp_path, progress=False, export=False)
+    assert result.resumed_from == 2
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert {r["step"]: r["loss"] for r in logged} == uninterrupted
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
+    scalars, purges = read_events(tmp_path)
+    assert purges == [0, 3]
+    assert scalars["train/loss"] == pytest.approx(uninterrupted, rel=1e-6)
+    finished = metrics.read_text()
+    assert train(config, tmp_path, progress=False, export=False).history == []
+    assert metrics.read_text() == finished
 
 
 def test_checkpoint_killed_mid_save_is_ignored(

@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import signal
-import struct
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from train_helpers import write_conversations, write_train_config
+from train_helpers import read_events, write_conversations, write_train_config
 
 from dspark_jax.checkpoints.safetensors_io import SafetensorsFolder
 from dspark_jax.checkpoints.speculators import VERIFIER_TENSORS, check_speculators_config
@@ -69,23 +68,6 @@ def base_run(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("base")
     result = train(_config(files, save_every=1), out, progress=False)
     return out, result
-
-
-def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} from the TensorBoard event files in `folder` (TFRecord framing)."""
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, dict[int, float]] = {}
-    for path in sorted(folder.glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        offset = 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset : offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
-            offset += 12 + length + 4
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
-    return scalars
 
 
 class _RecordingBar:
@@ -149,7 +131,7 @@ def test_data_alone_holds_out_its_own_eval_set(files, tmp_path, capsys, monkeypa
     logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if r["split"] == "eval"] == [0, 1, 2, 3]
     assert sum(r["truncated"] for r in logged if r["split"] == "train") > 0
-    scalars = read_scalars(out)
+    scalars, _ = read_events(out)
     assert set(scalars["train/loss"]) == {1, 2, 3}
     assert set(scalars["eval/loss"]) == {0, 1, 2, 3}
     for r in logged:
@@ -316,12 +298,20 @@ def test_stop_after_must_be_positive(files, tmp_path):
 
 
 def test_extend_a_finished_run(files, base_run, tmp_path, caplog):
-    base, _ = base_run
+    base, base_result = base_run
     run = tmp_path / "run"
     shutil.copytree(base, run)
+    # Run again as it is, a finished run evaluates its last step without logging it twice.
+    logged = (run / "metrics.jsonl").read_text()
+    again = train(_config(files), run, progress=False, export=False)
+    assert again.resumed_from == 2 and again.history == []
+    assert again.eval_end["loss"] == pytest.approx(base_result.eval_end["loss"], rel=1e-6)
+    assert (run / "metrics.jsonl").read_text() == logged
     caplog.set_level("INFO", logger="dspark_jax")
     result = train(_config(files, num_steps=3), run, progress=False, export=False)
     assert result.resumed_from == 2 and result.final_step == 3
+    evaluated = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evaluated if r["split"] == "eval"] == [0, 2, 3]
     assert "extending the run from 2 to 3 steps" in caplog.text
     assert "learning-rate schedule is recomputed for 3 steps" in caplog.text
     with pytest.raises(TrainCheckpointError, match="at step 3, past the 1 steps asked for"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 REPO = Path(__file__).parents[1]
@@ -93,3 +94,28 @@ def child_env(cache_dir: Path | None = None, devices: int | None = None) -> dict
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     return env
+
+
+def read_events(folder: Path) -> tuple[dict[str, dict[int, float]], list[int]]:
+    """(tag -> {step: value}, purge steps) from the TensorBoard event files in `folder` (TFRecord
+    framing), read as TensorBoard reads them: a session start at step T (a run restarted from
+    step T - 1) discards the values at steps >= T read before it."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    purges = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            if event.session_log.status == event_pb2.SessionLog.START:
+                purges.append(event.step)
+                for values in scalars.values():
+                    for step in [s for s in values if s >= event.step]:
+                        del values[step]
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars, purges

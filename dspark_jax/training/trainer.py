@@ -256,22 +256,56 @@ class _MetricsLog:
 
     Each record becomes scalars `<split>/<metric>` at its step; a per-position list becomes
     `<split>/<metric>/<k>` with k counted from 1.
+
+    A run continues the log of the checkpoint it resumes from (`resumed_from`; None for a fresh
+    run): records of later steps, written by a run that stopped before its next checkpoint, are
+    dropped from metrics.jsonl (rewritten whole, then renamed over it), and the event file opens
+    with a session start at the next step, which tells TensorBoard to drop the old scalars from
+    there on. An evaluation already logged for a step is not logged again.
     """
 
-    def __init__(self, output_dir: Path, enabled: bool):
+    def __init__(self, output_dir: Path, enabled: bool, resumed_from: int | None):
         self.path, self.enabled = output_dir / "metrics.jsonl", enabled
         self._writer = None
+        self._evaluated: set[int] = set()
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(logdir=str(output_dir))
+            kept = self._cut_back(-1 if resumed_from is None else resumed_from)
+            self._evaluated = {r["step"] for r in kept if r["split"] == "eval"}
+            purge_step = 0 if resumed_from is None else resumed_from + 1
+            self._writer = SummaryWriter(logdir=str(output_dir), purge_step=purge_step)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def _cut_back(self, last_step: int) -> list[dict[str, Any]]:
+        """The records of metrics.jsonl up to `last_step`, now all the file holds."""
+        if not self.path.exists():
+            return []
+        lines = self.path.read_text().splitlines()
+        kept = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a run killed while writing it
+                continue
+            if record["step"] <= last_step:
+                kept.append(record)
+        if len(kept) != len(lines):
+            tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)
+        return kept
+
+    def write(self, record: dict[str, Any]) -> bool:
+        """Logs `record`; False (nothing written) for an evaluation already logged."""
         if not self.enabled:
-            return
+            return False
+        split, step = record["split"], record["step"]
+        if split == "eval":
+            if step in self._evaluated:
+                return False
+            self._evaluated.add(step)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        split, step = record["split"], record["step"]
         for name, value in record.items():
             if name in ("split", "step"):
                 continue
@@ -281,6 +315,7 @@ class _MetricsLog:
             else:
                 self._writer.add_scalar(f"{split}/{name}", value, step)
         self._writer.flush()
+        return True
 
     def close(self) -> None:
         if self._writer is not None:
@@ -666,7 +701,7 @@ def _train(
     eval_key = jax.random.PRNGKey(recipe.seed + EVAL_SEED_OFFSET)
 
     folder.set_up = True
-    log = _MetricsLog(output_dir, is_main)
+    log = _MetricsLog(output_dir, is_main, resumed_from)
     history: list[dict[str, Any]] = []
 
     def run_eval(step: int) -> dict[str, Any]:
@@ -674,8 +709,9 @@ def _train(
             jax.device_get(evaluate(state.params, frozen, b, eval_key)) for b in eval_batches
         ]
         result = {"split": "eval", "step": step, **_mean_records(per_batch)}
-        log.write(result)
-        history.append(result)
+        # Every process evaluates (the step is collective); process 0 knows what was logged.
+        if log.write(result) or not log.enabled:
+            history.append(result)
         return result
 
     step = int(jax.device_get(state.step))
