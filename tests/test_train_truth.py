@@ -458,3 +458,26 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(files, tmp_path, capsys, monkey
         "run again to resume"
     )
     assert TrainCheckpointer(out / "checkpoints", 5).all_steps() == [2]
+
+
+def test_ctrl_c_while_setting_up_aborts(files, tmp_path, capsys, monkeypatch):
+    """Ctrl-C before training starts aborts the run (exit 130) and removes what it created, also
+    when the KeyboardInterrupt lands where Python swallows it: in a garbage-collection callback
+    or a __del__, it is printed ('Exception ignored in ...') and the program goes on."""
+    config_file, _, _ = files
+    real_setup = trainer._setup_models
+
+    def setup_then_swallowed_ctrl_c(*args, **kwargs):
+        models = real_setup(*args, **kwargs)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pass  # as Python does with one raised in a gc callback
+        return models
+
+    monkeypatch.setattr(trainer, "_setup_models", setup_then_swallowed_ctrl_c)
+    out = tmp_path / "run"
+    args = ["train", "--config", str(config_file), "--steps", "2", "--output", str(out)]
+    assert main([*args, "--eval-data", "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "dspark-jax train: interrupted"
+    assert not out.exists()

@@ -15,8 +15,9 @@ is recomputed over the new total from the restored step on, and the change is lo
 
 The progress bar advances when a step has finished on the device, not when it is dispatched, so
 its rate and ETA are those of training; the first step (compilation) runs before the bar starts.
-Ctrl-C (SIGINT, single-process runs) stops after the step in flight, saves a checkpoint and
-raises `TrainingInterrupted`; a second Ctrl-C interrupts at once.
+Ctrl-C (SIGINT, single-process runs) while training stops after the step in flight, saves a
+checkpoint and raises `TrainingInterrupted`; a second Ctrl-C interrupts at once. Before training
+starts and after it ends, Ctrl-C interrupts at once (and reliably: see `_Interrupts`).
 
 Output folder:
     metrics.jsonl     one JSON object per logged train interval or evaluation
@@ -322,23 +323,39 @@ class _MetricsLog:
             self._writer.close()
 
 
-class _StopOnInterrupt:
-    """Turns the first SIGINT into a request to stop at the next step boundary (where a
-    checkpoint can be saved); the handler then steps aside, so a second Ctrl-C interrupts at once.
-    Only the main thread of a single-process run can take the signal this way."""
+class _Interrupts:
+    """SIGINT (Ctrl-C) over a whole `train` call, in the main thread of a single-process run.
 
-    def __init__(self, enabled: bool, on_request):
-        self.requested = False
+    While the run sets up or finishes, Ctrl-C aborts as usual (KeyboardInterrupt) and is also
+    remembered, because Python prints and swallows a KeyboardInterrupt raised inside a
+    garbage-collection callback or a `__del__`: `check`, called between the phases, raises it
+    again. While training, the first Ctrl-C asks the loop to stop at the next step boundary
+    (where a checkpoint can be saved); a second aborts at once.
+    """
+
+    def __init__(self, enabled: bool):
         self._enabled = enabled and threading.current_thread() is threading.main_thread()
-        self._on_request = on_request
         self._previous = None
+        self.training = False
+        self.stop_requested = False
+        self.aborted = False
+        self.on_stop_request = None
 
     def _handle(self, signum, frame) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, self._previous)
-        self._on_request()
+        if self.training and not self.stop_requested:
+            self.stop_requested = True
+            if self.on_stop_request is not None:
+                self.on_stop_request()
+            return
+        self.aborted = True
+        raise KeyboardInterrupt
 
-    def __enter__(self) -> _StopOnInterrupt:
+    def check(self) -> None:
+        """Raises the Ctrl-C that aborted the run, in case it was swallowed where it landed."""
+        if self.aborted:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _Interrupts:
         if self._enabled:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
@@ -565,8 +582,13 @@ def train(
         raise ConfigError(f"stop_after must be >= 1 or None, got {stop_after}")
     output_dir = Path(output_dir).absolute()
     folder = _RunFolder(output_dir, jax.process_index() == 0)
+    # With several processes each would take the signal at its own step and they could not save
+    # one checkpoint together (nor stop at one step without a host round trip every step), so a
+    # multi-process job is stopped as usual and resumes from its last `save_every` checkpoint.
+    interrupts = _Interrupts(jax.process_count() == 1)
     try:
-        return _train(config, output_dir, folder, stop_after, progress, export)
+        with interrupts:
+            return _train(config, output_dir, folder, interrupts, stop_after, progress, export)
     except BaseException:
         folder.remove_setup()
         raise
@@ -601,6 +623,7 @@ def _train(
     config: TrainConfig,
     output_dir: Path,
     folder: _RunFolder,
+    interrupts: _Interrupts,
     stop_after: int | None,
     progress: bool,
     export: bool,
@@ -623,6 +646,7 @@ def _train(
     # Bad data, and a checkpoint of another run or of other data, are refused before the target
     # (perhaps a download of gigabytes) is loaded.
     data = _open_data(config, output_dir, rows)
+    interrupts.check()
     if config.num_steps is not None:
         total_steps = config.num_steps
     else:
@@ -635,6 +659,7 @@ def _train(
         saved_total = _check_resumable(checkpointer, resumed_from, record)
 
     models, params, frozen, tokenizer = _setup_models(config, mesh, progress)
+    interrupts.check()
 
     warmup_steps = int(recipe.warmup_ratio * total_steps)
     optimizer, schedule = make_optimizer(
@@ -700,6 +725,7 @@ def _train(
         )
     eval_key = jax.random.PRNGKey(recipe.seed + EVAL_SEED_OFFSET)
 
+    interrupts.check()
     folder.set_up = True
     log = _MetricsLog(output_dir, is_main, resumed_from)
     history: list[dict[str, Any]] = []
@@ -744,74 +770,73 @@ def _train(
         )
         (bar.write if bar is not None else logger.warning)(message)
 
-    # With several processes each would take the signal at its own step and they could not save
-    # one checkpoint together (nor stop at one step without a host round trip every step), so a
-    # multi-process job is stopped as usual and resumes from its last `save_every` checkpoint.
-    stop = _StopOnInterrupt(jax.process_count() == 1, announce_stop)
+    interrupts.on_stop_request = announce_stop
+    interrupts.training = True
     try:
-        with stop:
-            while step < end and not stop.requested:
-                local = next(iterator)
-                truncations.add(local, step + 1)
-                batch = global_batch(local, shardings, pad_id)
-                state, metrics = train_step(state, frozen, batch)
-                pending.append(metrics)
-                step += 1
-                if step == first_step + 1:
-                    # The first step of a call includes compilation: throughput and the bar's
-                    # rate start after it.
-                    jax.block_until_ready(metrics)
-                    interval_start = time.perf_counter()
-                    if show_bar:
-                        bar = tqdm(total=end, initial=step, desc=config.name)
-                else:
-                    timed_steps += 1
-                    timed_tokens += batch["tokens"].size
-                    inflight.append(metrics["loss"])
-                finished()
-                if step % config.log_every == 0 or step == end:
-                    records = jax.device_get(pending)
+        while step < end and not interrupts.stop_requested:
+            interrupts.check()
+            local = next(iterator)
+            truncations.add(local, step + 1)
+            batch = global_batch(local, shardings, pad_id)
+            state, metrics = train_step(state, frozen, batch)
+            pending.append(metrics)
+            step += 1
+            if step == first_step + 1:
+                # The first step of a call includes compilation: throughput and the bar's
+                # rate start after it.
+                jax.block_until_ready(metrics)
+                interval_start = time.perf_counter()
+                if show_bar:
+                    bar = tqdm(total=end, initial=step, desc=config.name)
+            else:
+                timed_steps += 1
+                timed_tokens += batch["tokens"].size
+                inflight.append(metrics["loss"])
+            finished()
+            if step % config.log_every == 0 or step == end:
+                records = jax.device_get(pending)
+                finished(block_all=True)
+                # `truncated`: this process's sequences cut to the largest bucket.
+                entry = {"split": "train", "step": step, **_mean_records(records)}
+                entry["truncated"] = truncations.take_interval()
+                if timed_steps:
+                    elapsed = timed_seconds + time.perf_counter() - interval_start
+                    entry["steps_per_s"] = timed_steps / elapsed
+                    entry["seq_tokens_per_s"] = timed_tokens / elapsed
+                log.write(entry)
+                history.append(entry)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['tau']:.2f}")
+                pending, timed_steps, timed_tokens, timed_seconds = [], 0, 0, 0.0
+                interval_start = time.perf_counter()
+            paused = False
+            if evaluate is not None and config.eval_every and step % config.eval_every == 0:
+                if step != end:  # the end has its own evaluation below
                     finished(block_all=True)
-                    # `truncated`: this process's sequences cut to the largest bucket.
-                    entry = {"split": "train", "step": step, **_mean_records(records)}
-                    entry["truncated"] = truncations.take_interval()
-                    if timed_steps:
-                        elapsed = timed_seconds + time.perf_counter() - interval_start
-                        entry["steps_per_s"] = timed_steps / elapsed
-                        entry["seq_tokens_per_s"] = timed_tokens / elapsed
-                    log.write(entry)
-                    history.append(entry)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['tau']:.2f}")
-                    pending, timed_steps, timed_tokens, timed_seconds = [], 0, 0, 0.0
-                    interval_start = time.perf_counter()
-                paused = False
-                if evaluate is not None and config.eval_every and step % config.eval_every == 0:
-                    if step != end:  # the end has its own evaluation below
-                        finished(block_all=True)
-                        timed_seconds += time.perf_counter() - interval_start
-                        run_eval(step)
-                        paused = True
-                if step % config.save_every == 0 or step == end:
-                    checkpointer.save(state, iterator, record)
-                    saved_step = step
-                if paused:
-                    # Evaluation time is not training time: keep it out of the bar's rate and
-                    # the logged throughput.
-                    if bar is not None:
-                        bar.unpause()
-                    interval_start = time.perf_counter()
-            finished(block_all=True)
-            if stop.requested and saved_step != step:
+                    timed_seconds += time.perf_counter() - interval_start
+                    run_eval(step)
+                    paused = True
+            if step % config.save_every == 0 or step == end:
                 checkpointer.save(state, iterator, record)
                 saved_step = step
+            if paused:
+                # Evaluation time is not training time: keep it out of the bar's rate and
+                # the logged throughput.
+                if bar is not None:
+                    bar.unpause()
+                interval_start = time.perf_counter()
+        finished(block_all=True)
+        if interrupts.stop_requested and saved_step != step:
+            checkpointer.save(state, iterator, record)
+            saved_step = step
     finally:
+        interrupts.training = False
         if bar is not None:
             bar.close()
         checkpointer.wait_until_finished()
         checkpointer.close()
         truncations.report()
-    if stop.requested:
+    if interrupts.stop_requested:
         log.close()
         raise TrainingInterrupted(step, checkpointer.directory / str(step))
 
@@ -825,6 +850,7 @@ def _train(
         export_dir = export_trained_drafter(
             models, state.params, frozen.drafter, output_dir / "drafter" if is_main else None
         )
+    interrupts.check()
     return TrainResult(output_dir, step, history, eval_start, eval_end, export_dir, resumed_from)
 
 
