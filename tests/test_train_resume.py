@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 from train_helpers import (
+    ABORTED_TRAIN_CHILD,
     TRAIN_CHILD,
     child_env,
     read_events,
@@ -180,3 +181,22 @@ def test_resuming_on_other_data_is_refused(config_file, uninterrupted, tmp_path,
     assert "does not record the data it was trained on" in caplog.text
     assert result.resumed_from == 4
     assert _losses(result.history) == {s: uninterrupted[s] for s in (5, 6)}
+
+
+def test_second_ctrl_c_during_a_save_aborts_quietly(config_file, compile_cache, tmp_path):
+    """A second Ctrl-C while Orbax commits a checkpoint abandons the save: exit 130 with one line,
+    none of Orbax's reports of the save it could not finish (nor their tracebacks), and the next
+    run ignores the partial save."""
+    args = ["--config", str(config_file), "--output", str(tmp_path), "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(ABORTED_TRAIN_CHILD), *args, "--no-export"],
+        env=child_env(compile_cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "absl" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "dspark-jax train: interrupted"
+    assert [p.name.split(".")[0] for p in (tmp_path / "checkpoints").iterdir()] == ["2"]
+    assert TrainCheckpointer(tmp_path / "checkpoints", 2).all_steps() == []

@@ -50,6 +50,41 @@ if sys.argv[1]:
 sys.exit(main(["train", *sys.argv[2:]]))
 """
 
+# `dspark-jax train` (argv[1:]) given Ctrl-C after its second step, then again half a second into
+# Orbax's commit of the checkpoint that follows (held up for two seconds): the second aborts.
+ABORTED_TRAIN_CHILD = """
+import asyncio, os, signal, sys, threading
+from orbax.checkpoint._src.path import atomicity
+from dspark_jax.cli import main
+from dspark_jax.training import trainer
+
+steps = []
+make_train_step = trainer.make_train_step
+
+def make_interrupted_step(*args, **kwargs):
+    step = make_train_step(*args, **kwargs)
+
+    def run(*a):
+        out = step(*a)
+        steps.append(1)
+        if len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    return run
+
+trainer.make_train_step = make_interrupted_step
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def slow_finalize(self, *args, **kwargs):
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    await asyncio.sleep(2)
+    return await finalize(self, *args, **kwargs)
+
+atomicity.AtomicRenameTemporaryPath.finalize = slow_finalize
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
 
 def write_conversations(path: Path, ks, answer_spread: int) -> Path:
     """One conversation per k, cut from training/loss.py at offset 80 k: a 16-byte question and

@@ -330,7 +330,8 @@ class _Interrupts:
     remembered, because Python prints and swallows a KeyboardInterrupt raised inside a
     garbage-collection callback or a `__del__`: `check`, called between the phases, raises it
     again. While training, the first Ctrl-C asks the loop to stop at the next step boundary
-    (where a checkpoint can be saved); a second aborts at once.
+    (where a checkpoint can be saved); a second aborts at once, abandoning any save in flight,
+    whose failure reports from Orbax are then silenced (the next run removes the partial save).
     """
 
     def __init__(self, enabled: bool):
@@ -340,6 +341,7 @@ class _Interrupts:
         self.stop_requested = False
         self.aborted = False
         self.on_stop_request = None
+        self.checkpoints: Path | None = None  # the folder of the saves an abort abandons
 
     def _handle(self, signum, frame) -> None:
         if self.training and not self.stop_requested:
@@ -348,6 +350,8 @@ class _Interrupts:
                 self.on_stop_request()
             return
         self.aborted = True
+        if self.checkpoints is not None:
+            _AbandonedSaves.silence(self.checkpoints)
         raise KeyboardInterrupt
 
     def check(self) -> None:
@@ -363,6 +367,29 @@ class _Interrupts:
     def __exit__(self, *exc) -> None:
         if self._enabled and signal.getsignal(signal.SIGINT) == self._handle:
             signal.signal(signal.SIGINT, self._previous)
+
+
+class _AbandonedSaves(logging.Filter):
+    """Orbax's reports (through absl's logger) on saves into `directory` that an abort left
+    unfinished: the wait it interrupted, and the background commit that fails once the
+    interpreter shuts down. An abort already says that nothing was saved."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = str(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+            return False
+        return self.directory not in record.getMessage()
+
+    @classmethod
+    def silence(cls, directory: Path) -> None:
+        absl_logger = logging.getLogger("absl")
+        if not any(
+            isinstance(f, cls) and f.directory == str(directory) for f in absl_logger.filters
+        ):
+            absl_logger.addFilter(cls(directory))
 
 
 class _Truncations:
@@ -653,6 +680,7 @@ def _train(
         per_epoch = len(data.train_source)
         total_steps = max(1, recipe.num_epochs * (per_epoch // recipe.global_batch_size))
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
+    interrupts.checkpoints = checkpointer.directory
     record = config.run_record(total_steps, num_microbatches, data.identity())
     resumed_from = checkpointer.latest_step()
     if resumed_from is not None:
@@ -833,9 +861,11 @@ def _train(
         interrupts.training = False
         if bar is not None:
             bar.close()
-        checkpointer.wait_until_finished()
-        checkpointer.close()
-        truncations.report()
+        # An abort leaves a save in flight unfinished (and unreported) rather than wait for it.
+        if not interrupts.aborted:
+            checkpointer.wait_until_finished()
+            checkpointer.close()
+            truncations.report()
     if interrupts.stop_requested:
         log.close()
         raise TrainingInterrupted(step, checkpointer.directory / str(step))
