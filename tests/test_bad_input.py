@@ -108,6 +108,7 @@ CLI_CASES = [
     ("generate --top-p 2 --max-new-tokens 4", "top_p must be in (0, 1]"),
     ("generate --policy dspark", "invalid choice: 'dspark'"),
     ("generate --max-new-tokens many", "invalid int value"),
+    ("generate --bogus", "unrecognized arguments: --bogus (see dspark-jax generate --help)"),
     ("generate --target ./no/such/model", "no such folder"),
     ("generate --target {plain_file}", "is not a directory"),
     ("generate --target {hidden_words} --no-draft", "hidden_size must be an integer"),

@@ -54,3 +54,13 @@ def test_interrupt_is_status_130(command, capsys):
     command(KeyboardInterrupt())
     assert cli.main(["fake"]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+def test_unknown_option_is_blamed_on_its_command(capsys):
+    """The message and the help it points at are the subcommand's, not the top level's."""
+    assert cli.main(["generate", "--bogus"]) == 2
+    assert capsys.readouterr().err == (
+        "dspark-jax generate: error: unrecognized arguments: --bogus "
+        "(see dspark-jax generate --help)\n"
+    )
+

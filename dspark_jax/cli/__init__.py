@@ -66,10 +66,22 @@ def _version() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Reports a bad command line in one line (the usage is one `--help` away)."""
+    """Reports a bad command line in one line (the usage is one `--help` away), as the command
+    it concerns: options the top level cannot place are blamed on the subcommand."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = self.commands.get(getattr(args, "command", None), self)
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return args
 
 
 def one_line(error: BaseException) -> str:
@@ -86,6 +98,7 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     for name, (module, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        parser.commands[name] = command_parser
         if name == selected:
             importlib.import_module(module).add_arguments(command_parser)
     return parser
