@@ -109,6 +109,7 @@ CLI_CASES = [
     ("generate --policy dspark", "invalid choice: 'dspark'"),
     ("generate --max-new-tokens many", "invalid int value"),
     ("generate --bogus", "unrecognized arguments: --bogus (see dspark-jax generate --help)"),
+    ("generate --mesh 0,1,1", "argument --mesh: mesh axis sizes must be positive or -1"),
     ("generate --target ./no/such/model", "no such folder"),
     ("generate --target {plain_file}", "is not a directory"),
     ("generate --target {hidden_words} --no-draft", "hidden_size must be an integer"),

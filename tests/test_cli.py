@@ -64,3 +64,27 @@ def test_unknown_option_is_blamed_on_its_command(capsys):
         "(see dspark-jax generate --help)\n"
     )
 
+
+@pytest.mark.parametrize(
+    "value, reason",
+    [
+        ("0,1,1", "mesh axis sizes must be positive or -1, got (0, 1, 1)"),
+        ("-1,-1,1", "at most one mesh axis may be -1"),
+        ("1,2", "expected three sizes data,fsdp,tensor like -1,1,1, got '1,2'"),
+        ("x", "expected three integers"),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_a_bad_mesh_says_why(command, value, reason, capsys):
+    assert cli.main([command, f"--mesh={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dspark-jax {command}: error: argument --mesh: {reason}"), err
+    assert "invalid" not in err
+
+
+def test_a_mesh_may_start_with_minus_one():
+    """`--mesh -1,1,1` (a space, not `=`) is a value, not an unknown option."""
+    from dspark_jax.sharding import MeshConfig
+
+    args = cli._parser("generate").parse_args(["generate", "--mesh", "-1,1,1"])
+    assert args.mesh == MeshConfig(-1, 1, 1)

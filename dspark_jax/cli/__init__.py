@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -71,6 +72,9 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # argparse takes "-1,1,1" for an option unless it looks like a negative number; a
+        # comma-separated list of integers is a value too (`--mesh -1,1,1`).
+        self._negative_number_matcher = re.compile(r"^-\d+(,-?\d+)*$|^-\d*\.\d+$")
         self.commands: dict[str, argparse.ArgumentParser] = {}
 
     def error(self, message: str):

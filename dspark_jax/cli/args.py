@@ -206,18 +206,26 @@ def request_positions(
 
 
 def parse_mesh(text: str):
-    """`--mesh data,fsdp,tensor` (one size may be -1: the remaining devices), as `train` takes."""
-    from dspark_jax.sharding import MeshConfig
+    """`--mesh data,fsdp,tensor` (one size may be -1: the remaining devices), as `train` takes.
+
+    Raises argparse.ArgumentTypeError, whose message argparse prints as it stands (a ValueError
+    would reach the user as "invalid parse_mesh value", the reason lost)."""
+    from dspark_jax.sharding import MeshConfig, ShardingError
 
     try:
         sizes = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--mesh wants three integers like -1,1,1: {text!r}"
+            f"expected three integers data,fsdp,tensor like -1,1,1, got {text!r}"
         ) from None
     if len(sizes) != 3:
-        raise argparse.ArgumentTypeError(f"--mesh wants data,fsdp,tensor sizes, got {text!r}")
-    return MeshConfig(*sizes)
+        raise argparse.ArgumentTypeError(
+            f"expected three sizes data,fsdp,tensor like -1,1,1, got {text!r}"
+        )
+    try:
+        return MeshConfig(*sizes)
+    except ShardingError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_mesh_argument(parser) -> None:
@@ -225,8 +233,10 @@ def add_mesh_argument(parser) -> None:
     parser.add_argument(
         "--mesh",
         type=parse_mesh,
-        help="data,fsdp,tensor sizes as for train; -1 = the rest (default: one device, or every "
-        "local device on tensor when the parameters do not fit one; see docs/engine.md)",
+        metavar="D,F,T",
+        help="data,fsdp,tensor sizes as for train, e.g. --mesh=-1,1,1; -1 = the rest (default: "
+        "one device, or every local device on tensor when the parameters do not fit one; see "
+        "docs/engine.md)",
     )
 
 
