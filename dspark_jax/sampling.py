@@ -12,6 +12,7 @@ share its batch or on how the decode loop splits the sequence into rounds.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,11 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise SamplingConfigError(f"temperature must be >= 0, got {self.temperature}")
+        # inf would flatten every distribution to uniform; NaN compares false with everything.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise SamplingConfigError(
+                f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingConfigError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:

@@ -336,7 +336,7 @@ class StsArtifact:
             raise CalibrationInputError("drafter_fingerprint must be a non-empty string")
         if not (math.isfinite(self.sampling_temperature) and self.sampling_temperature >= 0):
             raise CalibrationInputError(
-                f"sampling_temperature must be >= 0, got {self.sampling_temperature}"
+                f"sampling_temperature must be finite and >= 0, got {self.sampling_temperature}"
             )
         object.__setattr__(self, "temperatures", temps)
         object.__setattr__(self, "sampling_temperature", float(self.sampling_temperature))

@@ -53,11 +53,13 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.cli.paths import check_output_file
     from dspark_jax.cli.report import calibration_warnings, format_report, reliability_diagram
     from dspark_jax.errors import UserError
+    from dspark_jax.sampling import SamplingConfig
 
     if len(args.records) > 2:
         raise UserError(f"give one or two records files, got {len(args.records)}")
     if not 0 <= args.seed < 2**32:
         raise UserError(f"--seed must lie in 0..{2**32 - 1}, got {args.seed}")
+    SamplingConfig(temperature=args.temperature)  # the rules the records were sampled under
     check_output_file(args.out, "--out")
     if args.plot:
         check_output_file(args.plot, "--plot")

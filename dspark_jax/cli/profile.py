@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.decoding.engine import EngineConfig
     from dspark_jax.decoding.profiling import profile_engine
     from dspark_jax.errors import UserError
+    from dspark_jax.sampling import SamplingConfig
 
     for name in ("max_num_seqs", "context_len", "steps", "repeats"):
         if getattr(args, name) < 1:
@@ -160,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     # The random-weight seed goes to a uint32 key (and the drafter's is one more).
     if not 0 <= args.seed < 2**32 - 1:
         raise UserError(f"--seed must lie in 0..{2**32 - 2}, got {args.seed}")
+    SamplingConfig(temperature=args.temperature)  # generate's rules: finite and >= 0
     check_output_file(args.out, "--out")
     if args.plot:
         check_output_file(args.plot, "--plot")
