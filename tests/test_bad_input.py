@@ -140,6 +140,19 @@ CLI_CASES = [
         "calibrate --records {npy} --drafter {draft} --temperature 1 --out /proc/dspark/s.json",
         "cannot write there",
     ),
+    (
+        "calibrate --records {npy} --drafter {draft} --temperature 1 --bins 0 --out {tmp}/s.json",
+        "--bins must be >= 1, got 0",
+    ),
+    (
+        "calibrate --records {npy} --drafter {draft} --temperature 1 --bins -3 --out {tmp}/s.json",
+        "--bins must be >= 1, got -3",
+    ),
+    (
+        "calibrate --records {npy} --drafter {draft} --temperature 1 --holdout-fraction nan "
+        "--out {tmp}/s.json",
+        "--holdout-fraction must lie in (0, 1), got nan",
+    ),
     ("profile --context-len 100000000 --out {tmp}/p.json", "the model has 4096"),
     ("profile --max-num-seqs 100000 --context-len 4000 --out {tmp}/p.json", "lower --kv-pages"),
     ("profile --seed 99999999999 --out {tmp}/p.json", "--seed must lie in"),

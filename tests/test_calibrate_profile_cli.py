@@ -111,3 +111,19 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
 
     assert cli.main(["profile", "--config", "no-such-model", "--out", str(out)]) == 2
     assert "unknown config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bins", ["0", "-3"])
+def test_calibrate_refuses_a_bin_count_below_one(tmp_path, capsys, bins):
+    """Real records, so the count is what fails (it raised a traceback from the ECE binning)."""
+    _overconfident_records(200, 0).save(tmp_path / "r.npz")
+    argv = ["calibrate", "--records", str(tmp_path / "r.npz"), "--drafter", str(DRAFTER)]
+    argv += ["--temperature", "1", "--bins", bins, "--out", str(tmp_path / "sts.json")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"dspark-jax calibrate: error: --bins must be >= 1, got {bins}\n"
+    assert not (tmp_path / "sts.json").exists()
+    from dspark_jax.calibration.sts import fit_sts
+
+    with pytest.raises(ValueError, match="n_bins must be an int >= 1"):
+        fit_sts(_overconfident_records(50, 0), n_bins=0)

@@ -202,6 +202,8 @@ def fit_sts(
         raise CalibrationInputError("grid must be a non-empty 1-D array of positive temperatures")
     if len(records) == 0:
         raise CalibrationInputError("no calibration records")
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+        raise CalibrationInputError(f"n_bins must be an int >= 1, got {n_bins!r}")
     observed_nk, survived_nk = survival_events(records)
     temps = np.ones(records.gamma)
     prev_n = np.ones(len(records))

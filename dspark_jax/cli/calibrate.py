@@ -60,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < 2**32:
         raise UserError(f"--seed must lie in 0..{2**32 - 1}, got {args.seed}")
     SamplingConfig(temperature=args.temperature)  # the rules the records were sampled under
+    if args.bins < 1:
+        raise UserError(f"--bins must be >= 1, got {args.bins}")
+    # NaN fails both comparisons.
+    if not 0 < args.holdout_fraction < 1:
+        raise UserError(f"--holdout-fraction must lie in (0, 1), got {args.holdout_fraction}")
     check_output_file(args.out, "--out")
     if args.plot:
         check_output_file(args.plot, "--plot")
