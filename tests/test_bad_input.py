@@ -61,6 +61,8 @@ def bad_files(tmp_path_factory) -> dict[str, Path]:
     files["nonutf8"].write_bytes(b'{"turns": ["fine"]}\n\xff\xfe not text\n')
     files["notalist"] = root / "notalist.jsonl"
     files["notalist"].write_text('{"turns": ["ok"]}\n{"turns": "notalist"}\n')
+    files["two_turns"] = root / "two_turns.jsonl"
+    files["two_turns"].write_text('{"turns": ["hi", "and then?"]}\n')
     files["plain_file"] = root / "file.txt"
     files["plain_file"].write_text("")
     for name, key, value in (
@@ -103,6 +105,13 @@ CLI_CASES = [
     ("generate --kv-pages 100000000 --max-new-tokens 4", "lower --kv-pages"),
     ("generate --seed 99999999999", "--seed must lie in 0..4294967295"),
     ("generate --seed -1", "--seed must lie in"),
+    (
+        "generate --seed 4294967295 --prompt a --prompt b",
+        "seeds 4294967295..4294967296 (one per prompt and turn), past 4294967295; give --seed at "
+        "most 4294967294",
+    ),
+    ("generate --seed 4294967294 --token-ids 1 --token-ids 2 --token-ids 3", "at most 4294967293"),
+    ("eval --seed 4294967295 {two_turns}", "seeds 4294967295..4294967296"),
     ("generate --rounds-per-chunk 0", "--rounds-per-chunk must be >= 1"),
     ("generate --temperature -1 --max-new-tokens 4", "temperature must be finite and >= 0"),
     ("generate --temperature inf --max-new-tokens 4", "temperature must be finite and >= 0"),
@@ -155,7 +164,9 @@ CLI_CASES = [
     ),
     ("profile --context-len 100000000 --out {tmp}/p.json", "the model has 4096"),
     ("profile --max-num-seqs 100000 --context-len 4000 --out {tmp}/p.json", "lower --kv-pages"),
-    ("profile --seed 99999999999 --out {tmp}/p.json", "--seed must lie in"),
+    ("profile --seed 99999999999 --out {tmp}/p.json", "--seed must lie in 0..4294967295"),
+    # every seed is taken, the drafter's random weights wrapping to 0: the context is refused
+    ("profile --seed 4294967295 --context-len 100000000 --out {tmp}/p.json", "the model has"),
     ("profile --out /proc/dspark/p.json", "cannot write there"),
     ("convert --out {tmp}/c", "give --draft, --target or both"),
     ("convert --draft {draft} --out /proc/dspark/c", "cannot write there"),

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 # Room the chat template adds around each turn when sizing the cache for multi-turn prompts.
 TURN_OVERHEAD_TOKENS = 32
+# Request seeds are uint32.
+SEED_LIMIT = 2**32
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = True) -> None:
@@ -130,8 +132,30 @@ def check_sizes(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not 0 <= args.seed < 2**32:
-        raise UserError(f"--seed must lie in 0..{2**32 - 1}, got {args.seed}")
+    check_seed(args.seed)
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < SEED_LIMIT:
+        raise UserError(f"--seed must lie in 0..{SEED_LIMIT - 1}, got {seed}")
+
+
+def check_seed_span(seed: int, offsets: Sequence[int]) -> None:
+    """Refuses a --seed whose requests would get seeds past uint32: request i samples with
+    seed + offsets[i] (`conversation_seed_offsets` for prompts answered turn by turn)."""
+    last = max(offsets, default=0)
+    if seed + last >= SEED_LIMIT:
+        raise UserError(
+            f"--seed {seed} leaves no room for the run's {len(offsets)} requests: they sample "
+            f"with seeds {seed}..{seed + last} (one per prompt and turn), past {SEED_LIMIT - 1}; "
+            f"give --seed at most {SEED_LIMIT - 1 - last}"
+        )
+
+
+def conversation_seed_offsets(conversations: Sequence[Sequence[str]]) -> list[int]:
+    """What `answer_conversations` adds to the seed for each turn of `conversations`."""
+    most = max((len(turns) for turns in conversations), default=0)
+    return [c * most + t for c, turns in enumerate(conversations) for t in range(len(turns))]
 
 
 def engine_config(

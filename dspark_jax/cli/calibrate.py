@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.calibration import sts
     from dspark_jax.checkpoints.converted import load_drafter
+    from dspark_jax.cli.args import check_seed
     from dspark_jax.cli.paths import check_output_file
     from dspark_jax.cli.report import calibration_warnings, format_report, reliability_diagram
     from dspark_jax.errors import UserError
@@ -57,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     if len(args.records) > 2:
         raise UserError(f"give one or two records files, got {len(args.records)}")
-    if not 0 <= args.seed < 2**32:
-        raise UserError(f"--seed must lie in 0..{2**32 - 1}, got {args.seed}")
+    check_seed(args.seed)
     SamplingConfig(temperature=args.temperature)  # the rules the records were sampled under
     if args.bins < 1:
         raise UserError(f"--bins must be >= 1, got {args.bins}")

@@ -82,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.checkpoints.safetensors_io import refuse_nonempty_dir
     from dspark_jax.cli.args import (
         build_engine,
+        check_seed_span,
         check_sizes,
+        conversation_seed_offsets,
         engine_config,
         load_models,
         request_positions,
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     files = _dataset_files(args)
     datasets = {f.stem: read_turns(f, args.limit) for f in files}
+    for conversations in datasets.values():  # each dataset starts again at --seed
+        check_seed_span(args.seed, conversation_seed_offsets(conversations))
     sampling = sampling_from_args(args)
     models = load_models(args)
     every = [turns for conversations in datasets.values() for turns in conversations]

@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.cli.args import (
         build_engine,
+        check_seed_span,
         check_sizes,
+        conversation_seed_offsets,
         engine_config,
         load_models,
         request_positions,
@@ -109,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give either text prompts (--prompt, --prompts-file) or --token-ids")
     if not id_prompts and not conversations:
         conversations = [[DEFAULT_PROMPT]]
+    if id_prompts:
+        check_seed_span(args.seed, range(len(id_prompts)))
+    else:
+        check_seed_span(args.seed, conversation_seed_offsets(conversations))
 
     models = load_models(args, with_drafter=not args.no_draft)
     positions = request_positions(args, models, conversations, id_prompts)

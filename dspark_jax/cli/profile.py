@@ -82,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=10, help="steps per timing (default 10)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per bucket (median; 5)")
-    parser.add_argument("--seed", type=int, default=0, help="random-weight seed")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights of --config (default 0)"
+    )
     parser.add_argument("--out", required=True, help="SPS table JSON to write")
     parser.add_argument("--plot", help="PNG of steps/s and tokens/s against verified tokens")
 
@@ -95,7 +97,7 @@ def _build_models(args: argparse.Namespace):
     import jax
     from flax import nnx
 
-    from dspark_jax.cli.args import decoding_mesh_for
+    from dspark_jax.cli.args import SEED_LIMIT, decoding_mesh_for
     from dspark_jax.config import ConfigError, Qwen3Config
     from dspark_jax.configs import get as named_config
     from dspark_jax.models.drafter import DSparkDrafter
@@ -143,11 +145,14 @@ def _build_models(args: argparse.Namespace):
 
     mesh = decoding_mesh(args.mesh, param_bytes)
     target = init_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(args.seed)), mesh)
-    drafter = init_sharded(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(args.seed + 1)), mesh)
+    # Random weights take uint32 seeds: the drafter's is the next one, wrapping at 2**32.
+    drafter_seed = (args.seed + 1) % SEED_LIMIT
+    drafter = init_sharded(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(drafter_seed)), mesh)
     return target, drafter, f"{name} + {drafter_name} (random weights)", mesh
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark_jax.cli.args import check_seed
     from dspark_jax.cli.paths import check_output_file
     from dspark_jax.cli.report import plot_profile
     from dspark_jax.decoding.engine import EngineConfig
@@ -158,9 +163,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_num_seqs", "context_len", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    # The random-weight seed goes to a uint32 key (and the drafter's is one more).
-    if not 0 <= args.seed < 2**32 - 1:
-        raise UserError(f"--seed must lie in 0..{2**32 - 2}, got {args.seed}")
+    check_seed(args.seed)
     SamplingConfig(temperature=args.temperature)  # generate's rules: finite and >= 0
     check_output_file(args.out, "--out")
     if args.plot:
