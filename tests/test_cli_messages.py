@@ -54,11 +54,24 @@ def _policy_args(*argv: str):
         (["--policy", "scheduler"], "--policy scheduler needs --sps-table"),
         (["--policy", "async-scheduler"], "needs --sps-table"),
         (["--sts", "sts.json"], "--policy fixed reads none"),
+        (
+            ["--policy", "fixed", "--threshold", "0.5"],
+            "--threshold is read by --policy threshold and cumulative-threshold only; --policy "
+            "fixed would ignore it",
+        ),
+        (
+            ["--policy", "threshold", "--threshold", "0.5", "--sps-table", "sps.json"],
+            "--sps-table is read by --policy scheduler and async-scheduler only",
+        ),
+        (
+            ["--policy", "scheduler", "--sps-table", "sps.json", "--gamma", "3"],
+            "--gamma is read by --policy fixed only",
+        ),
     ],
 )
 def test_policy_flags_are_named(argv, fragment):
-    """A policy without its setting names the flag to add; --sts with the fixed policy, which
-    reads no confidence, is refused rather than silently ignored."""
+    """A policy without its setting names the flag to add; a setting the chosen policy does not
+    read (--sts or --threshold with the fixed policy, ...) is refused rather than ignored."""
     from dspark_jax.cli.args import build_policy
     from dspark_jax.decoding.policies import PolicyError
 

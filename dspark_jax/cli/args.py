@@ -327,11 +327,39 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sts", help="STS artifact JSON from dspark-jax calibrate")
 
 
-def build_policy(args: argparse.Namespace, block_size: int) -> Policy:
-    """The policy named by --policy for a drafter with `block_size` drafts per block."""
-    if args.policy in ("threshold", "cumulative-threshold") and args.threshold is None:
+# The policies that read each option; every other policy would silently ignore it.
+_THRESHOLD_POLICIES = ("threshold", "cumulative-threshold")
+_SCHEDULERS = ("scheduler", "async-scheduler")
+_READERS = {
+    "gamma": ("fixed",),
+    "threshold": _THRESHOLD_POLICIES,
+    "sps_table": _SCHEDULERS,
+    "sts": _THRESHOLD_POLICIES + _SCHEDULERS,
+}
+
+
+def check_policy_arguments(args: argparse.Namespace) -> None:
+    """Refuses policy options that the run would ignore: a setting of another policy, or any
+    policy option with --no-draft. Cheap, so commands call it before loading anything."""
+    given = [name for name in _READERS if getattr(args, name, None) is not None]
+    if getattr(args, "no_draft", False):
+        if getattr(args, "draft", None) is not None:
+            raise PolicyError(
+                "--no-draft decodes with the target alone, so --draft would not be used: give "
+                "one of them"
+            )
+        ignored = [f"--{name.replace('_', '-')}" for name in given]
+        if args.policy != "fixed":
+            ignored.insert(0, f"--policy {args.policy}")
+        if ignored:
+            raise PolicyError(
+                f"--no-draft decodes with the target alone, which verifies no drafts: drop "
+                f"{', '.join(ignored)} (or --no-draft)"
+            )
+        return
+    if args.policy in _THRESHOLD_POLICIES and args.threshold is None:
         raise PolicyError(f"--policy {args.policy} needs --threshold (a confidence in (0, 1))")
-    if args.policy in ("scheduler", "async-scheduler") and not args.sps_table:
+    if args.policy in _SCHEDULERS and not args.sps_table:
         raise PolicyError(
             f"--policy {args.policy} needs --sps-table (measure one with dspark-jax profile)"
         )
@@ -341,6 +369,19 @@ def build_policy(args: argparse.Namespace, block_size: int) -> Policy:
             "--policy fixed reads none, so it would change nothing: drop --sts or choose "
             "another --policy"
         )
+    for name in given:
+        readers = _READERS[name]
+        if args.policy not in readers:
+            flag = f"--{name.replace('_', '-')}"
+            raise PolicyError(
+                f"{flag} is read by --policy {' and '.join(readers)} only; --policy "
+                f"{args.policy} would ignore it: drop {flag} or choose one of those policies"
+            )
+
+
+def build_policy(args: argparse.Namespace, block_size: int) -> Policy:
+    """The policy named by --policy for a drafter with `block_size` drafts per block."""
+    check_policy_arguments(args)
     sps = SpsProfile.load(args.sps_table) if args.sps_table else None
     gamma = block_size if args.gamma is None else args.gamma
     if not 0 <= gamma <= block_size:

@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.checkpoints.safetensors_io import refuse_nonempty_dir
     from dspark_jax.cli.args import (
         build_engine,
+        check_policy_arguments,
         check_seed_span,
         check_sizes,
         conversation_seed_offsets,
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     refuse_nonempty_dir(args.out, args.overwrite)
     check_sizes(args)
+    check_policy_arguments(args)
     check_output_folder(args.out, "--out")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")

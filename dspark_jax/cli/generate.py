@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.cli.args import (
         build_engine,
+        check_policy_arguments,
         check_seed_span,
         check_sizes,
         conversation_seed_offsets,
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.tokenizer import decode_text
 
     check_sizes(args)
+    check_policy_arguments(args)
     if args.json:
         check_output_file(args.json, "--json")
     sampling = sampling_from_args(args)
