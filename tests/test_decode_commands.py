@@ -169,3 +169,17 @@ def test_acceptance_stats_definitions():
     np.testing.assert_array_equal(stats.conditional_n, [4, 3, 2])
     np.testing.assert_allclose(stats.survival, [3 / 4, 3 / 4, 1 / 3])
     np.testing.assert_array_equal(stats.survival_n, [4, 4, 3])
+
+
+def test_a_run_without_speculative_rounds_writes_valid_json(capsys, tmp_path):
+    """One new token comes from the prompt's prefill, so no round runs and tau is undefined:
+    null in the JSON (NaN is not JSON), "n/a" on the console."""
+    data, _, err = _generate(capsys, tmp_path, "one", "--prompt", "x", "--max-new-tokens", "1")
+    assert data["acceptance"]["rounds"] == 0
+    assert data["acceptance"]["tau"] is None and data["acceptance"]["mean_verified"] is None
+    assert "NaN" not in (tmp_path / "one.json").read_text()
+    assert "tau n/a" in err and "nan" not in err
+
+    stats = acceptance_stats([], 7)
+    body = json.dumps(stats.to_json(), allow_nan=False)
+    assert json.loads(body)["conditional_acceptance"] == [None] * 7

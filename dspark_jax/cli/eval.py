@@ -178,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / JSON_NAME).write_text(
         json.dumps(
-            {"settings": settings, "datasets": {r.name: r.to_json() for r in reports}}, indent=1
+            {"settings": settings, "datasets": {r.name: r.to_json() for r in reports}},
+            indent=1,
+            allow_nan=False,
         )
         + "\n"
     )

@@ -247,5 +247,5 @@ def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s) 
     }
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")
     print(f"wrote {path}", file=sys.stderr)

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 THIN_POINT = 10
 
 
-def _cell(value: float | None, spec: str) -> str:
-    """A table cell: "-" for a value that is missing (None) or unseen (NaN)."""
-    return "-" if value is None or math.isnan(value) else format(value, spec)
+def _cell(value: float | None, spec: str, missing: str = "-") -> str:
+    """A table cell: `missing` for a value that is missing (None) or unseen (NaN)."""
+    return missing if value is None or math.isnan(value) else format(value, spec)
 
 
 # -- generate ----------------------------------------------------------------------------------
@@ -61,6 +61,11 @@ def generation_summary(
     if stats is None:
         lines.append("plain decoding: tau 1 (one token per target step)")
         return lines
+    if stats.rounds == 0:
+        lines.append(
+            "tau n/a: no speculative rounds (every answer ended with the token from its prompt)"
+        )
+        return lines
     lines.append(
         f"tau {stats.tau:.3f} tokens per round (bonus included), "
         f"{stats.mean_verified:.2f} drafts verified per round"
@@ -80,9 +85,9 @@ def speedup_note(reports: Sequence[DatasetReport]) -> str | None:
     names = ", ".join(r.name for r in slower)
     return (
         f"note: speculation was slower than plain decoding on {names} (down to "
-        f"{worst.speedup:.2f}x at tau {worst.stats.tau:.2f}): a round costs a drafter pass plus "
-        "a verification of every drafted token, which pays only where a target step is "
-        "memory-bound (accelerators at small batch) and tau is high; on a CPU, or with a "
+        f"{worst.speedup:.2f}x at tau {_cell(worst.stats.tau, '.2f', 'n/a')}): a round costs a "
+        "drafter pass plus a verification of every drafted token, which pays only where a target "
+        "step is memory-bound (accelerators at small batch) and tau is high; on a CPU, or with a "
         "drafter close to the target's size, it does not"
     )
 

@@ -24,19 +24,20 @@ class AcceptanceStats:
 
     rounds: int
     committed: int  # tokens committed by the rounds (bonus included)
-    tau: float  # committed / rounds: mean acceptance length, bonus included
-    mean_verified: float
+    tau: float  # committed / rounds: mean acceptance length, bonus included; NaN: no rounds
+    mean_verified: float  # NaN: no rounds
     conditional: np.ndarray  # P(draft k accepted | drafts 1..k-1 accepted, k verified); NaN: unseen
     conditional_n: np.ndarray
     survival: np.ndarray  # P(drafts 1..k all accepted | k verified); NaN: unseen
     survival_n: np.ndarray
 
     def to_json(self) -> dict[str, Any]:
+        """JSON-ready fields; what was never observed (NaN) is null, as JSON has no NaN."""
         return {
             "rounds": self.rounds,
             "committed": self.committed,
-            "tau": self.tau,
-            "mean_verified": self.mean_verified,
+            "tau": _nan_to_none(self.tau),
+            "mean_verified": _nan_to_none(self.mean_verified),
             "conditional_acceptance": _nan_to_none(self.conditional),
             "conditional_observations": self.conditional_n.tolist(),
             "prefix_survival": _nan_to_none(self.survival),
@@ -44,7 +45,10 @@ class AcceptanceStats:
         }
 
 
-def _nan_to_none(values: np.ndarray) -> list[float | None]:
+def _nan_to_none(values):
+    """A float, or an array as a list, with NaN as None."""
+    if np.ndim(values) == 0:
+        return None if np.isnan(values) else float(values)
     return [None if np.isnan(v) else float(v) for v in values]
 
 
