@@ -15,6 +15,7 @@ reads `messages` / `conversations` as they are, and `turns` only as its caller d
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -107,14 +108,16 @@ def read_turns(
 
     Blank lines are skipped; `limit` keeps the first conversations only. With `plain_lines`, a
     line that does not start with "{" is a one-turn prompt as it stands (a plain prompts file).
+    A UTF-8 byte order mark (which some editors write) is not part of the first line.
     """
     path = Path(path)
     if not path.is_file():
         raise ConversationError(f"{path}: no such prompts file")
     try:
-        lines = path.read_bytes().splitlines()
+        data = path.read_bytes()
     except OSError as e:
         raise ConversationError(f"{path}: cannot read ({e.strerror})") from None
+    lines = data.removeprefix(codecs.BOM_UTF8).splitlines()
     conversations = []
     for number, raw in enumerate(lines, 1):
         try:

@@ -312,6 +312,16 @@ def test_prompts_file_errors_name_file_and_line(bad_files):
         read_turns(bad_files["nonutf8"], plain_lines=True)
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
+    """Editors on Windows start UTF-8 files with a BOM; it made the first JSON line a plain
+    prompt ('\ufeff{"turns": ...}') for generate and malformed JSON for eval."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"turns": ["hi"]}\nplain\n')
+    assert read_turns(path, plain_lines=True) == [["hi"], ["plain"]]
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"turns": ["hi", "again"]}\n')
+    assert read_turns(path) == [["hi", "again"]]
+
+
 def test_out_of_vocabulary_ids_are_refused_before_compiling(capsys):
     rc, lines = _run(["generate", "--token-ids", "1,4096", "--max-new-tokens", "4"], capsys)
     assert rc == 2 and len(lines) == 1
