@@ -111,6 +111,8 @@ def read_turns(
     A UTF-8 byte order mark (which some editors write) is not part of the first line.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConversationError(f"{path}: is a folder, not a prompts file")
     if not path.is_file():
         raise ConversationError(f"{path}: no such prompts file")
     try:

@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _dataset_files(args: argparse.Namespace) -> list[Path]:
     files = [Path(f) for f in args.files]
+    for f in files:
+        if f.is_dir():
+            raise UserError(
+                f"{f}: is a folder; give --datasets-dir {f} to evaluate every *.jsonl in it"
+            )
     if args.datasets_dir:
         folder = Path(args.datasets_dir)
         if not folder.is_dir():
