@@ -105,6 +105,10 @@ CLI_CASES = [
     ("generate --max-model-len 64 --max-new-tokens 100", "--max-model-len is 64"),
     ("generate --max-model-len 100000 --max-new-tokens 4", "max_position_embeddings 4096"),
     ("generate --kv-pages 100000000 --max-new-tokens 4", "lower --kv-pages"),
+    (
+        "generate --kv-pages 1 --max-new-tokens 64",
+        "--kv-pages 1 holds 16 tokens, but the longest request may need",
+    ),
     ("generate --seed 99999999999", "--seed must lie in 0..4294967295"),
     ("generate --seed -1", "--seed must lie in"),
     (
@@ -305,6 +309,17 @@ def test_python_api_refuses_out_of_vocabulary_ids_and_bad_seeds():
     ):
         with pytest.raises(EngineError, match=fragment):
             batcher.submit(request, lambda kind, payload: None)
+
+
+def test_conversation_errors_count_from_one_like_the_answer_labels():
+    """Answers print as [1], [2] ... turn 1, turn 2; an error about one names it the same way."""
+    from dspark_jax.decoding.evaluate import answer_conversations
+
+    models = load_decoding_models(TINY_TARGET, None, progress=False)
+    engine = Engine(models.target, None, EngineConfig(num_slots=1, max_model_len=64))
+    conversations = [["short"], ["x" * 80]]
+    with pytest.raises(EngineError, match=r"^conversation 2 turn 1: a prompt of"):
+        answer_conversations(engine, models.tokenizer, conversations, max_new_tokens=4)
 
 
 def test_prompts_file_errors_name_file_and_line(bad_files):

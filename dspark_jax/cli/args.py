@@ -198,6 +198,21 @@ def engine_config(
     )
 
 
+def check_kv_pages(args: argparse.Namespace, cfg: EngineConfig, positions: Sequence[int]) -> None:
+    """Refuses a --kv-pages pool that cannot hold the longest request (up to --max-model-len),
+    before compiling: the engine would refuse that request only when it comes up."""
+    if args.kv_pages is None:
+        return
+    need = min(max(positions), cfg.max_model_len)
+    pages = -(-need // cfg.page_size)
+    if cfg.pool_pages < pages:
+        raise UserError(
+            f"--kv-pages {args.kv_pages} holds {cfg.pool_pages * cfg.page_size} tokens, but the "
+            f"longest request may need {need} positions ({pages} pages of {cfg.page_size}): give "
+            f"--kv-pages {pages} or more, or lower --max-new-tokens"
+        )
+
+
 def request_positions(
     args: argparse.Namespace,
     models: DecodingModels,

@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.checkpoints.safetensors_io import refuse_nonempty_dir
     from dspark_jax.cli.args import (
         build_engine,
+        check_kv_pages,
         check_policy_arguments,
         check_seed_span,
         check_sizes,
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     # fit the model's context are skipped and counted).
     positions = request_positions(args, models, every)
     cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings, models.mesh)
+    check_kv_pages(args, cfg, positions)
     spec = build_engine(models, args, cfg)
     plain = None if args.no_plain else build_engine(models, args, cfg, speculative=False)
     start = time.perf_counter()

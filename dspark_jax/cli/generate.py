@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.cli.args import (
         build_engine,
+        check_kv_pages,
         check_policy_arguments,
         check_seed_span,
         check_sizes,
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             f"verification); {bound} is {cfg.max_model_len}: lower --max-new-tokens or shorten "
             "the prompt"
         )
+    check_kv_pages(args, cfg, positions)
     engine = build_engine(models, args, cfg)
     for i, ids in enumerate(id_prompts):
         try:

@@ -65,7 +65,8 @@ def answer_conversations(
     Conversations advance independently: the moment a conversation's answer to turn i is done,
     its turn i+1 (with that answer in its context) joins the running batch. A prompt that does
     not fit the engine raises `EngineError`, or with `skip_unfit` ends its conversation there
-    and is listed in `skipped`. Request seeds are `seed + conversation * max_turns + turn`.
+    and is listed in `skipped` (conversations and turns counted from 1, as the CLI labels
+    answers). Request seeds are `seed + conversation * max_turns + turn`.
     `policy_index`: the member of the engine's `PolicySwitch` that runs (see `Batcher`).
     """
     max_turns = max((len(c) for c in conversations), default=0)
@@ -90,8 +91,8 @@ def answer_conversations(
             engine.check_request(ids, max_new_tokens, request.seed)
         except EngineError as e:
             if not skip_unfit:
-                raise EngineError(f"conversation {c} turn {turn}: {e}") from None
-            run.skipped.append(f"conversation {c} turn {turn}: {e}")
+                raise EngineError(f"conversation {c + 1} turn {turn + 1}: {e}") from None
+            run.skipped.append(f"conversation {c + 1} turn {turn + 1}: {e}")
             if bar is not None:
                 bar.update(len(conversations[c]) - turn)
             return
