@@ -67,6 +67,8 @@ def test_several_prompts_and_turn_by_turn_context(capsys, tmp_path):
     answer = [t for t in first["tokens"] if t < 256]
     assert second["prompt_ids"] == first["prompt_ids"] + answer + list(b"    def bar(self):\n")
     assert "requests 4" in err
+    # The flag as given, and the slots the engine ran (no more than the 3 conversations).
+    assert data["settings"]["max_num_seqs"] == 2 and data["settings"]["num_slots"] == 2
 
 
 def test_token_id_prompts_and_bad_input(capsys, tmp_path):
@@ -117,6 +119,7 @@ def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     assert sorted(datasets) == ["chat", "code"]
     assert datasets["code"]["conversations"] == 2 and datasets["code"]["turns"] == 2
     assert datasets["chat"]["conversations"] == 2 and datasets["chat"]["turns"] == 4
+    assert report["settings"]["max_num_seqs"] == 2 and report["settings"]["num_slots"] == 2
     records = CalibrationRecords.load(out / "calibration_records.npz")
     assert len(records) == sum(d["rounds"] for d in datasets.values())
     assert records.gamma == report["settings"]["block_size"] == 7
@@ -175,6 +178,8 @@ def test_a_run_without_speculative_rounds_writes_valid_json(capsys, tmp_path):
     """One new token comes from the prompt's prefill, so no round runs and tau is undefined:
     null in the JSON (NaN is not JSON), "n/a" on the console."""
     data, _, err = _generate(capsys, tmp_path, "one", "--prompt", "x", "--max-new-tokens", "1")
+    # --max-num-seqs 8 (the default) as given; one prompt needs one slot.
+    assert data["settings"]["max_num_seqs"] == 8 and data["settings"]["num_slots"] == 1
     assert data["acceptance"]["rounds"] == 0
     assert data["acceptance"]["tau"] is None and data["acceptance"]["mean_verified"] is None
     assert "NaN" not in (tmp_path / "one.json").read_text()

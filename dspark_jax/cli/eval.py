@@ -174,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
         "max_new_tokens": args.max_new_tokens,
-        "max_num_seqs": cfg.num_slots,
+        "max_num_seqs": args.max_num_seqs,
+        # the engine's slots: --max-num-seqs capped by the requests, rounded to the mesh
+        "num_slots": cfg.num_slots,
         "max_model_len": cfg.max_model_len,
         "compile_s": compile_s,
         "limit": args.limit,

@@ -226,7 +226,9 @@ def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s) 
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "max_new_tokens": args.max_new_tokens,
-            "max_num_seqs": cfg.num_slots,
+            "max_num_seqs": args.max_num_seqs,
+            # the engine's slots: --max-num-seqs capped by the requests, rounded to the mesh
+            "num_slots": cfg.num_slots,
             "max_model_len": cfg.max_model_len,
             "kv_pages": cfg.pool_pages,
             "page_size": cfg.page_size,
