@@ -152,7 +152,7 @@ CLI_CASES = [
     ),
     (
         "calibrate --records {npy} --drafter {draft} --temperature 1 --out {tmp}/s.json",
-        "not a records file",
+        "not a calibration records file",
     ),
     (
         "calibrate --records {npy} --drafter {draft} --temperature 1 --out /proc/dspark/s.json",

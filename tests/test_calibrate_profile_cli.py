@@ -127,3 +127,68 @@ def test_calibrate_refuses_a_bin_count_below_one(tmp_path, capsys, bins):
 
     with pytest.raises(ValueError, match="n_bins must be an int >= 1"):
         fit_sts(_overconfident_records(50, 0), n_bins=0)
+
+
+def _calibrate_argv(tmp_path, records, temperature="0.7"):
+    return [
+        "calibrate",
+        "--records",
+        str(records),
+        "--drafter",
+        str(DRAFTER),
+        "--temperature",
+        temperature,
+        "--out",
+        str(tmp_path / "sts.json"),
+    ]
+
+
+def test_calibrate_checks_the_drafter_and_temperature_eval_recorded(tmp_path, capsys):
+    _, _, fingerprint = load_drafter(DRAFTER, progress=False)
+    plain = _overconfident_records(300, 0)
+    stamped = tmp_path / "stamped.npz"
+    CalibrationRecords(
+        plain.conf_logits_nk,
+        plain.verified_n,
+        plain.accepted_n,
+        drafter_fingerprint=fingerprint,
+        sampling_temperature=0.7,
+    ).save(stamped)
+    assert cli.main(_calibrate_argv(tmp_path, stamped)) == 0
+    assert "does not record" not in capsys.readouterr().err
+
+    assert cli.main(_calibrate_argv(tmp_path, stamped, temperature="1")) == 2
+    err = capsys.readouterr().err
+    assert "recorded at sampling temperature 0.7, not --temperature 1" in err
+    assert err.count("\n") == 1
+
+    other = tmp_path / "other.npz"
+    CalibrationRecords(
+        plain.conf_logits_nk,
+        plain.verified_n,
+        plain.accepted_n,
+        drafter_fingerprint="0" * 64,
+        sampling_temperature=0.7,
+    ).save(other)
+    (tmp_path / "sts.json").unlink()
+    assert cli.main(_calibrate_argv(tmp_path, other)) == 2
+    assert f"recorded with drafter 000000000000..., but --drafter {DRAFTER}" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "sts.json").exists()
+
+    # Records from before eval stamped them: used, with a warning.
+    unstamped = tmp_path / "old.npz"
+    plain.save(unstamped)
+    assert cli.main(_calibrate_argv(tmp_path, unstamped)) == 0
+    assert "does not record its drafter and sampling temperature" in capsys.readouterr().err
+
+
+def test_calibrate_names_a_file_that_is_not_records(tmp_path, capsys):
+    """eval.json sits beside the records; numpy's advice about allow_pickle is no answer."""
+    eval_json = tmp_path / "eval.json"
+    eval_json.write_text('{"settings": {}}\n')
+    assert cli.main(_calibrate_argv(tmp_path, eval_json)) == 2
+    err = capsys.readouterr().err
+    assert "not a calibration records file (expected the calibration_records.npz" in err
+    assert "pickle" not in err

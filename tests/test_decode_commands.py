@@ -122,6 +122,9 @@ def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     assert report["settings"]["max_num_seqs"] == 2 and report["settings"]["num_slots"] == 2
     records = CalibrationRecords.load(out / "calibration_records.npz")
     assert len(records) == sum(d["rounds"] for d in datasets.values())
+    # What calibrate checks --drafter and --temperature against.
+    assert records.drafter_fingerprint == report["settings"]["drafter_fingerprint"]
+    assert records.sampling_temperature == report["settings"]["temperature"] == 1.0
     assert records.gamma == report["settings"]["block_size"] == 7
     for name, d in datasets.items():
         assert d["tau"] == pytest.approx(d["committed"] / d["rounds"])

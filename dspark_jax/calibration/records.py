@@ -18,8 +18,14 @@ class RoundStats(Protocol):
     accepted: np.ndarray  # [rounds] drafts accepted by rejection sampling
 
 
-def records_from_results(results: Iterable[RoundStats]) -> CalibrationRecords:
-    """Stacks every round of every result into `CalibrationRecords`.
+def records_from_results(
+    results: Iterable[RoundStats],
+    *,
+    drafter_fingerprint: str | None = None,
+    sampling_temperature: float | None = None,
+) -> CalibrationRecords:
+    """Stacks every round of every result into `CalibrationRecords`, stamped with the drafter
+    and sampling temperature that produced them (for `calibrate` to check).
 
     A round with l verified and n accepted drafts observes "draft k accepted given drafts
     1..k-1 accepted" for k = 1..min(n + 1, l): accepted for k <= n, rejected at k = n + 1 <= l
@@ -35,4 +41,6 @@ def records_from_results(results: Iterable[RoundStats]) -> CalibrationRecords:
         np.concatenate([np.asarray(r.conf_logits) for r in rows]),
         np.concatenate([np.asarray(r.verified) for r in rows]),
         np.concatenate([np.asarray(r.accepted) for r in rows]),
+        drafter_fingerprint=drafter_fingerprint,
+        sampling_temperature=sampling_temperature,
     )

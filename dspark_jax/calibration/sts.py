@@ -70,13 +70,23 @@ class StsArtifactMismatchError(UserError):
     """Raised when an STS artifact belongs to another drafter or sampling temperature."""
 
 
+RECORDS_NAME = "calibration_records.npz"  # what dspark-jax eval writes
+_RECORD_ARRAYS = ("conf_logits_nk", "verified_n", "accepted_n")
+
+
 @dataclasses.dataclass(frozen=True)
 class CalibrationRecords:
-    """Per-block confidence logits [N, gamma], verified lengths [N] and accepted counts [N]."""
+    """Per-block confidence logits [N, gamma], verified lengths [N] and accepted counts [N].
+
+    `drafter_fingerprint` and `sampling_temperature` say where the rounds came from (None when
+    unknown: records written before eval recorded them, or built by hand); `calibrate` checks
+    them against the drafter and temperature it is given."""
 
     conf_logits_nk: np.ndarray
     verified_n: np.ndarray
     accepted_n: np.ndarray
+    drafter_fingerprint: str | None = None
+    sampling_temperature: float | None = None
 
     def __post_init__(self) -> None:
         z = np.asarray(self.conf_logits_nk, dtype=np.float64)
@@ -99,9 +109,20 @@ class CalibrationRecords:
             raise CalibrationInputError(f"verified_n must lie in 0..{z.shape[1]}")
         if np.any((n_n < 0) | (n_n > l_n)):
             raise CalibrationInputError("accepted_n must lie in 0..verified_n")
+        temperature = self.sampling_temperature
+        if temperature is not None:
+            temperature = float(temperature)
+            if not (math.isfinite(temperature) and temperature >= 0):
+                raise CalibrationInputError(
+                    f"sampling_temperature must be finite and >= 0, got {temperature}"
+                )
+        fingerprint = self.drafter_fingerprint
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+            raise CalibrationInputError("drafter_fingerprint must be a non-empty string")
         object.__setattr__(self, "conf_logits_nk", z)
         object.__setattr__(self, "verified_n", l_n)
         object.__setattr__(self, "accepted_n", n_n)
+        object.__setattr__(self, "sampling_temperature", temperature)
 
     @property
     def gamma(self) -> int:
@@ -112,33 +133,62 @@ class CalibrationRecords:
 
     def subset(self, index: np.ndarray) -> CalibrationRecords:
         """The records at `index` (integer indices or a boolean mask over blocks)."""
-        return CalibrationRecords(
-            self.conf_logits_nk[index], self.verified_n[index], self.accepted_n[index]
+        return dataclasses.replace(
+            self,
+            conf_logits_nk=self.conf_logits_nk[index],
+            verified_n=self.verified_n[index],
+            accepted_n=self.accepted_n[index],
         )
 
     def save(self, path: str | Path) -> None:
+        provenance = {
+            name: np.asarray(value)
+            for name, value in (
+                ("drafter_fingerprint", self.drafter_fingerprint),
+                ("sampling_temperature", self.sampling_temperature),
+            )
+            if value is not None
+        }
         np.savez(
             path,
             conf_logits_nk=self.conf_logits_nk,
             verified_n=self.verified_n,
             accepted_n=self.accepted_n,
+            **provenance,
         )
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationRecords:
+        not_records = (
+            f"{path}: not a calibration records file (expected the {RECORDS_NAME} that "
+            "dspark-jax eval writes"
+        )
         try:
+            # allow_pickle stays off: a records file holds plain arrays, and unpickling runs code.
             data = np.load(path)
         except OSError as e:
             raise CalibrationInputError(f"{path}: cannot read the records ({e})") from e
-        except (ValueError, zipfile.BadZipFile) as e:
-            raise CalibrationInputError(f"{path}: not a records file from eval ({e})") from e
+        except (ValueError, zipfile.BadZipFile):
+            raise CalibrationInputError(f"{not_records}; this is neither npz nor npy)") from None
         if not isinstance(data, np.lib.npyio.NpzFile):
-            raise CalibrationInputError(f"{path}: not a records file from eval (one array, no npz)")
+            raise CalibrationInputError(f"{not_records}; this is one numpy array)")
         with data:
-            missing = {"conf_logits_nk", "verified_n", "accepted_n"} - set(data.files)
+            missing = set(_RECORD_ARRAYS) - set(data.files)
             if missing:
-                raise CalibrationInputError(f"{path} lacks arrays {sorted(missing)}")
-            return cls(data["conf_logits_nk"], data["verified_n"], data["accepted_n"])
+                raise CalibrationInputError(f"{not_records}; it lacks {sorted(missing)})")
+            try:
+                fingerprint = data["drafter_fingerprint"] if "drafter_fingerprint" in data else None
+                temperature = (
+                    data["sampling_temperature"] if "sampling_temperature" in data else None
+                )
+                arrays = [data[name] for name in _RECORD_ARRAYS]
+            except ValueError as e:  # an object array, which would need unpickling
+                raise CalibrationInputError(f"{not_records}; {e})") from None
+            return cls(
+                *arrays,
+                drafter_fingerprint=None if fingerprint is None else str(fingerprint),
+                sampling_temperature=None if temperature is None else float(temperature),
+            )
 
     @classmethod
     def concatenate(cls, parts: Sequence[CalibrationRecords]) -> CalibrationRecords:
@@ -148,10 +198,15 @@ class CalibrationRecords:
         gammas = {p.gamma for p in parts}
         if len(gammas) != 1:
             raise CalibrationInputError(f"records have different gamma: {sorted(gammas)}")
+        fingerprints = {p.drafter_fingerprint for p in parts}
+        temperatures = {p.sampling_temperature for p in parts}
         return cls(
             np.concatenate([p.conf_logits_nk for p in parts]),
             np.concatenate([p.verified_n for p in parts]),
             np.concatenate([p.accepted_n for p in parts]),
+            # provenance survives only where every part agrees on it
+            drafter_fingerprint=fingerprints.pop() if len(fingerprints) == 1 else None,
+            sampling_temperature=temperatures.pop() if len(temperatures) == 1 else None,
         )
 
 

@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         required=True,
         metavar="NPZ",
-        help="calibration records from eval: one file (split) or fit + held-out",
+        help="calibration_records.npz from eval: one file (split) or fit + held-out; eval "
+        "records its drafter and sampling temperature, and --drafter / --temperature must match",
     )
     parser.add_argument(
         "--drafter",
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{path} has {part.gamma} positions per block, but the drafter's block size is "
                 f"{drafter_cfg.block_size}: records from another drafter?"
             )
+        _check_provenance(path, part, args, fingerprint)
     if len(parts) == 1:
         artifact, report = sts.calibrate(
             parts[0],
@@ -116,3 +118,37 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.plot}")
     return 0
+
+
+def _check_provenance(path: str, records, args: argparse.Namespace, fingerprint: str) -> None:
+    """Refuses records that eval stamped with another drafter or sampling temperature: the
+    artifact would carry --drafter's fingerprint and --temperature, and the engine would then
+    apply temperatures fitted to someone else's confidences. Records from before eval stamped
+    them are taken on trust, with a warning."""
+    import math
+
+    from dspark_jax.calibration.sts import STS_TEMP_RTOL
+    from dspark_jax.errors import UserError
+
+    recorded = records.drafter_fingerprint
+    if recorded is not None and recorded != fingerprint:
+        raise UserError(
+            f"{path} was recorded with drafter {recorded[:12]}..., but --drafter {args.drafter} "
+            f"is {fingerprint[:12]}...: give the drafter that eval ran (eval.json names it)"
+        )
+    temperature = records.sampling_temperature
+    if temperature is not None and not math.isclose(
+        temperature, args.temperature, rel_tol=STS_TEMP_RTOL, abs_tol=1e-9
+    ):
+        raise UserError(
+            f"{path} was recorded at sampling temperature {temperature:g}, not --temperature "
+            f"{args.temperature:g}: the fit holds for the temperature the rounds were sampled "
+            f"at; give --temperature {temperature:g}"
+        )
+    if recorded is None or temperature is None:
+        print(
+            f"warning: {path} does not record its drafter and sampling temperature (written "
+            "before eval recorded them): make sure --drafter and --temperature are the ones "
+            "eval ran with",
+            file=sys.stderr,
+        )

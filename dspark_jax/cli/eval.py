@@ -18,7 +18,6 @@ from dspark_jax.errors import UserError
 
 JSON_NAME = "eval.json"
 PLOT_NAME = "eval.png"
-RECORDS_NAME = "calibration_records.npz"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from dspark_jax.calibration.records import records_from_results
+    from dspark_jax.calibration.sts import RECORDS_NAME
     from dspark_jax.checkpoints.safetensors_io import refuse_nonempty_dir
     from dspark_jax.cli.args import (
         build_engine,
@@ -159,7 +159,12 @@ def run(args: argparse.Namespace) -> int:
     records_path = None
     if models.drafter.confidence_head is not None and any(r.rounds for r in results):
         records_path = out / RECORDS_NAME
-        records_from_results(results).save(records_path)
+        records = records_from_results(
+            results,
+            drafter_fingerprint=models.drafter_fingerprint,
+            sampling_temperature=sampling.temperature,
+        )
+        records.save(records_path)
         written.append(records_path)
     settings = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
