@@ -9,9 +9,11 @@ from fixture_models import fixture_dir
 
 from dspark_jax import cli
 from dspark_jax.calibration.sts import CalibrationRecords, StsArtifact, StsArtifactMismatchError
-from dspark_jax.checkpoints.converted import load_drafter
+from dspark_jax.checkpoints.converted import load_decoding_models, load_drafter
 from dspark_jax.cli import args as cli_args
+from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
 from dspark_jax.decoding import policies
+from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 
 DRAFTER = fixture_dir("vanilla") / "draft"
 
@@ -86,6 +88,9 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     profile = policies.SpsProfile.load(out)
     assert profile.buckets == (4, 32) and profile.meta["num_slots"] == 4
     assert profile.meta["mode"] == "verify" and np.all(profile.sps > 0)
+    # The embedded pair's shapes; verify mode times no drafter, so records none.
+    embedded = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
+    assert profile.meta["model"] == cli_args.sps_model(embedded.target.cfg)
     assert plot.stat().st_size > 0
 
     parser = argparse.ArgumentParser()
@@ -103,6 +108,7 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     assert cli.main([*argv, "--buckets", "2,16", *quick, "--out", str(out)]) == 0
     profile = policies.SpsProfile.load(out)
     assert profile.meta["mode"] == "round" and profile.sps.shape == (2,)
+    assert profile.meta["model"]["drafter"]["block_size"] == 7
     # The default buckets follow the slots and the drafter's block: 2 x (7 + 1) tokens at most.
     assert cli.main([*argv, *quick, "--out", str(out)]) == 0
     assert policies.SpsProfile.load(out).buckets[-1] == 16
@@ -192,3 +198,55 @@ def test_calibrate_names_a_file_that_is_not_records(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a calibration records file (expected the calibration_records.npz" in err
     assert "pickle" not in err
+
+
+def _sps_table(path, num_slots, model=None):
+    meta = {"mode": "round", "num_slots": num_slots}
+    if model is not None:
+        meta["model"] = model
+    policies.SpsProfile((2, 8, 16), np.array([300.0, 250.0, 200.0]), meta).save(path)
+    return path
+
+
+def test_an_sps_table_belongs_to_its_slot_count_and_model(tmp_path, capsys):
+    target_cfg = Qwen3Config.from_hf(read_config_json(DRAFTER.parent / "target"))
+    drafter_cfg = DrafterConfig.from_hf(read_config_json(DRAFTER))
+    ours = cli_args.sps_model(target_cfg, drafter_cfg)
+    parser = argparse.ArgumentParser()
+    cli_args.add_policy_arguments(parser)
+
+    def build(table, num_slots):
+        args = parser.parse_args(["--policy", "scheduler", "--sps-table", str(table)])
+        models = {"target_cfg": target_cfg, "drafter_cfg": drafter_cfg}
+        return cli_args.build_policy(args, 7, num_slots=num_slots, **models)
+
+    table = _sps_table(tmp_path / "two.json", 2, ours)
+    assert isinstance(build(table, 2), policies.PrefixSchedulePolicy)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(policies.PolicyError, match=r"profiled for 2 slots, but .* has 1 "):
+        build(table, 1)
+    with pytest.raises(policies.PolicyError, match=r"profile --max-num-seqs 3"):
+        build(table, 3)
+
+    other = {**ours, "target": {**ours["target"], "hidden_size": 2560}}
+    table = _sps_table(tmp_path / "other.json", 2, other)
+    with pytest.raises(policies.PolicyError, match=r"another model \(target hidden_size 2560"):
+        build(table, 2)
+    # A verify-mode table timed no drafter: only the target is compared.
+    table = _sps_table(tmp_path / "verify.json", 2, {"target": ours["target"]})
+    build(table, 2)
+
+    # A table from before profile recorded its model: taken, with a warning naming it.
+    table = _sps_table(tmp_path / "old.json", 2)
+    build(table, 2)
+    assert "old.json does not record the model it was profiled on" in capsys.readouterr().err
+
+
+def test_generate_refuses_an_sps_table_of_another_slot_count(tmp_path, capsys):
+    """One prompt runs one slot; the table names itself and the profile flag to fix it."""
+    table = _sps_table(tmp_path / "sps.json", 2)
+    argv = ["generate", "--policy", "scheduler", "--sps-table", str(table), "--prompt", "hi"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"dspark-jax generate: error: --sps-table {table} was profiled")
+    assert "dspark-jax profile --max-num-seqs 1" in err[-1]

@@ -9,10 +9,12 @@ offline on a laptop; `--target` / `--draft` take any form `load_target` / `load_
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dspark_jax.calibration.sts import StsArtifact
+from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import (
     POLICY_NAMES,
@@ -314,7 +316,13 @@ def build_engine(
         models.target,
         models.drafter,
         cfg,
-        policy=build_policy(args, models.gamma),
+        policy=build_policy(
+            args,
+            models.gamma,
+            num_slots=cfg.num_slots,
+            target_cfg=models.target.cfg,
+            drafter_cfg=models.drafter.cfg,
+        ),
         stop_tokens=models.stop_tokens,
         sts=sts,
         drafter_fingerprint=models.drafter_fingerprint,
@@ -394,14 +402,100 @@ def check_policy_arguments(args: argparse.Namespace) -> None:
             )
 
 
-def build_policy(args: argparse.Namespace, block_size: int) -> Policy:
-    """The policy named by --policy for a drafter with `block_size` drafts per block."""
+def build_policy(
+    args: argparse.Namespace,
+    block_size: int,
+    *,
+    num_slots: int | None = None,
+    target_cfg: Qwen3Config | None = None,
+    drafter_cfg: DrafterConfig | None = None,
+) -> Policy:
+    """The policy named by --policy for a drafter with `block_size` drafts per block.
+
+    An --sps-table is checked against the engine's `num_slots` and the models' architecture
+    (`target_cfg`, `drafter_cfg`) when they are given: its step times describe one batch of
+    one model."""
     check_policy_arguments(args)
     sps = SpsProfile.load(args.sps_table) if args.sps_table else None
+    if sps is not None:
+        check_sps_table(args.sps_table, sps, num_slots, target_cfg, drafter_cfg)
     gamma = block_size if args.gamma is None else args.gamma
     if not 0 <= gamma <= block_size:
         raise PolicyError(f"--gamma must lie in 0..{block_size} (the block size), got {gamma}")
     return make_policy(args.policy, gamma, threshold=args.threshold, sps=sps)
+
+
+# The shape of a model, which is what its step times depend on (not its weights or dtype name).
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def sps_model(target_cfg: Qwen3Config, drafter_cfg: DrafterConfig | None = None) -> dict:
+    """What an SPS table records of the models it timed: the target's shape and, when the
+    drafter ran (round mode), the drafter's."""
+    model: dict = {"target": {name: getattr(target_cfg, name) for name in _SHAPE_FIELDS}}
+    if drafter_cfg is not None:
+        model["drafter"] = {
+            **{name: getattr(drafter_cfg.model, name) for name in _SHAPE_FIELDS},
+            "block_size": drafter_cfg.block_size,
+            "markov_rank": drafter_cfg.markov_rank,
+            "markov_head_type": drafter_cfg.markov_head_type,
+        }
+    return model
+
+
+def check_sps_table(
+    path: str,
+    sps: SpsProfile,
+    num_slots: int | None,
+    target_cfg: Qwen3Config | None,
+    drafter_cfg: DrafterConfig | None,
+) -> None:
+    """Refuses a table measured for another slot count or another model (what it does not
+    record is not checked; a table without its model gets a warning)."""
+    profiled = sps.meta.get("num_slots")
+    if num_slots is not None and profiled is not None and profiled != num_slots:
+        raise PolicyError(
+            f"--sps-table {path} was profiled for {profiled} slots, but this run's engine has "
+            f"{num_slots} (--max-num-seqs, no more than the requests): its step times describe "
+            f"another batch. Profile again with dspark-jax profile --max-num-seqs {num_slots}, "
+            f"or run {profiled} slots"
+        )
+    if target_cfg is None:
+        return
+    recorded = sps.meta.get("model")
+    if not isinstance(recorded, dict):
+        print(
+            f"warning: --sps-table {path} does not record the model it was profiled on (an "
+            "older dspark-jax profile wrote it), so it cannot be checked against this one; "
+            "profile again to record it",
+            file=sys.stderr,
+        )
+        return
+    mine = sps_model(target_cfg, drafter_cfg)
+    diffs = []
+    for part in ("target", "drafter"):
+        theirs, ours = recorded.get(part), mine.get(part)
+        if theirs is None or ours is None:  # verify mode times no drafter; --no-draft has none
+            continue
+        diffs += [
+            f"{part} {name} {theirs.get(name)!r} there, {value!r} here"
+            for name, value in ours.items()
+            if theirs.get(name) != value
+        ]
+    if diffs:
+        raise PolicyError(
+            f"--sps-table {path} was profiled on another model ({'; '.join(diffs)}): step "
+            "times belong to the model measured. Profile this one with dspark-jax profile "
+            "--target/--draft (or --config of its architecture)"
+        )
 
 
 def load_sts(args: argparse.Namespace) -> StsArtifact | None:

@@ -152,7 +152,7 @@ def _build_models(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.cli.args import check_seed
+    from dspark_jax.cli.args import check_seed, sps_model
     from dspark_jax.cli.paths import check_output_file
     from dspark_jax.cli.report import plot_profile
     from dspark_jax.decoding.engine import EngineConfig
@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         log=lambda line: print(line, flush=True),
         mesh=mesh,
         config=description,
+        # what generate / eval / the scheduler check the table against
+        model=sps_model(target.cfg, drafter.cfg if args.mode == "round" else None),
     )
     profile.save(args.out)
     print(f"wrote {args.out} ({profile.meta['device']}, {profile.meta['date']})")
