@@ -292,7 +292,24 @@ def _corrupt_header(draft: Path, target: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _retype(key: str, dtype):
+    def breaker(draft: Path, target: Path) -> None:
+        tensors = _tensors(draft)
+        tensors[key] = tensors[key].astype(dtype)
+        save_safetensors(tensors, draft / "model.safetensors")
+
+    return breaker
+
+
 BAD_INPUTS = {
+    "integer_parameter": (
+        _retype("norm.weight", np.int32),
+        ["wrong dtype: non-floating parameters (1): norm.weight (int32)", "src-vanilla/draft: "],
+    ),
+    "mixed_float_dtypes": (
+        _retype("fc.weight", np.float16),
+        ["mixed floating dtypes: 30 parameters are float32, but fc.weight (float16)"],
+    ),
     "missing_and_unexpected_keys": (
         _drop_and_add_keys,
         [
@@ -339,6 +356,22 @@ def test_bad_input_is_reported_and_writes_nothing(tmp_path, capsys, case):
     for text in expected:
         assert text in err
     _assert_nothing_written(tmp_path)
+
+
+def test_a_cast_takes_mixed_floats_but_never_integers(tmp_path, capsys):
+    """--dtype says which dtype every parameter gets, so a mix of floats converts; an integer
+    tensor is no parameter whatever the cast."""
+    draft, _ = _copy_fixture(tmp_path, "vanilla")
+    _retype("fc.weight", np.float16)(draft, None)
+    cast = ["--dtype", "float32"]
+    code, _ = _cli(capsys, "convert", "--draft", draft, "--out", tmp_path / "out", *cast)
+    assert code == 0
+    _, drafter, _ = load_drafter(tmp_path / "out")
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(drafter))} == {jnp.dtype("float32")}
+    _retype("norm.weight", np.int32)(draft, None)
+    code, err = _cli(capsys, "convert", "--draft", draft, "--out", tmp_path / "o2", *cast)
+    assert code == 2 and "norm.weight (int32)" in err
+    _assert_nothing_written(tmp_path, "o2")
 
 
 def test_existing_output_needs_overwrite(tmp_path, capsys):

@@ -7,6 +7,7 @@ dots is the PyTorch key, with `kernel` <-> `weight` transposed ([in, out] vs [ou
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -79,6 +80,30 @@ def shape_problems(
     return problems
 
 
+def dtype_problems(dtypes: Mapping[str, np.dtype]) -> list[str]:
+    """Tensors a model cannot hold as parameters: non-floating ones, and floating ones that
+    differ from the rest (the model holds one parameter dtype). One line per kind."""
+    dtypes = {key: np.dtype(d) for key, d in dtypes.items()}
+    problems = []
+    other = sorted(key for key, d in dtypes.items() if not is_float_dtype(d))
+    if other:
+        shown = ", ".join(f"{key} ({dtypes[key].name})" for key in other[:8])
+        more = f" and {len(other) - 8} more" if len(other) > 8 else ""
+        problems.append(f"non-floating parameters ({len(other)}): {shown}{more}")
+    floats = Counter(d.name for d in dtypes.values() if is_float_dtype(d))
+    if len(floats) > 1:
+        (common, count), *_ = floats.most_common()
+        odd = sorted(k for k, d in dtypes.items() if is_float_dtype(d) and d.name != common)
+        shown = ", ".join(f"{key} ({dtypes[key].name})" for key in odd[:8])
+        more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
+        problems.append(
+            f"mixed floating dtypes: {count} parameters are {common}, but {shown}{more}; the "
+            "model holds one dtype (give one to cast every parameter to, e.g. --dtype "
+            f"{common}, if the mix is intended)"
+        )
+    return problems
+
+
 def is_float_dtype(dtype) -> bool:
     """Whether `dtype` is floating, bfloat16 and the other ml_dtypes floats included."""
     return jnp.issubdtype(np.dtype(dtype), jnp.floating)
@@ -100,7 +125,8 @@ def _torch_key(names: tuple[str, ...], prefix: str) -> tuple[str, bool]:
 def load_from_torch(
     model_ctor: Callable[[], nnx.Module], source: TensorSource, prefix: str, *, ignore=(), mesh=None
 ) -> nnx.Module:
-    """Builds a model whose parameters come from `source`, checking every key and shape first.
+    """Builds a model whose parameters come from `source`, checking every key, shape and dtype
+    first (`dtype_problems`: every parameter floating, all of one dtype).
 
     `model_ctor()` makes the module; it is evaluated abstractly (no allocation), so the arrays
     held afterwards are exactly those read from `source`. With a `mesh`, each tensor goes from
@@ -125,6 +151,9 @@ def load_from_torch(
     )
     if problems:
         raise CheckpointError("checkpoint does not match the model config: " + " | ".join(problems))
+    problems = dtype_problems({key: source.dtype(key) for key in expected})
+    if problems:
+        raise CheckpointError("checkpoint tensors of the wrong dtype: " + " | ".join(problems))
 
     values = {}
     for key, (path, transpose, _) in expected.items():

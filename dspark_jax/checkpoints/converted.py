@@ -154,9 +154,12 @@ class _ReadSource:
 def _from_torch_folder(
     folder: SafetensorsFolder, cfg, dtype: str | None, progress: bool, mesh=None
 ):
-    """(cfg with its compute dtype set, model) from a PyTorch-layout folder."""
-    dtype = dtype or _first_float_dtype((folder.dtype(k) for k in folder.keys()), folder.path)
-    cfg = cfg.with_dtype(dtype)
+    """(cfg with its compute dtype set, model) from a PyTorch-layout folder.
+
+    Without a `dtype` the tensors are read as stored, so the model's checks see their dtypes
+    (one floating dtype for all); with one, every floating tensor is cast to it."""
+    stored = _first_float_dtype((folder.dtype(k) for k in folder.keys()), folder.path)
+    cfg = cfg.with_dtype(dtype or stored)
     build = drafter_from_torch if isinstance(cfg, DrafterConfig) else target_from_torch
     bar = tqdm(
         total=len(folder),
@@ -166,7 +169,10 @@ def _from_torch_folder(
         disable=None if progress else True,
     )
     with bar:
-        return cfg, build(cfg, _ReadSource(folder, dtype, bar), mesh)
+        try:
+            return cfg, build(cfg, _ReadSource(folder, dtype, bar), mesh)
+        except CheckpointError as e:
+            raise CheckpointError(f"{folder.path}: {e}") from None
 
 
 def _from_jax_folder(part_dir: Path, cfg, dtype: str | None, mesh=None):
