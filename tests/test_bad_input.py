@@ -180,6 +180,8 @@ CLI_CASES = [
     ("convert --out {tmp}/c", "give --draft, --target or both"),
     ("convert --draft {draft} --out /proc/dspark/c", "cannot write there"),
     ("convert --draft ckpt-typo/../draft --out {tmp}/c", "no such folder"),
+    ("convert --target {draft} --out {tmp}/c", "looks like a drafter checkpoint"),
+    ("generate --target {target}", "came without --draft, so the drafter is the embedded"),
     ("export --draft {draft} --out {plain_file}/x", "--out"),
     ("export --draft {tmp}/nothing --out {tmp}/x", "no such folder"),
     ("train --config nope", "unknown train config 'nope'"),
@@ -205,7 +207,9 @@ def test_bad_command_lines_fail_in_one_line(
     command, fragment, bad_files, tmp_path, busy_port, capsys
 ):
     names = {k: str(v) for k, v in bad_files.items()}
-    argv = command.format(**names, tmp=tmp_path, draft=TINY_DRAFT, busy_port=busy_port)
+    argv = command.format(
+        **names, tmp=tmp_path, draft=TINY_DRAFT, target=TINY_TARGET, busy_port=busy_port
+    )
     rc, lines = _run(argv.split(), capsys)
     assert rc != 0
     assert len(lines) == 1, lines

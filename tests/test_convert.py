@@ -464,3 +464,45 @@ def test_help_does_not_import_jax():
     )
     assert done.returncode == 0, done.stderr
     assert "convert" in done.stdout and "export" in done.stdout
+
+
+def test_a_folder_of_the_wrong_kind_is_named_for_what_it_is(tmp_path, capsys):
+    """Each mistake fails on what the folder is, not on a list of missing parameters."""
+    root = fixture_dir("vanilla")
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "convert", "--target", root / "draft", "--out", out)
+    assert code == 2 and "draft looks like a drafter checkpoint (its config.json has" in err
+    assert "missing keys" not in err
+    code, err = _cli(capsys, "convert", "--draft", root / "target", "--out", out)
+    assert code == 2 and "target looks like a target (a Qwen3 config.json" in err
+    _assert_nothing_written(tmp_path)
+
+    converted = tmp_path / "conv"
+    both = ["--draft", root / "draft", "--target", root / "target"]
+    assert _cli(capsys, "convert", *both, "--out", converted)[0] == 0
+    for given in (converted, converted / "draft"):
+        code, err = _cli(capsys, "convert", "--draft", given, "--out", out)
+        assert code == 2 and f"{given} is already a converted dspark-jax folder" in err
+    with pytest.raises(CheckpointError, match=r"conv/draft is the drafter of a converted folder"):
+        load_target(converted / "draft", progress=False)
+    with pytest.raises(CheckpointError, match=r"conv/target is the target of a converted folder"):
+        load_drafter(converted / "target", progress=False)
+
+
+def test_a_training_run_gives_its_final_drafter(tmp_path):
+    """`--draft runs/x` means the drafter the run exported, as export takes run folders."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"without its final drafter/ .* dspark-jax export"):
+        load_drafter(run, progress=False)
+    shutil.copytree(fixture_dir("vanilla") / "draft", run / "drafter")
+    fingerprint = load_drafter(fixture_dir("vanilla") / "draft", progress=False)[2]
+    assert load_drafter(run, progress=False)[2] == fingerprint
+
+
+def test_a_target_without_its_drafter_names_the_embedded_default(capsys):
+    target = fixture_dir("vanilla") / "target"
+    code, err = _cli(capsys, "generate", "--target", target, "--max-new-tokens", "4")
+    assert code == 2
+    assert "came without --draft, so the drafter is the embedded dspark-jax-default one" in err
+    assert "give --draft (its own drafter) or --no-draft" in err

@@ -49,7 +49,10 @@ from dspark_jax.checkpoints.locate import (
     FORMAT_VERSION,
     MANIFEST,
     PARAMS,
+    PART_NAMES,
     TARGET,
+    check_not_converted,
+    check_part_config,
     locate,
     read_manifest,
     resolve_model_dir,
@@ -80,7 +83,6 @@ if TYPE_CHECKING:
 
 # float16 is for GPUs without bfloat16 (a T4 on Colab).
 CONVERT_DTYPES = ("keep", "float32", "bfloat16", "float16")
-_PART_NAMES = {DRAFT: "drafter", TARGET: "target"}
 
 
 # -- small helpers -----------------------------------------------------------------------------
@@ -202,14 +204,27 @@ def _check_loaded(model, part: str, part_dir: Path, entry, cast: bool) -> None:
     """Refuses non-finite parameters, and for a converted folder read without a cast, parameters
     whose checksum differs from the one recorded at conversion (folders converted before
     checksums were recorded have none to compare)."""
-    checksum = check_parameters(model, f"the {_PART_NAMES[part]} at {part_dir}")
+    checksum = check_parameters(model, f"the {PART_NAMES[part]} at {part_dir}")
     recorded = (entry or {}).get("checksum")
     if recorded is not None and not cast and recorded != checksum:
         raise CheckpointError(
-            f"{part_dir}: the {_PART_NAMES[part]}'s parameters do not match the checksum "
+            f"{part_dir}: the {PART_NAMES[part]}'s parameters do not match the checksum "
             f"recorded at conversion ({recorded[:12]}..., found {checksum[:12]}...): the folder "
             "was modified or damaged; convert it again"
         )
+
+
+def _part_config(part_dir: Path, part: str) -> dict[str, Any]:
+    """The config.json of a drafter or target folder, refused when it is the other kind."""
+    raw = read_config_json(part_dir)
+    check_part_config(raw, part_dir, part)
+    return raw
+
+
+def read_part_config(path: str | os.PathLike, part: str) -> dict[str, Any]:
+    """The config.json of the `part` ("draft" or "target") that `path` names, in any form the
+    loaders take (see `locate`), without reading parameters."""
+    return _part_config(locate(path, part)[0], part)
 
 
 def _check_mesh_heads(what: str, model_cfg: Qwen3Config, mesh) -> None:
@@ -220,7 +235,7 @@ def _check_mesh_heads(what: str, model_cfg: Qwen3Config, mesh) -> None:
 def _read_drafter(path, dtype: str | None, progress: bool, mesh=None):
     """(original config dict, cfg, model, fingerprint of the stored parameters)."""
     part_dir, entry = locate(path, DRAFT)
-    raw = read_config_json(part_dir)
+    raw = _part_config(part_dir, DRAFT)
     cfg = DrafterConfig.from_hf(raw)
     _check_mesh_heads(f"drafter {part_dir}", cfg.model, mesh)
     if entry is None:
@@ -254,7 +269,7 @@ def load_target(
     parameter is read straight into its rules-table sharding on it (see `dspark_jax.sharding`).
     """
     part_dir, entry = locate(path, TARGET)
-    cfg = Qwen3Config.from_hf(read_config_json(part_dir))
+    cfg = Qwen3Config.from_hf(_part_config(part_dir, TARGET))
     _check_mesh_heads(f"target {part_dir}", cfg, mesh)
     dtype = None if dtype is None else _dtype_name(dtype)
     if entry is None:
@@ -309,15 +324,17 @@ def convert_checkpoints(
         if src is not None
     }
     check_no_overlap(out, list(sources.values()))
+    for folder in sources.values():
+        check_not_converted(folder)
 
     raws: dict[str, dict[str, Any]] = {}
     cfgs: dict[str, Any] = {}
     filled: list[str] = []
     if TARGET in sources:
-        raws[TARGET] = read_config_json(sources[TARGET])
+        raws[TARGET] = _part_config(sources[TARGET], TARGET)
         cfgs[TARGET] = Qwen3Config.from_hf(raws[TARGET])
     if DRAFT in sources:
-        raw = dict(read_config_json(sources[DRAFT]))
+        raw = dict(_part_config(sources[DRAFT], DRAFT))
         nested = raw.get("dflash_config") or {}
         if "num_target_layers" not in raw and "num_target_layers" not in nested and TARGET in cfgs:
             raw["num_target_layers"] = cfgs[TARGET].num_hidden_layers
@@ -339,7 +356,7 @@ def convert_checkpoints(
             part_dir = tmp / part
             part_dir.mkdir()
             _, model = _from_torch_folder(folders[part], cfgs[part], cast, progress)
-            checksum = check_parameters(model, f"the {_PART_NAMES[part]} at {sources[part]}")
+            checksum = check_parameters(model, f"the {PART_NAMES[part]} at {sources[part]}")
             orbax_io.save_params(model, part_dir / PARAMS)
             _write_json(part_dir / "config.json", raws[part])
             floats = [a.dtype for a in jax.tree.leaves(nnx.state(model)) if is_float_dtype(a.dtype)]
@@ -533,7 +550,7 @@ def decoding_param_bytes(
         if path is None:
             continue
         part_dir, entry = locate(path, part)
-        cfg = config_cls.from_hf(read_config_json(part_dir))
+        cfg = config_cls.from_hf(_part_config(part_dir, part))
         model_cfg = cfg.model if isinstance(cfg, DrafterConfig) else cfg
         name = model_cfg.dtype if dtype is None else _dtype_name(dtype)
         abstract = orbax_io.abstract_model(cfg, name)

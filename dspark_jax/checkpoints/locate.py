@@ -5,6 +5,7 @@ Every program accepts, for a target or a drafter, any of
     a converted folder (ours: `dspark_jax.json` manifest plus `draft/` and/or `target/`),
     one part of a converted folder (`O/draft`, `O/target`: `config.json` plus `params/`),
     a Hugging Face / DeepSpec safetensors folder (`config.json` plus `*.safetensors`),
+    for a drafter, a training run whose final export is `RUN/drafter/`,
     a Hugging Face hub id (`org/name`), downloaded into the hub cache when the hub is reachable.
 
 `locate(path, part)` resolves any of them to the folder holding `config.json` and tells whether it
@@ -27,6 +28,11 @@ FORMAT_VERSION = 1
 MANIFEST = "dspark_jax.json"
 PARAMS = "params"
 DRAFT, TARGET = "draft", "target"
+PART_NAMES = {DRAFT: "drafter", TARGET: "target"}
+# Where `dspark-jax train` writes the run's final drafter.
+RUN_DRAFTER = "drafter"
+# config.json fields only a drafter has (DFlash files keep them under `dflash_config`).
+DRAFTER_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_PATTERNS = [
@@ -100,6 +106,16 @@ def locate(path: str | os.PathLike, part: str) -> tuple[Path, dict[str, Any] | N
     Accepts a converted folder, one of its parts, a safetensors folder or a hub id.
     """
     root = resolve_model_dir(str(path))
+    if part == DRAFT and not (root / "config.json").exists():
+        # A training run's final export (`dspark-jax train` writes RUN/drafter/).
+        if (root / RUN_DRAFTER / "config.json").is_file():
+            return root / RUN_DRAFTER, None
+        if _is_training_checkpoint(root):
+            raise CheckpointError(
+                f"{root}: a training run or checkpoint without its final {RUN_DRAFTER}/ (the run "
+                f"has not finished): export one with dspark-jax export --draft {root} --out DIR "
+                "and use DIR"
+            )
     if (root / MANIFEST).is_file():
         manifest = read_manifest(root / MANIFEST)
         if part not in manifest.get("converted", []):
@@ -110,6 +126,50 @@ def locate(path: str | os.PathLike, part: str) -> tuple[Path, dict[str, Any] | N
         return root / part, manifest.get(part, {})
     if (root / PARAMS).is_dir():
         parent = root.parent / MANIFEST
+        if parent.is_file() and root.name in PART_NAMES and root.name != part:
+            raise CheckpointError(
+                f"{root} is the {PART_NAMES[root.name]} of a converted folder, not a "
+                f"{PART_NAMES[part]}: give {root.parent} (or {root.parent / part})"
+            )
         entry = read_manifest(parent).get(root.name, {}) if parent.is_file() else {}
         return root, entry
     return root, None
+
+
+def _is_training_checkpoint(folder: Path) -> bool:
+    """Whether `folder` looks like a training run, its `checkpoints/` or one step of it."""
+    return (
+        (folder / "checkpoints").is_dir()
+        or folder.name == "checkpoints"
+        or (folder.name.isdigit() and folder.parent.name == "checkpoints")
+    )
+
+
+def check_part_config(raw: dict[str, Any], part_dir: Path, part: str) -> None:
+    """Refuses a config.json of the other kind of model, with a
+    message that says what the folder is (a wrong folder otherwise fails much later, as a list
+    of missing or unexpected parameters)."""
+    nested = raw.get("dflash_config") or {}
+    drafter_keys = sorted(k for k in DRAFTER_KEYS if k in raw or k in nested)
+    if part == TARGET and drafter_keys:
+        raise CheckpointError(
+            f"{part_dir} looks like a drafter checkpoint (its config.json has "
+            f"{', '.join(drafter_keys)}), not a target: give it as the drafter (--draft) and "
+            "the Qwen3 model it drafts for as the target"
+        )
+    if part == DRAFT and not drafter_keys and raw.get("model_type") == "qwen3":
+        raise CheckpointError(
+            f"{part_dir} looks like a target (a Qwen3 config.json without block_size or "
+            "target_layer_ids), not a drafter: give it as the target (--target) and a DSpark "
+            "or DFlash drafter as --draft"
+        )
+
+
+def check_not_converted(folder: Path) -> None:
+    """Refuses a folder of ours where a PyTorch-layout checkpoint is expected (convert)."""
+    if (folder / MANIFEST).is_file() or (folder / PARAMS).is_dir():
+        raise CheckpointError(
+            f"{folder} is already a converted {FORMAT_NAME} folder: the commands read it as it "
+            "is (--target / --draft), so there is nothing to convert; give the PyTorch folder "
+            "it came from to convert again"
+        )

@@ -47,7 +47,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, allow_no_draft: bool = 
     group.add_argument(
         "--draft",
         default=None,
-        help=f"drafter, same forms (default: the embedded {EMBEDDED_NAME} drafter)",
+        help=f"drafter, same forms, or a training run (its final drafter/) (default: the "
+        f"embedded {EMBEDDED_NAME} drafter)",
     )
     if allow_no_draft:
         group.add_argument(
@@ -296,8 +297,31 @@ def load_models(args: argparse.Namespace, with_drafter: bool = True) -> Decoding
 
     target = args.target or EMBEDDED_TARGET
     draft = (args.draft or EMBEDDED_DRAFT) if with_drafter else None
+    if args.target is not None and args.draft is None and with_drafter:
+        _check_embedded_drafter_fits(args, target)
     mesh = decoding_mesh_for(args, target, draft)
     return load_decoding_models(target, draft, dtype=args.dtype, mesh=mesh)
+
+
+def _check_embedded_drafter_fits(args: argparse.Namespace, target) -> None:
+    """A --target without --draft runs the embedded drafter, which was made for the embedded
+    target; if it does not fit this one, say that the drafter is the default, not the user's."""
+    from dspark_jax.checkpoints.converted import read_part_config
+    from dspark_jax.config import ConfigError
+
+    target_cfg = Qwen3Config.from_hf(read_part_config(target, "target"))
+    drafter_cfg = DrafterConfig.from_hf(read_part_config(EMBEDDED_DRAFT, "draft"))
+    try:
+        drafter_cfg.check_target(target_cfg)
+    except ConfigError as e:
+        instead = "--draft (its own drafter) or --no-draft" if hasattr(args, "no_draft") else (
+            "--draft (its own drafter)"
+        )
+        raise ConfigError(
+            f"--target {args.target} came without --draft, so the drafter is the embedded "
+            f"{EMBEDDED_NAME} one, made for the embedded target, and it does not fit this one "
+            f"({e}): give {instead}"
+        ) from None
 
 
 def build_engine(
