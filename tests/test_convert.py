@@ -488,6 +488,12 @@ def test_a_folder_of_the_wrong_kind_is_named_for_what_it_is(tmp_path, capsys):
     with pytest.raises(CheckpointError, match=r"conv/target is the target of a converted folder"):
         load_drafter(converted / "target", progress=False)
 
+    spec = tmp_path / "spec"
+    export = ["export", "--draft", converted, "--format", "speculators", "--out", spec]
+    assert _cli(capsys, *export)[0] == 0
+    with pytest.raises(CheckpointError, match=r"vLLM's speculators layout .* --format reference"):
+        load_drafter(spec, progress=False)
+
 
 def test_a_training_run_gives_its_final_drafter(tmp_path):
     """`--draft runs/x` means the drafter the run exported, as export takes run folders."""

@@ -146,9 +146,16 @@ def _is_training_checkpoint(folder: Path) -> bool:
 
 
 def check_part_config(raw: dict[str, Any], part_dir: Path, part: str) -> None:
-    """Refuses a config.json of the other kind of model, with a
+    """Refuses a config.json of the other kind of model, or of a layout we do not read, with a
     message that says what the folder is (a wrong folder otherwise fails much later, as a list
     of missing or unexpected parameters)."""
+    if "speculators_model_type" in raw:
+        raise CheckpointError(
+            f"{part_dir} is a drafter in vLLM's speculators layout (speculators_model_type "
+            f"{raw['speculators_model_type']!r}), which leaves its embedding and head to the "
+            "verifier; dspark-jax reads the reference (DeepSpec) layout: use the drafter this "
+            "was exported from, or export it again with --format reference"
+        )
     nested = raw.get("dflash_config") or {}
     drafter_keys = sorted(k for k in DRAFTER_KEYS if k in raw or k in nested)
     if part == TARGET and drafter_keys:
