@@ -36,6 +36,26 @@ def test_existing_export_names_the_flag(tmp_path, capsys):
     assert "use --overwrite" in err and "overwrite=True" not in err
 
 
+@pytest.mark.parametrize("out, where", [(".", "is the working"), ("..", "is a parent of")])
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_atomic_outputs_refuse_the_working_directory(
+    tmp_path, monkeypatch, capsys, command, out, where
+):
+    """The output replaces its whole folder by a rename, which fails for the folder a process
+    is in ("[Errno 16] Device or resource busy"): refused up front, nothing touched."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    argv = [command, "--draft", str(TINY_DRAFT), "--out", out, "--overwrite"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dspark-jax {command}: error: --out {out}: {where}")
+    assert "Errno" not in err
+    assert (work / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
 def _policy_args(*argv: str):
     import argparse
 

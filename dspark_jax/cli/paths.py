@@ -47,5 +47,16 @@ def check_output_folder(path: str | os.PathLike, option: str, *, created: bool =
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{option} {path}: exists and is not a folder")
+    if not created:
+        # The result replaces the whole folder by a rename, which the system refuses for the
+        # folder a process works in and its parents ("Device or resource busy").
+        resolved, cwd = path.resolve(), Path.cwd().resolve()
+        if resolved == cwd or resolved in cwd.parents:
+            parent = "" if resolved == cwd else "a parent of "
+            raise UserError(
+                f"{option} {path}: is {parent}the working directory; the output replaces the "
+                "whole folder, which cannot be done to the folder you are in: give a new folder "
+                "(e.g. a subfolder)"
+            )
     _check_writable_folder(path if created else path.parent, option, path)
     return path
