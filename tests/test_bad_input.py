@@ -387,6 +387,25 @@ def test_modified_target_of_a_converted_folder_is_refused(converted, tmp_path):
     assert manifest["target"]["checksum"] and manifest["draft"]["checksum"]
 
 
+def test_a_truncated_orbax_file_fails_in_one_line(converted, tmp_path, capsys, monkeypatch):
+    """Reads still in flight when the first one fails used to report to Orbax's closed event
+    loop from tensorstore's threads, and Python printed each 'RuntimeError: Event loop is
+    closed' (as an unraisable exception) after the one-line error, in most runs. Five tries
+    make a miss unlikely."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(converted, damaged)
+    data = max((damaged / "draft" / "params").rglob("d/*"), key=lambda f: f.stat().st_size)
+    os.truncate(data, 100)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
+    for _ in range(5):
+        rc, lines = _run(["export", "--draft", str(damaged), "--out", str(tmp_path / "x")], capsys)
+        time.sleep(0.2)  # the late reads finish within milliseconds
+        assert rc == 2 and len(lines) == 1 and "cannot read the Orbax checkpoint" in lines[0]
+    assert unraisable == []
+    assert not (tmp_path / "x").exists()
+
+
 # -- 4. context and memory bounds before anything is allocated ---------------------------------
 def test_engine_refuses_a_pool_larger_than_memory():
     models = load_decoding_models(TINY_TARGET, None, progress=False)

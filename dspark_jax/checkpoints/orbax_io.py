@@ -7,6 +7,9 @@ exactly the ones read.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,39 @@ def save_params(model: nnx.Module, params_dir: Path) -> None:
             ckpt.close()
 
 
+class _ClosingLoop(asyncio.SelectorEventLoop):
+    """An event loop that drops callbacks scheduled after it closed.
+
+    Orbax runs a synchronous read on a fresh event loop and closes it as soon as the read
+    raises; the tensorstore reads still in flight then finish on tensorstore's threads and hand
+    their results to the closed loop, and each such hand-off printed "RuntimeError: Event loop
+    is closed" with a traceback after our one-line error. Nobody waits for those results."""
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        except RuntimeError:
+            if self.is_closed():
+                return None
+            raise
+
+
+class _ClosingLoopPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _ClosingLoop()
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[None]:
+    """Runs Orbax reads on `_ClosingLoop`s (the loops Orbax creates come from the policy)."""
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_ClosingLoopPolicy())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(previous)
+
+
 def _flat(tree) -> dict[str, Any]:
     """Leaves by dotted path; Orbax metadata spells list indices "0", our pure dicts 0."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -56,7 +92,7 @@ def read_metadata(params_dir: Path) -> dict[str, Any]:
     if not params_dir.is_dir():
         raise CheckpointError(f"{params_dir}: parameter folder does not exist")
     try:
-        with ocp.StandardCheckpointer() as ckpt:
+        with _reading(), ocp.StandardCheckpointer() as ckpt:
             return _flat(ckpt.metadata(params_dir.resolve()).item_metadata)
     except Exception as e:
         raise CheckpointError(
@@ -109,7 +145,7 @@ def restore_params(
         shardings = nnx.to_pure_dict(state_shardings(state, mesh, strict=True))
         target = jax.tree_util.tree_map_with_path(leaf_target, wanted, shardings)
     try:
-        with ocp.StandardCheckpointer() as ckpt:
+        with _reading(), ocp.StandardCheckpointer() as ckpt:
             restored = ckpt.restore(params_dir.resolve(), target)
     except Exception as e:
         raise CheckpointError(
