@@ -406,6 +406,20 @@ def test_a_truncated_orbax_file_fails_in_one_line(converted, tmp_path, capsys, m
     assert not (tmp_path / "x").exists()
 
 
+def test_a_missing_orbax_manifest_is_one_error_without_absl_noise(
+    converted, tmp_path, capsys, caplog
+):
+    """Orbax logs 'WARNING:absl:Failed to get item metadata ...' and returns no metadata, which
+    then read as 'holds no floating-point parameters'."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(converted, damaged)
+    (damaged / "draft" / "params" / "manifest.ocdbt").unlink()
+    rc, lines = _run(["export", "--draft", str(damaged), "--out", str(tmp_path / "x")], capsys)
+    assert rc == 2 and len(lines) == 1, lines
+    assert "parameter metadata is missing or unreadable" in lines[0]
+    assert not [r for r in caplog.records if "Failed to get item metadata" in r.getMessage()]
+
+
 # -- 4. context and memory bounds before anything is allocated ---------------------------------
 def test_engine_refuses_a_pool_larger_than_memory():
     models = load_decoding_models(TINY_TARGET, None, progress=False)

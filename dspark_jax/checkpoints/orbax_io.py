@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,14 +71,23 @@ class _ClosingLoopPolicy(asyncio.DefaultEventLoopPolicy):
         return _ClosingLoop()
 
 
+def _not_metadata_warning(record: logging.LogRecord) -> bool:
+    # Orbax logs this and returns no metadata; `read_metadata` reports that as an error.
+    return not record.getMessage().startswith("Failed to get item metadata")
+
+
 @contextlib.contextmanager
 def _reading() -> Iterator[None]:
-    """Runs Orbax reads on `_ClosingLoop`s (the loops Orbax creates come from the policy)."""
+    """Runs Orbax reads on `_ClosingLoop`s (the loops Orbax creates come from the policy),
+    without the warning Orbax logs (through absl) for metadata it cannot read."""
     previous = asyncio.get_event_loop_policy()
     asyncio.set_event_loop_policy(_ClosingLoopPolicy())
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(_not_metadata_warning)
     try:
         yield
     finally:
+        absl_logger.removeFilter(_not_metadata_warning)
         asyncio.set_event_loop_policy(previous)
 
 
@@ -93,11 +103,18 @@ def read_metadata(params_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{params_dir}: parameter folder does not exist")
     try:
         with _reading(), ocp.StandardCheckpointer() as ckpt:
-            return _flat(ckpt.metadata(params_dir.resolve()).item_metadata)
+            item_metadata = ckpt.metadata(params_dir.resolve()).item_metadata
     except Exception as e:
         raise CheckpointError(
             f"{params_dir}: cannot read the Orbax checkpoint ({type(e).__name__}: {e})"
         ) from e
+    if not item_metadata:
+        raise CheckpointError(
+            f"{params_dir}: cannot read the Orbax checkpoint (its parameter metadata is missing "
+            "or unreadable, e.g. manifest.ocdbt was removed): the folder is incomplete or "
+            "damaged; convert it again"
+        )
+    return _flat(item_metadata)
 
 
 def restore_params(
