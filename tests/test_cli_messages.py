@@ -29,6 +29,39 @@ def test_eval_refuses_a_non_empty_output_folder(tmp_path, capsys):
     assert (out / "eval.json").read_text() == "{}"
 
 
+def test_eval_overwrite_replaces_the_whole_folder(tmp_path, capsys, monkeypatch):
+    """A run that writes no calibration records must not leave the previous run's beside its
+    own eval.json: --overwrite replaces the folder, written whole and renamed into place."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["x"]}) + "\n")
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "calibration_records.npz").write_bytes(b"from the previous run")
+    (out / "eval.json").write_text("{}")
+    seen = {}
+
+    def evaluate_nothing(name, conversations, spec, plain, tokenizer, **kwargs):
+        from dspark_jax.decoding.batching import LoopTiming
+        from dspark_jax.decoding.evaluate import ConversationRun, DatasetReport
+        from dspark_jax.decoding.stats import acceptance_stats
+
+        seen["out_during_run"] = sorted(p.name for p in out.iterdir())
+        stats = acceptance_stats([], spec.gamma)
+        report = DatasetReport(name, 1, 0, [], stats, LoopTiming(), None)
+        return report, ConversationRun([], LoopTiming(), [])
+
+    # What is tested is the writing: no compiling, no decoding.
+    monkeypatch.setattr("dspark_jax.decoding.engine.Engine.warm_up", lambda self: None)
+    monkeypatch.setattr("dspark_jax.decoding.evaluate.evaluate_dataset", evaluate_nothing)
+    argv = ["eval", str(prompts), "--out", str(out), "--overwrite", "--no-plain"]
+    argv += ["--max-new-tokens", "1"]
+    assert main(argv) == 0
+    assert seen["out_during_run"] == ["calibration_records.npz", "eval.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.png"]
+    assert json.loads((out / "eval.json").read_text())["settings"]["calibration_records"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "results"]
+
+
 def test_existing_export_names_the_flag(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     assert main(["export", "--draft", str(TINY_DRAFT), "--out", str(tmp_path / "out")]) == 2

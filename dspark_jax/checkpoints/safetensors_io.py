@@ -271,17 +271,6 @@ def save_safetensors(
             f.write(arrays[key].reshape(-1).view(np.uint8))
 
 
-def refuse_nonempty_dir(path: str | os.PathLike, overwrite: bool) -> None:
-    """Refuses an output folder that already holds files, unless `overwrite` (--overwrite)."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise FileExistsError(f"{path}: exists and is not a directory")
-    if not overwrite and path.is_dir() and any(path.iterdir()):
-        raise FileExistsError(
-            f"{path}: output directory exists and is not empty (use --overwrite to write into it)"
-        )
-
-
 # Leftovers of a crashed run that recorded no owner (older builds) or ran on another host (a
 # shared filesystem) are judged by age: a live run writes into its folder, keeping its mtime fresh,
 # and converting the largest targets takes well under an hour.

@@ -42,8 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-plain", action="store_true", help="skip the plain-decoding baseline (no speedup)"
     )
-    parser.add_argument("--out", default="eval_results", help="output folder (eval_results)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    parser.add_argument(
+        "--out", default="eval_results", help="output folder, written atomically (eval_results)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out (the whole folder)"
+    )
 
 
 def _dataset_files(args: argparse.Namespace) -> list[Path]:
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.calibration.records import records_from_results
     from dspark_jax.calibration.sts import RECORDS_NAME
-    from dspark_jax.checkpoints.safetensors_io import refuse_nonempty_dir
+    from dspark_jax.checkpoints.safetensors_io import atomic_output_dir
     from dspark_jax.cli.args import (
         build_engine,
         check_kv_pages,
@@ -102,10 +106,18 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.evaluate import evaluate_dataset
 
-    refuse_nonempty_dir(args.out, args.overwrite)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    # An empty folder is as good as none; a non-empty one is replaced as a whole.
+    replace = args.overwrite or (out.is_dir() and not any(out.iterdir()))
+    if out.exists() and not replace:
+        raise UserError(
+            f"--out {out}: output folder exists and is not empty (use --overwrite to replace it)"
+        )
     check_sizes(args)
     check_policy_arguments(args)
-    check_output_folder(args.out, "--out")
+    check_output_folder(out, "--out", created=False)
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     files = _dataset_files(args)
@@ -149,23 +161,19 @@ def run(args: argparse.Namespace) -> int:
         reports.append(report)
         results += run_.results()
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     print(format_table(reports))
     note = speedup_note(reports)
     if note:
         print(note)
-    written = [out / JSON_NAME, out / PLOT_NAME]
-    records_path = None
+    records = None
     if models.drafter.confidence_head is not None and any(r.rounds for r in results):
-        records_path = out / RECORDS_NAME
         records = records_from_results(
             results,
             drafter_fingerprint=models.drafter_fingerprint,
             sampling_temperature=sampling.temperature,
         )
-        records.save(records_path)
-        written.append(records_path)
+    records_path = None if records is None else out / RECORDS_NAME
+    written = [out / JSON_NAME, out / PLOT_NAME] + ([records_path] if records_path else [])
     settings = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": jax.devices()[0].device_kind,
@@ -190,15 +198,14 @@ def run(args: argparse.Namespace) -> int:
         "files": [str(f) for f in files],
         "calibration_records": None if records_path is None else str(records_path),
     }
-    (out / JSON_NAME).write_text(
-        json.dumps(
-            {"settings": settings, "datasets": {r.name: r.to_json() for r in reports}},
-            indent=1,
-            allow_nan=False,
-        )
-        + "\n"
-    )
-    plot_reports(reports, out / PLOT_NAME)
+    body = {"settings": settings, "datasets": {r.name: r.to_json() for r in reports}}
+    # The folder is written whole and then renamed into place: a run never leaves another
+    # run's files (a stale calibration_records.npz) beside its own, nor half of its own.
+    with atomic_output_dir(out, overwrite=replace) as tmp:
+        (tmp / JSON_NAME).write_text(json.dumps(body, indent=1, allow_nan=False) + "\n")
+        plot_reports(reports, tmp / PLOT_NAME)
+        if records is not None:
+            records.save(tmp / RECORDS_NAME)
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     if records_path is not None:
         print(
