@@ -154,3 +154,20 @@ def test_profile_warns_on_a_non_monotonic_sps_table():
     warning = non_monotonic_warning([1, 2, 4, 8], [100.0, 90.0, 95.0, 50.0])
     assert warning.startswith("warning: the SPS table is not monotonic")
     assert "4 tokens (95.0/s) > 2 (90.0/s)" in warning and "8 tokens" not in warning
+
+
+def test_single_file_outputs_are_never_half_written(tmp_path):
+    """generate --json, calibrate's artifact and plot, profile's table and plot: written to a
+    sibling and renamed, so an interrupt (or error) mid-write leaves the old file as it was."""
+    from dspark_jax.cli.paths import atomic_file
+
+    path = tmp_path / "deep" / "out.json"
+    with atomic_file(path) as tmp:
+        assert tmp.parent == path.parent and tmp.suffix == ".json" and tmp.name.startswith(".")
+        tmp.write_text("first")
+    assert path.read_text() == "first"
+    with pytest.raises(KeyboardInterrupt), atomic_file(path) as tmp:
+        tmp.write_text("half")
+        raise KeyboardInterrupt
+    assert path.read_text() == "first"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["out.json"]

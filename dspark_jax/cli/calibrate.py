@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.calibration import sts
     from dspark_jax.checkpoints.converted import load_drafter
     from dspark_jax.cli.args import check_seed
-    from dspark_jax.cli.paths import check_output_file
+    from dspark_jax.cli.paths import atomic_file, check_output_file
     from dspark_jax.cli.report import calibration_warnings, format_report, reliability_diagram
     from dspark_jax.errors import UserError
     from dspark_jax.sampling import SamplingConfig
@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             sampling_temperature=args.temperature,
             n_bins=args.bins,
         )
-    artifact.save(args.out)
+    with atomic_file(args.out) as tmp:
+        artifact.save(tmp)
     temps = ", ".join(f"{t:.3f}" for t in artifact.temperatures)
     print(f"STS temperatures: {temps}")
     names = [Path(p).name for p in args.records]
@@ -110,12 +111,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {line}", file=sys.stderr)
     print(f"wrote {args.out}")
     if args.plot:
-        reliability_diagram(
-            sts.reliability_series(held_out, np.asarray(artifact.temperatures)),
-            args.plot,
-            args.bins,
-            title=f"held-out prefix survival, sampling T = {args.temperature:g}",
-        )
+        with atomic_file(args.plot) as tmp:
+            reliability_diagram(
+                sts.reliability_series(held_out, np.asarray(artifact.temperatures)),
+                tmp,
+                args.bins,
+                title=f"held-out prefix survival, sampling T = {args.temperature:g}",
+            )
         print(f"wrote {args.plot}")
     return 0
 

@@ -249,7 +249,9 @@ def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s) 
         "acceptance": None if stats is None else stats.to_json(),
         "results": records,
     }
+    from dspark_jax.cli.paths import atomic_file
+
     path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")
     print(f"wrote {path}", file=sys.stderr)

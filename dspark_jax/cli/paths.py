@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from dspark_jax.errors import UserError
@@ -60,3 +61,20 @@ def check_output_folder(path: str | os.PathLike, option: str, *, created: bool =
             )
     _check_writable_folder(path if created else path.parent, option, path)
     return path
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields a hidden sibling of `path` to write the file to, renamed to `path` when the block
+    ends and removed when it raises (Ctrl-C included): `path` is never half written, and an
+    interrupted run leaves what was there before. The sibling keeps `path`'s suffix, so
+    writers that go by it (matplotlib, numpy) write the same format."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()

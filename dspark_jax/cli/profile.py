@@ -153,7 +153,7 @@ def _build_models(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.cli.args import check_seed, sps_model
-    from dspark_jax.cli.paths import check_output_file
+    from dspark_jax.cli.paths import atomic_file, check_output_file
     from dspark_jax.cli.report import plot_profile
     from dspark_jax.decoding.engine import EngineConfig
     from dspark_jax.decoding.profiling import profile_engine
@@ -190,13 +190,15 @@ def run(args: argparse.Namespace) -> int:
         # what generate / eval / the scheduler check the table against
         model=sps_model(target.cfg, drafter.cfg if args.mode == "round" else None),
     )
-    profile.save(args.out)
+    with atomic_file(args.out) as tmp:
+        profile.save(tmp)
     print(f"wrote {args.out} ({profile.meta['device']}, {profile.meta['date']})")
     warning = non_monotonic_warning(profile.buckets, profile.sps)
     if warning:
         print(warning, file=sys.stderr)
     if args.plot:
-        plot_profile(profile, args.plot)
+        with atomic_file(args.plot) as tmp:
+            plot_profile(profile, tmp)
         print(f"wrote {args.plot}")
     return 0
 
