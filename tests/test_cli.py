@@ -1,6 +1,11 @@
 """`dspark-jax` errors: bad input is one line and exit status 2, a bug keeps its traceback."""
 
+import gc
+import os
+import signal
+import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -54,6 +59,109 @@ def test_interrupt_is_status_130(command, capsys):
     command(KeyboardInterrupt())
     assert cli.main(["fake"]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+def test_an_interrupted_import_is_an_interrupt(command, capsys):
+    """numpy turns a KeyboardInterrupt inside its import into an ImportError."""
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise ImportError("numpy._core.multiarray failed to import") from e
+    except ImportError as e:
+        error = e
+    command(error)
+    assert cli.main(["fake"]) == 130
+    assert capsys.readouterr().err == "dspark-jax fake: interrupted\n"
+
+
+def test_an_interrupt_swallowed_by_a_gc_callback_is_delivered_again(monkeypatch, capsys):
+    """A Ctrl-C that lands in a garbage-collection callback (JAX registers one) cannot propagate
+    and is reported as unraisable; the command used to run on to its end and exit 0."""
+    module = types.ModuleType("_slow_command")
+    module.add_arguments = lambda parser: None
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(cli.COMMANDS, "slow", (module.__name__, "works for two seconds"))
+
+    def interrupting_callback(phase, info):
+        gc.callbacks.remove(interrupting_callback)
+        raise KeyboardInterrupt
+
+    def run(args):
+        gc.callbacks.append(interrupting_callback)
+        gc.collect()
+        for _ in range(200):
+            time.sleep(0.01)
+        return 0
+
+    module.run = run
+    try:
+        assert cli.main(["slow"]) == 130
+    finally:
+        if interrupting_callback in gc.callbacks:
+            gc.callbacks.remove(interrupting_callback)
+    assert capsys.readouterr().err.endswith("dspark-jax slow: interrupted\n")
+
+
+_ANNOUNCE_COMPILING = """
+import sys
+from dspark_jax.decoding.engine import Engine
+warm_up = Engine.warm_up
+def announced(self, *args, **kwargs):
+    print("compiling", file=sys.stderr, flush=True)
+    return warm_up(self, *args, **kwargs)
+Engine.warm_up = announced
+from dspark_jax.cli import main
+sys.argv = ["dspark-jax", "generate", "--max-new-tokens", "64"]
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_compiling_exits_130(tmp_path):
+    """The console script, interrupted while XLA compiles the engine on its threads: leaving
+    the interpreter the usual way crashed in teardown (SIGSEGV, status 139) in every try."""
+    env = {**os.environ, "DSPARK_JAX_COMPILATION_CACHE": "off", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ANNOUNCE_COMPILING],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env=env,
+        cwd=tmp_path,
+        text=True,
+    )
+    try:
+        assert proc.stderr.readline() == "compiling\n"
+        time.sleep(1.0)  # well into compilation (several seconds on a CPU, uncached)
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130, err
+    finally:
+        proc.kill()
+    assert err == "dspark-jax generate: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+_CTRL_C_IN_TEARDOWN = """
+import atexit, os, signal, sys, time
+def ctrl_c_in_teardown():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+atexit.register(ctrl_c_in_teardown)  # runs among JAX's exit handlers, if teardown runs at all
+from dspark_jax.cli import main
+sys.argv = ["dspark-jax", "export", "--draft", sys.argv[1], "--out", sys.argv[2]]
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_after_the_output_is_written_changes_nothing(tmp_path):
+    """Once 'wrote OUT' is printed the command is done: a Ctrl-C in the interpreter's teardown
+    printed a KeyboardInterrupt traceback (or ended the process by the signal, status 130)."""
+    from dspark_jax.embedded import TINY_DRAFT
+
+    argv = [sys.executable, "-c", _CTRL_C_IN_TEARDOWN, str(TINY_DRAFT), str(tmp_path / "x")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"wrote {tmp_path / 'x'} (reference layout)\n"
 
 
 def test_unknown_option_is_blamed_on_its_command(capsys):

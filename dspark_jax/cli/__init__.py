@@ -2,16 +2,29 @@
 
 A command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are imported
 only when their command runs, so `dspark-jax --help` does not pay for importing JAX.
+
+Ctrl-C is reported as `dspark-jax COMMAND: interrupted` with status 130. As the console script
+(`main()` with no arguments) main owns the process and ends it there and then: leaving the
+interpreter the usual way while XLA still compiles on its threads can crash in teardown
+(SIGSEGV). That is safe because the commands in `ENDS_AT_ONCE` write their outputs atomically,
+so by the time the interrupt reaches main nothing is half written. A command that finished ends
+the process the same way, with its status: nothing is left to save, and a Ctrl-C in the
+teardown it skips would otherwise end it by the signal or with a traceback from JAX.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
 import importlib
+import logging
 import os
 import re
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from dspark_jax.errors import UserError
 
@@ -37,6 +50,10 @@ USER_ERRORS = (UserError, OSError)
 # Commands that compile programs, and so gain from the persistent compilation cache.
 COMPILING = frozenset({"generate", "eval", "calibrate", "profile", "train", "serve"})
 CACHE_ENV = "DSPARK_JAX_COMPILATION_CACHE"
+# Commands whose outputs are renamed into place (atomic_output_dir, atomic_file), so an
+# interrupt leaves nothing to finish and the process may end at once. train (an Orbax writer may
+# still be saving a checkpoint) and serve (which drains requests itself) end the usual way.
+ENDS_AT_ONCE = frozenset({"convert", "export", "generate", "eval", "calibrate", "profile"})
 
 
 def use_compilation_cache() -> None:
@@ -108,22 +125,94 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _end_process(status: int) -> None:
+    """Ends the process now with `status`, skipping interpreter teardown (see the module)."""
+    # From here on a Ctrl-C changes nothing: what was to be written is written.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+@contextlib.contextmanager
+def _swallowed_interrupts_delivered() -> Iterator[None]:
+    """Delivers again a Ctrl-C that Python had to drop. The KeyboardInterrupt of a SIGINT
+    rises wherever the main thread is; inside a garbage-collection callback (JAX registers one)
+    it cannot propagate and is reported as unraisable, and the command ran on to its end. It is
+    raised again a moment later, once that callback has returned."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            timer = threading.Timer(0.05, _thread.interrupt_main)
+            timer.daemon = True
+            timer.start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def _caused_by_interrupt(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt lies in the chain of exceptions that led to `error`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one subcommand; returns the process exit status."""
+    """Runs one subcommand; returns the process exit status.
+
+    With `argv` None (the console script) the command line is the process's own and main ends
+    the process itself (see the module docstring)."""
+    own_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if not a.startswith("-")), None)
+    name = selected if selected in COMMANDS else None
+    prog = "dspark-jax" if name is None else f"dspark-jax {name}"
+    ends_at_once = own_process and name in ENDS_AT_ONCE
     try:
-        args = _parser(selected if selected in COMMANDS else None).parse_args(argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
-    module = importlib.import_module(COMMANDS[args.command][0])
-    try:
-        if args.command in COMPILING:
-            use_compilation_cache()
-        return module.run(args)
+        # Parsing imports the command's module, and with it JAX: a Ctrl-C can come this early.
+        with _swallowed_interrupts_delivered():
+            try:
+                args = _parser(name).parse_args(argv)
+            except SystemExit as e:
+                return e.code if isinstance(e.code, int) else 2
+            module = importlib.import_module(COMMANDS[args.command][0])
+            if args.command in COMPILING:
+                use_compilation_cache()
+            status = module.run(args)
     except USER_ERRORS as e:
-        print(f"dspark-jax {args.command}: error: {one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:
+        # An import that Ctrl-C stopped halfway can surface as another error (numpy turns it
+        # into an ImportError); that is still an interrupt, not a bug.
+        if not _caused_by_interrupt(e):
+            raise
+        interrupted = True
     except KeyboardInterrupt:
-        print(f"dspark-jax {args.command}: interrupted", file=sys.stderr)
+        interrupted = True
+    else:
+        interrupted = False
+    if interrupted:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        if ends_at_once:
+            _end_process(130)
         return 130
+    if ends_at_once:
+        # The output is complete. Teardown has nothing left to save, and a Ctrl-C during it
+        # would end the process by the signal (status 130, no message) or print a traceback
+        # from JAX's exit handlers.
+        _end_process(status)
+    return status
