@@ -114,6 +114,24 @@ def test_reliability_diagram_writes_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_log_count_axes_label_powers_of_ten_only():
+    """Counts 1..55 span under two decades: matplotlib then labelled the minor ticks too (6x10^1,
+    4x10^1, ...), which overlapped in the reliability diagram's histogram strip (position 5 of a
+    real run)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3.8, 1.2))
+    ax = fig.add_subplot()
+    counts = np.r_[np.full(55, 0.02), np.full(4, 0.1), 0.2, 0.2]
+    ax.hist(counts, bins=np.linspace(0, 1, 16), histtype="step")
+    report.log_counts(ax)
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.yaxis.get_minorticklabels() if t.get_text()] == []
+    low, high = ax.get_ylim()
+    ticks = zip(ax.yaxis.get_majorticklabels(), ax.yaxis.get_majorticklocs(), strict=True)
+    assert [t.get_text() for t, y in ticks if low <= y <= high] == ["$\\mathdefault{10^{1}}$"]
+
+
 # ---------------------------------------------------------------- STS
 
 

@@ -289,6 +289,17 @@ def calibration_warnings(temperatures: Sequence[float], report: Mapping) -> list
     return lines
 
 
+def log_counts(ax) -> None:
+    """A log scale for an axis of counts, labelled at powers of ten only: over less than two
+    decades matplotlib labels the minor ticks too (6x10^1, 4x10^1, 3x10^1 ...), and on a
+    histogram strip a few hundred pixels tall those labels overlap."""
+    from matplotlib.ticker import LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def reliability_diagram(
     per_position: Sequence[Mapping[str, tuple[ArrayLike, ArrayLike]]],
     path: str | Path,
@@ -363,7 +374,7 @@ def reliability_diagram(
         ax.legend(loc="upper left", fontsize=6)
         ax.tick_params(labelbottom=False)
         if hist_max > 50:  # counts spanning decades: a log scale keeps the thin bins visible
-            hist.set_yscale("log")
+            log_counts(hist)
         hist.set_xlabel("predicted survival")
         hist.set_ylabel("count", fontsize=7)
     if title:
