@@ -196,3 +196,13 @@ def test_a_mesh_may_start_with_minus_one():
 
     args = cli._parser("generate").parse_args(["generate", "--mesh", "-1,1,1"])
     assert args.mesh == MeshConfig(-1, 1, 1)
+
+
+def test_help_says_what_profile_times_and_points_at_shipped_docs(capsys):
+    """profile's default --mode round times the drafter too, not only the target's
+    verification; eval's --datasets-dir help named a path of a development machine."""
+    assert cli.main(["--help"]) == 0
+    assert "speculative rounds (or of verification alone)" in capsys.readouterr().out
+    assert cli.main(["eval", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "../shared" not in out and "docs/eval-datasets.md" in out

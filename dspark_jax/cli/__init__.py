@@ -35,7 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dspark_jax.cli.generate", "generate text with speculative decoding"),
     "eval": ("dspark_jax.cli.eval", "measure acceptance and speedup over prompt datasets"),
     "calibrate": ("dspark_jax.cli.calibrate", "fit STS temperatures to calibration records"),
-    "profile": ("dspark_jax.cli.profile", "measure the target's verification steps/s (SPS)"),
+    "profile": (
+        "dspark_jax.cli.profile",
+        "measure steps/s of speculative rounds (or of verification alone) per token bucket: SPS",
+    ),
     "train": (
         "dspark_jax.cli.train",
         "train a DSpark/DFlash drafter with the frozen target run online",

@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("datasets")
     group.add_argument("files", nargs="*", help='JSONL files of {"turns": [...]} lines')
     group.add_argument(
-        "--datasets-dir", help="every *.jsonl in this folder (e.g. ../shared/eval_datasets)"
+        "--datasets-dir",
+        help="every *.jsonl in this folder (e.g. eval_datasets/, fetched as docs/eval-datasets.md "
+        "says)",
     )
     group.add_argument(
         "--datasets", nargs="+", metavar="NAME", help="only these datasets (file stems)"
