@@ -139,7 +139,10 @@ CLI_CASES = [
     ("generate --target {plain_file}", "is not a directory"),
     ("generate --target {hidden_words} --no-draft", "hidden_size must be an integer"),
     ("generate --target {zero_heads} --no-draft", "num_attention_heads must be an integer >= 1"),
-    ("generate --sts /no/such/sts.json --max-new-tokens 4", "cannot read the STS artifact"),
+    (
+        "generate --policy threshold --threshold 0.5 --sts /no/such/sts.json --max-new-tokens 4",
+        "cannot read the STS artifact",
+    ),
     ("generate --sps-table /no/such/sps.json --policy scheduler", "cannot read the SPS table"),
     ("generate --json {plain_file}/out.json --max-new-tokens 4", "--json"),
     ("generate --json /proc/dspark-out.json --max-new-tokens 4", "cannot write there"),
