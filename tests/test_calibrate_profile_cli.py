@@ -230,7 +230,8 @@ def test_an_sps_table_belongs_to_its_slot_count_and_model(tmp_path, capsys):
 
     other = {**ours, "target": {**ours["target"], "hidden_size": 2560}}
     table = _sps_table(tmp_path / "other.json", 2, other)
-    with pytest.raises(policies.PolicyError, match=r"another model \(target hidden_size 2560"):
+    diff = r"another model \(target hidden_size: 2560 in the table, 96 here"
+    with pytest.raises(policies.PolicyError, match=diff):
         build(table, 2)
     # A verify-mode table timed no drafter: only the target is compared.
     table = _sps_table(tmp_path / "verify.json", 2, {"target": ours["target"]})

@@ -314,9 +314,9 @@ def _check_embedded_drafter_fits(args: argparse.Namespace, target) -> None:
     try:
         drafter_cfg.check_target(target_cfg)
     except ConfigError as e:
-        instead = "--draft (its own drafter) or --no-draft" if hasattr(args, "no_draft") else (
-            "--draft (its own drafter)"
-        )
+        instead = "--draft (its own drafter)"
+        if hasattr(args, "no_draft"):  # eval has no --no-draft
+            instead += " or --no-draft"
         raise ConfigError(
             f"--target {args.target} came without --draft, so the drafter is the embedded "
             f"{EMBEDDED_NAME} one, made for the embedded target, and it does not fit this one "
@@ -507,10 +507,10 @@ def check_sps_table(
     diffs = []
     for part in ("target", "drafter"):
         theirs, ours = recorded.get(part), mine.get(part)
-        if theirs is None or ours is None:  # verify mode times no drafter; --no-draft has none
+        if theirs is None or ours is None:  # verify mode times no drafter
             continue
         diffs += [
-            f"{part} {name} {theirs.get(name)!r} there, {value!r} here"
+            f"{part} {name}: {theirs.get(name)!r} in the table, {value!r} here"
             for name, value in ours.items()
             if theirs.get(name) != value
         ]
