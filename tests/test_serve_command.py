@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from serving_helpers import (
@@ -321,3 +322,15 @@ def _health(url: str) -> int | None:
         return httpx.get(f"{url}/health", timeout=5).status_code
     except httpx.TransportError:
         return None
+
+
+def test_an_sps_table_of_another_slot_count_is_refused(tmp_path):
+    # A table's step times describe one batch size: serve checks it against --max-num-seqs, as
+    # generate and eval do, before anything compiles.
+    from dspark_jax.decoding.policies import SpsProfile
+
+    table = tmp_path / "sps.json"
+    SpsProfile((8, 16, 32), np.array([300.0, 250.0, 200.0]), {"num_slots": 2}).save(table)
+    argv = ["--policy", "scheduler", "--sps-table", str(table), "--max-num-seqs", "1"]
+    with pytest.raises(UserError, match=f"--sps-table {table} was profiled"):
+        command.run(_args("--port", "0", *argv))

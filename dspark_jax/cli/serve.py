@@ -244,7 +244,13 @@ def _serve(args: argparse.Namespace, sock) -> int:
         )
     policy = sts = None
     if models.drafter is not None:
-        policy = build_policy(args, models.gamma)
+        policy = build_policy(
+            args,
+            models.gamma,
+            num_slots=cfg.num_slots,
+            target_cfg=models.target.cfg,
+            drafter_cfg=models.drafter.cfg,
+        )
         sts = _load_sts(args.sts, models.drafter_fingerprint)
     engine = Engine(
         models.target,
