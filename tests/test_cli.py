@@ -95,15 +95,23 @@ def test_an_interrupt_swallowed_by_a_gc_callback_is_delivered_again(monkeypatch,
         return 0
 
     module.run = run
+    # Python's own Ctrl-C handler, as in a terminal: a shell starts background jobs (a CI
+    # runner's, say) with SIGINT ignored, and then no interrupt can be delivered at all.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         assert cli.main(["slow"]) == 130
     finally:
+        signal.signal(signal.SIGINT, previous)
         if interrupting_callback in gc.callbacks:
             gc.callbacks.remove(interrupting_callback)
     assert capsys.readouterr().err.endswith("dspark-jax slow: interrupted\n")
 
 
-_ANNOUNCE_COMPILING = """
+# A child of a background job inherits SIGINT ignored (a shell starts background jobs so, a CI
+# runner's for one); the scripts below take Python's own handler, as in a terminal.
+_AS_IN_A_TERMINAL = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+_ANNOUNCE_COMPILING = _AS_IN_A_TERMINAL + """
 import sys
 from dspark_jax.decoding.engine import Engine
 warm_up = Engine.warm_up
@@ -141,7 +149,7 @@ def test_ctrl_c_while_compiling_exits_130(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-_CTRL_C_IN_TEARDOWN = """
+_CTRL_C_IN_TEARDOWN = _AS_IN_A_TERMINAL + """
 import atexit, os, signal, sys, time
 def ctrl_c_in_teardown():
     os.kill(os.getpid(), signal.SIGINT)
