@@ -333,25 +333,39 @@ def build_engine(
     """The speculative engine (policy and STS from the command line) or the plain one."""
     if not speculative or models.drafter is None:
         return Engine(models.target, None, cfg, stop_tokens=models.stop_tokens, mesh=models.mesh)
-    sts = load_sts(args)
-    if sts is not None:
-        sts.check(models.drafter_fingerprint, args.temperature, models.gamma)
+    policy, sts = speculative_parts(args, models, cfg.num_slots, args.temperature)
     return Engine(
         models.target,
         models.drafter,
         cfg,
-        policy=build_policy(
-            args,
-            models.gamma,
-            num_slots=cfg.num_slots,
-            target_cfg=models.target.cfg,
-            drafter_cfg=models.drafter.cfg,
-        ),
+        policy=policy,
         stop_tokens=models.stop_tokens,
         sts=sts,
         drafter_fingerprint=models.drafter_fingerprint,
         mesh=models.mesh,
     )
+
+
+def speculative_parts(
+    args: argparse.Namespace,
+    models: DecodingModels,
+    num_slots: int,
+    temperature: float | None,
+) -> tuple[Policy, StsArtifact | None]:
+    """The policy and STS artifact the command line names for `models` (which have a drafter),
+    checked against the drafter, the engine's `num_slots` and the sampling `temperature` (None:
+    an engine serving many temperatures, which applies the artifact per request)."""
+    sts = load_sts(args)
+    if sts is not None:
+        sts.check(models.drafter_fingerprint, temperature, models.gamma)
+    policy = build_policy(
+        args,
+        models.gamma,
+        num_slots=num_slots,
+        target_cfg=models.target.cfg,
+        drafter_cfg=models.drafter.cfg,
+    )
+    return policy, sts
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:

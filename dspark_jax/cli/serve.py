@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.checkpoints.converted import load_decoding_models
-    from dspark_jax.cli.args import build_policy, decoding_mesh_for
+    from dspark_jax.cli.args import decoding_mesh_for, speculative_parts
     from dspark_jax.decoding.engine import Engine, EngineConfig, block_positions, format_bytes
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
@@ -244,14 +244,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         )
     policy = sts = None
     if models.drafter is not None:
-        policy = build_policy(
-            args,
-            models.gamma,
-            num_slots=cfg.num_slots,
-            target_cfg=models.target.cfg,
-            drafter_cfg=models.drafter.cfg,
-        )
-        sts = _load_sts(args.sts, models.drafter_fingerprint)
+        policy, sts = speculative_parts(args, models, cfg.num_slots, None)
     engine = Engine(
         models.target,
         models.drafter,
@@ -303,18 +296,6 @@ def _serve(args: argparse.Namespace, sock) -> int:
         os._exit(status)
     print("stopped", flush=True)
     return status
-
-
-def _load_sts(path: str | None, fingerprint: str | None):
-    """The STS artifact, checked against the drafter; the engine applies it to the requests
-    sampling at the artifact's temperature."""
-    if path is None:
-        return None
-    from dspark_jax.calibration.sts import StsArtifact
-
-    sts = StsArtifact.load(path)
-    sts.check(fingerprint, None)
-    return sts
 
 
 def _configure_logging(level: str) -> None:
