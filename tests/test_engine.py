@@ -152,7 +152,8 @@ def _prefilled(spec, max_new_tokens):
     batcher._drain_inbox()
     batcher._admit()
     while batcher.prefilling:
-        batcher._read_prefill(*batcher._dispatch_prefill())
+        batcher._unread.append(("prefill", *batcher._dispatch_prefill()))
+        batcher._read_unread()
     return batcher
 
 
@@ -205,6 +206,82 @@ def test_cancelled_requests_free_their_slot_and_pages(setup):
     assert events[0][-1] == "done" and events[5] == ["done"]
     assert batcher.allocator.free == spec.cfg.pool_pages
     assert sorted(batcher.free_slots) == list(range(spec.cfg.num_slots))
+
+
+def _stream_with_faults(spec, requests, fault):
+    """Streams `requests` through one Batcher, calling `fault(event_count)` in every callback
+    and stepping again after whatever a step raises: what each request was sent, its result."""
+    batcher = Batcher(spec)
+    streamed = {i: [] for i in range(len(requests))}
+    results, raised, count = {}, [], [0]
+
+    def callback(i):
+        def on_event(kind, payload):
+            count[0] += 1
+            if kind == "tokens":
+                streamed[i] += payload
+            else:
+                results[i] = payload
+            fault(count[0])
+
+        return on_event
+
+    for i, r in enumerate(requests):
+        batcher.submit(r, callback(i))
+    for _ in range(1000):
+        try:
+            if not batcher.step():
+                break
+        except (RuntimeError, KeyboardInterrupt) as e:
+            raised.append(e)
+    else:
+        pytest.fail(f"the loop did not finish; results for {sorted(results)}")
+    return streamed, results, raised
+
+
+def test_an_exception_in_a_callback_loses_and_repeats_no_token(setup):
+    """A callback that raises (a user's bug, Ctrl-C in a notebook) makes step() raise once its
+    bookkeeping is done: stepping on delivers every token exactly once."""
+    _, _, _, spec = setup
+    requests = [dataclasses.replace(r, max_new_tokens=40) for r in _mixed_requests(T1)[:3]]
+    reference, _ = generate(spec, requests)
+
+    def fault(n):
+        if n in (2, 5):
+            raise RuntimeError("a bug in the callback")
+        if n == 7:
+            raise KeyboardInterrupt
+
+    streamed, results, raised = _stream_with_faults(spec, requests, fault)
+    assert [type(e) for e in raised] == [RuntimeError, RuntimeError, KeyboardInterrupt]
+    for i, ref in enumerate(reference):
+        assert streamed[i] == results[i].tokens == ref.tokens
+        assert results[i].finish_reason == ref.finish_reason
+
+
+def test_an_interrupt_while_waiting_for_the_device_loses_no_token(setup, monkeypatch):
+    """Ctrl-C most likely lands while the host waits for a chunk's results: the chunk stays
+    unread and the next step reads it, so no token is lost or sent twice."""
+    import dspark_jax.decoding.batching as batching
+
+    _, _, _, spec = setup
+    requests = [dataclasses.replace(r, max_new_tokens=40) for r in _mixed_requests(T1)[:3]]
+    reference, _ = generate(spec, requests)
+    fetches = [0]
+    device_get = jax.device_get
+
+    def interrupted(x):
+        fetches[0] += 1
+        if fetches[0] in (2, 4, 5):
+            raise KeyboardInterrupt
+        return device_get(x)
+
+    monkeypatch.setattr(batching.jax, "device_get", interrupted)
+    streamed, results, raised = _stream_with_faults(spec, requests, lambda n: None)
+    monkeypatch.undo()
+    assert len(raised) == 3
+    for i, ref in enumerate(reference):
+        assert streamed[i] == results[i].tokens == ref.tokens
 
 
 def test_the_observer_times_every_token_the_engine_produced(setup):

@@ -85,7 +85,8 @@ class Result:
         return float(np.mean(self.committed)) if len(self.committed) else 0.0
 
 
-# (kind, payload): ("tokens", list[int]) then ("done", Result), or ("error", exception).
+# (kind, payload): ("tokens", list[int]) any number of times, then ("done", Result). (The
+# server's EngineRunner may also send ("error", exception) when its engine thread fails.)
 EventCallback = Callable[[str, Any], None]
 
 
@@ -209,7 +210,12 @@ class Batcher:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted (inbox + waiting)
-        self._pending: tuple[Any, list[Handle | None]] | None = None
+        # Dispatched device calls not yet read, oldest first: ("prefill", out, handles) and
+        # ("decode", out, owners). A call leaves this queue only once its results are on the
+        # host, so an interrupt while waiting for them (Ctrl-C) loses nothing: the next step
+        # reads it again.
+        self._unread: collections.deque[tuple[str, Any, list]] = collections.deque()
+        self._callback_error: BaseException | None = None
 
     # -- any thread ----------------------------------------------------------------------------
     def submit(self, request: Request, on_event: EventCallback) -> Handle:
@@ -258,36 +264,44 @@ class Batcher:
         return bool(
             self.waiting
             or self.prefilling
-            or self._pending is not None
+            or bool(self._unread)
             or any(o is not None for o in self.owners)
         )
 
     def step(self) -> bool:
-        """One turn of the loop; returns whether work remains."""
+        """One turn of the loop; returns whether work remains.
+
+        An exception raised by a callback is held until the turn's bookkeeping is done and then
+        raised from here (the first one, if several), so the loop stays consistent: calling
+        `step` again goes on without losing or repeating a token."""
         self._drain_inbox()
-        if self._pending is not None and self.waiting:
-            self._read_chunk(*self._pending)
-            self._pending = None
+        if self._unread and self.waiting:
+            self._read_unread()
             self._drain_inbox()  # callbacks may have submitted follow-up requests
         self._admit()
         # With nothing decoding there is nothing to stall: prefill everything admitted first.
         if not self._running():
             while self.prefilling:
-                self._read_prefill(*self._dispatch_prefill())
+                self._unread.append(("prefill", *self._dispatch_prefill()))
+                self._read_unread()
                 self._admit()
         prefill = self._dispatch_prefill()
-        chunk = self._dispatch_decode()
-        if self._pending is not None:
-            self._read_chunk(*self._pending)
-        self._pending = chunk
         if prefill is not None:
-            self._read_prefill(*prefill)
+            self._unread.append(("prefill", *prefill))
+        chunk = self._dispatch_decode()
+        if chunk is not None:
+            self._unread.append(("decode", *chunk))
+        # Everything but the chunk just dispatched, which runs while the host streams the rest.
+        self._read_unread(keep=int(chunk is not None))
         self.observer.on_step(
             len(self.waiting),
             sum(o is not None for o in self.owners),
             self.engine.cfg.num_slots - len(self.free_slots),
             self.allocator.num_pages - self.allocator.free,
         )
+        if self._callback_error is not None:
+            error, self._callback_error = self._callback_error, None
+            raise error
         return self.busy or not self._inbox.empty()
 
     def run_until_idle(self) -> None:
@@ -405,10 +419,21 @@ class Batcher:
             self.timing.decode_chunks += 1
         return out, owners
 
-    def _read_prefill(self, out, handles: list[Handle]) -> None:
-        first, finished, stopped = jax.device_get(
-            (out.first_token_n, out.finished_n, out.stopped_n)
-        )
+    def _read_unread(self, keep: int = 0) -> None:
+        """Reads the dispatched calls in the order they ran, all but the newest `keep`."""
+        while len(self._unread) > keep:
+            kind, out, who = self._unread[0]
+            if kind == "prefill":
+                host = jax.device_get((out.first_token_n, out.finished_n, out.stopped_n))
+            else:
+                host = jax.device_get(out)
+            self._unread.popleft()  # on the host: from here on nothing waits to be interrupted
+            if kind == "prefill":
+                self._read_prefill(*host, who)
+            else:
+                self._read_chunk(host, who)
+
+    def _read_prefill(self, first, finished, stopped, handles: list[Handle]) -> None:
         now = time.monotonic()
         for i, handle in enumerate(handles):
             if handle.cancelled or handle.prefilled < len(handle.request.prompt_ids):
@@ -420,8 +445,7 @@ class Batcher:
                 self._free(handle)
                 self._finish(handle, "stop" if stopped[i] else "length")
 
-    def _read_chunk(self, out, owners: list[Handle | None]) -> None:
-        host = jax.device_get(out)
+    def _read_chunk(self, host, owners: list[Handle | None]) -> None:
         now = time.monotonic()
         gamma = self.engine.gamma
         ran = host.verified_sr >= 0
@@ -485,9 +509,12 @@ class Batcher:
         )
         self._call(handle, "done", result)
 
-    @staticmethod
-    def _call(handle: Handle, kind: str, payload: Any) -> None:
-        handle.on_event(kind, payload)
+    def _call(self, handle: Handle, kind: str, payload: Any) -> None:
+        try:
+            handle.on_event(kind, payload)
+        except BaseException as e:  # noqa: BLE001 -- held and raised by step(), Ctrl-C included
+            if self._callback_error is None:
+                self._callback_error = e
 
 
 def generate(
@@ -520,8 +547,6 @@ def generate(
                 results[i] = payload
                 if bar is not None:
                     bar.update(1)
-            elif kind == "error":
-                raise payload
 
         return on_event
 
