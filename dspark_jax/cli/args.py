@@ -2,7 +2,8 @@
 
 `generate` and `eval` take every group; the benchmarks reuse the policy group
 (`add_policy_arguments(parser)` then `build_policy(args, gamma)` and `load_sts(args)`).
-Model options default to the tiny byte-level pair embedded in the package, so the commands run
+Model options default to the small target/drafter pair embedded in the package (a BPE tokenizer
+with Qwen3's chat tokens; `dspark_jax.embedded`), so the commands run
 offline on a laptop; `--target` / `--draft` take any form `load_target` / `load_drafter` read.
 """
 

@@ -92,11 +92,14 @@ class EngineConfig:
     (prompt + generated tokens + one block). page_size: tokens per KV page. num_pages: the KV
     pool shared by all slots (None: enough for every slot at max_model_len). prefill_chunk: most
     prompt tokens per prefill call (longer prompts take several, interleaved with decode
-    chunks). prefill_seqs: most prompts (chunks) packed into one prefill call.
+    chunks). prefill_seqs: most prompts (chunks) packed into one prefill call. prefill_buckets:
+    token counts a prefill call is padded to, one program each (None: 16, 32, 64, ... below
+    prefill_chunk, then prefill_chunk; the largest must reach prefill_chunk).
     token_buckets: token counts the packed verification is padded to (None: derived from the
     slots and the most drafts the policy verifies: the block, or a fixed policy's gamma).
-    rounds_per_chunk: rounds per `decode_chunk` call. attention_impl: the paged attention path
-    ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
+    max_stop_tokens: most stop ids per request, its own `stop_token_ids` and the engine's
+    `stop_tokens` together. rounds_per_chunk: rounds per `decode_chunk` call. attention_impl:
+    the paged attention path ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
     attention_interpret runs the Pallas paths in interpret mode (tests on CPU).
     """
 
@@ -401,8 +404,12 @@ class Engine:
     The models are split into (graphdef, state) once; the jitted functions are pure functions of
     the parameter states and a donated `SlotState`. `policy` (default: verify the whole block)
     chooses the verified lengths; `sts` (an `StsArtifact`, checked against
-    `drafter_fingerprint`) calibrates the confidence logits the policy sees. `mesh`: run sharded
-    over a (data, fsdp, tensor) mesh (parameters already placed there stay where they are).
+    `drafter_fingerprint`) calibrates the confidence logits the policy sees. `stop_tokens`: the
+    ids that end every request (unless it asks `ignore_eos`); default the target config's EOS
+    ids, which for Qwen3 is <|im_end|> alone. The CLI and the server add generation_config.json's
+    <|endoftext|>: pass `load_decoding_models(...).stop_tokens` (or
+    `dspark_jax.tokenizer.stop_token_ids(...)`) to do the same. `mesh`: run sharded over a
+    (data, fsdp, tensor) mesh (parameters already placed there stay where they are).
     """
 
     def __init__(

@@ -3,8 +3,9 @@
 A policy runs inside the engine's jitted round. Each round it sees the drafter's confidence
 logits for the block (already divided by the STS temperatures when the engine holds an
 artifact, so sigmoid(logit) is the calibrated conditional confidence c_k), the mask of active
-rows and a carry of its own that lives in `DecodeState`; it returns per-request draft lengths
-0..gamma and the next carry. Lengths are counts, so what a request verifies is always a prefix.
+rows and a carry of its own that lives in the slot state (`SlotState.policy_carry`); it returns
+per-request draft lengths 0..gamma and the next carry. Lengths are counts, so what a request
+verifies is always a prefix.
 
 Lossless policies decide whether draft k is verified from information available before x_k
 was sampled: fixed lengths, thresholds (c_k depends on x_{<k} only), Algorithm 1 with its early
