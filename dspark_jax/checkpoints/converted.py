@@ -79,6 +79,9 @@ from dspark_jax.sharding import check_heads
 from dspark_jax.tokenizer import copy_tokenizer_bundle, load_tokenizer, stop_token_ids
 
 if TYPE_CHECKING:
+    from dspark_jax.calibration.sts import StsArtifact
+    from dspark_jax.decoding.engine import Engine, EngineConfig
+    from dspark_jax.decoding.policies import Policy
     from dspark_jax.tokenizer import Tokenizer
 
 # float16 is for GPUs without bfloat16 (a T4 on Colab).
@@ -508,6 +511,31 @@ class DecodingModels:
     @property
     def gamma(self) -> int:
         return 0 if self.drafter is None else self.drafter.cfg.block_size
+
+    def engine(
+        self,
+        cfg: EngineConfig,
+        *,
+        policy: Policy | None = None,
+        sts: StsArtifact | None = None,
+        speculative: bool = True,
+    ) -> Engine:
+        """The slot engine over these models, with their stop tokens, drafter fingerprint and
+        mesh: speculative when there is a drafter (and `speculative`), else plain decoding."""
+        from dspark_jax.decoding.engine import Engine
+
+        if not speculative or self.drafter is None:
+            return Engine(self.target, None, cfg, stop_tokens=self.stop_tokens, mesh=self.mesh)
+        return Engine(
+            self.target,
+            self.drafter,
+            cfg,
+            policy=policy,
+            stop_tokens=self.stop_tokens,
+            sts=sts,
+            drafter_fingerprint=self.drafter_fingerprint,
+            mesh=self.mesh,
+        )
 
 
 def load_decoding_models(

@@ -333,18 +333,9 @@ def build_engine(
 ) -> Engine:
     """The speculative engine (policy and STS from the command line) or the plain one."""
     if not speculative or models.drafter is None:
-        return Engine(models.target, None, cfg, stop_tokens=models.stop_tokens, mesh=models.mesh)
+        return models.engine(cfg, speculative=False)
     policy, sts = speculative_parts(args, models, cfg.num_slots, args.temperature)
-    return Engine(
-        models.target,
-        models.drafter,
-        cfg,
-        policy=policy,
-        stop_tokens=models.stop_tokens,
-        sts=sts,
-        drafter_fingerprint=models.drafter_fingerprint,
-        mesh=models.mesh,
-    )
+    return models.engine(cfg, policy=policy, sts=sts)
 
 
 def speculative_parts(

@@ -1,0 +1,60 @@
+"""The library as a program imports it: the top-level names, and README's "From Python" example
+run as written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import dspark_jax
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_top_level_names_resolve_and_import_no_jax_until_used():
+    assert dspark_jax.__all__[0] == "__version__"
+    assert dspark_jax.__all__[1:] == list(dspark_jax._EXPORTS)
+    for name in dspark_jax.__all__:
+        assert getattr(dspark_jax, name) is not None, name
+    from dspark_jax.decoding.engine import Engine
+
+    assert dspark_jax.Engine is Engine
+    assert set(dspark_jax.__all__) <= set(dir(dspark_jax))
+    try:
+        dspark_jax.Engin  # noqa: B018
+    except AttributeError as e:
+        assert "no attribute 'Engin'" in str(e)
+    else:
+        raise AssertionError("a misspelt name resolved")
+    # The CLI's first import stays light: JAX loads with the first name that needs it.
+    probe = "import sys, dspark_jax; print('jax' in sys.modules)"
+    light = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert light.stdout.strip() == "False", light.stderr
+
+
+def _readme_example() -> str:
+    section = README.read_text().split("## From Python", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1
+    return blocks[0]
+
+
+def test_readme_example_runs_as_written(tmp_path):
+    code = _readme_example()
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    answers = [line for line in lines if line.startswith("  [")]
+    assert len(answers) == 2, done.stdout
+    for line in answers:
+        finish, count, tau = re.match(r"  \[(\w+), (\d+) tokens, tau ([\d.]+)\]", line).groups()
+        assert finish in ("stop", "length") and 1 <= int(count) <= 64
+        assert float(tau) >= 1.0
