@@ -1,6 +1,9 @@
-"""The base class of the errors that mean bad input, as opposed to a bug in this package."""
+"""The base class of the errors that mean bad input, as opposed to a bug in this package, and the
+integer test the checks of that input share."""
 
 from __future__ import annotations
+
+import operator
 
 
 class UserError(ValueError):
@@ -10,3 +13,16 @@ class UserError(ValueError):
     traceback; every other exception is a bug and keeps its traceback. A ValueError subclass, so
     callers that catch ValueError keep working.
     """
+
+
+def as_integer(value: object) -> int | None:
+    """`value` as an int when it is an integer: a Python int or a numpy integer scalar
+    (`operator.index`). None for anything else, bool included (True would pass as 1) and floats
+    included (2.0 usually means a division that was meant to be floor division, 2.5 a value
+    that would be truncated)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

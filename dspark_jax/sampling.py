@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.errors import UserError
+from dspark_jax.errors import UserError, as_integer
 
 STREAM_DRAFT = 0
 STREAM_ACCEPT = 1
@@ -26,6 +26,9 @@ STREAM_RESIDUAL = 2
 # Token-id sentinels; no real token id is negative.
 PAD_TOKEN = -1  # output slots past the tokens a request committed
 NO_STOP_TOKEN = -2  # the whole stop list of a request that ends only at its length limit
+
+# The engine holds top_k as int32; a k this large already keeps every token of any vocabulary.
+TOP_K_MAX = 2**31 - 1
 
 
 class SamplingConfigError(UserError):
@@ -49,8 +52,13 @@ class SamplingConfig:
             raise SamplingConfigError(
                 f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingConfigError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        top_k = as_integer(self.top_k)
+        if top_k is None or not 0 <= top_k <= TOP_K_MAX:
+            raise SamplingConfigError(
+                f"top_k must be an integer in 0..{TOP_K_MAX} (0 = off; any k at or above the "
+                f"vocabulary size keeps every token too), got {self.top_k!r}"
+            )
+        object.__setattr__(self, "top_k", top_k)  # a numpy integer becomes a plain int
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingConfigError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
 

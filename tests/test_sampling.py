@@ -33,6 +33,9 @@ def kept(cfg: SamplingConfig, logits_xv=LOGITS_1V) -> np.ndarray:
         {"temperature": float("nan")},
         {"top_k": -1},
         {"top_k": 2.0},
+        {"top_k": True},
+        {"top_k": 2**31},  # past int32, where the engine holds it
+        {"top_k": 2**40},
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"top_p": float("nan")},
@@ -41,6 +44,12 @@ def kept(cfg: SamplingConfig, logits_xv=LOGITS_1V) -> np.ndarray:
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingConfig(**kwargs)
+
+
+def test_config_takes_numpy_integers_for_top_k():
+    cfg = SamplingConfig(1.0, top_k=np.int64(5))
+    assert cfg == SamplingConfig(1.0, top_k=5) and type(cfg.top_k) is int
+    assert SamplingConfig(1.0, top_k=2**31 - 1).top_k == 2**31 - 1  # "off", like any k >= vocab
 
 
 def test_config_is_frozen_hashable_and_static():
