@@ -301,8 +301,14 @@ def test_converted_decode_speed_matches_safetensors(converted):
 
 
 # -- 2. one prompt validation for every entry point --------------------------------------------
-def test_python_api_refuses_out_of_vocabulary_ids_and_bad_seeds():
-    models = load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False)
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """The tiny pair, loaded once; engines built on it here are never compiled."""
+    return load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False)
+
+
+def test_python_api_refuses_out_of_vocabulary_ids_and_bad_seeds(tiny_pair):
+    models = tiny_pair
     engine = Engine(models.target, models.drafter, EngineConfig(num_slots=1, max_model_len=64))
     batcher = Batcher(engine)
     vocab = models.target.cfg.vocab_size
@@ -316,6 +322,31 @@ def test_python_api_refuses_out_of_vocabulary_ids_and_bad_seeds():
     ):
         with pytest.raises(EngineError, match=fragment):
             batcher.submit(request, lambda kind, payload: None)
+
+
+def test_python_api_refuses_requests_of_the_wrong_types_at_submit(tiny_pair):
+    """Each of these used to pass `submit` and then raise inside `Batcher.step()` on every later
+    step (a float max_new_tokens in the page allocator, a float for sampling when packing the
+    prefill), stalling every request queued with it; a float seed was truncated silently."""
+    models = tiny_pair
+    engine = Engine(models.target, models.drafter, EngineConfig(num_slots=1, max_model_len=64))
+    batcher = Batcher(engine)
+    for request, fragment in (
+        (Request([1, 2], 2.5), r"max_new_tokens must be an integer >= 1, got 2\.5"),
+        (Request([1, 2], 5.0), r"max_new_tokens must be an integer >= 1, got 5\.0"),
+        (Request([1, 2], None), "max_new_tokens must be an integer >= 1, got None"),
+        (Request([1, 2], True), "max_new_tokens must be an integer >= 1, got True"),
+        (Request([1, 2], 4, seed=1.7), r"seed must be an integer in 0\.\.4294967295, got 1\.7"),
+        (Request([1, 2], 4, seed=None), "seed must be an integer in .*, got None"),
+        (Request([1, 2], 4, sampling=0.7), "sampling must be a SamplingConfig .*, got 0.7"),
+        (Request([1, 2], 4, sampling=None), "sampling must be a SamplingConfig .*, got None"),
+    ):
+        with pytest.raises(EngineError, match=fragment):
+            batcher.submit(request, lambda kind, payload: None)
+    assert batcher.num_waiting == 0
+    # numpy integers are integers.
+    batcher.submit(Request([1, 2], np.int64(4), seed=np.uint32(3)), lambda kind, payload: None)
+    assert batcher.num_waiting == 1
 
 
 def test_conversation_errors_count_from_one_like_the_answer_labels():

@@ -339,6 +339,32 @@ def test_requests_that_cannot_fit_are_refused(setup):
         generate(spec, [Request([1, 2], max_new_tokens=0)])
 
 
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        (Request([5, 6, 7, 8], 2.5), "max_new_tokens must be an integer"),
+        (Request([5, 6, 7, 8], 4, sampling=0.7), "sampling must be a SamplingConfig"),
+    ],
+    ids=["float_max_new_tokens", "float_sampling"],
+)
+def test_a_malformed_request_is_refused_at_submit_and_stalls_nothing(setup, bad, fragment):
+    """A float max_new_tokens, a top_k past int32 or a sampling that is no SamplingConfig used to
+    pass `submit` and then raise inside every later `step()`, so the good request queued beside
+    it never finished."""
+    _, _, _, spec = setup
+    batcher = Batcher(spec)
+    done = []
+    batcher.submit(Request([5, 6, 7, 8], 4), lambda k, p: done.append(p) if k == "done" else 0)
+    with pytest.raises(EngineError, match=fragment):
+        batcher.submit(bad, lambda kind, payload: None)
+    batcher.run_until_idle()
+    assert [r.finish_reason for r in done] == ["length"]
+    with pytest.raises(ValueError, match="top_k must be an integer in 0..2147483647"):
+        SamplingConfig(1.0, top_k=2**40)
+    with pytest.raises(EngineError, match=r"request 1: max_new_tokens must be an integer .* 5\.0"):
+        generate(spec, [Request([5, 6], 4), Request([5, 6], 10 / 2)])
+
+
 def test_a_page_size_the_kernels_cannot_take_is_refused(setup):
     _, target, drafter, _ = setup
     cfg = dataclasses.replace(CFG, page_size=12, attention_impl="pallas_gpu")

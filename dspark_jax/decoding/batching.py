@@ -222,7 +222,11 @@ class Batcher:
         """Queues a request. Raises EngineError for one that can never run, QueueFullError when
         the queue is full."""
         self.engine.check_request(
-            request.prompt_ids, request.max_new_tokens, request.seed, request.stop_token_ids
+            request.prompt_ids,
+            request.max_new_tokens,
+            request.seed,
+            request.stop_token_ids,
+            request.sampling,
         )
         stop_ids = tuple(
             dict.fromkeys(

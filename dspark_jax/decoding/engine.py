@@ -55,17 +55,19 @@ from dspark_jax.calibration.sts import STS_TEMP_RTOL, StsArtifact
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.policies import FixedPolicy, Policy, PolicyError, PolicySwitch, SpsProfile
 from dspark_jax.decoding.verify import verify_packed
-from dspark_jax.errors import UserError
+from dspark_jax.errors import UserError, as_integer
 from dspark_jax.models import attention, paged
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import (
+    GREEDY,
     NO_STOP_TOKEN,
     PAD_TOKEN,
     STREAM_DRAFT,
     STREAM_RESIDUAL,
     RowSampling,
+    SamplingConfig,
     filtered_logprobs,
     position_keys,
     sample_from_logprobs,
@@ -394,6 +396,21 @@ def most_drafts(policy: Policy, gamma: int) -> int:
     )
 
 
+def _check_token_ids(name: str, ids: Sequence[int], vocab: int) -> None:
+    """Refuses `ids` (described by `name`) unless they are a flat sequence of integers in the
+    vocabulary: the model would read past its embedding table, and a stop id outside it can
+    never match."""
+    ids_n = np.asarray(ids)
+    if ids_n.size and (ids_n.ndim != 1 or not np.issubdtype(ids_n.dtype, np.integer)):
+        raise EngineError(f"{name} must be a flat sequence of integers")
+    bad = ids_n[(ids_n < 0) | (ids_n >= vocab)] if ids_n.size else ids_n
+    if bad.size:
+        raise EngineError(
+            f"{name} must lie in 0..{vocab - 1} (the vocabulary); got "
+            f"{', '.join(map(str, bad[:5].tolist()))}"
+        )
+
+
 def _is_stop(tokens_s, stop_sk):
     return jnp.any(tokens_s[:, None] == stop_sk, axis=-1)
 
@@ -633,29 +650,33 @@ class Engine:
         max_new_tokens: int,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
+        sampling: SamplingConfig = GREEDY,
     ) -> None:
         """Raises EngineError for a request this engine can never serve: token ids outside the
-        vocabulary (the model would read past its embedding table), a seed that is not a uint32,
-        or more positions than max_model_len or pages than the pool holds. Every entry point (the
-        CLI, the server, `Batcher.submit`) validates requests here."""
+        vocabulary (the model would read past its embedding table), a max_new_tokens or seed
+        that is not an integer (Python or numpy) in range, sampling that is not a
+        `SamplingConfig`, or more positions than max_model_len or pages than the pool holds.
+        Every entry point (the CLI, the server, `Batcher.submit`) validates requests here, so a
+        request that passes cannot fail later inside the batching loop."""
         vocab = self.target_cfg.vocab_size
-        for name, ids in (("prompt", prompt_ids), ("stop token", stop_token_ids)):
-            ids_n = np.asarray(ids)
-            if ids_n.size and (ids_n.ndim != 1 or not np.issubdtype(ids_n.dtype, np.integer)):
-                raise EngineError(f"{name} ids must be a flat sequence of integers")
-            bad = ids_n[(ids_n < 0) | (ids_n >= vocab)] if ids_n.size else ids_n
-            if bad.size:
-                raise EngineError(
-                    f"{name} ids must lie in 0..{vocab - 1} (the vocabulary); got "
-                    f"{', '.join(map(str, bad[:5].tolist()))}"
-                )
+        _check_token_ids("prompt ids", prompt_ids, vocab)
+        _check_token_ids("stop token ids", stop_token_ids, vocab)
         prompt_len = len(prompt_ids)
         if prompt_len < 1:
             raise EngineError("empty prompt: a request needs at least one token")
+        if as_integer(max_new_tokens) is None:
+            raise EngineError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if as_integer(seed) is None:
+            raise EngineError(f"seed must be an integer in 0..{2**32 - 1}, got {seed!r}")
         if not 0 <= seed < 2**32:
             raise EngineError(f"seed must lie in 0..{2**32 - 1}, got {seed}")
+        if not isinstance(sampling, SamplingConfig):
+            raise EngineError(
+                f"sampling must be a SamplingConfig (e.g. SamplingConfig(temperature=0.7, "
+                f"top_p=0.9); the default is greedy), got {sampling!r}"
+            )
         need = self.positions_needed(prompt_len, max_new_tokens)
         if need > self.cfg.max_model_len:
             raise EngineError(
