@@ -7,6 +7,7 @@ and no traceback; the table of inputs and messages is docs/errors.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -460,6 +461,32 @@ def test_engine_refuses_a_pool_larger_than_memory():
     cfg = EngineConfig(num_slots=1, max_model_len=64, num_pages=10**9)
     with pytest.raises(EngineError, match=r"need \d+\.\d\d GiB .* lower --kv-pages"):
         Engine(models.target, None, cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"max_model_len": 64.5}, r"max_model_len must be an integer >= 1, got 64\.5"),
+        ({"num_slots": 2.0}, r"num_slots must be an integer >= 1, got 2\.0"),
+        ({"num_pages": 7.5}, r"num_pages must be an integer >= 1, got 7\.5"),
+        ({"page_size": True}, "page_size must be an integer >= 1, got True"),
+        ({"prefill_buckets": ()}, r"prefill_buckets must be a non-empty tuple .*, got \(\)"),
+        ({"token_buckets": ()}, r"token_buckets must be a non-empty tuple .*, got \(\)"),
+        ({"token_buckets": (8, 0)}, "token_buckets must be a non-empty tuple of integers >= 1"),
+        ({"prefill_buckets": (64.0,)}, "prefill_buckets must be a non-empty tuple of integers"),
+    ],
+)
+def test_engine_config_refuses_fractional_sizes_and_empty_buckets(kwargs, fragment):
+    """A float size used to fail deep inside JAX at the first compile, an empty bucket tuple with
+    a bare IndexError when the engine was built."""
+    with pytest.raises(EngineError, match=fragment):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_takes_numpy_integers():
+    cfg = EngineConfig(num_slots=np.int64(2), max_model_len=np.int32(64), token_buckets=[4, 8])
+    assert (cfg.num_slots, cfg.max_model_len, cfg.token_buckets) == (2, 64, (4, 8))
+    assert type(cfg.num_slots) is int and hash(cfg) == hash(dataclasses.replace(cfg))
 
 
 # -- 5. the hub only for hub ids ---------------------------------------------------------------

@@ -119,14 +119,36 @@ class EngineConfig:
     attention_interpret: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_slots", "max_model_len", "page_size", "rounds_per_chunk"):
-            if getattr(self, name) < 1:
-                raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefill_chunk", "prefill_seqs", "max_stop_tokens"):
-            if getattr(self, name) < 1:
-                raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise EngineError(f"num_pages must be >= 1, got {self.num_pages}")
+        # Sizes become array shapes: a float (64.5, or 64.0 from a division) would fail deep
+        # inside JAX, an empty bucket tuple with a bare IndexError.
+        sizes = ("num_slots", "max_model_len", "page_size", "rounds_per_chunk", "prefill_chunk")
+        for name in (*sizes, "prefill_seqs", "max_stop_tokens", "num_pages"):
+            value = getattr(self, name)
+            if value is None and name == "num_pages":
+                continue
+            number = as_integer(value)
+            if number is None:
+                raise EngineError(f"{name} must be an integer >= 1, got {value!r}")
+            if number < 1:
+                raise EngineError(f"{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, number)  # a numpy integer becomes a plain int
+        for name, derived in (
+            ("prefill_buckets", "derived from prefill_chunk"),
+            ("token_buckets", "derived from the slots and the policy"),
+        ):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                widths = tuple(as_integer(w) for w in value)
+            except TypeError:
+                widths = ()
+            if not widths or any(w is None or w < 1 for w in widths):
+                raise EngineError(
+                    f"{name} must be a non-empty tuple of integers >= 1 (or None: {derived}), "
+                    f"got {value!r}"
+                )
+            object.__setattr__(self, name, widths)
 
     @property
     def pages_per_slot(self) -> int:
