@@ -287,14 +287,15 @@ def test_converted_decode_speed_matches_safetensors(converted):
     engines = []
     for target, draft in ((TINY_TARGET, TINY_DRAFT), (converted, converted)):
         models = load_decoding_models(target, draft, progress=False)
-        engine = Engine(models.target, models.drafter, cfg, stop_tokens=(10_000,))
+        engine = Engine(models.target, models.drafter, cfg)
         engine.warm_up()
         engines.append(engine)
     times = [[], []]
     for _ in range(7):
         for i, engine in enumerate(engines):
             batcher = Batcher(engine, timed=True)
-            batcher.submit(Request([1, 2, 3], 250), lambda kind, payload: None)
+            request = Request([1, 2, 3], 250, ignore_eos=True)  # all 250 tokens, every time
+            batcher.submit(request, lambda kind, payload: None)
             batcher.run_until_idle()
             times[i].append(batcher.timing.decode_s)
     ratio = np.median(times[0]) / np.median(times[1])
@@ -323,6 +324,31 @@ def test_python_api_refuses_out_of_vocabulary_ids_and_bad_seeds(tiny_pair):
     ):
         with pytest.raises(EngineError, match=fragment):
             batcher.submit(request, lambda kind, payload: None)
+
+
+def test_engine_refuses_stop_tokens_a_request_could_not_give(tiny_pair):
+    """The engine's stop tokens go by the rule of a request's stop ids: a string or an id past
+    int32 used to be taken and fail at the first generate, one outside the vocabulary (or the
+    no-stop sentinel -2) to be taken silently although it could never match."""
+    models = tiny_pair
+    cfg = EngineConfig(num_slots=1, max_model_len=64)
+    vocab = models.target.cfg.vocab_size
+    for stop_tokens, fragment in (
+        (("a",), "stop_tokens must be a flat sequence of integers"),
+        ((1.0,), "stop_tokens must be a flat sequence of integers"),
+        (7, "stop_tokens must be a flat sequence of integers"),
+        (
+            (2**40,),
+            rf"stop_tokens must lie in 0..{vocab - 1} \(the vocabulary\); got 1099511627776",
+        ),
+        ((5, 99999), rf"stop_tokens must lie in 0..{vocab - 1} \(the vocabulary\); got 99999"),
+        ((-2,), "stop_tokens must lie in"),
+    ):
+        with pytest.raises(EngineError, match=fragment):
+            Engine(models.target, None, cfg, stop_tokens=stop_tokens)
+    engine = Engine(models.target, None, cfg, stop_tokens=[np.int64(vocab - 1), 3])
+    assert engine.stop_tokens == (vocab - 1, 3)
+    assert Engine(models.target, None, cfg, stop_tokens=models.stop_tokens).stop_tokens
 
 
 def test_python_api_refuses_requests_of_the_wrong_types_at_submit(tiny_pair):

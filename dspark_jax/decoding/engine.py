@@ -482,7 +482,14 @@ class Engine:
                 f"{', '.join(names)} needs confidences; this drafter has no confidence head"
             )
         self.policy = policy
-        self.stop_tokens = tuple(stop_tokens) or target.cfg.eos_token_ids
+        # Checked as a request's stop ids are: one that is no integer or lies past int32 would
+        # fail at the first generate, one outside the vocabulary could never match.
+        try:
+            given = tuple(stop_tokens)
+        except TypeError:  # not a sequence: refused as one below
+            given = stop_tokens
+        _check_token_ids("stop_tokens", given, target.cfg.vocab_size)
+        self.stop_tokens = tuple(int(t) for t in given) or target.cfg.eos_token_ids
         if len(self.stop_tokens) > cfg.max_stop_tokens:
             raise EngineError(
                 f"{len(self.stop_tokens)} stop tokens exceed max_stop_tokens {cfg.max_stop_tokens}"
