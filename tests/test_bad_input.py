@@ -42,6 +42,7 @@ from dspark_jax.checkpoints.safetensors_io import (
 )
 from dspark_jax.cli import main
 from dspark_jax.conversations import ConversationError, read_turns
+from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Request
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
 from dspark_jax.embedded import TINY_DRAFT, TINY_TARGET
@@ -349,6 +350,20 @@ def test_engine_refuses_stop_tokens_a_request_could_not_give(tiny_pair):
     engine = Engine(models.target, None, cfg, stop_tokens=[np.int64(vocab - 1), 3])
     assert engine.stop_tokens == (vocab - 1, 3)
     assert Engine(models.target, None, cfg, stop_tokens=models.stop_tokens).stop_tokens
+
+
+def test_engine_refuses_a_policy_without_a_drafter(tiny_pair):
+    """A plain engine verifies no drafts: a policy given to it used to be ignored in silence,
+    while an STS artifact without a drafter was already refused."""
+    models = tiny_pair
+    cfg = EngineConfig(num_slots=1, max_model_len=64)
+    with pytest.raises(EngineError, match=r"a policy \(ThresholdPolicy\) needs a drafter"):
+        Engine(models.target, None, cfg, policy=policies.ThresholdPolicy(0.5))
+    with pytest.raises(EngineError, match=r"a policy \(FixedPolicy\) needs a drafter"):
+        Engine(models.target, None, cfg, policy=policies.FixedPolicy(3))
+    assert Engine(models.target, None, cfg).gamma == 0
+    spec = Engine(models.target, models.drafter, cfg, policy=policies.FixedPolicy(3))
+    assert spec.policy == policies.FixedPolicy(3)
 
 
 def test_python_api_refuses_requests_of_the_wrong_types_at_submit(tiny_pair):

@@ -472,6 +472,11 @@ class Engine:
         if sts is not None:
             _check_sts(sts, drafter, drafter_fingerprint)
         self.sts = sts
+        if drafter is None and policy is not None:
+            raise EngineError(
+                f"a policy ({type(policy).__name__}) needs a drafter; plain decoding verifies no "
+                "drafts, so it would be ignored: give the drafter or leave policy unset"
+            )
         gamma = self.gamma
         policy = policy if policy is not None else FixedPolicy(gamma)
         if not isinstance(policy, Policy):

@@ -223,8 +223,13 @@ def profile_engine(
         token_buckets=buckets,
     )
     round_mode = mode == "round"
+    # Verify mode times the target alone: a plain engine, which takes no policy.
     engine = Engine(
-        target, drafter if round_mode else None, cfg, policy=CarriedLengths(), mesh=mesh
+        target,
+        drafter if round_mode else None,
+        cfg,
+        policy=CarriedLengths() if round_mode else None,
+        mesh=mesh,
     )
     state = filled_state(engine, context_len, temperature)
     sps = np.zeros((len(buckets),))
