@@ -327,6 +327,24 @@ def test_python_api_refuses_out_of_vocabulary_ids_and_bad_seeds(tiny_pair):
             batcher.submit(request, lambda kind, payload: None)
 
 
+def test_too_many_stop_ids_are_counted_as_the_request_and_the_model_give_them(tiny_pair):
+    """The limit covers the request's stop ids and the model's end-of-turn ids together; the
+    message says how many are whose, so a request of 7 ids is not told it gave 9."""
+    models = tiny_pair
+    engine = Engine(models.target, None, EngineConfig(num_slots=1, max_model_len=64))
+    model_ids = len(engine.stop_tokens)
+    own = engine.cfg.max_stop_tokens - model_ids + 1
+    request = Request([1, 2], 4, stop_token_ids=tuple(range(10, 10 + own)))
+    with pytest.raises(EngineError) as refused:
+        Batcher(engine).submit(request, lambda kind, payload: None)
+    assert (
+        f"({own} of the request's and {model_ids} of the model's end-of-turn ids) exceed the "
+        f"limit of {engine.cfg.max_stop_tokens}" in str(refused.value)
+    )
+    assert f"give at most {own - 1}, or ignore_eos" in str(refused.value)
+    Batcher(engine).submit(dataclasses.replace(request, ignore_eos=True), lambda k, p: None)
+
+
 def test_engine_refuses_stop_tokens_a_request_could_not_give(tiny_pair):
     """The engine's stop tokens go by the rule of a request's stop ids: a string or an id past
     int32 used to be taken and fail at the first generate, one outside the vocabulary (or the

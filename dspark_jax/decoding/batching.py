@@ -233,10 +233,14 @@ class Batcher:
                 (*request.stop_token_ids, *(() if request.ignore_eos else self.engine.stop_tokens))
             )
         )
-        if len(stop_ids) > self.engine.cfg.max_stop_tokens:
+        limit = self.engine.cfg.max_stop_tokens
+        if len(stop_ids) > limit:
+            own = len(set(request.stop_token_ids))
             raise EngineError(
-                f"{len(stop_ids)} stop token ids exceed the limit of "
-                f"{self.engine.cfg.max_stop_tokens}"
+                f"{len(stop_ids)} stop token ids ({own} of the request's and "
+                f"{len(stop_ids) - own} of the model's end-of-turn ids) exceed the limit of "
+                f"{limit} (EngineConfig.max_stop_tokens): give at most "
+                f"{max(limit - (len(stop_ids) - own), 0)}, or ignore_eos"
             )
         with self._lock:
             if self._queued >= self.max_waiting:
