@@ -21,6 +21,7 @@ turns that precede a later user message) break that assumption for multi-turn co
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,20 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Message = Mapping[str, Any]
+
+
+class _NoTorchAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("PyTorch was not found")
+
+
+def _drop_torch_advice() -> None:
+    """Without PyTorch (it is not a dependency: we use transformers for tokenizers only),
+    importing transformers logs that its models are unavailable, a line before every command's
+    output; this drops that one record and nothing else."""
+    log = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in log.filters):
+        log.addFilter(_NoTorchAdvice())
 
 _HF_TOKENIZER_FILES = (
     "tokenizer.json",
@@ -111,6 +126,7 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
     if not os.path.isdir(model_dir):
         raise TokenizerNotFoundError(f"model folder {model_dir!r} does not exist")
     if any(os.path.isfile(os.path.join(model_dir, f)) for f in _HF_TOKENIZER_FILES):
+        _drop_torch_advice()
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

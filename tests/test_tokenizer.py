@@ -142,3 +142,24 @@ def test_load_tokenizer(tmp_path, hf_tokenizer):
         load_tokenizer(other)
     with pytest.raises(TokenizerNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "missing")
+
+
+def test_no_pytorch_advice_before_a_commands_output():
+    """PyTorch is not a dependency (transformers serves tokenizers only); without it,
+    transformers' import logged "PyTorch was not found. Models won't be available ..." before
+    every command's first line. Loading a tokenizer drops that record, and only that one."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import logging, sys\n"
+        "sys.modules['torch'] = None  # as on a machine without PyTorch\n"
+        "from dspark_jax.embedded import EMBEDDED_TARGET\n"
+        "from dspark_jax.tokenizer import load_tokenizer\n"
+        "load_tokenizer(EMBEDDED_TARGET)\n"
+        "logging.getLogger('transformers').warning('another warning stays')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "PyTorch was not found" not in done.stderr
+    assert "another warning stays" in done.stderr
