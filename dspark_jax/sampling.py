@@ -47,6 +47,16 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            # A number (numpy's and JAX's scalars included), not a bool or a string like "0.7".
+            try:
+                if isinstance(value, (bool, str, bytes)):
+                    raise TypeError
+                number = float(value)
+            except (TypeError, ValueError):
+                raise SamplingConfigError(f"{name} must be a number, got {value!r}") from None
+            object.__setattr__(self, name, number)
         # inf would flatten every distribution to uniform; NaN compares false with everything.
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise SamplingConfigError(

@@ -39,11 +39,24 @@ def kept(cfg: SamplingConfig, logits_xv=LOGITS_1V) -> np.ndarray:
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"top_p": float("nan")},
+        {"temperature": None},  # used to be a bare TypeError from a comparison
+        {"temperature": "0.7"},
+        {"temperature": True},
+        {"top_p": "0.9"},
+        {"top_p": None},
     ],
 )
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingConfig(**kwargs)
+
+
+def test_config_takes_numbers_of_any_kind_as_floats():
+    cfg = SamplingConfig(np.float32(0.5), top_p=jnp.float32(0.75))
+    assert cfg == SamplingConfig(0.5, top_p=0.75)
+    assert type(cfg.temperature) is float and type(cfg.top_p) is float
+    assert SamplingConfig(1).temperature == 1.0
+    assert hash(SamplingConfig(1)) == hash(SamplingConfig(1.0))
 
 
 def test_config_takes_numpy_integers_for_top_k():
