@@ -59,6 +59,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 DOCS_HTML = Path("/usr/share/doc/python3-doc/html")
+MISSING_DOCS = (
+    "{docs} is missing: install the Python documentation (apt-get install -y python3-doc)"
+)
 HELD_OUT_MODULUS = 12  # one module / page in 12 is held out
 
 # Folders of the standard library that hold tests, bundled wheels or third-party packages.
@@ -337,9 +340,7 @@ def doc_pages(docs: Path) -> Iterator[tuple[str, Path]]:
 def build_corpus(out: Path, docs: Path, num_eval_prompts: int) -> dict:
     """Writes train.jsonl / eval.jsonl ({"messages": ...}) and the held-out prompt files."""
     if not docs.is_dir():
-        raise SystemExit(
-            f"{docs} is missing: install the Python documentation (apt-get install -y python3-doc)"
-        )
+        raise SystemExit(MISSING_DOCS.format(docs=docs))
     splits: dict[str, dict[str, list[dict]]] = {"train": {}, "eval": {}}
     for module, path in stdlib_files():
         split = "eval" if held_out(module) else "train"
@@ -921,6 +922,18 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def positive_int(text: str) -> int:
+    """argparse type of --jobs: 0 or fewer processes would never start a drafter's training and
+    the build would wait for it forever."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/default-pair"))
@@ -940,13 +953,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=positive_int,
         default=1,
         help="drafters trained at once (2: both together, for a machine whose cores are shared)",
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     out: Path = args.out
+    corpus, tokenizer_dir, target_dir = out / "corpus", out / "tokenizer", out / "target"
+    # Checked before anything is written: a typo must not leave an empty --out behind.
+    if not (corpus / "train.jsonl").exists() and not args.docs.is_dir():
+        raise SystemExit(MISSING_DOCS.format(docs=args.docs))
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -978,7 +995,6 @@ def main(argv: list[str] | None = None) -> int:
     def save_summary() -> None:
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
 
-    corpus, tokenizer_dir, target_dir = out / "corpus", out / "tokenizer", out / "target"
     stage(
         "corpus",
         corpus / "train.jsonl",

@@ -81,3 +81,22 @@ def test_tokenizer_target_and_parity_at_toy_size(build, corpus, tmp_path):
         path.write_text(build.config_file_text(config))
         assert runpy.run_path(str(path))["CONFIG"] == config, name
     assert configs["dspark"].drafter.markov_rank > 0 and configs["dflash"].drafter.markov_rank == 0
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_jobs_below_one_is_refused_by_argparse(build, tmp_path, capsys, jobs):
+    """--jobs 0 started no training process and waited for one forever."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        build.main(["--out", str(out), "--jobs", jobs])
+    assert exc.value.code == 2
+    assert "--jobs" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_missing_docs_leaves_no_out_folder(build, tmp_path):
+    """The inputs are checked before --out is created, so a typo leaves nothing behind."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="python3-doc"):
+        build.main(["--out", str(out), "--docs", str(tmp_path / "nope")])
+    assert not out.exists()
