@@ -18,13 +18,16 @@ as a `dspark-jax` command recorded with its duration:
    here, with the STS temperatures of step 2) on this device.
 
 Writes results.json, acceptance.png and the command logs under --out (default
-<build>/results<phase>) and prints the markdown tables.
+<build>/results<phase>) and prints the markdown tables. A step whose output is there from an
+earlier call with the same arguments and inputs (recorded beside it in <output>.args.json) is
+not run again; one made with other settings is made again.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import platform
 import subprocess
@@ -40,13 +43,43 @@ TEMPERATURES = (0.0, 1.0)
 BOOTSTRAP_SAMPLES = 10_000
 
 
-def run(argv: list[str], log: Path, commands: list[dict], output: Path) -> None:
-    """Runs one command (output to `log`) unless its `output` exists from an earlier call,
-    recording it and its duration in `commands`."""
+def run(
+    program: list[str],
+    args: list[str],
+    log: Path,
+    commands: list[dict],
+    output: Path,
+    inputs: tuple[Path, ...] = (),
+) -> None:
+    """Runs `program + args` (output to `log`) and records it with its duration in `commands`.
+
+    A step is skipped when its `output` exists from an earlier call made with the same `args`
+    and the same `inputs` (files hashed: the models, the prompts and the outputs of earlier
+    steps). What made an output is recorded beside it (`<output>.args.json`: the arguments, the
+    inputs' digests, the commit and the date); an output without that record, or made with
+    other arguments or inputs, is made again, and the reason is printed. So results.json never
+    lists a command line that did not produce the numbers it holds.
+    """
+    argv = [*program, *args]
     shown = " ".join(argv)
+    record_path = args_record(output)
+    record = {"args": args, "inputs": {str(p): file_digest(p) for p in inputs}}
     if output.exists():
-        commands.append({"command": shown, "seconds": None, "log": str(log)})
-        return
+        reason = stale_reason(output, record_path, record)
+        if reason is None:
+            made = json.loads(record_path.read_text())
+            commands.append(
+                {
+                    "command": shown,
+                    "seconds": None,
+                    "log": str(log),
+                    "reused": {"commit": made.get("commit"), "date": made.get("date")},
+                }
+            )
+            return
+        print(f"running again: {reason}", flush=True)
+    # Removed first: an interrupted run leaves an output without a record, which is redone.
+    record_path.unlink(missing_ok=True)
     print(f"$ {shown}", flush=True)
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -54,7 +87,62 @@ def run(argv: list[str], log: Path, commands: list[dict], output: Path) -> None:
     if status:
         raise SystemExit(f"failed ({status}), see {log}: {shown}")
     seconds = round(time.perf_counter() - start, 1)
+    record["commit"] = git_commit()
+    record["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    record_path.write_text(json.dumps(record, indent=1) + "\n")
     commands.append({"command": shown, "seconds": seconds, "log": str(log)})
+
+
+def args_record(output: Path) -> Path:
+    """Where the arguments that made `output` are recorded."""
+    return output.with_name(output.name + ".args.json")
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file, or of a folder's files (names and contents)."""
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        h.update(f.relative_to(path).as_posix().encode() if path.is_dir() else b"")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def options(args: list[str]) -> dict[str, str | None]:
+    """`args` as {option: value} ("--flag": None for a bare flag; positionals by position)."""
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--"):
+            has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+            out[a] = args[i + 1] if has_value else None
+            i += 2 if has_value else 1
+        else:
+            out[f"argument {sum(not k.startswith('--') for k in out) + 1}"] = a
+            i += 1
+    return out
+
+
+def stale_reason(output: Path, record_path: Path, record: dict) -> str | None:
+    """Why the existing `output` was not made by `record` (None when it was)."""
+    if not record_path.exists():
+        return f"{output} has no record of the arguments that made it ({record_path})"
+    made = json.loads(record_path.read_text())
+    if made.get("args") != record["args"]:
+        before, now = options(made.get("args", [])), options(record["args"])
+        diffs = [
+            f"{k}: {before.get(k, '(absent)')} then, {now.get(k, '(absent)')} now"
+            for k in sorted(set(before) | set(now))
+            if before.get(k, "(absent)") != now.get(k, "(absent)")
+        ]
+        return f"{output} was made with other settings ({'; '.join(diffs) or 'order'})"
+    changed = [p for p, d in record["inputs"].items() if made.get("inputs", {}).get(p) != d]
+    if changed:
+        return f"{output} was made from other inputs: {', '.join(changed)} changed since"
+    return None
 
 
 def per_prompt_rounds(generate_json: Path) -> list[dict[str, np.ndarray]]:
@@ -209,7 +297,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--build", type=Path, required=True, help="scripts/build_default_pair.py --out"
@@ -222,35 +310,56 @@ def main() -> int:
     parser.add_argument(
         "--phase",
         default="-distilled",
-        help="drafter folder suffix: '-distilled' (final) or '' (after the corpus phase)",
+        help="drafter folder suffix: '-distilled' (final) or '' (after the corpus phase); "
+        "give it as --phase=-distilled, argparse reads a bare -distilled as an option",
     )
     parser.add_argument(
         "--drafters",
         default=",".join(DRAFTERS),
-        help="generate for these only and stop (to start on one while the other trains)",
+        help="generate for these only and stop (to start on one while the other trains); "
+        f"of {', '.join(DRAFTERS)}",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     build = args.build
-    out = args.out or build / f"results{args.phase}"
-    out.mkdir(parents=True, exist_ok=True)
-    cli = str(Path(sys.executable).with_name("dspark-jax"))
-    target = str(build / "target")
-    drafts = {d: str(build / "drafters" / f"{d}{args.phase}") for d in DRAFTERS}
+    asked = list(dict.fromkeys(d.strip() for d in args.drafters.split(",")))
+    unknown = [d for d in asked if d not in DRAFTERS]
+    if unknown or not asked:
+        parser.error(f"--drafters {args.drafters!r}: choose among {', '.join(DRAFTERS)}")
+    everything = set(asked) == set(DRAFTERS)
+    target = build / "target"
+    drafts = {d: build / "drafters" / f"{d}{args.phase}" for d in DRAFTERS}
     heldout, calibration = (
         build / "corpus" / "heldout.jsonl",
         build / "corpus" / "calibration.jsonl",
     )
-    common = ["--target", target, "--max-new-tokens", str(args.new_tokens)]
+    # Checked before the results folder is made: a typo in --build or --phase must not leave
+    # folders behind and fail only at the first command.
+    needed = [target / "config.json", heldout]
+    needed += [drafts[d] / "config.json" for d in (DRAFTERS if everything else asked)]
+    if everything:
+        needed.append(calibration)
+    missing = [str(p) for p in needed if not p.is_file()]
+    if missing:
+        parser.error(
+            f"--build {build} lacks {', '.join(missing)} "
+            "(a folder written by scripts/build_default_pair.py; check --build and --phase)"
+        )
+    out = args.out or build / f"results{args.phase}"
+    out.mkdir(parents=True, exist_ok=True)
+    cli = [str(Path(sys.executable).with_name("dspark-jax"))]
+    common = ["--target", str(target), "--max-new-tokens", str(args.new_tokens)]
     common += ["--max-num-seqs", str(args.max_num_seqs)]
+    models = {d: (target, drafts[d]) for d in DRAFTERS}
     commands: list[dict] = []
 
     for t in TEMPERATURES:
-        for d in args.drafters.split(","):
+        for d in asked:
             path = out / f"generate-{d}-t{t:g}.json"
-            argv = [cli, "generate", "--prompts-file", str(heldout), "--draft", drafts[d]]
-            argv += [*common, "--temperature", f"{t:g}", "--json", str(path)]
-            run(argv, out / f"generate-{d}-t{t:g}.log", commands, path)
-    if set(args.drafters.split(",")) != set(DRAFTERS):
+            step = ["generate", "--prompts-file", str(heldout), "--draft", str(drafts[d])]
+            step += [*common, "--temperature", f"{t:g}", "--json", str(path)]
+            log = out / f"generate-{d}-t{t:g}.log"
+            run(cli, step, log, commands, path, (*models[d], heldout))
+    if not everything:
         print("generated for the drafters asked for; run with both for the rest")
         return 0
 
@@ -258,22 +367,27 @@ def main() -> int:
     for name, prompts in (("calibration", calibration), ("heldout", heldout)):
         folder = out / f"eval-dspark-{name}-t1"
         records[name] = folder / "calibration_records.npz"
-        argv = [cli, "eval", str(prompts), "--draft", drafts["dspark"], *common]
+        step = ["eval", str(prompts), "--draft", str(drafts["dspark"]), *common]
         # Acceptance only: speed is what the throughput benchmark measures.
-        argv += ["--temperature", "1", "--no-plain", "--out", str(folder)]
-        run(argv, out / f"eval-dspark-{name}-t1.log", commands, records[name])
+        # --overwrite: a step made again replaces its own folder (eval refuses a non-empty one).
+        step += ["--temperature", "1", "--no-plain", "--out", str(folder), "--overwrite"]
+        log = out / f"eval-dspark-{name}-t1.log"
+        run(cli, step, log, commands, records[name], (*models["dspark"], prompts))
     sts_path = out / "sts.json"
-    argv = [cli, "calibrate", "--records", str(records["calibration"]), str(records["heldout"])]
-    argv += ["--drafter", drafts["dspark"], "--temperature", "1", "--out", str(sts_path)]
-    argv += ["--plot", str(out / "reliability.png")]
-    run(argv, out / "calibrate.log", commands, sts_path)
+    step = ["calibrate", "--records", str(records["calibration"]), str(records["heldout"])]
+    step += ["--drafter", str(drafts["dspark"]), "--temperature", "1", "--out", str(sts_path)]
+    step += ["--plot", str(out / "reliability.png")]
+    inputs = (records["calibration"], records["heldout"], drafts["dspark"])
+    run(cli, step, out / "calibrate.log", commands, sts_path, inputs)
 
     if not args.skip_throughput:
-        argv = [sys.executable, str(Path(__file__).with_name("throughput.py")), "--target", target]
-        argv += ["--draft", drafts["dspark"], "--prompts", str(heldout), "--sts", str(sts_path)]
-        argv += ["--concurrency", args.concurrency, "--temperature", "1"]
-        argv += ["--out", str(out / "throughput.json"), "--plot", str(out / "throughput.png")]
-        run(argv, out / "throughput.log", commands, out / "throughput.json")
+        program = [sys.executable, str(Path(__file__).with_name("throughput.py"))]
+        step = ["--target", str(target), "--draft", str(drafts["dspark"])]
+        step += ["--prompts", str(heldout), "--sts", str(sts_path)]
+        step += ["--concurrency", args.concurrency, "--temperature", "1"]
+        step += ["--out", str(out / "throughput.json"), "--plot", str(out / "throughput.png")]
+        inputs = (*models["dspark"], heldout, sts_path)
+        run(program, step, out / "throughput.log", commands, out / "throughput.json", inputs)
 
     gamma = json.loads((Path(drafts["dspark"]) / "config.json").read_text())["block_size"]
     acceptance = acceptance_analysis(out, gamma)
@@ -305,7 +419,7 @@ def main() -> int:
         "acceptance": acceptance,
         "calibration": calibration,
     }
-    if (out / "throughput.json").exists():
+    if not args.skip_throughput:
         results["throughput"] = json.loads((out / "throughput.json").read_text())["rows"]
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results))
