@@ -133,10 +133,16 @@ def stale_reason(output: Path, record_path: Path, record: dict) -> str | None:
     made = json.loads(record_path.read_text())
     if made.get("args") != record["args"]:
         before, now = options(made.get("args", [])), options(record["args"])
+
+        def shown(opts: dict, key: str) -> str:
+            if key not in opts:
+                return "not given"
+            return "given" if opts[key] is None else str(opts[key])
+
         diffs = [
-            f"{k}: {before.get(k, '(absent)')} then, {now.get(k, '(absent)')} now"
+            f"{k}: {shown(before, k)} then, {shown(now, k)} now"
             for k in sorted(set(before) | set(now))
-            if before.get(k, "(absent)") != now.get(k, "(absent)")
+            if shown(before, k) != shown(now, k)
         ]
         return f"{output} was made with other settings ({'; '.join(diffs) or 'order'})"
     changed = [p for p, d in record["inputs"].items() if made.get("inputs", {}).get(p) != d]
@@ -255,8 +261,8 @@ def plot_acceptance(analysis: dict, path: Path) -> None:
 
 def markdown(results: dict) -> str:
     lines = [
-        "| T | drafter | tau | 95% CI | conditional acceptance k = 1..7 |",
-        "|---|---|---:|---|---|",
+        "| T | drafter | tau | 95% CI | rounds | conditional acceptance, k = 1..7 |",
+        "|---|---|---:|---|---:|---|",
     ]
     for label, entry in results["acceptance"].items():
         for d, name in (("dspark", "DSpark"), ("dflash", "DFlash")):
@@ -264,11 +270,12 @@ def markdown(results: dict) -> str:
             cells = " ".join("-" if v is None else f"{v:.2f}" for v in e["conditional"])
             lo, hi = e["tau_ci95"]
             lines.append(
-                f"| {label[2:]} | {name} | {e['tau']:.3f} | [{lo:.3f}, {hi:.3f}] | {cells} |"
+                f"| {label[2:]} | {name} | {e['tau']:.3f} | [{lo:.3f}, {hi:.3f}] | "
+                f"{e['rounds']} | {cells} |"
             )
     lines += [
         "",
-        "| T | DSpark - DFlash | 95% CI (paired) | resamples > 0 |",
+        "| T | DSpark - DFlash | 95% CI (paired) | resamples with DSpark ahead |",
         "|---|---:|---|---:|",
     ]
     for label, entry in results["acceptance"].items():
@@ -276,13 +283,13 @@ def markdown(results: dict) -> str:
         lo, hi = diff["ci95"]
         lines.append(
             f"| {label[2:]} | {diff['dspark_minus_dflash']:+.3f} | [{lo:+.3f}, {hi:+.3f}] | "
-            f"{diff['share_of_resamples_above_zero']:.3f} |"
+            f"{diff['share_of_resamples_above_zero']:.0%} |"
         )
     cal = results["calibration"]
     lines += [
         "",
-        "| k | n (held-out) | survival | ECE raw | ECE STS | STS temperature |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| k | n | survival | ECE raw | ECE STS | AUC raw | STS temperature |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for k, n in enumerate(cal["n_survival"]):
 
@@ -291,9 +298,10 @@ def markdown(results: dict) -> str:
 
         lines.append(
             f"| {k + 1} | {n} | {f(cal['survival_rate'][k], 3)} | {f(cal['ece_before'][k])} | "
-            f"{f(cal['ece_after'][k])} | {cal['temperatures'][k]:.3f} |"
+            f"{f(cal['ece_after'][k])} | {f(cal['auc_before'][k], 3)} | "
+            f"{cal['temperatures'][k]:#.3g} |"
         )
-    lines.append(f"| mean | | | {cal['mean_ece'][0]:.4f} | {cal['mean_ece'][1]:.4f} | |")
+    lines.append(f"| mean | | | {cal['mean_ece'][0]:.4f} | {cal['mean_ece'][1]:.4f} | | |")
     return "\n".join(lines)
 
 
@@ -306,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=16, help="engine slots")
     parser.add_argument("--concurrency", default="1,8", help="throughput benchmark levels")
+    parser.add_argument(
+        "--thresholds",
+        help="throughput.py's static-threshold grid, POLICY=VALUE,... (default: its own)",
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument(
         "--phase",
@@ -385,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         step = ["--target", str(target), "--draft", str(drafts["dspark"])]
         step += ["--prompts", str(heldout), "--sts", str(sts_path)]
         step += ["--concurrency", args.concurrency, "--temperature", "1"]
+        step += [] if args.thresholds is None else ["--thresholds", args.thresholds]
         step += ["--out", str(out / "throughput.json"), "--plot", str(out / "throughput.png")]
         inputs = (*models["dspark"], heldout, sts_path)
         run(program, step, out / "throughput.log", commands, out / "throughput.json", inputs)
@@ -401,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         "survival_rate": held["survival_rate"],
         "ece_before": held["ece_before"],
         "ece_after": held["ece_after"],
+        # How well the raw survival product ranks rounds (None where a class is too rare).
+        "auc_before": held["auc_before"],
         # Averaged over positions with observations, as the paper reports it.
         "mean_ece": [
             float(np.mean([b for b, _ in observed])),

@@ -64,6 +64,10 @@ def test_options_names_the_flag_that_differs(tmp_path):
     reason = dpr.stale_reason(output, dpr.args_record(output), {"args": now, "inputs": {}})
     assert reason is not None and "--max-new-tokens: 16 then, 128 now" in reason
     assert "--max-num-seqs" not in reason and "--no-plain" not in reason
+    flag = dpr.stale_reason(
+        output, dpr.args_record(output), {"args": [*before, "--overwrite"], "inputs": {}}
+    )
+    assert flag is not None and "--overwrite: not given then, given now" in flag
     same = {"args": before, "inputs": {}}
     assert dpr.stale_reason(output, dpr.args_record(output), same) is None
 
@@ -106,3 +110,38 @@ def test_one_drafter_needs_only_its_own_folder(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(dpr, "run", lambda *a, **k: ran.append(a[1][0]))  # no model runs here
     argv = ["--build", str(build), "--drafters", "dflash", "--out", str(tmp_path / "r")]
     assert dpr.main(argv) == 0 and ran == ["generate", "generate"]
+
+
+def test_printed_tables_have_the_columns_of_results_md():
+    """docs/results.md says its tables are what the script prints: same headers, and the share
+    of resamples as a percentage."""
+    gamma = 7
+    side = {
+        "tau": 3.2,
+        "tau_ci95": [2.9, 3.6],
+        "rounds": 4513,
+        "conditional": [0.5] * (gamma - 1) + [None],
+    }
+    diff = {"dspark_minus_dflash": 0.46, "ci95": [0.33, 0.61], "share_of_resamples_above_zero": 1.0}
+    entry = {"dspark": side, "dflash": side, "tau_difference": diff}
+    per_k = [0.1] * gamma
+    calibration = {
+        "n_survival": [8165] * gamma,
+        "survival_rate": per_k,
+        "ece_before": per_k,
+        "ece_after": per_k,
+        "auc_before": [0.614] + [None] * (gamma - 1),
+        "temperatures": [20.0, 0.861] + [15.6] * (gamma - 2),
+        "mean_ece": [0.06, 0.05],
+    }
+    printed = dpr.markdown({"acceptance": {"T=0": entry}, "calibration": calibration})
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
+    headers = [line for line in printed.splitlines() if line.startswith("| T ")]
+    headers += [line for line in printed.splitlines() if line.startswith("| k ")]
+    assert len(headers) == 3
+    for header in headers:
+        assert header in doc, header
+    assert "| 0 | DSpark | 3.200 | [2.900, 3.600] | 4513 |" in printed
+    assert "| 100% |" in printed
+    assert "| 1 | 8165 | 0.100 | 0.1000 | 0.1000 | 0.614 | 20.0 |" in printed
+    assert "| 2 | 8165 | 0.100 | 0.1000 | 0.1000 | - | 0.861 |" in printed
