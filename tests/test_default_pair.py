@@ -67,3 +67,17 @@ def test_default_generate_writes_readable_text_with_speculation_paying(tmp_path,
     assert report["acceptance"]["tau"] >= 2.5, report["acceptance"]
     assert readability_problems(result["text"]) == [], result["text"]
     assert result["text"] in capsys.readouterr().out
+
+
+def test_the_shipped_drafter_is_marked_as_one_trained_here(tmp_path):
+    """Like every drafter trained here (docs/export-formats.md), the embedded one says
+    model_type "dspark", so transformers' AutoModel refuses it instead of loading a plain Qwen3
+    without its heads -- in the package and in what `dspark-jax export` writes of it."""
+    from dspark_jax.config import DRAFTER_MODEL_TYPE
+    from dspark_jax.embedded import EMBEDDED_DRAFT
+
+    shipped = json.loads((EMBEDDED_DRAFT / "config.json").read_text())
+    assert shipped["model_type"] == DRAFTER_MODEL_TYPE
+    assert main(["export", "--draft", str(EMBEDDED_DRAFT), "--out", str(tmp_path / "out")]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["model_type"] == DRAFTER_MODEL_TYPE
