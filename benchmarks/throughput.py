@@ -42,7 +42,6 @@ import dataclasses
 import datetime
 import functools
 import glob
-import json
 import os
 import time
 from pathlib import Path
@@ -50,7 +49,22 @@ from pathlib import Path
 import jax
 import numpy as np
 from decode_speed import CONFIGS, pair_configs, random_pair
-from provenance import CompileClock, git_commit
+from provenance import (
+    CompileClock,
+    Parser,
+    existing_file,
+    existing_folder,
+    finite_or_none,
+    fractions,
+    git_commit,
+    non_negative_float,
+    output_file,
+    positive_int,
+    positive_ints,
+    read_json,
+    run_main,
+    write_json,
+)
 
 from dspark_jax.calibration.sts import StsArtifact
 from dspark_jax.checkpoints.converted import DecodingModels, load_decoding_models
@@ -61,6 +75,7 @@ from dspark_jax.decoding.batching import Batcher, Observer, Request
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.profiling import profile_engine
 from dspark_jax.embedded import TINY_DIR
+from dspark_jax.errors import UserError
 from dspark_jax.models.known_acceptance import KnownAcceptanceDrafter, mute_target
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.tokenizer import ByteTokenizer, encode_chat
@@ -70,6 +85,8 @@ CONCURRENCY = (1, 8, 32, 64)
 # published curve: pass a measured one with --acceptance.
 ACCEPTANCE = (0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 LENGTHS = (16, 32, 64, 128, 256)
+# Most prompt tokens per prefill call of every engine here: --prefill-buckets must reach it.
+PREFILL_CHUNK = 256
 THRESHOLDS = (
     ("threshold", 0.5),
     ("threshold", 0.7),
@@ -114,9 +131,11 @@ class _Latencies(Observer):
         self.tokens += count
 
 
-def _weighted_percentiles(pairs, qs) -> list[float]:
+def _weighted_percentiles(pairs, qs) -> list[float | None]:
+    """Percentiles `qs` of the values of (value, weight) `pairs`; None each when there are none
+    (no request decoded past its first token)."""
     if not pairs:
-        return [float("nan")] * len(qs)
+        return [None] * len(qs)
     values = np.array([v for v, _ in pairs])
     weights = np.array([w for _, w in pairs], np.float64)
     order = np.argsort(values)
@@ -188,39 +207,79 @@ def run_cell(
     verified = np.concatenate([r.verified for r in results])
     ttft = np.percentile(observer.ttft, [50, 90, 99])
     itl = _weighted_percentiles(observer.itl, [50, 90, 99])
+    # Requests that end at their first token (--lengths 1) take no decode round: per-user
+    # speed, inter-token latency, tau and drafts verified are undefined (null), not NaN.
     return {
         "throughput": loaded["tokens"] / loaded["wall"],
         "throughput_with_tail": tokens / wall,
-        "per_user": float(np.median(speeds)) if speeds else float("nan"),
+        "per_user": float(np.median(speeds)) if speeds else None,
         "ttft_ms": [1e3 * float(x) for x in ttft],
-        "itl_ms": [1e3 * x for x in itl],
+        "itl_ms": [None if x is None else 1e3 * x for x in itl],
         "occupancy": loaded["slot_rounds"] / max(loaded["device_rounds"] * engine.cfg.num_slots, 1),
         "occupancy_with_tail": batcher.occupancy,
-        "tau": float(committed.mean()),
-        "verified": float(verified.mean()) if engine.speculative else None,
+        "tau": float(committed.mean()) if committed.size else None,
+        "verified": float(verified.mean()) if engine.speculative and verified.size else None,
         "requests": len(results),
         "tokens": tokens,
         "wall_s": wall,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default=str(TINY_DIR / "target"))
-    parser.add_argument("--draft", default=str(TINY_DIR / "draft"))
+def thresholds_arg(text: str) -> tuple[tuple[str, float], ...]:
+    """argparse `type=` of --thresholds: `threshold=V,cumulative-threshold=V,...`."""
+    grid = []
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            threshold = float(value)
+        except ValueError:
+            threshold = None
+        if name not in ("threshold", "cumulative-threshold") or threshold is None:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not threshold=V or cumulative-threshold=V (V a number)"
+            )
+        grid.append((name, threshold))
+    return tuple(grid)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: everything a run could fail on from its arguments alone is
+    refused here, before a model is loaded or a program compiled."""
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", help=f"target folder (default {TINY_DIR / 'target'})")
+    parser.add_argument("--draft", help=f"drafter folder (default {TINY_DIR / 'draft'})")
     parser.add_argument("--prompts", help="eval_datasets-style JSONL (chat models)")
     parser.add_argument("--sps-table", help="folder of sps_c{c}.json tables (else profiled)")
     parser.add_argument("--sts", help="STS artifact (dspark-jax calibrate) for the drafter")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    parser.add_argument("--prompt-tokens", type=int, default=48, help="byte-model prompt length")
-    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
-    parser.add_argument("--requests-per-client", type=int, default=4)
-    parser.add_argument("--context-len", type=int, default=128, help="profiling context")
+    parser.add_argument("--temperature", type=non_negative_float, default=1.0)
+    parser.add_argument(
+        "--lengths",
+        type=positive_ints,
+        default=LENGTHS,
+        help="new tokens per request, drawn uniformly from this comma-separated list "
+        f"(default {','.join(map(str, LENGTHS))}); with 1 no request decodes, and per-user "
+        "speed, ITL and tau are null",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=positive_int, default=48, help="byte-model prompt length"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=positive_ints,
+        default=CONCURRENCY,
+        help=f"comma-separated levels (default {','.join(map(str, CONCURRENCY))})",
+    )
+    parser.add_argument("--requests-per-client", type=positive_int, default=4)
+    parser.add_argument(
+        "--context-len", type=positive_int, default=128, help="profiling context"
+    )
     parser.add_argument(
         "--prefill-buckets",
+        type=positive_ints,
         help="prefill token buckets, comma-separated (default: the engine's, 16 doubling to "
-        "256); each is a program every engine compiles, so prompts of one length need few",
+        f"{PREFILL_CHUNK}); the largest must be at least {PREFILL_CHUNK}, the prefill chunk "
+        "of every engine here; each is a program every engine compiles, so prompts of one "
+        "length need few",
     )
     parser.add_argument(
         "--synthetic",
@@ -230,14 +289,21 @@ def main() -> None:
     )
     parser.add_argument(
         "--acceptance",
-        default=",".join(map(str, ACCEPTANCE)),
+        type=fractions,
+        default=ACCEPTANCE,
         help="--synthetic: acceptance rate of each block position given the earlier ones",
     )
     parser.add_argument("--concentration", type=float, default=4.0, help="--synthetic: Beta c")
-    parser.add_argument("--dtype", default="bfloat16", help="--synthetic: parameter dtype")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="--synthetic: parameter dtype",
+    )
     parser.add_argument(
         "--thresholds",
-        default=",".join(f"{name}={t}" for name, t in THRESHOLDS),
+        type=thresholds_arg,
+        default=THRESHOLDS,
         help="the static-threshold grid, POLICY=VALUE,... (the best per concurrency is kept)",
     )
     parser.add_argument(
@@ -255,7 +321,52 @@ def main() -> None:
     )
     parser.add_argument("--out", default="throughput.json")
     parser.add_argument("--plot", default="throughput.png", help="('' for none)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.prefill_buckets and max(args.prefill_buckets) < PREFILL_CHUNK:
+        parser.error(
+            f"--prefill-buckets: the largest bucket ({max(args.prefill_buckets)}) must be at "
+            f"least the prefill chunk, {PREFILL_CHUNK}"
+        )
+    if args.synthetic:
+        given = [f"--{n}" for n in ("target", "draft", "sts", "prompts") if getattr(args, n)]
+        if given:
+            parser.error(f"--synthetic takes none of {', '.join(given)}")
+    else:
+        args.target = args.target or str(TINY_DIR / "target")
+        args.draft = args.draft or str(TINY_DIR / "draft")
+    return args
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """The files a run reads exist and its outputs can be written (UserError if not)."""
+    if args.combine:
+        for path in args.combine:
+            existing_file(path, "--combine")
+    else:
+        if args.prompts:
+            existing_file(args.prompts, "--prompts")
+        if args.sts:
+            existing_file(args.sts, "--sts")
+        if args.sps_table:
+            folder = existing_folder(args.sps_table, "--sps-table")
+            missing = [f"sps_c{c}.json" for c in args.concurrency
+                       if not (folder / f"sps_c{c}.json").is_file()]  # fmt: skip
+            if missing:
+                raise UserError(f"--sps-table {folder}: no {', '.join(missing)} in it")
+        for option in ("target", "draft"):
+            path = Path(getattr(args, option))
+            # A hub id (owner/name) need not exist here; a path that looks local must.
+            local = path.is_absolute() or str(path).startswith(".") or len(path.parts) != 2
+            if local and not path.exists():
+                raise UserError(f"--{option} {path}: no such folder")
+    output_file(args.out, "--out")
+    if args.plot:
+        output_file(args.plot, "--plot")
+
+
+def main() -> None:
+    args = parse_args()
+    check_paths(args)
     if args.combine:
         combine(args.combine, args.out, args.plot)
         return
@@ -263,21 +374,14 @@ def main() -> None:
     commit = git_commit()
     use_compilation_cache()
 
-    levels = tuple(int(c) for c in args.concurrency.split(","))
-    thresholds = []
-    for item in args.thresholds.split(","):
-        name, _, value = item.partition("=")
-        if name not in ("threshold", "cumulative-threshold") or not value:
-            parser.error(f"--thresholds: {item!r} is not threshold=V or cumulative-threshold=V")
-        thresholds.append((name, float(value)))
-    lengths = tuple(int(n) for n in args.lengths.split(","))
-    prefill_buckets = None
-    if args.prefill_buckets:
-        prefill_buckets = tuple(int(n) for n in args.prefill_buckets.split(","))
+    levels = args.concurrency
+    thresholds = args.thresholds
+    lengths = args.lengths
+    prefill_buckets = args.prefill_buckets
+    # Read before the models load: a bad artifact fails in the first second.
+    sts = StsArtifact.load(args.sts) if args.sts else None
     n_prompts = max(levels) * args.requests_per_client
     if args.synthetic:
-        if args.sts or args.prompts:
-            parser.error("--synthetic takes neither --sts nor --prompts")
         models = synthetic_models(args)
         rng = np.random.default_rng(0)
         vocab = models.target.cfg.vocab_size
@@ -286,7 +390,6 @@ def main() -> None:
         models = load_decoding_models(args.target, args.draft, progress=False)
         prompts = _prompts(args, models, n_prompts)
     target, drafter, gamma = models.target, models.drafter, models.gamma
-    sts = StsArtifact.load(args.sts) if args.sts else None
     if sts is not None:
         sts.check(models.drafter_fingerprint, args.temperature, gamma)
     longest = max(len(p) for p in prompts)
@@ -298,7 +401,8 @@ def main() -> None:
         "commit": commit,
         "device": f"{device.platform}: {device.device_kind}",
         "target": f"synthetic {args.synthetic} ({args.dtype})" if args.synthetic else args.target,
-        "draft": f"known acceptance {args.acceptance} (c={args.concentration})"
+        "draft": f"known acceptance {','.join(map(str, args.acceptance))} "
+        f"(c={args.concentration})"
         if args.synthetic
         else args.draft,
         "temperature": args.temperature,
@@ -311,12 +415,11 @@ def main() -> None:
         "thresholds": [],  # every static threshold tried; the rows keep the best per level
     }
     rows, tables = report["rows"], report["sps_tables"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for c in levels:
         cfg = EngineConfig(
             num_slots=c,
             max_model_len=max_model_len,
-            prefill_chunk=256,
+            prefill_chunk=PREFILL_CHUNK,
             prefill_seqs=8,
             prefill_buckets=prefill_buckets,
         )
@@ -350,7 +453,7 @@ def main() -> None:
         def keep(mode: str, cell: dict, c=c) -> None:
             # Written cell by cell: a run cut off later still leaves what it measured.
             rows.append({"concurrency": c, "mode": mode, **cell})
-            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+            write_json(args.out, report, indent=2)
 
         # Plain decoding packs at most one token per slot: one bucket of `c` serves every
         # round, where the profile's larger ones would be compiled and never run.
@@ -414,8 +517,16 @@ def speculative_policies(gamma: int, thresholds, profile: policies.SpsProfile) -
 
 def combine(paths: list[str], out: str, plot: str) -> None:
     """One report from several runs of this script: their rows by concurrency, and each run's
-    date, commit, device and models kept beside the rows it measured (they may differ)."""
-    reports = [json.loads(Path(p).read_text()) for p in paths]
+    date, commit, device and models kept beside the rows it measured (they may differ).
+    NaN that earlier versions wrote for undefined cells is read, and written, as null."""
+    reports = [read_json(p, "--combine") for p in paths]
+    for path, report in zip(paths, reports, strict=True):
+        rows = report.get("rows") if isinstance(report, dict) else None
+        if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and {"concurrency", "mode", "throughput"} <= r.keys()
+            for r in rows
+        ):
+            raise UserError(f"--combine {path}: not a throughput.py --out file (no rows)")
     rows = sorted(
         (row for report in reports for row in report["rows"]), key=lambda r: r["concurrency"]
     )
@@ -440,10 +551,9 @@ def combine(paths: list[str], out: str, plot: str) -> None:
     for k in keep:
         values = list(dict.fromkeys(str(part[k]) for part in parts))
         joined[k] = parts[0][k] if len(values) == 1 else ", ".join(values)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     thresholds = [t for report in reports for t in report.get("thresholds", [])]
     joined_report = {**joined, "parts": parts, "rows": rows, "thresholds": thresholds}
-    Path(out).write_text(json.dumps(joined_report, indent=2) + "\n")
+    write_json(out, joined_report, indent=2)
     for part in parts:
         print(f"c={part['levels']}: {part['date']}  commit {part['commit']}  {part['device']}")
     print(markdown_table(rows))
@@ -467,7 +577,7 @@ def _prompts(args, models: DecodingModels, n: int) -> list[list[int]]:
 def synthetic_models(args) -> DecodingModels:
     """Random weights at `args.synthetic`'s shapes: a muted target, a known-acceptance drafter."""
     target_cfg, drafter_cfg = pair_configs(args.synthetic, args.dtype)
-    acceptance = [float(a) for a in args.acceptance.split(",")]
+    acceptance = list(args.acceptance)
     target, drafter = random_pair(
         target_cfg,
         drafter_cfg,
@@ -488,15 +598,21 @@ def synthetic_models(args) -> DecodingModels:
     )
 
 
+def _fmt(value, spec: str) -> str:
+    """`value` formatted, "-" where it is undefined (None: no decode step)."""
+    return "-" if value is None else format(value, spec)
+
+
 def _row(r: dict) -> str:
-    verified = "-" if r["verified"] is None else f"{r['verified']:.2f}"
+    verified = _fmt(r["verified"], ".2f")
     built = ""
     if "programs" in r:  # rows of earlier runs may lack it
         built = f"  (warm-up: {r['programs']} programs, {r['compile_s']:.0f} s)"
     return (
         f"c={r['concurrency']:>3} {r['mode']:<20} {r['throughput']:8.1f} tok/s "
-        f"{r['per_user']:7.1f} tok/s/user  TTFT p50 {r['ttft_ms'][0]:7.1f} ms  "
-        f"ITL p50 {r['itl_ms'][0]:6.2f} ms  occupancy {r['occupancy']:.2f}  tau {r['tau']:.2f}  "
+        f"{_fmt(r['per_user'], '7.1f'):>7} tok/s/user  TTFT p50 {r['ttft_ms'][0]:7.1f} ms  "
+        f"ITL p50 {_fmt(r['itl_ms'][0], '6.2f'):>6} ms  occupancy {r['occupancy']:.2f}  "
+        f"tau {_fmt(r['tau'], '.2f')}  "
         f"verified {verified}  {r['setting']}" + built
     )
 
@@ -508,37 +624,54 @@ def markdown_table(rows: list[dict]) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        verified = "-" if r["verified"] is None else f"{r['verified']:.2f}"
         lines.append(
-            f"| {r['concurrency']} | {r['mode']} | {r['throughput']:.0f} | {r['per_user']:.1f} | "
-            f"{r['ttft_ms'][0]:.0f} / {r['ttft_ms'][2]:.0f} | "
-            f"{r['itl_ms'][0]:.2f} / {r['itl_ms'][2]:.2f} | {r['occupancy']:.2f} | "
-            f"{r['tau']:.2f} | {verified} | {r['setting']} |"
+            f"| {r['concurrency']} | {r['mode']} | {r['throughput']:.0f} | "
+            f"{_fmt(r['per_user'], '.1f')} | {r['ttft_ms'][0]:.0f} / {r['ttft_ms'][2]:.0f} | "
+            f"{_fmt(r['itl_ms'][0], '.2f')} / {_fmt(r['itl_ms'][2], '.2f')} | "
+            f"{r['occupancy']:.2f} | {_fmt(r['tau'], '.2f')} | {_fmt(r['verified'], '.2f')} | "
+            f"{r['setting']} |"
         )
     return "\n".join(lines)
 
 
+def _plottable(row: dict) -> bool:
+    """Whether `row` has a point on the log-log plot: finite, positive speeds (a cell with no
+    decode step has no per-user speed)."""
+    x, y = finite_or_none(row.get("per_user")), finite_or_none(row.get("throughput"))
+    return x is not None and y is not None and x > 0 and y > 0
+
+
 def _plot(rows: list[dict], path: str, title: str) -> None:
+    """Throughput against per-user speed, one line per policy, written atomically to `path`;
+    cells without a per-user speed are left out (and said so in the title)."""
     from matplotlib.figure import Figure
+
+    from dspark_jax.cli.paths import atomic_file
 
     fig = Figure(figsize=(6.5, 4.5))
     ax = fig.subplots()
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        pts = [r for r in rows if r["mode"] == mode]
+    shown = [r for r in rows if _plottable(r)]
+    if len(shown) < len(rows):
+        title += f"\n({len(rows) - len(shown)} of {len(rows)} cells without a per-user speed)"
+    for mode in dict.fromkeys(r["mode"] for r in shown):
+        pts = [r for r in shown if r["mode"] == mode]
         xs, ys = [r["per_user"] for r in pts], [r["throughput"] for r in pts]
         ax.plot(xs, ys, marker="o", label=mode)
         for r in pts:
             ax.annotate(str(r["concurrency"]), (r["per_user"], r["throughput"]), fontsize=7)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    if shown:  # log axes need a positive point; with none the plot is an empty frame
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     ax.set_xlabel("per-user speed (tokens/s, median over requests)")
     ax.set_ylabel("throughput (tokens/s)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if shown:
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -138,3 +138,97 @@ def test_gpu_session_runs_named_stages_and_ends_with_their_summary(tmp_path):
     summary = late.stdout[late.stdout.index("== stages"):]
     assert summary.count("not started") == 2
     assert "FAILED stages: bandwidth targets" in summary
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    """A benchmark script run with bad arguments: it must fail fast, in one line."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _one_line_error(done: subprocess.CompletedProcess, *needles: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0], done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _undefined_cell(concurrency: int, mode: str) -> dict:
+    """A cell of a run whose requests all ended at their first token (--lengths 1)."""
+    return {"concurrency": concurrency, "mode": mode, "throughput": 500.0, "per_user": None,
+            "ttft_ms": [1.0, 2.0, 3.0], "itl_ms": [None, None, None], "occupancy": 1.0,
+            "tau": None, "verified": None, "setting": ""}  # fmt: skip
+
+
+def test_cells_without_decode_steps_are_null_in_strict_json_and_left_out_of_the_plot(tmp_path):
+    assert throughput._weighted_percentiles([], [50, 90, 99]) == [None, None, None]
+    rows = [_undefined_cell(1, "no speculation"), _undefined_cell(1, "fixed gamma")]
+    table = throughput.markdown_table(rows)
+    assert "nan" not in table.lower() and "| - / - |" in table
+    assert "nan" not in throughput._row(rows[0]).lower()
+    plot = tmp_path / "plot.png"
+    throughput._plot(rows, str(plot), "no decode steps")  # was: log-scale ValueError, no PNG
+    assert plot.stat().st_size > 0
+    mixed = [*rows, {**_undefined_cell(8, "fixed gamma"), "per_user": 40.0}]
+    throughput._plot(mixed, str(plot), "one point")
+    provenance.write_json(tmp_path / "ok.json", {"rows": rows})
+    with pytest.raises(ValueError):  # a NaN left in a report is a bug, and nothing is written
+        provenance.write_json(tmp_path / "bad.json", {"tau": float("nan")})
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_combine_reads_the_nan_of_earlier_files_as_null(tmp_path):
+    old = Path(_part(tmp_path, "old.json", 1, "abc1234", {"fixed gamma": 10.0}))
+    old.write_text(old.read_text().replace('"tau": 4.0', '"tau": NaN'))  # as written before
+    out = tmp_path / "joined.json"
+    throughput.combine([str(old)], str(out), plot=str(tmp_path / "joined.png"))
+    text = out.read_text()
+    joined = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert joined["rows"][0]["tau"] is None
+    assert (tmp_path / "joined.png").exists()
+
+
+def test_combine_refuses_files_that_are_not_throughput_reports(tmp_path):
+    other = tmp_path / "bandwidth.json"
+    other.write_text(json.dumps({"device": "cpu", "gbs": 10.0}))
+    with pytest.raises(throughput.UserError, match="not a throughput.py --out file"):
+        throughput.combine([str(other)], str(tmp_path / "out.json"), plot="")
+    with pytest.raises(throughput.UserError, match="no such file"):
+        throughput.combine([str(tmp_path / "none.json")], str(tmp_path / "out.json"), plot="")
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--requests-per-client", "0"], "--requests-per-client"),
+        (["--concurrency", "1,x"], "--concurrency"),
+        (["--concurrency", "0"], "--concurrency"),
+        (["--thresholds", "threshold=abc"], "threshold=abc"),
+        (["--prefill-buckets", "64"], "prefill chunk, 256"),
+        (["--synthetic", "tiny", "--target", "x"], "--target"),
+    ],
+)
+def test_throughput_refuses_bad_arguments_before_loading_anything(args, needle):
+    done = _script("throughput.py", *args)
+    _one_line_error(done, needle)
+
+
+def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):
+    missing = str(tmp_path / "missing")
+    for option in ("--sts", "--sps-table", "--prompts", "--target", "--combine"):
+        done = _script("throughput.py", option, missing, cwd=tmp_path)
+        _one_line_error(done, option, "no such")
+    table = tmp_path / "sps"
+    table.mkdir()
+    done = _script("throughput.py", "--sps-table", str(table), "--concurrency", "1,8")
+    _one_line_error(done, "sps_c1.json, sps_c8.json")
+    assert "must be at least 256" in " ".join(_script("throughput.py", "--help").stdout.split())
