@@ -10,13 +10,12 @@ datasheet against about 3.0 TB/s measured here on 2026-11-13), so the floor uses
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+from provenance import Parser, output_file, positive_float, positive_int, run_main, write_json
 
 
 def measure_gbs(gib: float = 4.0, repeats: int = 20) -> float:
@@ -34,18 +33,23 @@ def measure_gbs(gib: float = 4.0, repeats: int = 20) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=4.0, help="buffer size (default 4 GiB)")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--gib", type=positive_float, default=4.0, help="buffer size (default 4 GiB)"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=20, help="timed copies (20)")
     parser.add_argument("--json", help="write {device, gbs} here")
     args = parser.parse_args()
+    if args.json:  # checked before measuring: a typo in the folder fails now, not after
+        output_file(args.json, "--json")
+    if int(args.gib * 2**30) // 4 < 1:
+        parser.error(f"--gib {args.gib}: smaller than one float32")
     device = jax.devices()[0]
     gbs = measure_gbs(args.gib, args.repeats)
     print(f"{device.device_kind}: {gbs:.0f} GB/s (read + write, {args.gib} GiB float32 copy)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device.device_kind, "gbs": gbs}, f)
+        write_json(args.json, {"device": device.device_kind, "gbs": gbs}, indent=None)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import statistics
 import time
 from pathlib import Path
@@ -45,12 +44,22 @@ import jax.numpy as jnp
 import numpy as np
 import xla_profile
 from flax import nnx
-from provenance import CompileClock, git_commit
+from provenance import (
+    CompileClock,
+    Parser,
+    git_commit,
+    output_file,
+    positive_float,
+    read_json,
+    run_main,
+    write_json,
+)
 
 from dspark_jax import configs
 from dspark_jax.cli import use_compilation_cache
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.profiling import filled_state
+from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
 
@@ -234,6 +243,19 @@ def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
     return statistics.median(per_round), statistics.median(tokens), warm, late.programs
 
 
+def bandwidth_from_json(path: str) -> float:
+    """The GB/s that benchmarks/bandwidth.py --json wrote to `path` (UserError if it is not
+    there or holds no positive number)."""
+    data = read_json(path, "--bandwidth-json")
+    gbs = data.get("gbs") if isinstance(data, dict) else None
+    if isinstance(gbs, bool) or not isinstance(gbs, int | float) or not gbs > 0:
+        raise UserError(
+            f"--bandwidth-json {path}: no positive 'gbs' (write it with benchmarks/bandwidth.py "
+            "--json)"
+        )
+    return float(gbs)
+
+
 def run(args: argparse.Namespace) -> dict:
     target_name, drafter_name = CONFIGS[args.config]
     target_cfg, drafter_cfg = pair_configs(args.config, args.dtype)
@@ -244,8 +266,7 @@ def run(args: argparse.Namespace) -> dict:
     device = jax.devices()[0]
     bandwidth = args.bandwidth_gbs or default_bandwidth_gbs(device.device_kind)
     if args.bandwidth_json:
-        with open(args.bandwidth_json) as f:
-            bandwidth = json.load(f)["gbs"]
+        bandwidth = bandwidth_from_json(args.bandwidth_json)
 
     target, drafter = random_pair(target_cfg, drafter_cfg, args.dtype, args.seed)
     target_weights = bytes_read_per_step(
@@ -329,7 +350,7 @@ def run(args: argparse.Namespace) -> dict:
             flush=True,
         )
         if args.json:  # what is measured so far survives a run cut off later
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+            write_json(args.json, result)
 
     return result
 
@@ -376,7 +397,7 @@ def format_table(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="qwen3-4b")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -387,7 +408,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
         "--bandwidth-gbs",
-        type=float,
+        type=positive_float,
         help="HBM bandwidth for the floor (default: known devices; n/a on CPU)",
     )
     parser.add_argument(
@@ -409,6 +430,10 @@ def main() -> None:
         args.profile_batch = args.batch_sizes[0]
     elif args.profile and args.profile_batch not in args.batch_sizes:
         parser.error(f"--profile-batch {args.profile_batch} is not among --batch-sizes")
+    # Read and checked before anything is built: a bad file fails now, not after the models.
+    if args.bandwidth_json:
+        bandwidth_from_json(args.bandwidth_json)
+    output_file(args.json, "--json")
     use_compilation_cache()
     result = run(args)
     print(format_table(result))
@@ -417,9 +442,9 @@ def main() -> None:
             if f"{mode}_profile" in row:
                 title = f"{mode} chunk, batch {row['batch']} ({args.rounds} rounds)"
                 print(xla_profile.format_summary(row[f"{mode}_profile"], title))
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
     print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -21,21 +21,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from provenance import git_commit
+from provenance import (
+    Parser,
+    git_commit,
+    non_negative_int,
+    output_file,
+    positive_int,
+    run_main,
+    write_json,
+)
 
 from dspark_jax import configs
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import format_bytes
+from dspark_jax.errors import UserError
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
 from dspark_jax.training import step as S
@@ -114,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     target_cfg = configs.get(args.target)
     drafter_cfg = configs.get(args.drafter)
     if not isinstance(target_cfg, Qwen3Config) or not isinstance(drafter_cfg, DrafterConfig):
-        raise SystemExit(f"{args.target} must name a target and {args.drafter} a drafter config")
+        raise UserError(f"{args.target} must name a target and {args.drafter} a drafter config")
     target_cfg = dataclasses.replace(target_cfg, dtype=args.dtype)
     drafter_cfg = dataclasses.replace(
         drafter_cfg,
@@ -219,27 +226,40 @@ def _bytes(n: int | None) -> str:
     return "n/a" if n is None else format_bytes(n)
 
 
+def _mesh(text: str) -> tuple[int, int, int]:
+    """argparse `type=` of --mesh: three integers, data,fsdp,tensor."""
+    try:
+        sizes = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3:
+        raise argparse.ArgumentTypeError(f"{text!r} is not three integers data,fsdp,tensor")
+    return sizes
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="tiny-vanilla-target")
     parser.add_argument("--drafter", default="tiny-vanilla-dspark")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--anchors", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=16)
-    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    parser.add_argument("--anchors", type=positive_int, default=32)
+    parser.add_argument("--chunk", type=positive_int, default=16)
+    parser.add_argument("--microbatches", type=positive_int, default=1)
     parser.add_argument(
-        "--mesh", type=lambda s: tuple(int(v) for v in s.split(",")), default=(-1, 1, 1)
+        "--mesh",
+        type=_mesh,
+        default=(-1, 1, 1),
+        help="data,fsdp,tensor sizes; -1 takes the devices left (default -1,1,1)",
     )
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=10)
+    parser.add_argument("--warmup", type=non_negative_int, default=2)
     parser.add_argument("--json", default="train_throughput.json", help="where to write results")
     args = parser.parse_args()
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
     if args.batch % args.microbatches:
         parser.error(f"--batch {args.batch} does not split into {args.microbatches} microbatches")
+    output_file(args.json, "--json")
     result = run(args)
     rows = [
         ("device", result["device"]),
@@ -265,9 +285,9 @@ def main() -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result, indent=2)
     print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

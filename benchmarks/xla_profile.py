@@ -1,4 +1,4 @@
-"""Where the time of one compiled program goes: capture an XLA profile, tabulate its ops.
+"""Where the time of one compiled program goes: tabulate the ops of an XLA profile.
 
 `capture(run, trace_dir)` records a `jax.profiler` trace (Perfetto JSON beside the xplane, both
 readable in Perfetto / TensorBoard) of `run()`; `summarize(trace_dir, module)` reads it back and
@@ -15,15 +15,16 @@ sums the device time of every HLO op of `module` (`jit_decode` is the engine's d
 
 On a GPU the device's own op timeline ("XLA Ops") is used. On a CPU (no device timeline) the
 host's executor events are, which name the same ops but do not time the ops inside a loop body
-one by one: a CPU summary checks the pipeline, it does not profile. Summarize a trace captured
-elsewhere:
+one by one: a CPU summary checks the pipeline, it does not profile.
+
+The command line captures nothing: it summarizes a trace captured earlier (by `capture`, by
+decode_speed.py --profile or by any `jax.profiler.trace`):
 
     python benchmarks/xla_profile.py TRACE_DIR --module jit_decode
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -231,19 +232,45 @@ def format_summary(summary: dict, title: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from provenance import (
+        Parser,
+        existing_file,
+        existing_folder,
+        non_negative_int,
+        output_file,
+        write_json,
+    )
+
+    from dspark_jax.errors import UserError
+
+    parser = Parser(
+        description="Summarize an XLA profile captured earlier (captures nothing): device time "
+        "by op kind and the most expensive ops of one compiled program."
+    )
     parser.add_argument("trace_dir", help="a folder jax.profiler.trace wrote into")
     parser.add_argument("--module", help="only ops of HLO modules whose name contains this")
-    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument(
+        "--top", type=non_negative_int, default=15, help="most expensive ops listed (15)"
+    )
     parser.add_argument("--hlo", help="the module's compiled HLO text, for the ops' shapes")
     parser.add_argument("--json", help="write the summary here too")
     args = parser.parse_args()
-    hlo_text = Path(args.hlo).read_text() if args.hlo else None
-    summary = summarize(args.trace_dir, args.module, top=args.top, hlo_text=hlo_text)
+    existing_folder(args.trace_dir, "trace_dir")
+    hlo_text = existing_file(args.hlo, "--hlo").read_text() if args.hlo else None
+    if args.json:
+        output_file(args.json, "--json")
+    try:
+        summary = summarize(args.trace_dir, args.module, top=args.top, hlo_text=hlo_text)
+    except FileNotFoundError as e:
+        raise UserError(f"trace_dir {args.trace_dir}: {e}") from None
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"trace_dir {args.trace_dir}: cannot read its trace ({e})") from None
     print(format_summary(summary, summary["trace"]))
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+        write_json(args.json, summary)
 
 
 if __name__ == "__main__":
-    main()
+    from provenance import run_main
+
+    run_main(main)

@@ -232,3 +232,28 @@ def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):
     done = _script("throughput.py", "--sps-table", str(table), "--concurrency", "1,8")
     _one_line_error(done, "sps_c1.json, sps_c8.json")
     assert "must be at least 256" in " ".join(_script("throughput.py", "--help").stdout.split())
+
+
+def test_library_errors_and_bad_numbers_are_one_line_errors(tmp_path):
+    """Bad input the library or argparse refuses ends in `error: ...`, status 2, no traceback
+    (and for bandwidth.py before measuring: a --json that cannot be written is found first)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    _one_line_error(_script("bandwidth.py", "--gib", "-1"), "--gib")
+    _one_line_error(_script("bandwidth.py", "--repeats", "0"), "--repeats")
+    done = _script("bandwidth.py", "--gib", "0.001", "--json", str(a_file / "x.json"))
+    _one_line_error(done, "is a file, not a folder")
+    assert "GB/s" not in done.stdout  # refused before the copy was timed
+    done = _script("decode_speed.py", "--config", "tiny", "--bandwidth-json", str(tmp_path / "x"))
+    _one_line_error(done, "--bandwidth-json", "no such file")
+    _one_line_error(_script("train_throughput.py", "--target", "nope"), "unknown config 'nope'")
+    _one_line_error(_script("train_throughput.py", "--chunk", "3"), "must divide")
+    _one_line_error(_script("xla_profile.py", str(tmp_path / "none")), "no such folder")
+    trace = tmp_path / "trace" / "plugins" / "profile" / "1"
+    trace.mkdir(parents=True)
+    (trace / "perfetto_trace.json.gz").write_bytes(b"not gzip")
+    _one_line_error(_script("xla_profile.py", str(tmp_path / "trace")), "cannot read its trace")
+    done = _script("xla_profile.py", str(tmp_path / "trace"), "--hlo", str(tmp_path / "none"))
+    _one_line_error(done, "--hlo", "no such file")
+    _one_line_error(_script("xla_profile.py", str(tmp_path), "--top", "-1"), "--top")
+    assert "captures nothing" in _script("xla_profile.py", "--help").stdout
