@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import statistics
 import time
 from pathlib import Path
@@ -30,9 +29,23 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from provenance import git_commit
+from provenance import (
+    Parser,
+    git_commit,
+    output_file,
+    positive_int,
+    positive_ints,
+    run_main,
+    write_json,
+)
 
+from dspark_jax.errors import UserError
 from dspark_jax.models import attention as attn
+
+DTYPES = ("float32", "bfloat16", "float16")
+# The kernel paths and the backend each compiles for; anywhere else they would run in interpret
+# mode, which times the interpreter (see the module docstring).
+KERNEL_BACKENDS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
 def build(impl, *, slots, q_len, kv_len, capacity, page_size, kv_heads, groups, head_dim, dtype,
@@ -83,36 +96,83 @@ def time_paths(configs, repeats) -> list[float]:
     return [statistics.median(cell) * 1e3 for cell in times]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--q-len", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-lens", default="128,256,512,1024")
-    parser.add_argument("--capacity", type=int, default=2048)
-    parser.add_argument("--fixed-kv", type=int, default=256)
-    parser.add_argument("--capacities", default="512,1024,2048,4096")
-    parser.add_argument("--repeats", type=int, default=7)
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with the shapes checked: every kv length fits the capacity it is
+    timed at, capacities are whole pages, and the kernel paths asked for run on this backend."""
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=positive_int, default=8)
+    parser.add_argument("--q-len", type=positive_int, default=4)
+    parser.add_argument("--kv-heads", type=positive_int, default=4)
+    parser.add_argument("--groups", type=positive_int, default=4)
+    parser.add_argument("--head-dim", type=positive_int, default=64)
+    parser.add_argument("--page-size", type=positive_int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--kv-lens", type=positive_ints, default=(128, 256, 512, 1024),
+                        help="kv sweep: keys per sequence (each at most --capacity)")
+    parser.add_argument("--capacity", type=positive_int, default=2048,
+                        help="kv sweep: positions per slot, a multiple of --page-size")
+    parser.add_argument("--fixed-kv", type=positive_int, default=256,
+                        help="pool sweep: keys per sequence (at most every --capacities)")
+    parser.add_argument("--capacities", type=positive_ints, default=(512, 1024, 2048, 4096),
+                        help="pool sweep: positions per slot, multiples of --page-size")
+    parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument("--impls", default=None,
-                        help="comma-separated; default dense, jax and the backend's kernel path")
+                        help=f"comma-separated, of {', '.join(attn.IMPLS)}; default dense, jax "
+                        "and the backend's kernel path (a kernel path runs on its own backend "
+                        "only)")
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    page = args.page_size
+    for option, sizes in (("--capacity", (args.capacity,)), ("--capacities", args.capacities)):
+        odd = [c for c in sizes if c % page]
+        if odd:
+            parser.error(f"{option} {','.join(map(str, odd))}: not a multiple of --page-size "
+                         f"{page}")
+    too_long = [n for n in args.kv_lens if n > args.capacity]
+    if too_long:
+        parser.error(f"--kv-lens {','.join(map(str, too_long))}: more keys than --capacity "
+                     f"{args.capacity} positions hold")
+    if args.fixed_kv > min(args.capacities):
+        parser.error(f"--fixed-kv {args.fixed_kv}: more keys than --capacities "
+                     f"{min(args.capacities)} positions hold")
+    short = [n for n in (*args.kv_lens, args.fixed_kv) if n < args.q_len]
+    if short:
+        parser.error(f"kv lengths {','.join(map(str, short))}: fewer keys than the --q-len "
+                     f"{args.q_len} new tokens they include")
+    if args.impls is not None:
+        args.impls = args.impls.split(",")
+        unknown = [i for i in args.impls if i not in attn.IMPLS]
+        if unknown:
+            parser.error(f"--impls {','.join(unknown)}: not one of {', '.join(attn.IMPLS)}")
+    return args
 
-    impls = args.impls.split(",") if args.impls else ["dense", "jax"]
+
+def check_backend(impls) -> None:
+    """Refuses a kernel path that would not run on the backend here (UserError)."""
+    backend = jax.default_backend()
+    for impl in impls:
+        needs = KERNEL_BACKENDS.get(impl)
+        if needs is not None and needs != backend:
+            raise UserError(f"--impls {impl}: runs on {needs} only; this backend is {backend} "
+                            "(interpret mode would time the interpreter)")
+
+
+def main():
+    args = parse_args()
+    if args.json:
+        output_file(args.json, "--json")
+    impls = args.impls or ["dense", "jax"]
     if args.impls is None and attn.default_impl() != "jax":
         impls.append(attn.default_impl())
+    check_backend(impls)
     common = dict(slots=args.slots, q_len=args.q_len, page_size=args.page_size,
                   kv_heads=args.kv_heads, groups=args.groups, head_dim=args.head_dim,
                   dtype=jnp.dtype(args.dtype))
     rows = []
     for impl in impls:
-        for kv_len in (int(x) for x in args.kv_lens.split(",")):
+        for kv_len in args.kv_lens:
             rows.append(dict(sweep="kv", impl=impl, kv_len=kv_len, capacity=args.capacity))
-        for capacity in (int(x) for x in args.capacities.split(",")):
+        for capacity in args.capacities:
             rows.append(dict(sweep="pool", impl=impl, kv_len=args.fixed_kv, capacity=capacity))
     configs = [(row["impl"], dict(kv_len=row["kv_len"], capacity=row["capacity"], **common))
                for row in rows]
@@ -133,7 +193,7 @@ def main():
         print(f"{row['sweep']:<6}{row['impl']:<12}{row['kv_len']:>8}{row['capacity']:>10}"
               f"{row['num_pages']:>8}{row['ms']:>10.2f}{row['ratio_to_first']:>9.2f}")
     if args.json:
-        args.json.write_text(json.dumps(dict(
+        write_json(args.json, dict(
             benchmark="attention_paths",
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             commit=git_commit(),
@@ -142,8 +202,8 @@ def main():
             settings={k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()
                       if k != "json"},
             rows=rows,
-        ), indent=2))
+        ), indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -21,16 +21,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from decode_speed import CONFIGS, pair_configs, random_pair
-from provenance import CompileClock, git_commit
+from provenance import (
+    CompileClock,
+    Parser,
+    git_commit,
+    output_file,
+    positive_int,
+    run_main,
+    write_json,
+)
 
 from dspark_jax.cli import use_compilation_cache
 from dspark_jax.decoding.engine import Engine, EngineConfig
@@ -74,12 +80,22 @@ def run(args: argparse.Namespace) -> dict:
     return {**result, "programs": clock.programs, "compile_s": clock.compile_s}
 
 
+# The preallocation sweep's context: every max_model_len it times must hold it.
+PREALLOC_CONTEXT = 48
+
+
+def chunk_room(rounds: int, gamma: int) -> int:
+    """Positions one chunk of `rounds` speculative rounds (and the warm-up's one more) may add
+    past the context: the slots are rolled back to it between chunks."""
+    return (rounds + 1) * (gamma + 1)
+
+
 def _sweeps(args: argparse.Namespace) -> dict:
     # Random weights at a raised context limit: the sweep reaches past the real model's.
     target_cfg, drafter_cfg = pair_configs(args.config, args.dtype, max_position_embeddings=1 << 16)
     target, drafter = random_pair(target_cfg, drafter_cfg, args.dtype, args.seed)
     gamma = drafter_cfg.block_size
-    room = (args.rounds + 1) * (gamma + 1)
+    room = chunk_room(args.rounds, gamma)
     small = dict(prefill_chunk=16, prefill_buckets=(16,), rounds_per_chunk=args.rounds)
     # Plain steps of every slot pack exactly `slots` tokens: one token bucket, so the decode
     # program compiles one target forward rather than one per default bucket (1, 2, 4, ...).
@@ -101,7 +117,7 @@ def _sweeps(args: argparse.Namespace) -> dict:
         cfg = EngineConfig(num_slots=args.slots, max_model_len=max_len, **plain_small)
         engines.append(Engine(target, None, cfg))
         engines[-1].warm_up()
-    prealloc_ms = round_ms([(e, 48, all_live) for e in engines], args.repeats)
+    prealloc_ms = round_ms([(e, PREALLOC_CONTEXT, all_live) for e in engines], args.repeats)
     for max_len, engine, ms in zip(args.max_lens, engines, prealloc_ms, strict=True):
         prealloc_rows.append(
             {"max_model_len": max_len, "pool_pages": engine.cfg.pool_pages, "ms": ms}
@@ -167,24 +183,41 @@ def format_table(r: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
-    parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--packed-slots", type=int, default=32)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--max-lens", type=int, nargs="+", default=[256, 2048, 8192])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--slots", type=positive_int, default=8)
+    parser.add_argument("--packed-slots", type=positive_int, default=32)
+    parser.add_argument("--contexts", type=positive_int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument(
+        "--max-lens",
+        type=positive_int,
+        nargs="+",
+        default=[256, 2048, 8192],
+        help=f"max_model_len of the preallocation sweep; each must hold its {PREALLOC_CONTEXT}-"
+        "token context plus one chunk of rounds",
+    )
+    parser.add_argument("--rounds", type=positive_int, default=8)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="cost_model.json")
     args = parser.parse_args()
+    gamma = pair_configs(args.config, args.dtype)[1].block_size
+    need = PREALLOC_CONTEXT + chunk_room(args.rounds, gamma)
+    short = [m for m in args.max_lens if m < need]
+    if short:
+        parser.error(
+            f"--max-lens {' '.join(map(str, short))}: each must be at least {need}, the "
+            f"{PREALLOC_CONTEXT}-token context plus room for a chunk of --rounds {args.rounds} "
+            f"(({args.rounds} + 1) x {gamma + 1} tokens)"
+        )
+    output_file(args.json, "--json")
     use_compilation_cache()
     result = run(args)
     print(format_table(result))
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
     print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

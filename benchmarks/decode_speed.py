@@ -48,8 +48,10 @@ from provenance import (
     CompileClock,
     Parser,
     git_commit,
+    non_negative_float,
     output_file,
     positive_float,
+    positive_int,
     read_json,
     run_main,
     write_json,
@@ -243,6 +245,13 @@ def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
     return statistics.median(per_round), statistics.median(tokens), warm, late.programs
 
 
+def default_context(args: argparse.Namespace) -> int:
+    """--context, or its default: 128 for the tiny config, 1024 for the real ones."""
+    if args.context is not None:
+        return args.context
+    return 128 if args.config == "tiny" else 1024
+
+
 def bandwidth_from_json(path: str) -> float:
     """The GB/s that benchmarks/bandwidth.py --json wrote to `path` (UserError if it is not
     there or holds no positive number)."""
@@ -259,7 +268,7 @@ def bandwidth_from_json(path: str) -> float:
 def run(args: argparse.Namespace) -> dict:
     target_name, drafter_name = CONFIGS[args.config]
     target_cfg, drafter_cfg = pair_configs(args.config, args.dtype)
-    context = args.context or (128 if args.config == "tiny" else 1024)
+    context = default_context(args)
     gamma = drafter_cfg.block_size
     # Room for one chunk of rounds past the context: the slots are rolled back between chunks.
     max_len = -(-(context + (args.rounds + 1) * (gamma + 1)) // 128) * 128
@@ -400,12 +409,18 @@ def main() -> None:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="qwen3-4b")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--context", type=int, help="prompt tokens (default 1024; tiny 128)")
-    parser.add_argument("--rounds", type=int, default=16, help="rounds per timed chunk")
-    parser.add_argument("--repeats", type=int, default=5, help="timed chunks per cell (median)")
-    parser.add_argument("--taus", type=float, nargs="+", default=[3.0, 5.0, 6.0])
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--context", type=positive_int, help="prompt tokens (default 1024; tiny 128)"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=16, help="rounds per timed chunk")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed chunks per cell (median)"
+    )
+    parser.add_argument("--taus", type=positive_float, nargs="+", default=[3.0, 5.0, 6.0])
+    parser.add_argument(
+        "--temperature", type=non_negative_float, default=1.0, help="0 = greedy (default 1.0)"
+    )
     parser.add_argument(
         "--bandwidth-gbs",
         type=positive_float,
@@ -421,7 +436,9 @@ def main() -> None:
         help="also capture an XLA profile of one plain and one speculative chunk at "
         "--profile-batch into DIR/<mode>-b<batch> and tabulate where its time goes",
     )
-    parser.add_argument("--profile-batch", type=int, help="(default: the first batch size)")
+    parser.add_argument(
+        "--profile-batch", type=positive_int, help="(default: the first batch size)"
+    )
     parser.add_argument("--json", default="decode_speed.json", help="output JSON path")
     args = parser.parse_args()
     if min(args.batch_sizes) < 1 or args.rounds < 1 or args.repeats < 1:

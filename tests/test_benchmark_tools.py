@@ -257,3 +257,32 @@ def test_library_errors_and_bad_numbers_are_one_line_errors(tmp_path):
     _one_line_error(done, "--hlo", "no such file")
     _one_line_error(_script("xla_profile.py", str(tmp_path), "--top", "-1"), "--top")
     assert "captures nothing" in _script("xla_profile.py", "--help").stdout
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "needle"),
+    [
+        ("decode_speed.py", ["--context", "0"], "--context"),  # was: silently the default
+        ("decode_speed.py", ["--context", "-5"], "--context"),
+        ("decode_speed.py", ["--temperature", "-1"], "--temperature"),
+        ("cost_model.py", ["--repeats", "0"], "--repeats"),
+        ("cost_model.py", ["--max-lens", "32"], "--max-lens 32"),
+        ("attention_paths.py", ["--repeats", "0"], "--repeats"),
+        ("attention_paths.py", ["--kv-lens", "1024", "--capacity", "256"], "--capacity 256"),
+        ("attention_paths.py", ["--capacity", "100"], "multiple of --page-size"),
+        ("attention_paths.py", ["--kv-lens", "64,abc"], "--kv-lens"),
+        ("attention_paths.py", ["--dtype", "float17"], "float17"),
+        ("attention_paths.py", ["--impls", "nope"], "--impls nope"),
+    ],
+)
+def test_nonsense_sizes_are_refused_before_anything_is_built(script, args, needle):
+    _one_line_error(_script(script, *args), needle)
+
+
+def test_attention_kernel_paths_are_refused_off_their_backend():
+    import attention_paths
+
+    other = "pallas_tpu" if jax.default_backend() == "gpu" else "pallas_gpu"
+    with pytest.raises(attention_paths.UserError, match=f"--impls {other}: runs on"):
+        attention_paths.check_backend(["dense", other])
+    attention_paths.check_backend(["dense", "jax"])
