@@ -10,26 +10,60 @@ met, not met or not measured (markdown, ready for docs/benchmarks.md):
 - the training step at the released recipe's shapes reaches >= 40% MFU (train_throughput.json).
 
     python benchmarks/gpu_targets.py gpu_out/        # the folder gpu_session.sh wrote
+
+The aims are at the released recipe's shapes (Qwen3-4B and its DSpark drafter; for training
+one 4096-token sequence with 512 anchors per micro-step, as gpu_session.sh runs it). Results
+at other shapes (a CPU smoke run at the tiny config) are shown with their ratio but judged
+neither met nor not met: the row says which shapes they are. A folder that does not exist, or
+holds none of the JSON files above, is an error (status 2).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
+
+from provenance import Parser, existing_folder, read_json, run_main, write_json
+
+from dspark_jax.errors import UserError
 
 SCHEDULERS = ("scheduler (Alg. 1)", "scheduler (5.2)")
 OTHERS = ("no speculation", "fixed gamma", "best threshold")
 CONCURRENCY = 64
+SOURCES = ("decode_speed.json", "throughput.json", "train_throughput.json")
+# The released recipe's shapes (benchmarks/gpu_session.sh at its default SIZE).
+AIM_CONFIG = "qwen3-4b"
+AIM_TRAINING = {
+    "target": "qwen3-4b",
+    "drafter": "dspark-qwen3-4b",
+    "seq_len": 4096,
+    "anchors": 512,
+}
 
 
 def _load(folder: Path, name: str) -> dict | None:
     path = folder / name
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, "folder") if path.is_file() else None
 
 
 def _row(value: float | None, target: str, met: bool | None, detail: str, source: str) -> dict:
     return {"value": value, "target": target, "met": met, "detail": detail, "source": source}
+
+
+def _off_shapes(row: dict, shapes: str | None) -> dict:
+    """`row` as measured at `shapes` other than the aim's (None: at the aim's): its ratio is
+    kept, but it is judged neither met nor not met, and its detail says why."""
+    if shapes is None or row["value"] is None:
+        return row
+    would = "would meet" if row["met"] else "would not meet"
+    detail = f"not at the aim's shapes ({shapes}; {would} the aim there): {row['detail']}"
+    return {**row, "met": None, "detail": detail, "off_shapes": True}
+
+
+def _decode_shapes(result: dict) -> str | None:
+    config = result.get("config")
+    if config is None or config == AIM_CONFIG:
+        return None
+    return f"config {config}, the aim is at {AIM_CONFIG}"
 
 
 def decode_targets(result: dict | None) -> list[dict]:
@@ -63,7 +97,8 @@ def decode_targets(result: dict | None) -> list[dict]:
         f"{result['gamma']} ({where})",
         source,
     )
-    return [floor, round_row]
+    shapes = _decode_shapes(result)
+    return [_off_shapes(floor, shapes), _off_shapes(round_row, shapes)]
 
 
 def scheduler_target(report: dict | None) -> dict:
@@ -81,7 +116,9 @@ def scheduler_target(report: dict | None) -> dict:
         f"{best_sched} {sched[best_sched]:.0f} tok/s vs {best_other} "
         f"{others[best_other]:.0f} tok/s ({report['device']})"
     )
-    return _row(ratio, ">= 1.10", ratio >= 1.10, detail, source)
+    model = str(report.get("target", ""))
+    shapes = f"{model}, the aim is at {AIM_CONFIG}" if "tiny" in model else None
+    return _off_shapes(_row(ratio, ">= 1.10", ratio >= 1.10, detail, source), shapes)
 
 
 def training_target(result: dict | None) -> dict:
@@ -94,10 +131,20 @@ def training_target(result: dict | None) -> dict:
     )
     if result.get("mfu") is None:
         return _row(None, ">= 0.40", None, f"no peak FLOP/s known: {detail}", source)
-    return _row(result["mfu"], ">= 0.40", result["mfu"] >= 0.40, detail, source)
+    row = _row(result["mfu"], ">= 0.40", result["mfu"] >= 0.40, detail, source)
+    differ = [
+        f"{key} {result[key]}" for key, aim in AIM_TRAINING.items() if result.get(key, aim) != aim
+    ]
+    recipe = ", ".join(f"{key} {aim}" for key, aim in AIM_TRAINING.items())
+    return _off_shapes(row, f"{', '.join(differ)}; the recipe: {recipe}" if differ else None)
 
 
 def targets(folder: Path) -> list[dict]:
+    """The four rows, judged from the JSON files in `folder` (UserError when it is not a
+    folder or holds none of them: a wrong path, not a session that measured nothing)."""
+    folder = existing_folder(folder, "folder")
+    if not any((folder / name).is_file() for name in SOURCES):
+        raise UserError(f"folder {folder}: none of {', '.join(SOURCES)} in it")
     decode = decode_targets(_load(folder, "decode_speed.json"))
     names = (
         "plain decode / HBM floor, batch 1",
@@ -118,6 +165,8 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         value = "n/a" if r["value"] is None else f"{r['value']:.2f}"
         status = {True: "**met**", False: "**not met**", None: "not measured"}[r["met"]]
+        if r.get("off_shapes"):
+            status = "not judged"
         lines.append(
             f"| {r['name']} | {value} | {r['target']} | {status}: {r['detail']} | {r['source']} |"
         )
@@ -125,15 +174,15 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="where gpu_session.sh wrote its JSON files")
     parser.add_argument("--json", type=Path, help="write the rows here too")
     args = parser.parse_args()
     rows = targets(args.folder)
     print(markdown(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -120,10 +120,21 @@ def test_gpu_session_refuses_a_stage_it_does_not_have(tmp_path):
     assert "no stage named bandwith" in done.stdout and "throughput_c8" in done.stdout
 
 
+# What train_throughput.py writes on a CPU at its tiny defaults (fields gpu_targets reads).
+_CPU_TRAINING = {
+    "device": "1 x cpu", "target": "tiny-vanilla-target", "drafter": "tiny-vanilla-dspark",
+    "dtype": "float32", "seq_len": 256, "anchors": 32, "achieved_tflops": 0.01,
+    "step_s_median": 0.1, "mfu": None,
+}  # fmt: skip
+
+
 def test_gpu_session_runs_named_stages_and_ends_with_their_summary(tmp_path):
-    """Only the stages named run (here the aims' judge, on an empty results folder), the
-    commit comes from DSPARK_JAX_COMMIT where git cannot say, and with DEADLINE passed no stage
-    starts: each is listed as not started and the run fails."""
+    """Only the stages named run (here the aims' judge, on a results folder holding one earlier
+    stage's result: an empty one is an error), the commit comes from DSPARK_JAX_COMMIT where git
+    cannot say, and with DEADLINE passed no stage starts: each is listed as not started and the
+    run fails."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "train_throughput.json").write_text(json.dumps(_CPU_TRAINING))
     done = _session(tmp_path, STAGES="targets", GIT_DIR=str(tmp_path / "no-git"),
                     DSPARK_JAX_COMMIT="abc1234")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -286,3 +297,32 @@ def test_attention_kernel_paths_are_refused_off_their_backend():
     with pytest.raises(attention_paths.UserError, match=f"--impls {other}: runs on"):
         attention_paths.check_backend(["dense", other])
     attention_paths.check_backend(["dense", "jax"])
+
+
+def test_gpu_targets_refuses_a_folder_that_is_not_a_session_results_folder(tmp_path):
+    _one_line_error(_script("gpu_targets.py", str(tmp_path / "none")), "no such folder")
+    a_file = tmp_path / "decode_speed.json"
+    a_file.write_text("{}")
+    _one_line_error(_script("gpu_targets.py", str(a_file)), "is a file, not a folder")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_line_error(_script("gpu_targets.py", str(empty)), "none of decode_speed.json")
+
+
+def test_gpu_targets_does_not_judge_results_at_other_shapes(tmp_path):
+    """A tiny CPU run's ratios are shown, but not called met or not met at the aims' shapes."""
+    decode = {"device": "cpu", "dtype": "float32", "context": 128, "gamma": 7, "config": "tiny",
+              "rows": [{"batch": 1, "plain_ms": 1.0, "spec_ms": 3.0, "floor_ms": None,
+                        "round_over_step": 3.0}]}  # fmt: skip
+    (tmp_path / "decode_speed.json").write_text(json.dumps(decode))
+    trained = {**_CPU_TRAINING, "mfu": 0.01}
+    (tmp_path / "train_throughput.json").write_text(json.dumps(trained))
+    rows = gpu_targets.targets(tmp_path)
+    assert rows[1]["value"] == pytest.approx(3.0) and rows[1]["met"] is None
+    assert "not at the aim's shapes" in rows[1]["detail"] and "config tiny" in rows[1]["detail"]
+    assert rows[3]["met"] is None and "seq_len 256" in rows[3]["detail"]
+    table = gpu_targets.markdown(rows)
+    assert "not met" not in table and table.count("not judged") == 2
+    # At the aims' shapes the same ratio is judged.
+    (tmp_path / "decode_speed.json").write_text(json.dumps({**decode, "config": "qwen3-4b"}))
+    assert gpu_targets.targets(tmp_path)[1]["met"] is False
