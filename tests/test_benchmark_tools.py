@@ -326,3 +326,13 @@ def test_gpu_targets_does_not_judge_results_at_other_shapes(tmp_path):
     # At the aims' shapes the same ratio is judged.
     (tmp_path / "decode_speed.json").write_text(json.dumps({**decode, "config": "qwen3-4b"}))
     assert gpu_targets.targets(tmp_path)[1]["met"] is False
+
+
+def test_mesh_memory_names_the_configs_it_takes_and_its_exit_status():
+    done = _script("mesh_memory.py", "--config", "tiny-vanilla-target")
+    _one_line_error(done, "--config", "qwen3-8b")
+    usage = " ".join(_script("mesh_memory.py", "--help").stdout.split())
+    assert "dspark-<config>" in usage
+    import mesh_memory
+
+    assert "exits 0 either way" in " ".join(mesh_memory.__doc__.split())
