@@ -336,3 +336,19 @@ def test_mesh_memory_names_the_configs_it_takes_and_its_exit_status():
     import mesh_memory
 
     assert "exits 0 either way" in " ".join(mesh_memory.__doc__.split())
+
+
+def test_policy_switch_cost_names_each_member_it_times():
+    import policy_switch_cost
+
+    from dspark_jax.decoding import policies
+
+    members = [policies.FixedPolicy(7)] + [
+        policies.make_policy(name, 7, threshold=t) for name, t in throughput.THRESHOLDS
+    ]
+    labels = [policy_switch_cost.describe(m) for m in members]
+    assert labels[:3] == ["fixed gamma 7", "threshold c_k >= 0.5", "threshold c_k >= 0.7"]
+    assert labels[3] == "threshold a_k >= 0.3"
+    assert len(set(labels)) == len(labels)  # two ThresholdPolicy rows are told apart
+    _one_line_error(_script("policy_switch_cost.py", "--members", "1,9"), "--members")
+    _one_line_error(_script("policy_switch_cost.py", "--repeats", "0"), "--repeats")
