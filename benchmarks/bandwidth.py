@@ -1,9 +1,10 @@
 """Measured device memory bandwidth: the ceiling the decode floor divides by.
 
-A large device-to-device copy (jitted `x + 0` would fuse away; `jnp.copy` of a donated-free
-buffer is a real read and write), timed after a warm-up, median of repeats, counting bytes read
-plus bytes written. Datasheet numbers overstate what a copy reaches (an H100 SXM's 3.35 TB/s
-datasheet against about 3.0 TB/s measured here on 2026-11-13), so the floor uses this.
+A large device-to-device copy, timed after a warm-up, median of repeats, counting bytes read
+plus bytes written: a jitted `x * 1.0000001` of a float32 buffer, one read and one write per
+element (`x + 0` or `x * 1` would be simplified away, returning the input unread). A datasheet
+gives the peak (NVIDIA's figure for an H100 SXM is 3.35 TB/s), which a copy does not reach, so
+decode_speed.py's floor uses this measurement where it has one (--bandwidth-json).
 
     python benchmarks/bandwidth.py [--gib 4] [--json bandwidth.json]
 """

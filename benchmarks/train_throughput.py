@@ -105,11 +105,25 @@ def _peak_flops(device) -> float | None:
     return None
 
 
+def _prompt_len(seq_len: int) -> int:
+    """Tokens of prompt (outside the loss) at the start of each benchmark sequence."""
+    return seq_len // 8
+
+
+def anchor_positions(seq_len: int) -> int:
+    """Positions the training step may anchor a block at in one benchmark sequence
+    (`training.loss.sample_anchors`: p and p + 1 both in the loss, p + 1 inside the sequence),
+    so the most anchors that are real blocks: past that, the rest are padding at l - 1 that the
+    step computes but that hold no label."""
+    return max(seq_len - 1 - _prompt_len(seq_len), 0)
+
+
 def _batch(batch: int, seq_len: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
     """Random tokens; the first eighth of each sequence is prompt, the rest assistant."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, min(vocab, 256), (batch, seq_len)).astype(np.int32)
-    loss_mask = np.broadcast_to(np.arange(seq_len) >= seq_len // 8, (batch, seq_len)).copy()
+    prompt = _prompt_len(seq_len)
+    loss_mask = np.broadcast_to(np.arange(seq_len) >= prompt, (batch, seq_len)).copy()
     return {
         "tokens": tokens,
         "loss_mask": loss_mask,
@@ -257,6 +271,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=non_negative_int, default=2)
     parser.add_argument("--json", default="train_throughput.json", help="where to write results")
     args = parser.parse_args()
+    if args.anchors > anchor_positions(args.seq_len):
+        parser.error(
+            f"--anchors {args.anchors}: a sequence of --seq-len {args.seq_len} has "
+            f"{anchor_positions(args.seq_len)} positions to anchor a block at (those in the "
+            f"loss, past its {_prompt_len(args.seq_len)}-token prompt, with a next token); more "
+            "anchors would count padding blocks as trained tokens"
+        )
     if args.batch % args.microbatches:
         parser.error(f"--batch {args.batch} does not split into {args.microbatches} microbatches")
     output_file(args.json, "--json")

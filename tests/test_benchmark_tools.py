@@ -352,3 +352,21 @@ def test_policy_switch_cost_names_each_member_it_times():
     assert len(set(labels)) == len(labels)  # two ThresholdPolicy rows are told apart
     _one_line_error(_script("policy_switch_cost.py", "--members", "1,9"), "--members")
     _one_line_error(_script("policy_switch_cost.py", "--repeats", "0"), "--repeats")
+
+
+def test_train_throughput_refuses_more_anchors_than_a_sequence_has_blocks():
+    import train_throughput
+
+    # Positions 2..14 of a 16-token sequence (2 prompt tokens; the last has no next token).
+    assert train_throughput.anchor_positions(16) == 13
+    assert train_throughput.anchor_positions(4096) >= 512  # the released recipe's shapes
+    done = _script("train_throughput.py", "--anchors", "64", "--seq-len", "16")
+    _one_line_error(done, "--anchors 64", "13 positions")
+
+
+def test_docstrings_say_what_the_scripts_do():
+    import bandwidth
+
+    doc = " ".join(bandwidth.__doc__.split())
+    assert "x * 1.0000001" in doc and "jnp.copy" not in doc and "measured here" not in doc
+    assert "not a script" in provenance.__doc__
