@@ -15,7 +15,8 @@ The aims are at the released recipe's shapes (Qwen3-4B and its DSpark drafter; f
 one 4096-token sequence with 512 anchors per micro-step, as gpu_session.sh runs it). Results
 at other shapes (a CPU smoke run at the tiny config) are shown with their ratio but judged
 neither met nor not met: the row says which shapes they are. A folder that does not exist, or
-holds none of the JSON files above, is an error (status 2).
+holds none of the JSON files gpu_session.sh writes, is an error (status 2): a wrong path, not a
+session whose aims' stages have not run yet.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ SCHEDULERS = ("scheduler (Alg. 1)", "scheduler (5.2)")
 OTHERS = ("no speculation", "fixed gamma", "best threshold")
 CONCURRENCY = 64
 SOURCES = ("decode_speed.json", "throughput.json", "train_throughput.json")
+# What else benchmarks/gpu_session.sh writes into its results folder (shell patterns).
+SESSION_FILES = (
+    *SOURCES,
+    "bandwidth.json",
+    "throughput_c*.json",
+    "cost_model.json",
+    "attention_paths.json",
+    "sps.json",
+    "switch_cost.json",
+)
 # The released recipe's shapes (benchmarks/gpu_session.sh at its default SIZE).
 AIM_CONFIG = "qwen3-4b"
 AIM_TRAINING = {
@@ -71,7 +82,7 @@ def decode_targets(result: dict | None) -> list[dict]:
     rows = {r["batch"]: r for r in (result or {}).get("rows", [])}
     one = rows.get(1)
     if one is None:
-        missing = "no batch-1 row"
+        missing = "no batch-1 row" if result is not None else f"no {source} in the folder"
         return [
             _row(None, ">= 0.80", None, missing, source),
             _row(None, "<= 1.25", None, missing, source),
@@ -107,6 +118,8 @@ def scheduler_target(report: dict | None) -> dict:
     by_mode = {r["mode"]: r["throughput"] for r in rows}
     sched = {m: by_mode[m] for m in SCHEDULERS if m in by_mode}
     others = {m: by_mode[m] for m in OTHERS if m in by_mode}
+    if report is None:
+        return _row(None, ">= 1.10", None, f"no {source} in the folder", source)
     if not sched or not others:
         return _row(None, ">= 1.10", None, f"no rows at concurrency {CONCURRENCY}", source)
     best_sched = max(sched, key=sched.get)
@@ -124,7 +137,7 @@ def scheduler_target(report: dict | None) -> dict:
 def training_target(result: dict | None) -> dict:
     source = "train_throughput.json"
     if result is None:
-        return _row(None, ">= 0.40", None, "no result", source)
+        return _row(None, ">= 0.40", None, f"no {source} in the folder", source)
     detail = (
         f"{result['achieved_tflops']:.1f} TFLOP/s, step {1e3 * result['step_s_median']:.0f} ms "
         f"({result['device']}, {result['target']} + {result['drafter']}, {result['dtype']})"
@@ -141,10 +154,13 @@ def training_target(result: dict | None) -> dict:
 
 def targets(folder: Path) -> list[dict]:
     """The four rows, judged from the JSON files in `folder` (UserError when it is not a
-    folder or holds none of them: a wrong path, not a session that measured nothing)."""
+    folder or holds none of the files gpu_session.sh writes: a wrong path)."""
     folder = existing_folder(folder, "folder")
-    if not any((folder / name).is_file() for name in SOURCES):
-        raise UserError(f"folder {folder}: none of {', '.join(SOURCES)} in it")
+    if not any(path.is_file() for pattern in SESSION_FILES for path in folder.glob(pattern)):
+        raise UserError(
+            f"folder {folder}: none of the JSON files gpu_session.sh writes "
+            f"({', '.join(SESSION_FILES)}) in it"
+        )
     decode = decode_targets(_load(folder, "decode_speed.json"))
     names = (
         "plain decode / HBM floor, batch 1",

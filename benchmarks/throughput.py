@@ -353,7 +353,7 @@ def check_paths(args: argparse.Namespace) -> None:
                        if not (folder / f"sps_c{c}.json").is_file()]  # fmt: skip
             if missing:
                 raise UserError(f"--sps-table {folder}: no {', '.join(missing)} in it")
-        for option in ("target", "draft"):
+        for option in () if args.synthetic else ("target", "draft"):
             path = Path(getattr(args, option))
             # A hub id (owner/name) need not exist here; a path that looks local must.
             local = path.is_absolute() or str(path).startswith(".") or len(path.parts) != 2

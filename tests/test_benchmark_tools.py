@@ -238,6 +238,10 @@ def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):
     for option in ("--sts", "--sps-table", "--prompts", "--target", "--combine"):
         done = _script("throughput.py", option, missing, cwd=tmp_path)
         _one_line_error(done, option, "no such")
+    # --synthetic reads no model files: nothing of --target/--draft is checked.
+    throughput.check_paths(throughput.parse_args(
+        ["--synthetic", "tiny", "--out", str(tmp_path / "o.json"), "--plot", ""]
+    ))  # fmt: skip
     table = tmp_path / "sps"
     table.mkdir()
     done = _script("throughput.py", "--sps-table", str(table), "--concurrency", "1,8")
@@ -306,7 +310,11 @@ def test_gpu_targets_refuses_a_folder_that_is_not_a_session_results_folder(tmp_p
     _one_line_error(_script("gpu_targets.py", str(a_file)), "is a file, not a folder")
     empty = tmp_path / "empty"
     empty.mkdir()
-    _one_line_error(_script("gpu_targets.py", str(empty)), "none of decode_speed.json")
+    _one_line_error(_script("gpu_targets.py", str(empty)), "none of the JSON files")
+    # A session whose aims' stages have not run yet is not an error: nothing is measured.
+    (empty / "bandwidth.json").write_text(json.dumps({"device": "cpu", "gbs": 10.0}))
+    rows = gpu_targets.targets(empty)
+    assert [r["met"] for r in rows] == [None, None, None, None]
 
 
 def test_gpu_targets_does_not_judge_results_at_other_shapes(tmp_path):
