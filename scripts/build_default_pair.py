@@ -922,19 +922,9 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def positive_int(text: str) -> int:
-    """argparse type of --jobs: 0 or fewer processes would never start a drafter's training and
-    the build would wait for it forever."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.cli.argtypes import positive_int  # --jobs 0 would wait forever
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/default-pair"))
     parser.add_argument("--docs", type=Path, default=DOCS_HTML, help="python3-doc HTML folder")

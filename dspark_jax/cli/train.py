@@ -23,6 +23,8 @@ import re
 import sys
 from pathlib import Path
 
+from dspark_jax.cli.argtypes import positive_int
+
 # Modules whose TRAIN_CONFIGS dicts make up the named configs.
 CONFIG_MODULES = ("dspark_jax.configs.train_tiny", "dspark_jax.configs.train_qwen3")
 
@@ -70,16 +72,6 @@ def _mesh(text: str):
     from dspark_jax.cli.args import parse_mesh
 
     return parse_mesh(text)
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 # Flags that set a TrainConfig field: an error about the field (from the config or the run) names
@@ -165,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steps",
-        type=_at_least_one,
+        type=positive_int,
         help="total optimizer steps (override); more than a finished run's extends it",
     )
     parser.add_argument(
@@ -175,16 +167,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "training run / checkpoint (runs/x, runs/x/checkpoints/60); the optimizer starts afresh",
     )
     parser.add_argument(
-        "--eval-every", type=_at_least_one, help="held-out evaluation every N steps"
+        "--eval-every", type=positive_int, help="held-out evaluation every N steps"
     )
     parser.add_argument(
-        "--save-every", type=_at_least_one, help="checkpoint every N steps (override)"
+        "--save-every", type=positive_int, help="checkpoint every N steps (override)"
     )
     parser.add_argument("--mesh", type=_mesh, help="data,fsdp,tensor sizes; -1 = the rest")
     parser.add_argument(
-        "--per-device-batch-size", type=_at_least_one, help="micro-batch per device"
+        "--per-device-batch-size", type=positive_int, help="micro-batch per device"
     )
-    parser.add_argument("--anchors-per-chunk", type=_at_least_one, help="anchors per loss chunk")
+    parser.add_argument("--anchors-per-chunk", type=positive_int, help="anchors per loss chunk")
     parser.add_argument(
         "--seq-lens",
         type=_seq_lens,
@@ -192,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stop-after",
-        type=_at_least_one,
+        type=positive_int,
         help="stop (with a checkpoint) after this many total steps",
     )
     parser.add_argument("--no-export", action="store_true", help="skip the final export")
