@@ -109,6 +109,8 @@ def _session(tmp_path, **env):
     run_env = {**os.environ, "SIZE": "tiny", "JAX_PLATFORMS": "cpu",
                "RESULTS": str(tmp_path / "results"), **env}  # fmt: skip
     run_env.pop("OUT", None)
+    # The script's python3 is the one running these tests (a venv's, activated or not).
+    run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
     return subprocess.run(
         ["bash", str(SCRIPT)], env=run_env, capture_output=True, text=True, timeout=300
     )
