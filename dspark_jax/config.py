@@ -115,8 +115,8 @@ class RopeConfig:
         return mscale(self.factor)
 
 
-# Sizes a model cannot have zero (or fewer) of; checked before anything divides by them.
-_POSITIVE_SIZES = (
+# The shape of a model: what its step times depend on (not its weights, dtype or context).
+SHAPE_FIELDS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -124,8 +124,9 @@ _POSITIVE_SIZES = (
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
-    "max_position_embeddings",
 )
+# Sizes a model cannot have zero (or fewer) of; checked before anything divides by them.
+_POSITIVE_SIZES = (*SHAPE_FIELDS, "max_position_embeddings")
 
 
 def _int(d: dict[str, Any], key: str, default: int | None = None) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dspark_jax.calibration.sts import StsArtifact
-from dspark_jax.config import DrafterConfig, Qwen3Config
+from dspark_jax.config import SHAPE_FIELDS, DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import (
     POLICY_NAMES,
@@ -455,25 +455,13 @@ def build_policy(
     return make_policy(args.policy, gamma, threshold=args.threshold, sps=sps)
 
 
-# The shape of a model, which is what its step times depend on (not its weights or dtype name).
-_SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-)
-
-
 def sps_model(target_cfg: Qwen3Config, drafter_cfg: DrafterConfig | None = None) -> dict:
     """What an SPS table records of the models it timed: the target's shape and, when the
     drafter ran (round mode), the drafter's."""
-    model: dict = {"target": {name: getattr(target_cfg, name) for name in _SHAPE_FIELDS}}
+    model: dict = {"target": {name: getattr(target_cfg, name) for name in SHAPE_FIELDS}}
     if drafter_cfg is not None:
         model["drafter"] = {
-            **{name: getattr(drafter_cfg.model, name) for name in _SHAPE_FIELDS},
+            **{name: getattr(drafter_cfg.model, name) for name in SHAPE_FIELDS},
             "block_size": drafter_cfg.block_size,
             "markov_rank": drafter_cfg.markov_rank,
             "markov_head_type": drafter_cfg.markov_head_type,
