@@ -43,7 +43,7 @@ from dspark_jax.checkpoints.safetensors_io import (
 from dspark_jax.cli import main
 from dspark_jax.conversations import ConversationError, read_turns
 from dspark_jax.decoding import policies
-from dspark_jax.decoding.batching import Batcher, Request
+from dspark_jax.decoding.batching import Batcher, QueueFullError, Request
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
 from dspark_jax.embedded import TINY_DRAFT, TINY_TARGET
 
@@ -407,6 +407,19 @@ def test_python_api_refuses_requests_of_the_wrong_types_at_submit(tiny_pair):
     # numpy integers are integers.
     batcher.submit(Request([1, 2], np.int64(4), seed=np.uint32(3)), lambda kind, payload: None)
     assert batcher.num_waiting == 1
+
+
+def test_a_burst_into_free_slots_is_not_refused_as_a_full_queue(tiny_pair):
+    """`max_waiting` bounds the requests waiting for a slot. Requests that arrive between two
+    loop steps while slots are free are not waiting (the next step admits them): the server's
+    `--max-waiting 2` answered 503 "queue is full" to a burst of 4 on an idle 4-slot engine."""
+    engine = Engine(tiny_pair.target, None, EngineConfig(num_slots=4, max_model_len=64))
+    batcher = Batcher(engine, max_waiting=2)
+    for _ in range(4 + 2):  # every free slot, then the queue
+        batcher.submit(Request([1, 2], 4), lambda kind, payload: None)
+    with pytest.raises(QueueFullError, match=r"^2 requests are already waiting for a slot"):
+        batcher.submit(Request([1, 2], 4), lambda kind, payload: None)
+    assert batcher.num_waiting == 6
 
 
 def test_conversation_errors_count_from_one_like_the_answer_labels():

@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-waiting",
         type=int,
         default=256,
-        help="requests queued for a slot before new ones get 503 (default 256)",
+        help="requests waiting for a busy slot before new ones get 503 (default 256)",
     )
     http.add_argument(
         "--max-connections",

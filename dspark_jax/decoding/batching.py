@@ -175,10 +175,11 @@ class LoopTiming:
 class Batcher:
     """Continuous batching over an `Engine`; see the module docstring.
 
-    `max_waiting` bounds the queue (`submit` raises QueueFullError past it). `timed` makes every
-    device call wait for its result and books its time in `timing` (offline measurement; the
-    server runs untimed so the device never waits for the host). `policy_index`: for an engine
-    built with a `PolicySwitch`, the member that chooses the verified lengths (else the first).
+    `max_waiting` bounds the queue: the requests submitted beyond the free slots (`submit`
+    raises QueueFullError past it). `timed` makes every device call wait for its result and
+    books its time in `timing` (offline measurement; the server runs untimed so the device
+    never waits for the host). `policy_index`: for an engine built with a `PolicySwitch`, the
+    member that chooses the verified lengths (else the first).
     """
 
     def __init__(
@@ -243,9 +244,13 @@ class Batcher:
                 f"{max(limit - (len(stop_ids) - own), 0)}, or ignore_eos"
             )
         with self._lock:
-            if self._queued >= self.max_waiting:
+            # A request that a free slot will take at the next step waits for nothing, however
+            # many arrived since the last step: only those beyond the free slots are queued.
+            waiting = self._queued - len(self.free_slots)
+            if waiting >= self.max_waiting:
                 raise QueueFullError(
-                    f"{self._queued} requests are already waiting (limit {self.max_waiting})"
+                    f"{waiting} requests are already waiting for a slot "
+                    f"(limit {self.max_waiting})"
                 )
             self._queued += 1
             handle = Handle(next(self._ids), request, on_event, stop_ids, time.monotonic())
@@ -258,6 +263,7 @@ class Batcher:
 
     @property
     def num_waiting(self) -> int:
+        """Requests submitted and not yet given a slot (free slots take them at the next step)."""
         return self._queued
 
     # -- the loop thread -----------------------------------------------------------------------
