@@ -138,6 +138,33 @@ def test_chat_roles():
             ChatCompletionRequest.model_validate_json(body)
 
 
+def test_an_assistant_reply_sent_back_as_the_client_got_it_is_accepted():
+    """The OpenAI SDK's `reply.choices[0].message.model_dump()` carries the response's null
+    fields (refusal, tool_calls, ...); multi-turn clients append it to the history as is."""
+    chat = ChatCompletionRequest.model_validate_json(
+        b'{"messages": [{"role": "user", "content": "hi"},'
+        b' {"role": "assistant", "content": "Hello", "refusal": null, "tool_calls": null,'
+        b' "function_call": null, "audio": null, "annotations": []},'
+        b' {"role": "user", "content": "more"}]}'
+    )
+    assert [m.text() for m in chat.messages] == ["hi", "Hello", "more"]
+    # What the server cannot honour is still refused by name.
+    for field, value in (
+        ("refusal", b'"no"'),
+        ("tool_calls", b'[{"id": "c", "type": "function"}]'),
+        ("audio", b'{"id": "a"}'),
+    ):
+        body = (
+            b'{"messages": [{"role": "assistant", "content": "x", "'
+            + field.encode()
+            + b'": '
+            + value
+            + b"}]}"
+        )
+        with pytest.raises(ValidationError, match=f"messages.0.{field}"):
+            ChatCompletionRequest.model_validate_json(body)
+
+
 def test_stream_deltas_leave_out_what_they_do_not_carry():
     assert ChatDelta().model_dump() == {}
     assert ChatDelta(content="hi").model_dump(mode="json") == {"content": "hi"}

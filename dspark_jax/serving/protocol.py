@@ -204,6 +204,13 @@ class ChatMessage(_Strict):
     content: Annotated[Content | None, Field(validate_default=True)] = None
     name: str | None = None
     tool_call_id: str | None = None  # which call a tool message answers
+    # Fields the API returns on an assistant message, so a client can send a reply back as it
+    # got it (`messages.append(reply.choices[0].message.model_dump())`): neutral values only.
+    refusal: Annotated[str | None, _only(None)] = None
+    tool_calls: Annotated[list[Any] | None, _only(None, [])] = None
+    function_call: Annotated[dict[str, Any] | None, _only(None)] = None
+    audio: Annotated[dict[str, Any] | None, _only(None)] = None
+    annotations: Annotated[list[Any] | None, _only(None, [])] = None
 
     @field_validator("content")
     @classmethod
