@@ -552,6 +552,23 @@ def test_refusals_name_the_field_in_one_message(served, path, body, param, fragm
     assert fragment in error["message"]
 
 
+@pytest.mark.parametrize(
+    "body, param, fragment",
+    [
+        ({"prompt": [5, 99999]}, "prompt", "prompt ids must lie in 0..287"),
+        ({"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids", "stop token ids must"),
+        ({"prompt": "x", "stop_token_ids": list(range(1, 9))}, "stop_token_ids", "exceed"),
+    ],
+)
+def test_refusals_of_the_engine_name_the_field_too(served, body, param, fragment):
+    """The checks the engine makes at submit (vocabulary, stop ids) name the body's field
+    like the schema's own refusals (param was null)."""
+    r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+
+
 def test_nulls_neutral_values_and_every_role_are_accepted(served):
     nulls = dict(n=None, stream=None, ignore_eos=None, return_token_ids=None)
     r = httpx.post(

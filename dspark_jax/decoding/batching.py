@@ -241,7 +241,8 @@ class Batcher:
                 f"{len(stop_ids)} stop token ids ({own} of the request's and "
                 f"{len(stop_ids) - own} of the model's end-of-turn ids) exceed the limit of "
                 f"{limit} (EngineConfig.max_stop_tokens): give at most "
-                f"{max(limit - (len(stop_ids) - own), 0)}, or ignore_eos"
+                f"{max(limit - (len(stop_ids) - own), 0)}, or ignore_eos",
+                "stop_token_ids",
             )
         with self._lock:
             # A request that a free slot will take at the next step waits for nothing, however

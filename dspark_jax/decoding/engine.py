@@ -76,7 +76,13 @@ from dspark_jax.sharding import check_heads, logical_sharding, state_shardings
 
 
 class EngineError(UserError):
-    """A request or setting the engine cannot serve as configured."""
+    """A request or setting the engine cannot serve as configured. `field`: the `Request` field
+    at fault where there is one (`prompt_ids`, `stop_token_ids`, `max_new_tokens`, `seed`,
+    `sampling`), so a server can name the parameter of its own API that carried it."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def block_positions(gamma: int) -> int:
@@ -418,18 +424,21 @@ def most_drafts(policy: Policy, gamma: int) -> int:
     )
 
 
-def _check_token_ids(name: str, ids: Sequence[int], vocab: int) -> None:
-    """Refuses `ids` (described by `name`) unless they are a flat sequence of integers in the
-    vocabulary: the model would read past its embedding table, and a stop id outside it can
-    never match."""
+def _check_token_ids(
+    name: str, ids: Sequence[int], vocab: int, field: str | None = None
+) -> None:
+    """Refuses `ids` (described by `name`, the Request's `field`) unless they are a flat
+    sequence of integers in the vocabulary: the model would read past its embedding table, and
+    a stop id outside it can never match."""
     ids_n = np.asarray(ids)
     if ids_n.size and (ids_n.ndim != 1 or not np.issubdtype(ids_n.dtype, np.integer)):
-        raise EngineError(f"{name} must be a flat sequence of integers")
+        raise EngineError(f"{name} must be a flat sequence of integers", field)
     bad = ids_n[(ids_n < 0) | (ids_n >= vocab)] if ids_n.size else ids_n
     if bad.size:
         raise EngineError(
             f"{name} must lie in 0..{vocab - 1} (the vocabulary); got "
-            f"{', '.join(map(str, bad[:5].tolist()))}"
+            f"{', '.join(map(str, bad[:5].tolist()))}",
+            field,
         )
 
 
@@ -693,30 +702,36 @@ class Engine:
         Every entry point (the CLI, the server, `Batcher.submit`) validates requests here, so a
         request that passes cannot fail later inside the batching loop."""
         vocab = self.target_cfg.vocab_size
-        _check_token_ids("prompt ids", prompt_ids, vocab)
-        _check_token_ids("stop token ids", stop_token_ids, vocab)
+        _check_token_ids("prompt ids", prompt_ids, vocab, "prompt_ids")
+        _check_token_ids("stop token ids", stop_token_ids, vocab, "stop_token_ids")
         prompt_len = len(prompt_ids)
         if prompt_len < 1:
-            raise EngineError("empty prompt: a request needs at least one token")
+            raise EngineError("empty prompt: a request needs at least one token", "prompt_ids")
         if as_integer(max_new_tokens) is None:
-            raise EngineError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+            raise EngineError(
+                f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}", "max_new_tokens"
+            )
         if max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise EngineError(
+                f"max_new_tokens must be >= 1, got {max_new_tokens}", "max_new_tokens"
+            )
         if as_integer(seed) is None:
-            raise EngineError(f"seed must be an integer in 0..{2**32 - 1}, got {seed!r}")
+            raise EngineError(f"seed must be an integer in 0..{2**32 - 1}, got {seed!r}", "seed")
         if not 0 <= seed < 2**32:
-            raise EngineError(f"seed must lie in 0..{2**32 - 1}, got {seed}")
+            raise EngineError(f"seed must lie in 0..{2**32 - 1}, got {seed}", "seed")
         if not isinstance(sampling, SamplingConfig):
             raise EngineError(
                 f"sampling must be a SamplingConfig (e.g. SamplingConfig(temperature=0.7, "
-                f"top_p=0.9); the default is greedy), got {sampling!r}"
+                f"top_p=0.9); the default is greedy), got {sampling!r}",
+                "sampling",
             )
         need = self.positions_needed(prompt_len, max_new_tokens)
         if need > self.cfg.max_model_len:
             raise EngineError(
                 f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens (and "
                 f"{self.gamma + 1} verification positions) needs {need} positions; the engine's "
-                f"max_model_len is {self.cfg.max_model_len}"
+                f"max_model_len is {self.cfg.max_model_len}",
+                "max_new_tokens",
             )
         pages = self.pages_needed(prompt_len, max_new_tokens)
         if pages > self.cfg.pool_pages:

@@ -398,6 +398,15 @@ def _body_path(data: Any, loc: tuple[str | int, ...]) -> str:
 _NO_LIMIT = int(1e30)  # transformers' own "no maximum" (VERY_LARGE_INTEGER)
 
 
+def _param_of(req: api.GenerationRequest, field: str | None) -> str | None:
+    """The body parameter that carried the engine `Request` field an EngineError names."""
+    if field == "prompt_ids":
+        return "messages" if isinstance(req, api.ChatCompletionRequest) else "prompt"
+    if field == "max_new_tokens":
+        return req.token_limit_param
+    return {"stop_token_ids": "stop_token_ids", "seed": "seed"}.get(field or "")
+
+
 class OpenAIServer:
     """The request handlers and the drain; `create_app` puts them behind FastAPI."""
 
@@ -561,7 +570,7 @@ class OpenAIServer:
         default). Raises ApiError (context_length_exceeded) when prompt + answer cannot fit."""
         context = self.model.max_model_len
         limit = req.token_limit
-        prompt = "messages" if isinstance(req, api.ChatCompletionRequest) else "prompt"
+        prompt = _param_of(req, "prompt_ids")
         owner = "messages'" if prompt == "messages" else "prompt's"
         if prompt_len >= context:
             raise ApiError(
@@ -595,7 +604,7 @@ class OpenAIServer:
         except QueueFullError as e:
             raise _unavailable(f"the queue is full: {e}") from None
         except EngineError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param=_param_of(req, e.field)) from None
         except ServiceUnavailable as e:
             raise _unavailable(str(e)) from None
         self.live.add(live)
