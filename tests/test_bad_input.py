@@ -79,6 +79,7 @@ def bad_files(tmp_path_factory) -> dict[str, Path]:
         files[name] = folder
     files["npy"] = root / "records.npy"
     np.save(files["npy"], np.zeros(3))
+    files["here"] = root  # the folder the table's commands run in
     return files
 
 
@@ -151,6 +152,7 @@ CLI_CASES = [
     ("generate --json {tmp} --max-new-tokens 4", "is a folder"),
     ("eval --out {plain_file}/results {notalist}", "--out"),
     ("eval --limit 0 {notalist}", "--limit must be >= 1"),
+    ("eval {two_turns} --out {here} --overwrite", "overlaps the input"),
     (
         "calibrate --records /no/such.npz --drafter {draft} --temperature 1 --out {tmp}/s.json",
         "cannot read the records",

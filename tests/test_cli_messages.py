@@ -4,6 +4,7 @@ without --overwrite (named as the flag, not as a Python argument)."""
 from __future__ import annotations
 
 import json
+import shutil
 from importlib.metadata import version
 
 import pytest
@@ -60,6 +61,35 @@ def test_eval_overwrite_replaces_the_whole_folder(tmp_path, capsys, monkeypatch)
     assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.png"]
     assert json.loads((out / "eval.json").read_text())["settings"]["calibration_records"] is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "results"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--datasets-dir", "ds", "--out", "ds"],  # the datasets' folder itself
+        ["ds/code.jsonl", "--out", "ds"],  # the folder of a dataset file
+        ["ds/code.jsonl", "--out", "."],  # a folder above it
+        ["--datasets-dir", "ds", "--out", "ds/results"],  # inside the datasets' folder
+        ["ds/code.jsonl", "--policy", "threshold", "--threshold", "0.5", "--sts", "ds/sts.json"]
+        + ["--out", "ds"],
+        ["ds/code.jsonl", "--draft", "ds/draft", "--out", "ds"],  # a model folder
+    ],
+)
+def test_eval_refuses_an_output_overlapping_its_inputs(tmp_path, monkeypatch, capsys, argv):
+    """--out is replaced whole, so with --overwrite an --out holding the datasets (or the STS
+    artifact, or a model) deleted them and exited 0."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "code.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
+    (tmp_path / "ds" / "sts.json").write_text("{}")
+    shutil.copytree(TINY_DRAFT, tmp_path / "ds" / "draft")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert main(["eval", *argv, "--overwrite", "--no-plain"]) == 2
+    err = capsys.readouterr().err
+    out = argv[argv.index("--out") + 1]
+    assert err.startswith(f"dspark-jax eval: error: --out {out}: overlaps the input "), err
+    assert "choose another folder" in err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
 def test_existing_export_names_the_flag(tmp_path, capsys):

@@ -111,13 +111,16 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def check_no_overlap(out: Path, sources: list[Path]) -> None:
-    """Refuses an output that is, contains or sits inside a source: --overwrite would delete it."""
-    out = out.resolve()
+def check_no_overlap(out: Path, sources: list[Path], option: str | None = None) -> None:
+    """Refuses an output that is, contains or sits inside a source (a folder or a file): the
+    output replaces its whole folder, so --overwrite would delete the source. `option` names the
+    output in the message as the command line gave it (`--out`)."""
+    resolved = Path(out).resolve()
     for source in sources:
-        source = source.resolve()
-        if out == source or out in source.parents or source in out.parents:
-            raise UserError(f"output {out} overlaps the input {source}; choose another folder")
+        source = Path(source).resolve()
+        if resolved == source or resolved in source.parents or source in resolved.parents:
+            where = f"output {resolved}" if option is None else f"{option} {out}:"
+            raise UserError(f"{where} overlaps the input {source}; choose another folder")
 
 
 @contextlib.contextmanager

@@ -83,6 +83,25 @@ def _dataset_files(args: argparse.Namespace) -> list[Path]:
     return files
 
 
+def _inputs(args: argparse.Namespace, files: list[Path]) -> list[Path]:
+    """What the run reads from disk: --out, which replaces its whole folder, must not hold (or
+    be, or lie inside) any of it. The model folders are the local ones only (a hub id is read
+    from the hub's cache)."""
+    from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+
+    inputs = list(files)
+    if args.datasets_dir:
+        inputs.append(Path(args.datasets_dir))
+    for given in (args.sts, args.sps_table):
+        if given:
+            inputs.append(Path(given))
+    for model in (args.target or EMBEDDED_TARGET, args.draft or EMBEDDED_DRAFT):
+        path = Path(model).expanduser()
+        if path.exists():
+            inputs.append(path)
+    return inputs
+
+
 def run(args: argparse.Namespace) -> int:
     import time
 
@@ -90,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_jax.calibration.records import records_from_results
     from dspark_jax.calibration.sts import RECORDS_NAME
+    from dspark_jax.checkpoints.converted import check_no_overlap
     from dspark_jax.checkpoints.safetensors_io import atomic_output_dir
     from dspark_jax.cli.args import (
         build_engine,
@@ -111,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a folder")
+    files = _dataset_files(args)
+    # Before the non-empty check: its advice (--overwrite) would delete the inputs.
+    check_no_overlap(out, _inputs(args, files), "--out")
     # An empty folder is as good as none; a non-empty one is replaced as a whole.
     replace = args.overwrite or (out.is_dir() and not any(out.iterdir()))
     if out.exists() and not replace:
@@ -122,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder(out, "--out", created=False)
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
-    files = _dataset_files(args)
     datasets = {f.stem: read_turns(f, args.limit) for f in files}
     for conversations in datasets.values():  # each dataset starts again at --seed
         check_seed_span(args.seed, conversation_seed_offsets(conversations))
