@@ -9,12 +9,23 @@ from fixture_models import fixture_dir
 from dspark_jax.calibration.sts import CalibrationRecords
 from dspark_jax.cli import main
 from dspark_jax.decoding.batching import Result
+from dspark_jax.decoding.policies import device_description
 from dspark_jax.decoding.stats import acceptance_stats
 
 PROMPT = "def parse_args(argv=None):\n    parser = argparse."
 # The byte-level pair: these tests read tokens as bytes and the text as their decoding.
 FIXTURE = fixture_dir("vanilla")
 MODELS = ["--target", str(FIXTURE / "target"), "--draft", str(FIXTURE / "draft")]
+
+
+def _options(command: str) -> set[str]:
+    """The option names (argparse dests) of a command."""
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(f"dspark_jax.cli.{command}").add_arguments(parser)
+    return {action.dest for action in parser._actions} - {"help"}
 
 
 def _generate(capsys, tmp_path, name, *args):
@@ -48,6 +59,15 @@ def test_greedy_speculative_equals_plain_and_streams(capsys, tmp_path):
     assert "conditional acceptance by draft position" in spec_err
     assert set(p["committed"]) == {1} and plain["acceptance"] is None
     assert spec["timing"]["decode_tokens_per_s"] > 0
+    # Every option that can change the numbers is recorded, the policy's included (null where
+    # unset, or without a drafter); the prompts are in "results".
+    prompts = {"prompt", "prompts_file", "token_ids", "json", "no_draft"}
+    for data in (spec, plain):
+        assert _options("generate") - prompts <= set(data["settings"])
+    assert spec["settings"]["policy"] == "fixed" and plain["settings"]["policy"] is None
+    assert spec["settings"]["gamma"] is None and spec["settings"]["block_size"] == 7
+    assert plain["settings"]["draft"] is None and plain["settings"]["block_size"] is None
+    assert spec["settings"]["device"] == device_description()
 
 
 def test_several_prompts_and_turn_by_turn_context(capsys, tmp_path):
@@ -121,7 +141,21 @@ def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     assert sorted(datasets) == ["chat", "code"]
     assert datasets["code"]["conversations"] == 2 and datasets["code"]["turns"] == 2
     assert datasets["chat"]["conversations"] == 2 and datasets["chat"]["turns"] == 4
-    assert report["settings"]["max_num_seqs"] == 2 and report["settings"]["num_slots"] == 2
+    settings = report["settings"]
+    assert settings["max_num_seqs"] == 2 and settings["num_slots"] == 2
+    # Every option that can change the numbers is recorded (the datasets as "files"), an
+    # option left unset as null, the engine's sizes as they ran.
+    datasets_options = {"files", "datasets_dir", "datasets", "out", "overwrite"}
+    assert _options("eval") - datasets_options <= set(settings)
+    assert settings["policy"] == "fixed" and settings["gamma"] is None
+    assert settings["threshold"] is None and settings["sps_table"] is None
+    assert settings["sts"] is None and settings["dtype"] is None
+    assert settings["target_dtype"] == settings["draft_dtype"] == "float32"
+    assert settings["no_plain"] is False and settings["limit"] == 2
+    assert settings["page_size"] == 16 and settings["rounds_per_chunk"] == 8
+    assert settings["kv_pages"] >= 2 and settings["prefill_chunk"] <= 256
+    assert settings["device"] == device_description()
+    assert settings["files"] == [str(data_dir / "chat.jsonl"), str(data_dir / "code.jsonl")]
     records = CalibrationRecords.load(out / "calibration_records.npz")
     assert len(records) == sum(d["rounds"] for d in datasets.values())
     # What calibrate checks --drafter and --temperature against.

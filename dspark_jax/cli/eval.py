@@ -105,8 +105,6 @@ def _inputs(args: argparse.Namespace, files: list[Path]) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    import jax
-
     from dspark_jax.calibration.records import records_from_results
     from dspark_jax.calibration.sts import RECORDS_NAME
     from dspark_jax.checkpoints.converted import check_no_overlap
@@ -125,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from dspark_jax.cli.paths import check_output_folder
     from dspark_jax.cli.report import format_table, plot_reports, speedup_note
+    from dspark_jax.cli.run_settings import decoding_settings
     from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.evaluate import evaluate_dataset
 
@@ -200,25 +199,10 @@ def run(args: argparse.Namespace) -> int:
     written = [out / JSON_NAME, out / PLOT_NAME] + ([records_path] if records_path else [])
     settings = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": jax.devices()[0].device_kind,
-        "target": str(models.model_dir),
-        "draft": models.drafter_path,
-        "drafter_fingerprint": models.drafter_fingerprint,
-        "block_size": models.gamma,
-        "policy": args.policy,
-        "sts": args.sts,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "max_new_tokens": args.max_new_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        # the engine's slots: --max-num-seqs capped by the requests, rounded to the mesh
-        "num_slots": cfg.num_slots,
-        "max_model_len": cfg.max_model_len,
+        **decoding_settings(args, models, cfg, sampling),
         "compile_s": compile_s,
         "limit": args.limit,
-        "seed": args.seed,
-        "thinking": args.thinking,
+        "no_plain": args.no_plain,
         "files": [str(f) for f in files],
         "calibration_records": None if records_path is None else str(records_path),
     }

@@ -217,27 +217,10 @@ def _result_json(result) -> dict:
 
 
 def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s) -> None:
+    from dspark_jax.cli.run_settings import decoding_settings
+
     out = {
-        "settings": {
-            "target": str(models.model_dir),
-            "draft": models.drafter_path,
-            "drafter_fingerprint": models.drafter_fingerprint,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "max_new_tokens": args.max_new_tokens,
-            "max_num_seqs": args.max_num_seqs,
-            # the engine's slots: --max-num-seqs capped by the requests, rounded to the mesh
-            "num_slots": cfg.num_slots,
-            "max_model_len": cfg.max_model_len,
-            "kv_pages": cfg.pool_pages,
-            "page_size": cfg.page_size,
-            "seed": args.seed,
-            "thinking": args.thinking,
-            "stop_tokens": list(models.stop_tokens),
-            # the mesh chosen (--mesh or the default), None for one device
-            "mesh": dict(models.mesh.shape) if models.mesh is not None else None,
-        },
+        "settings": decoding_settings(args, models, cfg, sampling),
         "timing": {
             "compile_s": compile_s,
             "prefill_s": timing.prefill_s,

@@ -191,11 +191,17 @@ class SpsProfile:
         return cls(body["buckets"], np.asarray(body["sps"]), meta)
 
 
+def device_description() -> str:
+    """The device a measurement runs on, as every result file names it ("gpu: NVIDIA H100 ...",
+    "cpu: cpu"): SPS tables, eval.json and generate's JSON."""
+    device = jax.devices()[0]
+    return f"{device.platform}: {device.device_kind}"
+
+
 def profile_meta(**extra: Any) -> dict[str, Any]:
     """Device and date of a measurement made now, plus `extra` fields."""
-    device = jax.devices()[0]
     return {
-        "device": f"{device.platform}: {device.device_kind}",
+        "device": device_description(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **extra,
     }
