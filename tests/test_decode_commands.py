@@ -191,6 +191,24 @@ def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_eval_without_a_verified_draft_writes_no_records(capsys, tmp_path):
+    """--gamma 0 verifies no draft: no confidence meets an outcome, so records would only give
+    calibrate an artifact that changes nothing. eval writes none, says why, and gives no hint."""
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("def f(x):\n", "z")))
+    out = tmp_path / "out"
+    args = ["eval", str(data), *MODELS, "--gamma", "0", "--max-new-tokens", "8", "--no-plain"]
+    assert main([*args, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.png"]
+    assert "no calibration records: no round verified a draft (--gamma 0)" in err
+    assert "fit STS with" not in err
+    report = json.loads((out / "eval.json").read_text())
+    assert report["settings"]["gamma"] == 0 and report["settings"]["calibration_records"] is None
+    assert report["datasets"]["code"]["rounds"] > 0
+    assert report["datasets"]["code"]["mean_verified"] == 0
+
+
 def test_eval_rejects_missing_datasets(capsys, tmp_path):
     assert main(["eval", *MODELS, "--out", str(tmp_path)]) == 2
     assert "no datasets" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 Each dataset is a JSONL file of `{"turns": [...]}` conversations, answered turn by turn by
 speculative decoding; plain decoding then runs the same prompts as the baseline. Writes to --out:
 eval.json (settings and per-dataset statistics), eval.png (acceptance curves, tau and speedup)
-and calibration_records.npz (one record per speculative round, for `dspark-jax calibrate`).
+and calibration_records.npz (one record per speculative round, for `dspark-jax calibrate`; none
+when no draft was verified, as with --gamma 0: no confidence met an outcome).
 """
 
 from __future__ import annotations
@@ -188,8 +189,19 @@ def run(args: argparse.Namespace) -> int:
     note = speedup_note(reports)
     if note:
         print(note)
-    records = None
-    if models.drafter.confidence_head is not None and any(r.rounds for r in results):
+    # Records pair each verified draft's confidence with its outcome: without one, calibrate
+    # would fit nothing and write an artifact that changes nothing.
+    records = no_records = None
+    if models.drafter.confidence_head is None:
+        no_records = "the drafter has no confidence head, so there is nothing to calibrate"
+    elif not any(r.rounds for r in results):
+        no_records = "no speculative round ran (every answer ended with its prompt's token)"
+    elif not any(r.verified.any() for r in results):
+        why = "--gamma 0" if args.gamma == 0 else f"--policy {args.policy}"
+        no_records = (
+            f"no round verified a draft ({why}), so no confidence met an outcome to fit STS on"
+        )
+    else:
         records = records_from_results(
             results,
             drafter_fingerprint=models.drafter_fingerprint,
@@ -221,4 +233,6 @@ def run(args: argparse.Namespace) -> int:
             f"{models.drafter_path} --temperature {sampling.temperature:g} --out sts.json",
             file=sys.stderr,
         )
+    else:
+        print(f"no calibration records: {no_records}", file=sys.stderr)
     return 0
