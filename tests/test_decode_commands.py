@@ -209,6 +209,47 @@ def test_eval_without_a_verified_draft_writes_no_records(capsys, tmp_path):
     assert report["datasets"]["code"]["mean_verified"] == 0
 
 
+def test_eval_where_every_turn_is_skipped_is_refused_before_compiling(
+    capsys, tmp_path, monkeypatch
+):
+    """Every conversation's first turn is longer than --max-model-len allows: nothing would be
+    measured, which eval reported as a table of 0.0 tok/s and exit 0."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"turns": ["a long first question\n", "and more"]}) + "\n")
+
+    def no_compiling(self):
+        raise AssertionError("compiled for a run that measures nothing")
+
+    monkeypatch.setattr("dspark_jax.decoding.engine.Engine.warm_up", no_compiling)
+    out = tmp_path / "out"
+    args = ["eval", str(data), *MODELS, "--max-model-len", "24", "--max-new-tokens", "8"]
+    assert main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "every turn would be skipped, so nothing would be measured" in err
+    assert "chat conversation 1 turn 1: a prompt of" in err and "max_model_len is 24" in err
+    assert "raise --max-model-len" in err
+    assert not out.exists()
+
+
+def test_nothing_measured_reads_as_missing_not_zero():
+    """A dataset whose turns were all skipped ran no decode round: its rates are "-" in the
+    table and null in eval.json (strict JSON), not 0.0 tok/s."""
+    from dspark_jax.cli.report import format_table, generation_summary
+    from dspark_jax.decoding.batching import LoopTiming
+    from dspark_jax.decoding.evaluate import DatasetReport
+
+    skipped = ["conversation 1 turn 1: too long"]
+    report = DatasetReport("chat", 1, 0, skipped, acceptance_stats([], 7), LoopTiming(), None)
+    for plain in (None, LoopTiming()):
+        report.plain_timing = plain
+        row = format_table([report]).splitlines()[2].split()
+        assert row == ["chat", "1", "0", "0", "-", "-", "-", "-"]
+        body = json.loads(json.dumps(report.to_json(), allow_nan=False))
+        assert body["speculative"]["decode_tokens_per_s"] is None and body["speedup"] is None
+    assert body["plain"]["decode_tokens_per_s"] is None
+    assert "n/a decode tokens/s" in generation_summary([], LoopTiming(), None)[1]
+
+
 def test_eval_rejects_missing_datasets(capsys, tmp_path):
     assert main(["eval", *MODELS, "--out", str(tmp_path)]) == 2
     assert "no datasets" in capsys.readouterr().err
@@ -241,6 +282,8 @@ def test_a_run_without_speculative_rounds_writes_valid_json(capsys, tmp_path):
     assert data["acceptance"]["tau"] is None and data["acceptance"]["mean_verified"] is None
     assert "NaN" not in (tmp_path / "one.json").read_text()
     assert "tau n/a" in err and "nan" not in err
+    # No decode round ran (the one token came from prefill): no rate was measured.
+    assert data["timing"]["decode_tokens_per_s"] is None and "n/a decode tokens/s" in err
 
     stats = acceptance_stats([], 7)
     body = json.dumps(stats.to_json(), allow_nan=False)

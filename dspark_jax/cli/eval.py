@@ -103,6 +103,35 @@ def _inputs(args: argparse.Namespace, files: list[Path]) -> list[Path]:
     return inputs
 
 
+def _check_something_fits(args: argparse.Namespace, datasets: dict, engine, tokenizer) -> None:
+    """Refuses, before compiling, a run in which every turn would be skipped: a conversation
+    whose first turn does not fit the engine is skipped whole, and with all of them skipped
+    nothing would be measured (a table of zeros, exit 0)."""
+    from dspark_jax.decoding.evaluate import unfit_conversations
+
+    reasons = []
+    for name, conversations in datasets.items():
+        unfit = unfit_conversations(
+            engine,
+            tokenizer,
+            conversations,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            enable_thinking=args.thinking,
+        )
+        if len(unfit) < len(conversations):
+            return
+        reasons.append(f"{name} {unfit[0]}")
+    count = sum(len(c) for c in datasets.values())
+    fix = "lower --max-new-tokens" + (
+        " or raise --max-model-len" if args.max_model_len is not None else ""
+    )
+    raise UserError(
+        f"every turn would be skipped, so nothing would be measured: the first turn of each of "
+        f"the {count} conversations does not fit (e.g. {reasons[0]}): {fix}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import time
 
@@ -157,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings, models.mesh)
     check_kv_pages(args, cfg, positions)
     spec = build_engine(models, args, cfg)
+    _check_something_fits(args, datasets, spec, models.tokenizer)
     plain = None if args.no_plain else build_engine(models, args, cfg, speculative=False)
     start = time.perf_counter()
     for engine in (spec, plain):

@@ -227,7 +227,7 @@ def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s) 
             "decode_s": timing.decode_s,
             "decoded_tokens": timing.decoded_tokens,
             "device_rounds": timing.rounds,
-            "decode_tokens_per_s": timing.decode_tokens_per_s,
+            "decode_tokens_per_s": timing.decode_rate,  # null: no decode round ran
         },
         "acceptance": None if stats is None else stats.to_json(),
         "results": records,

@@ -56,7 +56,7 @@ def generation_summary(
         f"requests {len(results)}, generated {tokens} tokens ({timing.decoded_tokens} in decode "
         f"rounds), {sum(r.rounds for r in results)} request rounds, {timing.rounds} device rounds",
         f"{compiled}prefill {timing.prefill_s:.3f} s, decode {timing.decode_s:.3f} s: "
-        f"{timing.decode_tokens_per_s:.1f} decode tokens/s",
+        f"{_cell(timing.decode_rate, '.1f', 'n/a')} decode tokens/s",
     ]
     if stats is None:
         lines.append("plain decoding: tau 1 (one token per target step)")
@@ -104,10 +104,11 @@ def format_table(reports: Sequence[DatasetReport]) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in reports:
-        plain = r.plain_timing.decode_tokens_per_s if r.plain_timing else None
+        # "-" where nothing was measured (no plain run, no decode round: every turn skipped)
+        plain = r.plain_timing.decode_rate if r.plain_timing else None
         lines.append(
             f"{r.name:<{width}} {r.conversations:>5} {r.turns:>5} {r.stats.rounds:>7} "
-            f"{_cell(r.stats.tau, '.3f'):>6} {_cell(r.spec_timing.decode_tokens_per_s, '.1f'):>10} "
+            f"{_cell(r.stats.tau, '.3f'):>6} {_cell(r.spec_timing.decode_rate, '.1f'):>10} "
             f"{_cell(plain, '.1f'):>11} {_cell(r.speedup, '.2f'):>7}"
         )
     for title, field in (

@@ -169,7 +169,14 @@ class LoopTiming:
 
     @property
     def decode_tokens_per_s(self) -> float:
+        """Decode throughput; 0.0 when no decode round ran (see `decode_rate`)."""
         return self.decoded_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def decode_rate(self) -> float | None:
+        """Decode throughput, or None when no decode round ran and nothing was measured: what
+        reports show ("-", null) rather than a rate of 0."""
+        return self.decoded_tokens / self.decode_s if self.decode_s else None
 
 
 class Batcher:

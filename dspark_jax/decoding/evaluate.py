@@ -126,6 +126,32 @@ def answer_conversations(
     return run
 
 
+def unfit_conversations(
+    engine: Engine,
+    tokenizer,
+    conversations: Sequence[Sequence[str]],
+    *,
+    max_new_tokens: int,
+    seed: int = 0,
+    enable_thinking: bool = False,
+) -> list[str]:
+    """Why each conversation whose first turn `engine` refuses would be skipped whole by
+    `answer_conversations(..., skip_unfit=True)`, found without running anything: a caller can
+    tell before compiling that nothing would be measured."""
+    max_turns = max((len(c) for c in conversations), default=0)
+    reasons = []
+    for c, turns in enumerate(conversations):
+        if not turns:
+            continue
+        messages = [{"role": "user", "content": turns[0]}]
+        ids = encode_chat(tokenizer, messages, enable_thinking=enable_thinking)
+        try:
+            engine.check_request(ids, max_new_tokens, seed + c * max_turns)
+        except EngineError as e:
+            reasons.append(f"conversation {c + 1} turn 1: {e}")
+    return reasons
+
+
 def replay(engine: Engine, run: ConversationRun) -> LoopTiming:
     """Times `engine` on the prompts of `run` with the same lengths, settings and seeds."""
     return generate(engine, [t.request for t in run.turns])[1]
@@ -144,10 +170,12 @@ class DatasetReport:
 
     @property
     def speedup(self) -> float | None:
-        """Decode tokens/s of speculative over plain decoding."""
-        if self.plain_timing is None or not self.plain_timing.decode_tokens_per_s:
+        """Decode tokens/s of speculative over plain decoding (None unless both were measured)."""
+        spec = self.spec_timing.decode_rate
+        plain = None if self.plain_timing is None else self.plain_timing.decode_rate
+        if spec is None or not plain:
             return None
-        return self.spec_timing.decode_tokens_per_s / self.plain_timing.decode_tokens_per_s
+        return spec / plain
 
     def to_json(self) -> dict[str, Any]:
         def timing(t: LoopTiming | None):
@@ -158,7 +186,7 @@ class DatasetReport:
                 "decode_s": t.decode_s,
                 "decoded_tokens": t.decoded_tokens,
                 "device_rounds": t.rounds,
-                "decode_tokens_per_s": t.decode_tokens_per_s,
+                "decode_tokens_per_s": t.decode_rate,  # null: no decode round ran
             }
 
         return {
