@@ -545,11 +545,14 @@ def generate(
     on_tokens: Callable[[int, list[int]], None] | None = None,
     progress: bool = False,
     policy_index: int | None = None,
+    *,
+    progress_label: str = "generate",
 ) -> tuple[list[Result], LoopTiming]:
     """Offline batch inference: every request through one continuously batched loop.
 
     `on_tokens(i, new_tokens)` streams request i's tokens as they are read. Returns the results
-    in request order and where the time went (each device call is timed). `policy_index`: see
+    in request order and where the time went (each device call is timed). `progress` shows a
+    bar of finished requests on stderr, named `progress_label`. `policy_index`: see
     `Batcher`."""
     batcher = Batcher(
         engine, max_waiting=max(len(requests), 1), timed=True, policy_index=policy_index
@@ -559,7 +562,7 @@ def generate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(requests), unit="req", desc="generate")
+        bar = tqdm(total=len(requests), unit="req", desc=progress_label)
 
     def callback(i: int) -> EventCallback:
         def on_event(kind: str, payload: Any) -> None:

@@ -152,9 +152,11 @@ def unfit_conversations(
     return reasons
 
 
-def replay(engine: Engine, run: ConversationRun) -> LoopTiming:
-    """Times `engine` on the prompts of `run` with the same lengths, settings and seeds."""
-    return generate(engine, [t.request for t in run.turns])[1]
+def replay(engine: Engine, run: ConversationRun, progress: bool = False) -> LoopTiming:
+    """Times `engine` on the prompts of `run` with the same lengths, settings and seeds;
+    `progress` shows a bar ("plain") of the turns replayed."""
+    requests = [t.request for t in run.turns]
+    return generate(engine, requests, progress=progress, progress_label="plain")[1]
 
 
 # -- per-dataset report ------------------------------------------------------------------------
@@ -228,7 +230,7 @@ def evaluate_dataset(
         skip_unfit=True,
         policy_index=policy_index,
     )
-    plain_timing = replay(plain, run) if plain is not None else None
+    plain_timing = replay(plain, run, progress) if plain is not None else None
     report = DatasetReport(
         name=name,
         conversations=len(conversations),
