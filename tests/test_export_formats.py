@@ -110,6 +110,21 @@ def test_converted_folder_names_its_source_as_verifier(tmp_path):
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(TINY_TARGET)
 
 
+def test_speculators_export_of_a_cast_conversion_names_the_cast(tmp_path, capsys):
+    """A drafter converted with --dtype float16 holds its target's embedding cast (float32 ->
+    float16 rounds nearly every value). The refusal blamed the target ("Name the drafter's own
+    target"), which was the drafter's own: it names the cast and the way out."""
+    convert_checkpoints(tmp_path / "c16", draft=TINY_DRAFT, target=TINY_TARGET, dtype="float16")
+    args = ["export", "--draft", str(tmp_path / "c16"), "--format", "speculators"]
+    assert main([*args, "--out", str(tmp_path / "spec")]) == 2
+    err = capsys.readouterr().err
+    assert "embed_tokens.weight is the verifier's" in err
+    assert "cast from float32 to float16" in err and "(a conversion with --dtype float16)" in err
+    assert "a conversion without --dtype (or with the checkpoint's own, --dtype float32)" in err
+    assert "Name the drafter's own target" not in err
+    assert not (tmp_path / "spec").exists()
+
+
 @pytest.mark.parametrize(
     "change, problem",
     [

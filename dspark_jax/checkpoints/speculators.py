@@ -220,6 +220,38 @@ def _verifier_tensors(folder: Path) -> dict[str, np.ndarray]:
     return {"embed_tokens.weight": embed, "lm_head.weight": head}
 
 
+def _check_verifier_tensor(name: str, theirs: np.ndarray, mine: np.ndarray, folder: Path) -> None:
+    """Refuses a drafter whose `name` tensor (`mine`) is not the verifier's (`theirs`): the
+    speculators loader replaces it with the verifier's. A drafter converted with --dtype holds
+    the verifier's tensor cast, which is not it when the cast rounds (bfloat16 -> float16
+    flushes values below 6e-8 to zero); that is said as such, not blamed on the target."""
+    if theirs.shape == mine.shape and np.array_equal(
+        np.asarray(theirs, np.float32), np.asarray(mine, np.float32)
+    ):
+        return
+    as32 = np.asarray(mine, np.float32)
+    if (
+        theirs.shape == mine.shape
+        and theirs.dtype != mine.dtype
+        and np.array_equal(np.asarray(theirs.astype(mine.dtype), np.float32), as32)
+    ):
+        changed = np.count_nonzero(np.asarray(theirs, np.float32) != as32)
+        cast, own = mine.dtype.name, theirs.dtype.name
+        raise CheckpointError(
+            f"the drafter's {name} is the verifier's ({folder}) cast from {own} to {cast}, "
+            f"which changed {changed} of its {mine.size} values (a conversion with --dtype "
+            f"{cast}): the speculators loader takes the embedding and head from the verifier, "
+            "uncast, so this export would not be the drafter as converted. Export the "
+            "speculators layout from a conversion without --dtype (or with the checkpoint's "
+            f"own, --dtype {own})"
+        )
+    raise CheckpointError(
+        f"the drafter's {name} differs from the verifier's ({folder}); the speculators loader "
+        "would replace it with the verifier's, so this export would not be the drafter you "
+        "trained. Name the drafter's own target."
+    )
+
+
 def write_drafter_speculators(
     model: DSparkDrafter, out: str | os.PathLike, *, verifier: str, overwrite: bool = False
 ) -> Path:
@@ -233,14 +265,7 @@ def write_drafter_speculators(
     if folder is not None:
         architectures = list(read_config_json(folder).get("architectures") or architectures)
         for name, array in _verifier_tensors(folder).items():
-            if array.shape != tensors[name].shape or not np.array_equal(
-                np.asarray(array, np.float32), np.asarray(tensors[name], np.float32)
-            ):
-                raise CheckpointError(
-                    f"the drafter's {name} differs from the verifier's ({folder}); the "
-                    "speculators loader would replace it with the verifier's, so this export "
-                    "would not be the drafter you trained. Name the drafter's own target."
-                )
+            _check_verifier_tensor(name, np.asarray(array), np.asarray(tensors[name]), folder)
     config = speculators_config(model.cfg, verifier, architectures)
     check_speculators_config(config)
     kept = {k: v for k, v in tensors.items() if k not in VERIFIER_TENSORS}
