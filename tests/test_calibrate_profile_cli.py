@@ -251,3 +251,48 @@ def test_generate_refuses_an_sps_table_of_another_slot_count(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith(f"dspark-jax generate: error: --sps-table {table} was profiled")
     assert "dspark-jax profile --max-num-seqs 1" in err[-1]
+
+
+def _calibrate(tmp_path, records, *more):
+    """The exit status of calibrate at 0.7 with the fixture drafter."""
+    argv = ["calibrate", "--records", *map(str, records), "--drafter", str(DRAFTER)]
+    return cli.main([*argv, "--temperature", "0.7", *map(str, more)])
+
+
+def test_calibrate_refuses_to_write_over_its_records(tmp_path, capsys, monkeypatch):
+    """--out (or --plot) naming a --records file, however spelt, would replace the records by
+    the artifact: refused in one line, the records left as they were."""
+    records = tmp_path / "rec.npz"
+    _overconfident_records(300, 0).save(records)
+    before = records.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    for option, path in [
+        ("--out", records),
+        ("--out", "./rec.npz"),
+        ("--out", tmp_path / "sub" / ".." / "rec.npz"),
+        ("--plot", "rec.npz"),
+    ]:
+        other = ["--out", "sts.json"] if option == "--plot" else []
+        assert _calibrate(tmp_path, ["rec.npz"], option, path, *other) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"{option} {path} is the --records file" in err
+        assert "would replace the records" in err
+        assert records.read_bytes() == before
+        assert not (tmp_path / "sts.json").exists()
+
+
+def test_calibrate_refuses_the_same_records_file_as_fit_and_held_out(tmp_path, capsys, monkeypatch):
+    """Two records files are the fit and the held-out split: one file twice would report
+    in-sample numbers as held-out ones."""
+    _overconfident_records(300, 0).save(tmp_path / "rec.npz")
+    (tmp_path / "link.npz").symlink_to(tmp_path / "rec.npz")
+    monkeypatch.chdir(tmp_path)
+    for second in ("rec.npz", tmp_path / "rec.npz", "link.npz"):
+        pair = ["rec.npz", second]
+        assert _calibrate(tmp_path, pair, "--out", "sts.json") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"--records rec.npz {second}: both name the same file" in err
+        assert "held-out split" in err
+        assert not (tmp_path / "sts.json").exists()

@@ -52,13 +52,19 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.calibration import sts
     from dspark_jax.checkpoints.converted import load_drafter
     from dspark_jax.cli.args import check_seed
-    from dspark_jax.cli.paths import atomic_file, check_output_file
+    from dspark_jax.cli.paths import atomic_file, check_not_same_file, check_output_file, same_file
     from dspark_jax.cli.report import calibration_warnings, format_report, reliability_diagram
     from dspark_jax.errors import UserError
     from dspark_jax.sampling import SamplingConfig
 
     if len(args.records) > 2:
         raise UserError(f"give one or two records files, got {len(args.records)}")
+    if len(args.records) == 2 and same_file(*args.records):
+        raise UserError(
+            f"--records {' '.join(args.records)}: both name the same file, but the second is "
+            "the held-out split, which must hold other rounds than the fit: give one file "
+            "(split by block into fit and held-out) or two different ones"
+        )
     check_seed(args.seed)
     SamplingConfig(temperature=args.temperature)  # the rules the records were sampled under
     if args.bins < 1:
@@ -66,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
     # NaN fails both comparisons.
     if not 0 < args.holdout_fraction < 1:
         raise UserError(f"--holdout-fraction must lie in (0, 1), got {args.holdout_fraction}")
+    outputs = {"--out": (args.out, "the STS artifact")}
+    if args.plot:
+        outputs["--plot"] = (args.plot, "the reliability diagram")
+    for option, (path, what) in outputs.items():
+        for records in args.records:
+            consequence = f"{what} would replace the records"
+            check_not_same_file(path, option, records, "--records", consequence)
     check_output_file(args.out, "--out")
     if args.plot:
         check_output_file(args.plot, "--plot")

@@ -42,6 +42,32 @@ def check_output_file(path: str | os.PathLike, option: str) -> Path:
     return path
 
 
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether `a` and `b` name one file, however spelt (relative or absolute, through links;
+    hard links included when both exist)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return Path(a).resolve() == Path(b).resolve()
+
+
+def check_not_same_file(
+    path: str | os.PathLike,
+    option: str,
+    other: str | os.PathLike,
+    other_option: str,
+    consequence: str,
+) -> None:
+    """Refuses an output `path` that names the file `other` (an input, or another output)
+    names: writing it would destroy that file. `consequence` says what would happen."""
+    if same_file(path, other):
+        also = "" if str(path) == str(other) else f" {other}"
+        raise UserError(
+            f"{option} {path} is the {other_option} file{also}: {consequence}; give {option} "
+            "another name"
+        )
+
+
 def check_output_folder(path: str | os.PathLike, option: str, *, created: bool = True) -> Path:
     """`path` as a Path, once files can be written into it. With `created` false the folder is
     written atomically later (as a renamed sibling), so only its parent is checked."""
