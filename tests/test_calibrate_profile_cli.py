@@ -296,3 +296,19 @@ def test_calibrate_refuses_the_same_records_file_as_fit_and_held_out(tmp_path, c
         assert f"--records rec.npz {second}: both name the same file" in err
         assert "held-out split" in err
         assert not (tmp_path / "sts.json").exists()
+
+
+def test_out_and_plot_must_be_different_files(tmp_path, capsys, monkeypatch):
+    """The plot written over --out would leave a PNG where the STS artifact or SPS table was."""
+    _overconfident_records(300, 0).save(tmp_path / "rec.npz")
+    monkeypatch.chdir(tmp_path)
+    assert _calibrate(tmp_path, ["rec.npz"], "--out", "same.png", "--plot", "./same.png") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--plot ./same.png is the --out file same.png: the diagram would" in err
+    argv = ["profile", "--mode", "verify", "--out", "p.png", "--plot", "p.png"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--plot p.png is the --out file: the plot would replace the SPS table" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.npz"]

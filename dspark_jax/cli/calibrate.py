@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     outputs = {"--out": (args.out, "the STS artifact")}
     if args.plot:
         outputs["--plot"] = (args.plot, "the reliability diagram")
+        consequence = "the diagram would replace the STS artifact written there"
+        check_not_same_file(args.plot, "--plot", args.out, "--out", consequence)
     for option, (path, what) in outputs.items():
         for records in args.records:
             consequence = f"{what} would replace the records"

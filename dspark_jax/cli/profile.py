@@ -153,7 +153,7 @@ def _build_models(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.cli.args import check_seed, sps_model
-    from dspark_jax.cli.paths import atomic_file, check_output_file
+    from dspark_jax.cli.paths import atomic_file, check_not_same_file, check_output_file
     from dspark_jax.cli.report import plot_profile
     from dspark_jax.decoding.engine import EngineConfig
     from dspark_jax.decoding.profiling import profile_engine
@@ -165,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_seed(args.seed)
     SamplingConfig(temperature=args.temperature)  # generate's rules: finite and >= 0
+    if args.plot:
+        consequence = "the plot would replace the SPS table written there"
+        check_not_same_file(args.plot, "--plot", args.out, "--out", consequence)
     check_output_file(args.out, "--out")
     if args.plot:
         check_output_file(args.plot, "--plot")
