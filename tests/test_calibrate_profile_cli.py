@@ -312,3 +312,22 @@ def test_out_and_plot_must_be_different_files(tmp_path, capsys, monkeypatch):
     assert err.count("\n") == 1
     assert "--plot p.png is the --out file: the plot would replace the SPS table" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.npz"]
+
+
+def test_the_plot_format_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    """A --plot suffix matplotlib cannot write failed with a traceback after --out was written;
+    it is refused in one line, naming the formats there are, before anything runs."""
+    _overconfident_records(300, 0).save(tmp_path / "rec.npz")
+    monkeypatch.chdir(tmp_path)
+    for plot in ("rel.txt", "rel"):
+        assert _calibrate(tmp_path, ["rec.npz"], "--out", "sts.json", "--plot", plot) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"--plot {plot}: has " in err and ".png, " in err and ".svg" in err
+        argv = ["profile", "--mode", "verify", "--out", "p.json", "--plot", plot]
+        assert cli.main(argv) == 2
+        assert f"--plot {plot}: has " in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.npz"]
+    # Any format matplotlib writes is taken, in upper case too.
+    assert _calibrate(tmp_path, ["rec.npz"], "--out", "sts.json", "--plot", "rel.SVG") == 0
+    assert (tmp_path / "rel.SVG").read_text().lstrip().startswith("<?xml")

@@ -52,7 +52,13 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.calibration import sts
     from dspark_jax.checkpoints.converted import load_drafter
     from dspark_jax.cli.args import check_seed
-    from dspark_jax.cli.paths import atomic_file, check_not_same_file, check_output_file, same_file
+    from dspark_jax.cli.paths import (
+        atomic_file,
+        check_not_same_file,
+        check_output_file,
+        check_plot_file,
+        same_file,
+    )
     from dspark_jax.cli.report import calibration_warnings, format_report, reliability_diagram
     from dspark_jax.errors import UserError
     from dspark_jax.sampling import SamplingConfig
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             check_not_same_file(path, option, records, "--records", consequence)
     check_output_file(args.out, "--out")
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_plot_file(args.plot)
     parts = [sts.CalibrationRecords.load(path) for path in args.records]
     drafter_cfg, _, fingerprint = load_drafter(args.drafter, progress=False)
     for path, part in zip(args.records, parts, strict=True):

@@ -42,6 +42,24 @@ def check_output_file(path: str | os.PathLike, option: str) -> Path:
     return path
 
 
+def check_plot_file(path: str | os.PathLike, option: str = "--plot") -> Path:
+    """`path` as a Path, once a file can be written there in a format matplotlib writes: it
+    goes by the suffix, and a suffix it cannot write would fail only after the command's work
+    was done (and its other outputs written)."""
+    from matplotlib.figure import Figure  # only commands given a plot pay for the import
+
+    path = check_output_file(path, option)
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    suffix = path.suffix[1:].lower()
+    if suffix not in formats:
+        found = f"the suffix .{suffix}" if suffix else "no suffix"
+        raise UserError(
+            f"{option} {path}: has {found}, which names no image format matplotlib writes; end "
+            f"the name in one of {', '.join('.' + f for f in formats)} (e.g. .png)"
+        )
+    return path
+
+
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     """Whether `a` and `b` name one file, however spelt (relative or absolute, through links;
     hard links included when both exist)."""

@@ -153,7 +153,12 @@ def _build_models(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.cli.args import check_seed, sps_model
-    from dspark_jax.cli.paths import atomic_file, check_not_same_file, check_output_file
+    from dspark_jax.cli.paths import (
+        atomic_file,
+        check_not_same_file,
+        check_output_file,
+        check_plot_file,
+    )
     from dspark_jax.cli.report import plot_profile
     from dspark_jax.decoding.engine import EngineConfig
     from dspark_jax.decoding.profiling import profile_engine
@@ -170,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         check_not_same_file(args.plot, "--plot", args.out, "--out", consequence)
     check_output_file(args.out, "--out")
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_plot_file(args.plot)
     target, drafter, description, mesh = _build_models(args)
     print(
         f"profiling {args.mode} steps of {description}, {target.dtype}, {args.max_num_seqs} "
