@@ -331,3 +331,37 @@ def test_the_plot_format_is_checked_before_any_work(tmp_path, capsys, monkeypatc
     # Any format matplotlib writes is taken, in upper case too.
     assert _calibrate(tmp_path, ["rec.npz"], "--out", "sts.json", "--plot", "rel.SVG") == 0
     assert (tmp_path / "rel.SVG").read_text().lstrip().startswith("<?xml")
+
+
+def test_calibrate_refuses_records_in_which_nothing_was_verified(tmp_path, capsys):
+    """Rounds that verified no draft (eval --gamma 0) observe no outcome: the fit kept T = 1
+    everywhere with a warning per position and wrote an artifact that changes nothing."""
+    _, _, fingerprint = load_drafter(DRAFTER, progress=False)
+    z = np.random.default_rng(0).normal(size=(200, 7))
+    CalibrationRecords(
+        z, np.zeros(200), np.zeros(200), drafter_fingerprint=fingerprint, sampling_temperature=0.7
+    ).save(tmp_path / "g0.npz")
+    _overconfident_records(300, 0).save(tmp_path / "ok.npz")
+    for records in (["g0.npz"], ["ok.npz", "g0.npz"]):
+        paths = [tmp_path / r for r in records]
+        assert _calibrate(tmp_path, paths, "--out", tmp_path / "sts.json") == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1] == (
+            f"dspark-jax calibrate: error: none of the 200 rounds of {tmp_path / 'g0.npz'} "
+            "verified a draft (rounds of gamma 0, e.g. from eval --gamma 0), so no draft was "
+            "accepted or rejected and there is nothing to calibrate: record rounds that verify "
+            "drafts"
+        )
+        assert not any("no observations" in line for line in err)
+        assert not (tmp_path / "sts.json").exists()
+    # The library refuses them too.
+    from dspark_jax.calibration import sts
+
+    with pytest.raises(sts.CalibrationInputError, match="none of the 140 rounds of the fit"):
+        sts.calibrate(
+            CalibrationRecords.load(tmp_path / "g0.npz"),
+            0.3,
+            0,
+            drafter_fingerprint=fingerprint,
+            sampling_temperature=0.7,
+        )

@@ -210,6 +210,17 @@ class CalibrationRecords:
         )
 
 
+def check_observed(records: CalibrationRecords, name: str = "the records") -> None:
+    """Refuses records in which no round verified a draft: no draft's outcome was observed, so
+    no temperature can be fitted, and an artifact of T = 1 everywhere would change nothing."""
+    if len(records) and not np.any(records.verified_n):
+        raise CalibrationInputError(
+            f"none of the {len(records)} rounds of {name} verified a draft (rounds of gamma 0, "
+            "e.g. from eval --gamma 0), so no draft was accepted or rejected and there is "
+            "nothing to calibrate: record rounds that verify drafts"
+        )
+
+
 def survival_events(records: CalibrationRecords) -> tuple[np.ndarray, np.ndarray]:
     """(observed_nk, survived_nk) for prefix survival "n >= k", k = 1..gamma."""
     k = np.arange(1, records.gamma + 1)[None, :]
@@ -250,13 +261,15 @@ def fit_sts(
 ) -> np.ndarray:
     """Per-position temperatures [gamma], fitted left to right by grid search on ECE.
 
-    A position with no observed survival outcome keeps T = 1; among equally good grid points the
-    smallest temperature wins."""
+    A position with no observed survival outcome keeps T = 1 (records with none at all are
+    refused, see `check_observed`); among equally good grid points the smallest temperature
+    wins."""
     grid_g = default_grid() if grid is None else np.asarray(grid, dtype=np.float64)
     if grid_g.ndim != 1 or grid_g.size == 0 or not np.all(np.isfinite(grid_g) & (grid_g > 0)):
         raise CalibrationInputError("grid must be a non-empty 1-D array of positive temperatures")
     if len(records) == 0:
         raise CalibrationInputError("no calibration records")
+    check_observed(records, "the fit records")
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise CalibrationInputError(f"n_bins must be an int >= 1, got {n_bins!r}")
     observed_nk, survived_nk = survival_events(records)

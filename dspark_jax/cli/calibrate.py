@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{drafter_cfg.block_size}: records from another drafter?"
             )
         _check_provenance(path, part, args, fingerprint)
+        sts.check_observed(part, path)
     if len(parts) == 1:
         artifact, report = sts.calibrate(
             parts[0],
