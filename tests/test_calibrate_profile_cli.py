@@ -365,3 +365,23 @@ def test_calibrate_refuses_records_in_which_nothing_was_verified(tmp_path, capsy
             drafter_fingerprint=fingerprint,
             sampling_temperature=0.7,
         )
+
+
+def test_profile_verify_mode_refuses_a_temperature(tmp_path, capsys):
+    """Verify mode samples nothing: a --temperature was accepted and recorded in the table."""
+    for value in ("1", "0"):
+        argv = ["profile", "--mode", "verify", "--temperature", value]
+        assert cli.main([*argv, "--out", str(tmp_path / "p.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert "--temperature is read by --mode round only" in err
+        assert not (tmp_path / "p.json").exists()
+    embedded = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
+    from dspark_jax.decoding.engine import EngineConfig
+    from dspark_jax.decoding.profiling import ProfileError, profile_engine
+
+    with pytest.raises(ProfileError, match="verify mode .* samples nothing"):
+        profile_engine(
+            embedded.target, embedded.drafter, EngineConfig(num_slots=1), mode="verify",
+            temperature=1.0,
+        )

@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--temperature",
         type=float,
-        default=0.0,
-        help="sampling temperature of round-mode timings (default 0)",
+        help="sampling temperature of round-mode timings (default 0; verify mode samples "
+        "nothing and takes none)",
     )
     parser.add_argument("--dtype", help="parameter/compute dtype (default: as stored)")
     from dspark_jax.cli.args import add_mesh_argument
@@ -169,7 +169,14 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_seed(args.seed)
-    SamplingConfig(temperature=args.temperature)  # generate's rules: finite and >= 0
+    if args.temperature is not None and args.mode == "verify":
+        raise UserError(
+            "--temperature is read by --mode round only; --mode verify times the target's "
+            "forward alone and samples nothing, so it would ignore it: drop --temperature or "
+            "use --mode round"
+        )
+    temperature = 0.0 if args.temperature is None else args.temperature
+    SamplingConfig(temperature=temperature)  # generate's rules: finite and >= 0
     if args.plot:
         consequence = "the plot would replace the SPS table written there"
         check_not_same_file(args.plot, "--plot", args.out, "--out", consequence)
@@ -188,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         drafter,
         cfg,
         mode=args.mode,
-        temperature=args.temperature,
+        temperature=temperature,
         context_len=args.context_len,
         steps=args.steps,
         repeats=args.repeats,

@@ -192,12 +192,18 @@ def profile_engine(
     """Median steps/s per token bucket of an engine built with `cfg` (its `token_buckets`, or
     the defaults for its slots and the drafter's block), stamped with device, date and `meta`.
 
-    Round mode needs the drafter; verify mode times the target alone. `mesh`: the engine runs
-    sharded on it (the table then describes that mesh)."""
+    Round mode needs the drafter and samples at `temperature`; verify mode times the target
+    alone and samples nothing, so it takes no temperature. `mesh`: the engine runs sharded on
+    it (the table then describes that mesh)."""
     if mode not in ("round", "verify"):
         raise ProfileError(f"mode must be 'round' or 'verify', got {mode!r}")
     if mode == "round" and drafter is None:
         raise ProfileError("round mode times whole speculative rounds: it needs a drafter")
+    if mode == "verify" and temperature != 0.0:
+        raise ProfileError(
+            f"verify mode times the target's forward alone and samples nothing, so temperature "
+            f"{temperature:g} would be ignored: it applies to round mode only"
+        )
     if steps < 1 or repeats < 1:
         raise ProfileError(f"steps ({steps}) and repeats ({repeats}) must be >= 1")
     if context_len < 1:
@@ -244,6 +250,7 @@ def profile_engine(
         sps[i] = 1.0 / seconds
         if log is not None:
             log(f"{width:6d} tokens: {1e3 * seconds:9.3f} ms/step, {sps[i]:9.1f} steps/s")
+    sampled = {"temperature": temperature} if round_mode else {}
     stamp = profile_meta(
         mode=mode,
         context_len=context_len,
@@ -252,7 +259,7 @@ def profile_engine(
         steps=steps,
         repeats=repeats,
         dtype=str(target.dtype),
-        temperature=temperature,
+        **sampled,
         mesh=None if mesh is None else dict(mesh.shape),
         **meta,
     )
