@@ -90,7 +90,7 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     assert profile.meta["mode"] == "verify" and np.all(profile.sps > 0)
     # The embedded pair's shapes; verify mode times no drafter, so records none.
     embedded = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
-    assert profile.meta["model"] == cli_args.sps_model(embedded.target.cfg)
+    assert profile.meta["model"] == policies.sps_model(embedded.target.cfg)
     assert plot.stat().st_size > 0
 
     parser = argparse.ArgumentParser()
@@ -211,7 +211,7 @@ def _sps_table(path, num_slots, model=None):
 def test_an_sps_table_belongs_to_its_slot_count_and_model(tmp_path, capsys):
     target_cfg = Qwen3Config.from_hf(read_config_json(DRAFTER.parent / "target"))
     drafter_cfg = DrafterConfig.from_hf(read_config_json(DRAFTER))
-    ours = cli_args.sps_model(target_cfg, drafter_cfg)
+    ours = policies.sps_model(target_cfg, drafter_cfg)
     parser = argparse.ArgumentParser()
     cli_args.add_policy_arguments(parser)
 
@@ -223,7 +223,8 @@ def test_an_sps_table_belongs_to_its_slot_count_and_model(tmp_path, capsys):
     table = _sps_table(tmp_path / "two.json", 2, ours)
     assert isinstance(build(table, 2), policies.PrefixSchedulePolicy)
     assert capsys.readouterr().err == ""
-    with pytest.raises(policies.PolicyError, match=r"profiled for 2 slots, but .* has 1 "):
+    mismatch = r"profiled for 2 slots, but the engine has 1:"
+    with pytest.raises(policies.PolicyError, match=mismatch):
         build(table, 1)
     with pytest.raises(policies.PolicyError, match=r"profile --max-num-seqs 3"):
         build(table, 3)

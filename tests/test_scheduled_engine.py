@@ -145,3 +145,62 @@ def test_profile_buckets_must_match_the_engine():
     unset = dataclasses.replace(CFG, token_buckets=None)
     with pytest.raises(EngineError, match="num_slots x \\(drafts \\+ 1\\)"):
         Engine(target, drafter, unset, policy=policies.PrefixSchedulePolicy(small))
+
+
+def _profile(**meta):
+    return policies.SpsProfile(PROFILE.buckets, PROFILE.sps, meta)
+
+
+def test_an_engine_refuses_an_sps_profile_of_another_slot_count_or_model():
+    """A profile's step times describe one batch of one model. The CLI refused a mismatch, but
+    an engine built from Python took it silently and scheduled with another engine's times."""
+    target, drafter = load_pair("vanilla")
+    ours = policies.sps_model(target.cfg, drafter.cfg)
+    Engine(target, drafter, CFG, policy=policies.PrefixSchedulePolicy(_profile(num_slots=4)))
+    Engine(
+        target,
+        drafter,
+        CFG,
+        policy=policies.PrefixSchedulePolicy(_profile(num_slots=4, model=ours)),
+    )
+    eight = policies.PrefixSchedulePolicy(_profile(num_slots=8, model=ours))
+    with pytest.raises(policies.PolicyError, match="profiled for 8 slots, but the engine has 4"):
+        Engine(target, drafter, CFG, policy=eight)
+    other = {**ours, "drafter": {**ours["drafter"], "block_size": 5}}
+    with pytest.raises(
+        policies.PolicyError, match=r"another model \(drafter block_size: 5 in the table, 7 here"
+    ):
+        Engine(
+            target,
+            drafter,
+            CFG,
+            policy=policies.AsyncSchedulePolicy(_profile(num_slots=4, model=other)),
+        )
+    # Every member of a switch is checked.
+    switch = policies.PolicySwitch((policies.FixedPolicy(7), eight))
+    with pytest.raises(policies.PolicyError, match="profiled for 8 slots"):
+        Engine(target, drafter, CFG, policy=switch)
+
+
+def test_profile_engine_records_the_models_it_timed(capsys):
+    """Only the CLI recorded the model (through a CLI helper), so a table profiled from Python
+    later drew a false "an older dspark-jax profile wrote it" warning and went unchecked."""
+    from dspark_jax.cli import args as cli_args
+    from dspark_jax.decoding.profiling import ProfileError, profile_engine
+
+    target, drafter = load_pair("vanilla")
+    cfg = EngineConfig(num_slots=2, token_buckets=(2, 16))
+    quick = {"mode": "verify", "context_len": 16, "steps": 1, "repeats": 1}
+    profile = profile_engine(target, drafter, cfg, **quick)
+    assert profile.meta["model"] == policies.sps_model(target.cfg)  # verify mode: no drafter
+    assert "temperature" not in profile.meta  # verify mode samples nothing
+    with pytest.raises(ProfileError, match="records the models it times itself"):
+        profile_engine(target, drafter, cfg, model={"target": {}}, **quick)
+
+    scheduled = dataclasses.replace(CFG, num_slots=2, token_buckets=None)
+    Engine(target, drafter, scheduled, policy=policies.PrefixSchedulePolicy(profile))
+    with pytest.raises(policies.PolicyError, match="profiled for 2 slots, but the engine has 4"):
+        Engine(target, drafter, CFG, policy=policies.PrefixSchedulePolicy(profile))
+    # The command line takes it without the warning meant for tables of older versions.
+    cli_args.check_sps_table("sps.json", profile, 2, target.cfg, drafter.cfg)
+    assert capsys.readouterr().err == ""

@@ -15,13 +15,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dspark_jax.calibration.sts import StsArtifact
-from dspark_jax.config import SHAPE_FIELDS, DrafterConfig, Qwen3Config
+from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import (
     POLICY_NAMES,
     Policy,
     PolicyError,
     SpsProfile,
+    check_sps_profile,
     make_policy,
 )
 from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_NAME, EMBEDDED_TARGET
@@ -455,20 +456,6 @@ def build_policy(
     return make_policy(args.policy, gamma, threshold=args.threshold, sps=sps)
 
 
-def sps_model(target_cfg: Qwen3Config, drafter_cfg: DrafterConfig | None = None) -> dict:
-    """What an SPS table records of the models it timed: the target's shape and, when the
-    drafter ran (round mode), the drafter's."""
-    model: dict = {"target": {name: getattr(target_cfg, name) for name in SHAPE_FIELDS}}
-    if drafter_cfg is not None:
-        model["drafter"] = {
-            **{name: getattr(drafter_cfg.model, name) for name in SHAPE_FIELDS},
-            "block_size": drafter_cfg.block_size,
-            "markov_rank": drafter_cfg.markov_rank,
-            "markov_head_type": drafter_cfg.markov_head_type,
-        }
-    return model
-
-
 def check_sps_table(
     path: str,
     sps: SpsProfile,
@@ -476,43 +463,28 @@ def check_sps_table(
     target_cfg: Qwen3Config | None,
     drafter_cfg: DrafterConfig | None,
 ) -> None:
-    """Refuses a table measured for another slot count or another model (what it does not
-    record is not checked; a table without its model gets a warning)."""
-    profiled = sps.meta.get("num_slots")
-    if num_slots is not None and profiled is not None and profiled != num_slots:
-        raise PolicyError(
-            f"--sps-table {path} was profiled for {profiled} slots, but this run's engine has "
-            f"{num_slots} (--max-num-seqs, no more than the requests): its step times describe "
-            f"another batch. Profile again with dspark-jax profile --max-num-seqs {num_slots}, "
-            f"or run {profiled} slots"
-        )
-    if target_cfg is None:
-        return
-    recorded = sps.meta.get("model")
-    if not isinstance(recorded, dict):
+    """`policies.check_sps_profile` (the engine's check) worded for --sps-table: refuses a table
+    measured for another slot count or another model; one that does not record its model gets
+    a warning."""
+    checked = check_sps_profile(
+        sps,
+        num_slots,
+        target_cfg,
+        drafter_cfg,
+        name=f"--sps-table {path}",
+        slots_advice=lambda profiled, num_slots: (
+            f"Profile again with dspark-jax profile --max-num-seqs {num_slots}, or run "
+            f"{profiled} slots"
+        ),
+        model_advice="Profile this one with dspark-jax profile --target/--draft (or --config of "
+        "its architecture)",
+    )
+    if target_cfg is not None and not checked:
         print(
             f"warning: --sps-table {path} does not record the model it was profiled on (an "
             "older dspark-jax profile wrote it), so it cannot be checked against this one; "
             "profile again to record it",
             file=sys.stderr,
-        )
-        return
-    mine = sps_model(target_cfg, drafter_cfg)
-    diffs = []
-    for part in ("target", "drafter"):
-        theirs, ours = recorded.get(part), mine.get(part)
-        if theirs is None or ours is None:  # verify mode times no drafter
-            continue
-        diffs += [
-            f"{part} {name}: {theirs.get(name)!r} in the table, {value!r} here"
-            for name, value in ours.items()
-            if theirs.get(name) != value
-        ]
-    if diffs:
-        raise PolicyError(
-            f"--sps-table {path} was profiled on another model ({'; '.join(diffs)}): step "
-            "times belong to the model measured. Profile this one with dspark-jax profile "
-            "--target/--draft (or --config of its architecture)"
         )
 
 

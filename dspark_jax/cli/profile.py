@@ -152,7 +152,7 @@ def _build_models(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.cli.args import check_seed, sps_model
+    from dspark_jax.cli.args import check_seed
     from dspark_jax.cli.paths import (
         atomic_file,
         check_not_same_file,
@@ -202,8 +202,6 @@ def run(args: argparse.Namespace) -> int:
         log=lambda line: print(line, flush=True),
         mesh=mesh,
         config=description,
-        # what generate / eval / the scheduler check the table against
-        model=sps_model(target.cfg, drafter.cfg if args.mode == "round" else None),
     )
     with atomic_file(args.out) as tmp:
         profile.save(tmp)

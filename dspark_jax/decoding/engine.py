@@ -451,11 +451,12 @@ class Engine:
 
     The models are split into (graphdef, state) once; the jitted functions are pure functions of
     the parameter states and a donated `SlotState`. `policy` (default: verify the whole block)
-    chooses the verified lengths; `sts` (an `StsArtifact`, checked against
-    `drafter_fingerprint`) calibrates the confidence logits the policy sees. `stop_tokens`: the
-    ids that end every request (unless it asks `ignore_eos`); default the target config's EOS
-    ids, which for Qwen3 is <|im_end|> alone. The CLI and the server add generation_config.json's
-    <|endoftext|>: pass `load_decoding_models(...).stop_tokens` (or
+    chooses the verified lengths (an `SpsProfile` it holds must be profiled for `cfg.num_slots`
+    and these models' shapes, `policies.check_sps_profile`); `sts` (an `StsArtifact`, checked
+    against `drafter_fingerprint`) calibrates the confidence logits the policy sees.
+    `stop_tokens`: the ids that end every request (unless it asks `ignore_eos`); default the
+    target config's EOS ids, which for Qwen3 is <|im_end|> alone. The CLI and the server add
+    generation_config.json's <|endoftext|>: pass `load_decoding_models(...).stop_tokens` (or
     `dspark_jax.tokenizer.stop_token_ids(...)`) to do the same. `mesh`: run sharded over a
     (data, fsdp, tensor) mesh (parameters already placed there stay where they are).
     """
@@ -495,6 +496,12 @@ class Engine:
             raise EngineError(
                 f"{', '.join(names)} needs confidences; this drafter has no confidence head"
             )
+        # A measured SPS profile describes one batch of one model: this engine's slots and
+        # models, or the scheduler would trade against another engine's step times.
+        for member in policies.members(policy):
+            sps = getattr(member, "sps", None)
+            if isinstance(sps, SpsProfile):
+                policies.check_sps_profile(sps, cfg.num_slots, target.cfg, drafter.cfg)
         self.policy = policy
         # Checked as a request's stop ids are: one that is no integer or lies past int32 would
         # fail at the first generate, one outside the vocabulary could never match.

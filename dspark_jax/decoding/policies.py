@@ -25,16 +25,21 @@ import dataclasses
 import datetime
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
 
+from dspark_jax.config import SHAPE_FIELDS
 from dspark_jax.decoding import scheduler
 from dspark_jax.errors import UserError
+
+if TYPE_CHECKING:
+    from dspark_jax.config import DrafterConfig, Qwen3Config
 
 SPS_FORMAT = "dspark-jax/sps/v2"
 _SPS_FORMAT_V1 = "dspark-jax/sps/v1"
@@ -205,6 +210,79 @@ def profile_meta(**extra: Any) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **extra,
     }
+
+
+def sps_model(target_cfg: Qwen3Config, drafter_cfg: DrafterConfig | None = None) -> dict:
+    """What an SPS profile records of the models it timed (`meta["model"]`, written by
+    `profiling.profile_engine`): the target's shape and, when the drafter ran (round mode), the
+    drafter's. Step times depend on these, not on the weights or the dtype."""
+    model: dict = {"target": {name: getattr(target_cfg, name) for name in SHAPE_FIELDS}}
+    if drafter_cfg is not None:
+        model["drafter"] = {
+            **{name: getattr(drafter_cfg.model, name) for name in SHAPE_FIELDS},
+            "block_size": drafter_cfg.block_size,
+            "markov_rank": drafter_cfg.markov_rank,
+            "markov_head_type": drafter_cfg.markov_head_type,
+        }
+    return model
+
+
+def _default_slots_advice(profiled: int, num_slots: int) -> str:
+    return (
+        f"Profile again for {num_slots} slots (profile_engine with EngineConfig(num_slots="
+        f"{num_slots}), or dspark-jax profile --max-num-seqs {num_slots}), or build the engine "
+        f"with num_slots={profiled}"
+    )
+
+
+def check_sps_profile(
+    sps: SpsProfile,
+    num_slots: int | None,
+    target_cfg: Qwen3Config | None,
+    drafter_cfg: DrafterConfig | None,
+    *,
+    name: str = "the SPS profile",
+    slots_advice: Callable[[int, int], str] = _default_slots_advice,
+    model_advice: str = "Profile this model (profile_engine with its target and drafter)",
+) -> bool:
+    """Refuses a profile measured for another slot count than `num_slots` or on another model
+    than `target_cfg` / `drafter_cfg`: its step times describe one batch of one model. What is
+    not given, or not recorded in `sps.meta`, is not checked; a verify-mode profile timed no
+    drafter, so only its target is compared. The engine checks every profile its policy holds;
+    the commands check theirs first to word the advice for their flags: `name` names the
+    profile, `slots_advice(profiled, num_slots)` and `model_advice` say how to fix a mismatch
+    (each a sentence).
+
+    Returns False when the profile does not record its model (one made before profiles did),
+    so the caller may warn that it could not be checked, else True."""
+    profiled = sps.meta.get("num_slots")
+    if num_slots is not None and profiled is not None and profiled != num_slots:
+        raise PolicyError(
+            f"{name} was profiled for {profiled} slots, but the engine has {num_slots}: its "
+            f"step times describe another batch. {slots_advice(profiled, num_slots)}"
+        )
+    recorded = sps.meta.get("model")
+    if not isinstance(recorded, dict):
+        return False
+    if target_cfg is None:
+        return True
+    mine = sps_model(target_cfg, drafter_cfg)
+    diffs = []
+    for part in ("target", "drafter"):
+        theirs, ours = recorded.get(part), mine.get(part)
+        if not isinstance(theirs, dict) or ours is None:  # verify mode times no drafter
+            continue
+        diffs += [
+            f"{part} {field}: {theirs.get(field)!r} in the table, {value!r} here"
+            for field, value in ours.items()
+            if theirs.get(field) != value
+        ]
+    if diffs:
+        raise PolicyError(
+            f"{name} was profiled on another model ({'; '.join(diffs)}): step times belong to "
+            f"the model measured. {model_advice}"
+        )
+    return True
 
 
 def _sps_table(sps: SpsProfile | jax.Array, active_b: jax.Array, gamma: int) -> jax.Array:

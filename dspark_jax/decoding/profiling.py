@@ -37,7 +37,7 @@ from dspark_jax.decoding.engine import (
     SlotState,
     token_buckets,
 )
-from dspark_jax.decoding.policies import SpsProfile, profile_meta
+from dspark_jax.decoding.policies import SpsProfile, profile_meta, sps_model
 from dspark_jax.errors import UserError
 from dspark_jax.models import paged
 from dspark_jax.models.drafter import DSparkDrafter
@@ -190,7 +190,9 @@ def profile_engine(
     **meta,
 ) -> SpsProfile:
     """Median steps/s per token bucket of an engine built with `cfg` (its `token_buckets`, or
-    the defaults for its slots and the drafter's block), stamped with device, date and `meta`.
+    the defaults for its slots and the drafter's block), stamped with device, date, the slots,
+    the shapes of the models timed (`policies.sps_model`: an engine refuses the profile for
+    other slots or models) and `meta`.
 
     Round mode needs the drafter and samples at `temperature`; verify mode times the target
     alone and samples nothing, so it takes no temperature. `mesh`: the engine runs sharded on
@@ -204,6 +206,8 @@ def profile_engine(
             f"verify mode times the target's forward alone and samples nothing, so temperature "
             f"{temperature:g} would be ignored: it applies to round mode only"
         )
+    if "model" in meta:
+        raise ProfileError("profile_engine records the models it times itself: drop model=")
     if steps < 1 or repeats < 1:
         raise ProfileError(f"steps ({steps}) and repeats ({repeats}) must be >= 1")
     if context_len < 1:
@@ -261,6 +265,8 @@ def profile_engine(
         dtype=str(target.dtype),
         **sampled,
         mesh=None if mesh is None else dict(mesh.shape),
+        # what an engine checks the profile against (verify mode times no drafter)
+        model=sps_model(target.cfg, drafter.cfg if round_mode else None),
         **meta,
     )
     return SpsProfile(tuple(buckets), sps, stamp)
