@@ -254,6 +254,34 @@ def test_generate_refuses_an_sps_table_of_another_slot_count(tmp_path, capsys):
     assert "dspark-jax profile --max-num-seqs 1" in err[-1]
 
 
+def test_the_sps_slot_advice_is_what_the_command_can_do(tmp_path, capsys):
+    """generate and eval run no more slots than they have prompts: "run 2 slots" was no advice
+    for one prompt, whatever --max-num-seqs says; fewer slots take --max-num-seqs alone."""
+    table = _sps_table(tmp_path / "sps.json", 2)
+    scheduled = ["--policy", "scheduler", "--sps-table", str(table)]
+
+    def advice(argv):
+        assert cli.main([*argv, *scheduled]) == 2
+        return capsys.readouterr().err.splitlines()[-1].split("another batch. ")[1]
+
+    for given, flag in ([], "--max-num-seqs 2 and "), (["--max-num-seqs", "2"], ""):
+        assert advice(["generate", "--prompt", "hi", *given]) == (
+            "Profile this run's slot count with dspark-jax profile --max-num-seqs 1, or give "
+            f"{flag}at least 2 prompts (a run has no more slots than prompts)"
+        )
+    three = ["--prompt", "a", "--prompt", "b", "--prompt", "c"]
+    assert advice(["generate", *three]) == (
+        "Profile this run's slot count with dspark-jax profile --max-num-seqs 3, or give "
+        "--max-num-seqs 2"
+    )
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"turns": ["hi"]}\n')
+    assert advice(["eval", str(data), "--out", str(tmp_path / "ev")]).endswith(
+        "or give --max-num-seqs 2 and at least 2 conversations (a run has no more slots than "
+        "conversations)"
+    )
+
+
 def _calibrate(tmp_path, records, *more):
     """The exit status of calibrate at 0.7 with the fixture drafter."""
     argv = ["calibrate", "--records", *map(str, records), "--drafter", str(DRAFTER)]

@@ -332,5 +332,9 @@ def test_an_sps_table_of_another_slot_count_is_refused(tmp_path):
     table = tmp_path / "sps.json"
     SpsProfile((8, 16, 32), np.array([300.0, 250.0, 200.0]), {"num_slots": 2}).save(table)
     argv = ["--policy", "scheduler", "--sps-table", str(table), "--max-num-seqs", "1"]
-    with pytest.raises(UserError, match=f"--sps-table {table} was profiled"):
+    with pytest.raises(UserError, match=f"--sps-table {table} was profiled") as refused:
         command.run(_args("--port", "0", *argv))
+    # serve runs --max-num-seqs slots, however many requests come: no cap to mention.
+    assert str(refused.value).endswith(
+        "Profile again with dspark-jax profile --max-num-seqs 1, or serve with --max-num-seqs 2"
+    )

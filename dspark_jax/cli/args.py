@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from dspark_jax.calibration.sts import StsArtifact
@@ -344,10 +344,12 @@ def speculative_parts(
     models: DecodingModels,
     num_slots: int,
     temperature: float | None,
+    slots_advice: Callable[[int, int], str] | None = None,
 ) -> tuple[Policy, StsArtifact | None]:
     """The policy and STS artifact the command line names for `models` (which have a drafter),
     checked against the drafter, the engine's `num_slots` and the sampling `temperature` (None:
-    an engine serving many temperatures, which applies the artifact per request)."""
+    an engine serving many temperatures, which applies the artifact per request).
+    `slots_advice`: see `build_policy`."""
     sts = load_sts(args)
     if sts is not None:
         sts.check(models.drafter_fingerprint, temperature, models.gamma)
@@ -357,6 +359,7 @@ def speculative_parts(
         num_slots=num_slots,
         target_cfg=models.target.cfg,
         drafter_cfg=models.drafter.cfg,
+        slots_advice=slots_advice,
     )
     return policy, sts
 
@@ -440,16 +443,19 @@ def build_policy(
     num_slots: int | None = None,
     target_cfg: Qwen3Config | None = None,
     drafter_cfg: DrafterConfig | None = None,
+    slots_advice: Callable[[int, int], str] | None = None,
 ) -> Policy:
     """The policy named by --policy for a drafter with `block_size` drafts per block.
 
     An --sps-table is checked against the engine's `num_slots` and the models' architecture
     (`target_cfg`, `drafter_cfg`) when they are given: its step times describe one batch of
-    one model."""
+    one model. `slots_advice` words the fix of a slot mismatch for the command (default:
+    generate's and eval's, `offline_slots_advice`)."""
     check_policy_arguments(args)
     sps = SpsProfile.load(args.sps_table) if args.sps_table else None
     if sps is not None:
-        check_sps_table(args.sps_table, sps, num_slots, target_cfg, drafter_cfg)
+        advice = slots_advice or offline_slots_advice(args)
+        check_sps_table(args.sps_table, sps, num_slots, target_cfg, drafter_cfg, advice)
     gamma = block_size if args.gamma is None else args.gamma
     if not 0 <= gamma <= block_size:
         raise PolicyError(f"--gamma must lie in 0..{block_size} (the block size), got {gamma}")
@@ -462,20 +468,19 @@ def check_sps_table(
     num_slots: int | None,
     target_cfg: Qwen3Config | None,
     drafter_cfg: DrafterConfig | None,
+    slots_advice: Callable[[int, int], str],
 ) -> None:
     """`policies.check_sps_profile` (the engine's check) worded for --sps-table: refuses a table
     measured for another slot count or another model; one that does not record its model gets
-    a warning."""
+    a warning. `slots_advice(profiled, num_slots)` says how the command can run the table's
+    slots (`offline_slots_advice`, `served_slots_advice`)."""
     checked = check_sps_profile(
         sps,
         num_slots,
         target_cfg,
         drafter_cfg,
         name=f"--sps-table {path}",
-        slots_advice=lambda profiled, num_slots: (
-            f"Profile again with dspark-jax profile --max-num-seqs {num_slots}, or run "
-            f"{profiled} slots"
-        ),
+        slots_advice=slots_advice,
         model_advice="Profile this one with dspark-jax profile --target/--draft (or --config of "
         "its architecture)",
     )
@@ -486,6 +491,33 @@ def check_sps_table(
             "profile again to record it",
             file=sys.stderr,
         )
+
+
+def offline_slots_advice(args: argparse.Namespace) -> Callable[[int, int], str]:
+    """How generate or eval can match a table of `profiled` slots when it runs `num_slots`: they
+    run --max-num-seqs slots, but no more than they have requests (prompts or conversations)."""
+    requests = "conversations" if getattr(args, "command", None) == "eval" else "prompts"
+
+    def advice(profiled: int, num_slots: int) -> str:
+        again = f"Profile this run's slot count with dspark-jax profile --max-num-seqs {num_slots}"
+        if profiled < num_slots:
+            return f"{again}, or give --max-num-seqs {profiled}"
+        given = getattr(args, "max_num_seqs", None) == profiled
+        flag = "" if given else f"--max-num-seqs {profiled} and "
+        return (
+            f"{again}, or give {flag}at least {profiled} {requests} (a run has no more slots "
+            f"than {requests})"
+        )
+
+    return advice
+
+
+def served_slots_advice(profiled: int, num_slots: int) -> str:
+    """How serve, which runs --max-num-seqs slots, can match a table of `profiled` slots."""
+    return (
+        f"Profile again with dspark-jax profile --max-num-seqs {num_slots}, or serve with "
+        f"--max-num-seqs {profiled}"
+    )
 
 
 def load_sts(args: argparse.Namespace) -> StsArtifact | None:

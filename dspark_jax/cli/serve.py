@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.checkpoints.converted import load_decoding_models
-    from dspark_jax.cli.args import decoding_mesh_for, speculative_parts
+    from dspark_jax.cli.args import decoding_mesh_for, served_slots_advice, speculative_parts
     from dspark_jax.decoding.engine import EngineConfig, block_positions, format_bytes
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
@@ -244,7 +244,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         )
     policy = sts = None
     if models.drafter is not None:
-        policy, sts = speculative_parts(args, models, cfg.num_slots, None)
+        policy, sts = speculative_parts(args, models, cfg.num_slots, None, served_slots_advice)
     engine = models.engine(cfg, policy=policy, sts=sts)
     kv_bytes = engine.state_bytes
     model = ServedModel.of_engine(
