@@ -8,6 +8,8 @@ the network or a GPU; they are what a CPU runner cannot do, and the tags are wha
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +91,49 @@ def test_notebook_is_valid_cleared_and_honest(path):
     assert 'REPO_URL = ""  # @param {type:"string"}' in install
     assert 'WHEEL = ""  # @param {type:"string"}' in install
     assert "<org>" not in install and not _tags(_install_cell(nb))
+
+
+def _shell_commands(source: str) -> list[list[str]]:
+    """The commands of the ```bash blocks in a markdown cell's source, continuations joined."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", source, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                commands.append(shlex.split(line))
+    return commands
+
+
+def test_released_checkpoint_shell_commands_fit_the_tables_it_writes():
+    """The closing shell commands ran with an SPS table profiled for NUM_SLOTS slots, but
+    generate ran one slot (one prompt) and serve its default 8: both were refused. Each command
+    given a table must run the slot count the table was profiled for, as parsed by the CLI."""
+    from dspark_jax.cli import _parser
+    from dspark_jax.cli.args import engine_config
+
+    nb = _read(NOTEBOOK_DIR / "released_checkpoint.ipynb")
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    sizes: dict = {}
+    exec(next(line for line in code.splitlines() if line.startswith("NUM_SLOTS")), sizes)
+    # What section (f) writes: a table profiled for NUM_SLOTS slots.
+    assert "EngineConfig(num_slots=NUM_SLOTS)" in code and 'sps.save("sps.json")' in code
+    tables = {"sps.json": sizes["NUM_SLOTS"]}
+    (shell,) = [c for c in nb.cells if c.cell_type == "markdown" and "```bash" in c.source]
+    commands = _shell_commands(shell.source)
+    assert {"generate", "serve"} <= {argv[1] for argv in commands}
+    for argv in commands:
+        assert argv[0] == "dspark-jax", argv
+        args = _parser(argv[1]).parse_args(argv[1:])
+        if args.command == "profile":
+            tables[args.out] = args.max_num_seqs
+            continue
+        if args.command == "serve":
+            slots = args.max_num_seqs
+        else:  # generate: one slot per prompt, at most --max-num-seqs
+            assert args.command == "generate" and not args.prompts_file
+            prompts = len(args.prompt) + len(args.token_ids) or 1
+            slots = engine_config(args, [64] * prompts, 10**6).num_slots
+        assert args.sps_table in tables, f"{args.sps_table} is written by no cell or command"
+        assert slots == tables[args.sps_table], (argv, slots, tables)
 
 
 def _set_parameters(nb, parameters: dict[str, str]) -> None:
