@@ -248,14 +248,20 @@ def _render_ids(
 ) -> list[int]:
     if tokenizer.chat_template is None:
         raise ChatTemplateError(f"tokenizer {type(tokenizer).__name__} has no chat_template")
+    from jinja2 import TemplateError
+
     # enable_thinking travels as a template variable: templates that ignore it still render.
-    ids = tokenizer.apply_chat_template(
-        list(messages),
-        add_generation_prompt=add_generation_prompt,
-        tokenize=True,
-        return_dict=False,
-        enable_thinking=enable_thinking,
-    )
+    try:
+        ids = tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            enable_thinking=enable_thinking,
+        )
+    except TemplateError as e:
+        # raise_exception(...) in a template: roles it does not accept, turns that must alternate
+        raise ChatTemplateError(f"the chat template refuses the conversation: {e}") from None
     return [int(i) for i in ids]
 
 

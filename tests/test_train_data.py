@@ -473,3 +473,45 @@ def test_heldout_part_is_read_by_rows_like_one_process(tmp_path):
         for p in range(2)
     ]
     assert held == [e for k in range(3) for p in range(2) for e in seen[p][2 * k : 2 * k + 2]]
+
+
+def test_conversations_a_chat_template_refuses_are_refused_up_front(tmp_path):
+    """An opening assistant message is refused when the files are indexed (file:line), for any
+    tokenizer; a conversation the template refuses (here: a multi-turn one that the Qwen3-like
+    template rewrites) when the pipeline is built, before a batch is read; with
+    skip_bad_records it trains as a no-loss padding row instead."""
+    good = [json.dumps(record(2 * i)) for i in range(8)]  # system, user, assistant
+    opening = {"messages": [{"role": "assistant", "content": "hi"}, *record(0)["messages"][1:]]}
+    path = write_jsonl(tmp_path / "af.jsonl", [*good[:5], json.dumps(opening), *good[5:]])
+    with pytest.raises(DataError, match=r"af\.jsonl:6: the conversation starts with an assistant"):
+        JsonlConversationSource([path])
+    assert len(JsonlConversationSource([path], skip_bad_records=True)) == 8
+
+    multi = write_jsonl(tmp_path / "multi.jsonl", [*good, json.dumps(record(1))])
+    tok = build_chat_tokenizer(QWEN3_HISTORY_TEMPLATE)
+    config = DataConfig(paths=(multi,), seq_len=160, batch_size=3, num_epochs=1)
+    with pytest.raises(ChatTemplateError, match=r"multi\.jsonl:9: chat template is not prefix.*"
+                       r"user, assistant, user, assistant.*--skip-bad-records"):
+        make_iterator(config, tok)  # building it, before any batch
+    skipping = make_iterator(dataclasses.replace(config, skip_bad_records=True), tok)
+    batches = take(skipping, 3)
+    masks = [row.any() for b in batches for row in b["loss_mask"]]
+    assert masks.count(False) == 1 and len(masks) == 9
+
+
+def test_roles_without_an_assistant_are_named(tmp_path):
+    sharegpt = {"messages": [{"role": "human", "content": "q"}, {"role": "gpt", "content": "a"}]}
+    path = write_jsonl(tmp_path / "sg.jsonl", [json.dumps(sharegpt)])
+    with pytest.raises(DataError, match=r"sg\.jsonl:1: .*roles are 'human', 'gpt'.*rename 'human'"):
+        JsonlConversationSource([path])
+
+
+def test_template_exceptions_are_chat_template_errors():
+    alternate = (
+        "{%- for m in messages -%}{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+        "{{- raise_exception('roles must alternate user/assistant') -}}{%- endif -%}"
+        "{{- m['content'] -}}{%- endfor -%}"
+    )
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(ChatTemplateError, match="refuses the conversation: roles must alternate"):
+        encode_conversation(build_chat_tokenizer(alternate), messages)

@@ -86,6 +86,7 @@ FLAG_OF_FIELD = {
     "eval_every": "--eval-every",
     "save_every": "--save-every",
     "eval_data": "--eval-data",
+    "skip_bad_records": "--skip-bad-records",
 }
 
 
@@ -154,6 +155,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("prompts", "dialogue"),
         help='how {"turns": [...]} records are read: prompts (user turns only, the eval format: '
         "refused, nothing to train on; the default) or dialogue (alternating user, assistant)",
+    )
+    parser.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        default=None,
+        help="skip data lines that hold no trainable conversation, and train on conversations "
+        "the target's chat template refuses as padding with no loss, instead of refusing them",
     )
     parser.add_argument(
         "--steps",
@@ -227,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         "init_drafter": args.init_from,
         "eval_every": args.eval_every,
         "save_every": args.save_every,
+        "skip_bad_records": args.skip_bad_records,
     }
     if args.data and args.eval_data is None:
         # The config's own held-out set belongs to its own data: evaluate on the user's instead.

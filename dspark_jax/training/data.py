@@ -66,7 +66,7 @@ from dspark_jax.conversations import (
     record_messages,
 )
 from dspark_jax.errors import UserError
-from dspark_jax.tokenizer import ChatTemplateError, encode_conversation
+from dspark_jax.tokenizer import ByteTokenizer, ChatTemplateError, encode_conversation
 
 if TYPE_CHECKING:
     from dspark_jax.tokenizer import Tokenizer
@@ -103,7 +103,8 @@ class DataConfig:
     as that). `batch_size` is per process (the number of its `BatchRows.rows`). `num_epochs`
     None repeats forever. `pad_id` None pads with the tokenizer's pad token, or EOS when it has
     none. `skip_bad_records` skips malformed lines and records without assistant content (logging
-    the count) instead of raising. `turns` says how `{"turns": [...]}` records are read
+    the count) instead of raising, and trains on conversations the chat template refuses as
+    padding with no loss (`tokenize_example`). `turns` says how `{"turns": [...]}` records are read
     (`TURNS_AS`): "prompts" refuses them (user turns only, nothing to train on), "dialogue" reads
     them as alternating user and assistant messages. `heldout` > 0 splits the conversations of
     `paths` (see the module doc) and `part` picks "train" (all but the held-out ones) or
@@ -153,6 +154,10 @@ class DataConfig:
 
 
 PARTS = ("train", "heldout")
+SHAREGPT_ROLES = ("human", "gpt")
+# At most this many conversations (the first of each distinct sequence of roles) are rendered
+# through the chat template when a pipeline is built (`check_template`).
+MAX_TEMPLATE_CHECKS = 256
 
 TURNS_AS_PROMPTS = (
     'a {"turns": [...]} record is read as prompts (user turns only, the format eval and generate '
@@ -173,7 +178,23 @@ def parse_record(line: str | bytes, turns: str = "prompts") -> list[dict[str, st
     if not any(m["role"] == "assistant" and m["content"] for m in messages):
         if turns == "prompts" and is_turns_record(record):
             raise DataError(TURNS_AS_PROMPTS)
-        raise DataError("record has no assistant content to train on")
+        roles = ", ".join(dict.fromkeys(repr(m["role"]) for m in messages))
+        hint = ""
+        if {m["role"] for m in messages} & set(SHAREGPT_ROLES):
+            hint = " (ShareGPT role names? rename 'human' to 'user' and 'gpt' to 'assistant')"
+        raise DataError(
+            f"record has no assistant content to train on: its roles are {roles}; training "
+            f"reads the roles 'system', 'user' and 'assistant' and learns the non-empty "
+            f"'assistant' messages{hint}"
+        )
+    # The assistant loss mask of a chat template is the span after the generation prompt of the
+    # messages before it (tokenizer.encode_conversation): an opening answer has no such span.
+    if messages[0]["role"] == "assistant":
+        raise DataError(
+            "the conversation starts with an assistant message: a chat template cannot render "
+            "an answer before any prompt; remove the opening assistant message or put the "
+            "message it answers before it"
+        )
     return messages
 
 
@@ -214,6 +235,9 @@ class JsonlConversationSource:
         self._turns = turns
         starts, ends, files, lines, hashes = [], [], [], [], []
         self.num_skipped = 0
+        # The first conversation of each sequence of roles (file, start, end, line): what
+        # `check_template` renders.
+        self.role_samples: dict[tuple[str, ...], tuple[int, int, int, int]] = {}
         fingerprint = hashlib.blake2b(digest_size=16)
         for file_index, path in enumerate(self._paths):
             if os.path.isdir(path):
@@ -227,13 +251,16 @@ class JsonlConversationSource:
                     if not raw.strip():
                         continue
                     try:
-                        parse_record(raw, turns)
+                        roles = tuple(m["role"] for m in parse_record(raw, turns))
                     except DataError as e:
                         if not skip_bad_records:
                             raise DataError(f"{path}:{line_no}: {e}") from None
                         self.num_skipped += 1
                         continue
                     fingerprint.update(raw.strip() + b"\n")
+                    if roles not in self.role_samples:
+                        if len(self.role_samples) < MAX_TEMPLATE_CHECKS:
+                            self.role_samples[roles] = (file_index, start, offset, line_no)
                     starts.append(start)
                     ends.append(offset)
                     files.append(file_index)
@@ -276,10 +303,21 @@ class JsonlConversationSource:
         return len(self._starts)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        file_index = int(self._files[index])
-        start = int(self._starts[index])
-        raw = os.pread(self._fd(file_index), int(self._ends[index]) - start, start)
-        where = f"{self._paths[file_index]}:{int(self._lines[index])}"
+        return self._read(
+            int(self._files[index]),
+            int(self._starts[index]),
+            int(self._ends[index]),
+            int(self._lines[index]),
+        )
+
+    def role_sample_records(self) -> list[dict[str, Any]]:
+        """The first conversation of each distinct sequence of roles (at most
+        `MAX_TEMPLATE_CHECKS`), as `__getitem__` gives them."""
+        return [self._read(*location) for location in self.role_samples.values()]
+
+    def _read(self, file_index: int, start: int, end: int, line: int) -> dict[str, Any]:
+        raw = os.pread(self._fd(file_index), end - start, start)
+        where = f"{self._paths[file_index]}:{line}"
         try:
             messages = parse_record(raw, self._turns)
         except DataError as e:
@@ -328,22 +366,38 @@ def bucket_of(num_tokens: int, seq_lens: Sequence[int]) -> int:
     return min(bisect.bisect_left(seq_lens, num_tokens), len(seq_lens) - 1)
 
 
+SKIP_BAD_RECORDS_HINT = (
+    "fix or remove such conversations, or pass --skip-bad-records (TrainConfig."
+    "skip_bad_records) to train without them (each then fills its batch slot with padding "
+    "that carries no loss)"
+)
+
+
 def tokenize_example(
     example: Mapping[str, Any],
     tokenizer: Tokenizer,
     seq_lens: Sequence[int],
     pad_id: int,
     enable_thinking: bool = False,
+    skip_bad_records: bool = False,
 ) -> dict[str, np.ndarray]:
     """One conversation -> `tokens`, `loss_mask`, `length`, `num_tokens` (see the module doc).
 
     The arrays are right-padded to the smallest of the ascending `seq_lens` that holds the
-    conversation, or truncated to the largest.
+    conversation, or truncated to the largest. A conversation the chat template refuses raises
+    ChatTemplateError, or with `skip_bad_records` becomes padding of the smallest length with no
+    loss (a warning names it), so that the batches, and a resumed run's data position, stay
+    as they are.
     """
+    where = example.get("where", "<conversation>")
     try:
         ids, mask = encode_conversation(tokenizer, example["messages"], enable_thinking)
     except ChatTemplateError as e:
-        raise ChatTemplateError(f"{example.get('where', '<conversation>')}: {e}") from None
+        if not skip_bad_records:
+            raise ChatTemplateError(f"{where}: {e}; {SKIP_BAD_RECORDS_HINT}") from None
+        logger.warning("skipping %s (no loss): %s", where, e)
+        ids = [pad_id] * seq_lens[0]
+        mask = [0] * seq_lens[0]
     seq_len = seq_lens[bucket_of(len(ids), seq_lens)]
     length = min(len(ids), seq_len)
     tokens = np.full(seq_len, pad_id, np.int32)
@@ -517,6 +571,38 @@ class _BatchRowsMapDataset(grain.MapDataset):
         return f"BatchRowsMapDataset(rows={self._rows}, global_size={self._global_size})"
 
 
+def check_template(
+    source: JsonlConversationSource,
+    tokenizer: Tokenizer,
+    enable_thinking: bool = False,
+    skip_bad_records: bool = False,
+) -> None:
+    """Renders the first conversation of each distinct sequence of roles in `source` through
+    `tokenizer`'s chat template, so that a template that refuses a kind of conversation (roles
+    it does not accept or that must alternate, multi-turn conversations it rewrites) stops the
+    run when its pipeline is built rather than at the step that reads one. With
+    `skip_bad_records` it warns instead: those conversations are skipped as they are read.
+
+    What the template does depends on the roles far more than on the text, and a data set
+    usually has few role sequences, so this costs a few renders however large the data is
+    (rendering every conversation would cost ~1 ms per message, minutes for 100k conversations).
+    """
+    if isinstance(tokenizer, ByteTokenizer):
+        return  # the byte models concatenate the contents: every conversation encodes
+    for example in source.role_sample_records():
+        try:
+            encode_conversation(tokenizer, example["messages"], enable_thinking)
+        except ChatTemplateError as e:
+            roles = ", ".join(m["role"] for m in example["messages"])
+            message = (
+                f"{example['where']}: {e} (the chat template is checked on the first "
+                f"conversation with each sequence of roles; this one has {roles})"
+            )
+            if not skip_bad_records:
+                raise ChatTemplateError(f"{message}; {SKIP_BAD_RECORDS_HINT}") from None
+            logger.warning("%s; such conversations are skipped as they are read", message)
+
+
 def make_dataset(
     source: Sequence[Any],
     tokenizer: Tokenizer,
@@ -539,8 +625,18 @@ def make_dataset(
         )
     pad_id = resolve_pad_id(tokenizer, config.pad_id)
 
+    if isinstance(source, JsonlConversationSource):
+        check_template(source, tokenizer, config.enable_thinking, config.skip_bad_records)
+
     def tokenize(example: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return tokenize_example(example, tokenizer, config.seq_lens, pad_id, config.enable_thinking)
+        return tokenize_example(
+            example,
+            tokenizer,
+            config.seq_lens,
+            pad_id,
+            config.enable_thinking,
+            config.skip_bad_records,
+        )
 
     ds = grain.MapDataset.source(source).shuffle(seed=config.seed).repeat(epochs)
     return _BatchRowsMapDataset(ds, rows).map(tokenize)

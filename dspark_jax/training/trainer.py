@@ -127,6 +127,9 @@ class TrainConfig:
     `DataConfig`). `holdout` (with no `eval_data`) holds out eval_batches x global_batch_size
     conversations of `data` (at most a tenth) as the evaluation set. `eval_every` evaluates every
     that many steps (besides the start and the end); `save_every` checkpoints every that many.
+    `skip_bad_records` skips the lines of `data` / `eval_data` that hold no trainable
+    conversation (saying how many) and trains on conversations the chat template refuses as
+    padding with no loss (see `DataConfig`), instead of refusing the run.
     """
 
     name: str
@@ -149,6 +152,7 @@ class TrainConfig:
     turns: str = "prompts"
     holdout: bool = False
     eval_every: int | None = None
+    skip_bad_records: bool = False
 
     def __post_init__(self):
         r, d = self.recipe, self.drafter
@@ -437,15 +441,17 @@ class _Truncations:
             )
 
 
-def count_conversations(paths: tuple[str, ...], turns: str = "prompts") -> int:
+def count_conversations(
+    paths: tuple[str, ...], turns: str = "prompts", skip_bad_records: bool = False
+) -> int:
     """Number of usable conversations in the JSONL files (one pass over them)."""
-    return len(JsonlConversationSource(paths, turns=turns))
+    return len(JsonlConversationSource(paths, skip_bad_records, turns=turns))
 
 
 def heldout_count(config: TrainConfig, data_paths: tuple[str, ...]) -> tuple[int, int]:
     """(conversations of `data_paths` that `config.holdout` sets aside, conversations in all);
     says what it sets aside."""
-    total = count_conversations(data_paths, config.turns)
+    total = count_conversations(data_paths, config.turns, config.skip_bad_records)
     wanted = config.eval_batches * config.recipe.global_batch_size
     count = min(wanted, total // MAX_HOLDOUT_SHARE)
     if count < 1:
@@ -508,7 +514,11 @@ def _open_data(config: TrainConfig, output_dir: Path, rows: BatchRows) -> _RunDa
     eval_paths = resolve_data_paths(config.eval_data, output_dir)
     heldout = heldout_count(config, data_paths)[0] if config.holdout else 0
     common = dict(
-        seq_len=recipe.max_length, batch_size=len(rows.rows), seed=recipe.seed, turns=config.turns
+        seq_len=recipe.max_length,
+        batch_size=len(rows.rows),
+        seed=recipe.seed,
+        turns=config.turns,
+        skip_bad_records=config.skip_bad_records,
     )
     train = DataConfig(paths=data_paths, seq_lens=config.seq_lens, heldout=heldout, **common)
     held = None

@@ -1,0 +1,43 @@
+"""Training configuration without training: what the CLI and TrainConfig hand to the trainer,
+and the checks made before a target is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dspark_jax.cli import main
+from dspark_jax.training import trainer
+from dspark_jax.training.data import BatchRows
+
+
+def _given_config(monkeypatch, argv) -> trainer.TrainConfig:
+    """The TrainConfig `dspark-jax train argv` hands to `train`."""
+    seen = {}
+
+    def fake_train(config, output, **kwargs):
+        seen["config"] = config
+        raise trainer.TrainingInterrupted(0, output)
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    assert main(["train", *argv]) == 130
+    return seen["config"]
+
+
+def test_skip_bad_records_reaches_the_data(monkeypatch, tmp_path):
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    bad = {"messages": [{"role": "assistant", "content": "a"}, *good["messages"]]}
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good] * 20 + [bad]))
+    argv = ["--config", "tiny-dspark", "--data", str(data), "--eval-data", "--output",
+            str(tmp_path / "run")]
+    assert not _given_config(monkeypatch, argv).skip_bad_records
+    config = _given_config(monkeypatch, [*argv, "--skip-bad-records"])
+    assert config.skip_bad_records
+    rows = BatchRows(tuple(range(8)), 8)
+    run_data = trainer._open_data(config, tmp_path, rows)
+    assert len(run_data.train_source) == 20 and run_data.train.skip_bad_records
+    with pytest.raises(trainer.DataError, match=r"d\.jsonl:21: the conversation starts with"):
+        trainer._open_data(dataclasses.replace(config, skip_bad_records=False), tmp_path, rows)
