@@ -9,6 +9,7 @@ import json
 import pytest
 
 from dspark_jax.cli import main
+from dspark_jax.configs.train_tiny import TRAIN_CONFIGS
 from dspark_jax.training import trainer
 from dspark_jax.training.data import BatchRows
 
@@ -41,3 +42,17 @@ def test_skip_bad_records_reaches_the_data(monkeypatch, tmp_path):
     assert len(run_data.train_source) == 20 and run_data.train.skip_bad_records
     with pytest.raises(trainer.DataError, match=r"d\.jsonl:21: the conversation starts with"):
         trainer._open_data(dataclasses.replace(config, skip_bad_records=False), tmp_path, rows)
+
+
+def test_epochs_count_whole_passes_over_the_data(caplog):
+    recipe = dataclasses.replace(
+        TRAIN_CONFIGS["tiny-dspark"].recipe,
+        num_epochs=10,
+        global_batch_size=8,
+    )
+    assert trainer.epoch_steps(20, recipe) == 25  # 200 sequences, not 10 x (20 // 8) = 20
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="dspark_jax"):
+        assert trainer.epoch_steps(5, recipe) == 6  # not 1
+    assert "5 training conversations are fewer than one global batch (8)" in caplog.text
+    assert trainer.epoch_steps(1, dataclasses.replace(recipe, num_epochs=1)) == 1

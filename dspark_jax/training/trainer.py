@@ -441,6 +441,26 @@ class _Truncations:
             )
 
 
+def epoch_steps(conversations: int, recipe: TrainRecipe) -> int:
+    """Steps of `recipe.num_epochs` passes over `conversations` (the stream repeats, so an epoch
+    need not fill whole batches), at least 1; says so when the data do not fill one batch."""
+    batch = recipe.global_batch_size
+    steps = max(1, recipe.num_epochs * conversations // batch)
+    if conversations < batch:
+        logger.warning(
+            "%d training conversations are fewer than one global batch (%d): %d epochs make %d "
+            "step%s of %d sequences, each conversation repeating within a batch; set num_steps "
+            "(--steps) or a smaller global_batch_size for more",
+            conversations,
+            batch,
+            recipe.num_epochs,
+            steps,
+            "" if steps == 1 else "s",
+            batch,
+        )
+    return steps
+
+
 def count_conversations(
     paths: tuple[str, ...], turns: str = "prompts", skip_bad_records: bool = False
 ) -> int:
@@ -687,8 +707,7 @@ def _train(
     if config.num_steps is not None:
         total_steps = config.num_steps
     else:
-        per_epoch = len(data.train_source)
-        total_steps = max(1, recipe.num_epochs * (per_epoch // recipe.global_batch_size))
+        total_steps = epoch_steps(len(data.train_source), recipe)
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
     interrupts.checkpoints = checkpointer.directory
     record = config.run_record(total_steps, num_microbatches, data.identity())
