@@ -200,3 +200,35 @@ def test_second_ctrl_c_during_a_save_aborts_quietly(config_file, compile_cache, 
     assert proc.stderr.strip().splitlines()[-1] == "dspark-jax train: interrupted"
     assert [p.name.split(".")[0] for p in (tmp_path / "checkpoints").iterdir()] == ["2"]
     assert TrainCheckpointer(tmp_path / "checkpoints", 2).all_steps() == []
+
+
+def test_resume_with_other_micro_batching_and_settings(
+    config_file, uninterrupted, tmp_path, monkeypatch
+):
+    """Another mesh (as on another device count) with --per-device-batch-size splits the step
+    into another number of micro-batches: the same batches and the same losses, so it resumes.
+    Other length buckets or another target dtype are refused before the target is loaded,
+    naming the setting."""
+    from dspark_jax.sharding import MeshConfig
+    from dspark_jax.training import trainer
+
+    config = load_train_config(str(config_file))
+    train(config, tmp_path, stop_after=3, progress=False, export=False)
+    original_setup = trainer._setup_models
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(trainer, "_setup_models", no_target)
+    with pytest.raises(TrainCheckpointError, match=r"seq_lens 32,48, this run asks for 48\b"):
+        train(dataclasses.replace(config, seq_lens=None), tmp_path, progress=False)
+    with pytest.raises(TrainCheckpointError, match=r"float32, this run loads .* bfloat16"):
+        train(dataclasses.replace(config, target_dtype="bfloat16"), tmp_path, progress=False)
+    monkeypatch.setattr(trainer, "_setup_models", original_setup)
+    # 4 rows over data x fsdp = 2 devices, one per device: 2 micro-batches instead of 1.
+    other = dataclasses.replace(config, mesh=MeshConfig(1, 2, 4), per_device_batch_size=1)
+    result = train(other, tmp_path, progress=False, export=False)
+    assert result.resumed_from == 3
+    assert _losses(result.history) == pytest.approx(
+        {s: uninterrupted[s] for s in (4, 5, 6)}, rel=1e-5
+    )

@@ -43,7 +43,9 @@ class TrainCheckpointError(UserError):
 # when a run is resumed (extending or shortening it; the learning-rate schedule follows the new
 # total), and the trainer compares the data itself (its refusal says how the data differ, and
 # records of earlier versions hold none).
-NOT_COMPARED = ("total_steps", "data")
+# Compared by the trainer itself (with messages naming the setting), or not at all:
+# num_microbatches splits a step's batch without changing its loss, gradient or data.
+NOT_COMPARED = ("total_steps", "data", "num_microbatches", "seq_lens", "target_dtype")
 
 
 class _ReadOnlyNotice(logging.Filter):

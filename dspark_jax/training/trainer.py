@@ -212,6 +212,8 @@ class TrainConfig:
             "total_steps": total_steps,
             "num_microbatches": num_microbatches,
             "anchors_per_chunk": self.anchors_per_chunk,
+            "seq_lens": list(self.seq_lens or (self.recipe.max_length,)),
+            "target_dtype": self.target_dtype or self.recipe.dtype,
             "init_drafter": _model_reference(self.init_drafter),
             "data": data,
         }
@@ -568,6 +570,7 @@ def _check_resumable(checkpointer: TrainCheckpointer, step: int, record: dict[st
                 "resume with the original data, or start a new run in another output folder "
                 "(from this checkpoint's weights with --init-from)"
             )
+    _check_same_settings(where, saved, record)
     total_steps = record["total_steps"]
     if step > total_steps:
         raise TrainCheckpointError(
@@ -576,6 +579,28 @@ def _check_resumable(checkpointer: TrainCheckpointer, step: int, record: dict[st
             f"({', '.join(map(str, checkpointer.all_steps()))})"
         )
     return saved["total_steps"]
+
+
+def _check_same_settings(where: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Refuses a resume with other length buckets or another target dtype (settings that a
+    checkpoint written by an earlier version does not record are not checked)."""
+    fix = (
+        "resume with the original setting, or start a new run in another output folder (from "
+        "this checkpoint's weights with --init-from)"
+    )
+    if "seq_lens" in saved and saved["seq_lens"] != now["seq_lens"]:
+        raise TrainCheckpointError(
+            f"{where} was trained with the length buckets seq_lens "
+            f"{','.join(map(str, saved['seq_lens']))}, this run asks for "
+            f"{','.join(map(str, now['seq_lens']))}: the data position saved with it holds "
+            f"examples waiting in its buckets; {fix}"
+        )
+    if "target_dtype" in saved and saved["target_dtype"] != now["target_dtype"]:
+        raise TrainCheckpointError(
+            f"{where} was trained on the target's features in {saved['target_dtype']}, this run "
+            f"loads the target in {now['target_dtype']} (target_dtype), which changes the "
+            f"features and the losses; {fix}"
+        )
 
 
 def _data_differences(saved: dict[str, Any], now: dict[str, Any]) -> str:
