@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
+from train_helpers import write_conversations
 
 from dspark_jax.cli import main
+from dspark_jax.config import ConfigError
 from dspark_jax.configs.train_tiny import TRAIN_CONFIGS
 from dspark_jax.training import trainer
 from dspark_jax.training.data import BatchRows
@@ -56,3 +59,18 @@ def test_epochs_count_whole_passes_over_the_data(caplog):
         assert trainer.epoch_steps(5, recipe) == 6  # not 1
     assert "5 training conversations are fewer than one global batch (8)" in caplog.text
     assert trainer.epoch_steps(1, dataclasses.replace(recipe, num_epochs=1)) == 1
+
+
+def test_max_length_beyond_the_targets_context_is_refused(tmp_path):
+    config = TRAIN_CONFIGS["tiny-dspark"]
+    target = tmp_path / "target"
+    shutil.copytree(config.target, target)
+    target_config = json.loads((target / "config.json").read_text())
+    target_config["max_position_embeddings"] = config.recipe.max_length // 2
+    (target / "config.json").write_text(json.dumps(target_config))
+    data = write_conversations(tmp_path / "d.jsonl", range(20), answer_spread=20)
+    short = dataclasses.replace(config, target=str(target), data=(str(data),), eval_data=())
+    with pytest.raises(ConfigError, match=r"max_length 256 exceeds the target's context "
+                       r"\(max_position_embeddings 128"):
+        trainer.train(short, tmp_path / "run", progress=False, export=False)
+    assert not (tmp_path / "run").exists()

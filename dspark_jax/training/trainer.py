@@ -1005,6 +1005,15 @@ def _setup_models(config: TrainConfig, mesh, progress: bool):
     target_state = shard_state(target_state, mesh)
     target = nnx.merge(target_gd, target_state)
 
+    limit = target_cfg.max_position_embeddings
+    if recipe.max_length > limit:
+        # As decoding refuses: the target's features past its context are not what it produces.
+        raise ConfigError(
+            f"the recipe's max_length {recipe.max_length} exceeds the target's context "
+            f"(max_position_embeddings {limit} in {target_dir}): the drafter would learn from "
+            f"target features at positions the target does not support; use a recipe with "
+            f"max_length (and seq_lens) of at most {limit}"
+        )
     drafter_cfg = config.drafter.with_dtype(recipe.dtype)
     drafter_cfg.check_target(target_cfg)
     drafter = new_drafter(drafter_cfg, target, seed=recipe.seed)
