@@ -3,6 +3,7 @@
 The names most programs need are importable from here (README, "From Python")::
 
     from dspark_jax import EngineConfig, Request, generate, load_decoding_models
+    from dspark_jax import TrainConfig, train    # docs/training.md, "Training from Python"
 
 They are loaded on first use, so `import dspark_jax` alone (the CLI's first step) does not
 import JAX.
@@ -33,6 +34,8 @@ _EXPORTS = {
     "SamplingConfig": "dspark_jax.sampling",
     "StsArtifact": "dspark_jax.calibration.sts",
     "encode_chat": "dspark_jax.tokenizer",
+    "TrainConfig": "dspark_jax.training.trainer",
+    "train": "dspark_jax.training.trainer",
 }
 
 __all__ = [  # the names of _EXPORTS, spelled out for tools that read __all__
@@ -53,6 +56,8 @@ __all__ = [  # the names of _EXPORTS, spelled out for tools that read __all__
     "SamplingConfig",
     "StsArtifact",
     "encode_chat",
+    "TrainConfig",
+    "train",
 ]
 
 
@@ -82,3 +87,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from dspark_jax.decoding.policies import PolicySwitch, make_policy
     from dspark_jax.sampling import SamplingConfig
     from dspark_jax.tokenizer import encode_chat
+    from dspark_jax.training.trainer import TrainConfig, train

@@ -3,6 +3,7 @@ run as written."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -58,3 +59,27 @@ def test_readme_example_runs_as_written(tmp_path):
         finish, count, tau = re.match(r"  \[(\w+), (\d+) tokens, tau ([\d.]+)\]", line).groups()
         assert finish in ("stop", "length") and 1 <= int(count) <= 64
         assert float(tau) >= 1.0
+
+
+def test_training_docs_example_runs_as_written(tmp_path):
+    """docs/training.md, "Training from Python": train, stop, resume, export, load."""
+    docs = README.parent / "docs" / "training.md"
+    section = docs.read_text().split("## Training from Python", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "steps 4 resumed from 2" in done.stdout
+    assert "resumed from step 2" in done.stderr  # logging.basicConfig shows the notices
+    assert (tmp_path / "runs" / "py" / "drafter").is_dir()
+
+
+def test_train_config_takes_paths(tmp_path):
+    from dspark_jax.configs.train_tiny import TRAIN_CONFIGS
+
+    base = TRAIN_CONFIGS["tiny-dspark"]
+    one = dataclasses.replace(base, data=tmp_path / "a.jsonl", eval_data=Path("b.jsonl"))
+    assert one.data == (str(tmp_path / "a.jsonl"),) and one.eval_data == ("b.jsonl",)
+    two = dataclasses.replace(base, data=[Path("a.jsonl"), "b.jsonl"], target=tmp_path)
+    assert two.data == ("a.jsonl", "b.jsonl") and two.target == str(tmp_path)

@@ -161,8 +161,11 @@ class TrainConfig:
                 f"train config {self.name!r}: confidence_weight {r.confidence_weight} but the "
                 "drafter has no confidence head"
             )
-        if isinstance(self.data, str) or isinstance(self.eval_data, str):
-            raise ConfigError("data and eval_data must be tuples of paths")
+        for field in ("data", "eval_data"):
+            object.__setattr__(self, field, _paths(field, getattr(self, field)))
+        for field in ("target", "init_drafter"):
+            if isinstance(getattr(self, field), os.PathLike):
+                object.__setattr__(self, field, os.fspath(getattr(self, field)))
         for field in ("log_every", "eval_batches", "save_every", "keep_checkpoints"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"{field} must be >= 1, got {getattr(self, field)}")
@@ -218,6 +221,19 @@ class TrainConfig:
             "data": data,
         }
         return json.loads(json.dumps(record))
+
+
+def _paths(field: str, value) -> tuple[str, ...]:
+    """`data` / `eval_data` as a tuple of strings: one path (str or PathLike) or several."""
+    if isinstance(value, str | os.PathLike):
+        value = (value,)
+    try:
+        paths = tuple(os.fspath(p) for p in value)
+    except TypeError:
+        raise ConfigError(
+            f"{field} must be a path or a sequence of paths (str or pathlib.Path), got {value!r}"
+        ) from None
+    return paths
 
 
 def _model_reference(path: str | None) -> str | None:
