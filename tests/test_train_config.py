@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from train_helpers import write_conversations
@@ -74,3 +75,21 @@ def test_max_length_beyond_the_targets_context_is_refused(tmp_path):
                        r"\(max_position_embeddings 128"):
         trainer.train(short, tmp_path / "run", progress=False, export=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_copied_configs_file_loads(tmp_path):
+    from dspark_jax.cli.train import load_train_config
+    from dspark_jax.configs import train_tiny
+
+    copy = tmp_path / "my_run.py"
+    copy.write_text(Path(train_tiny.__file__).read_text())
+    with pytest.raises(ConfigError, match=r"add a line such as CONFIG = TRAIN_CONFIGS\['tiny-"):
+        load_train_config(str(copy))
+    copy.write_text(copy.read_text() + '\nCONFIG = TRAIN_CONFIGS["tiny-dflash"]\n')
+    assert load_train_config(str(copy)).name == "tiny-dflash"
+    one = tmp_path / "one.py"
+    one.write_text(
+        "from dspark_jax.configs.train_tiny import TRAIN_CONFIGS as ALL\n"
+        "TRAIN_CONFIGS = {'mine': ALL['tiny-dspark']}\n"
+    )
+    assert load_train_config(str(one)).name == "tiny-dspark"

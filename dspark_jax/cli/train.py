@@ -55,8 +55,17 @@ def load_train_config(name_or_path: str):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         config = getattr(module, "CONFIG", None)
+        named = getattr(module, "TRAIN_CONFIGS", None)
+        if config is None and isinstance(named, dict) and len(named) == 1:
+            config = next(iter(named.values()))  # a copy of a configs/ file cut to one entry
         if not isinstance(config, TrainConfig):
-            raise ConfigError(f"{path} must define CONFIG = TrainConfig(...)")
+            hint = ""
+            if isinstance(named, dict) and named:
+                hint = (
+                    f"; it defines TRAIN_CONFIGS ({', '.join(named)}): add a line such as "
+                    f"CONFIG = TRAIN_CONFIGS[{next(iter(named))!r}]"
+                )
+            raise ConfigError(f"{path} must define CONFIG = TrainConfig(...){hint}")
         return config
     named = _named_configs()
     if name_or_path not in named:
