@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -232,3 +233,64 @@ def test_resume_with_other_micro_batching_and_settings(
     assert _losses(result.history) == pytest.approx(
         {s: uninterrupted[s] for s in (4, 5, 6)}, rel=1e-5
     )
+
+
+def _signalling_steps(monkeypatch, signals: dict[int, tuple[int, ...]]) -> list[int]:
+    """Makes the trainer's step send this process `signals[n]` right after its n-th step; returns
+    the list that counts the steps run."""
+    from dspark_jax.training import trainer
+
+    steps: list[int] = []
+    make_train_step = trainer.make_train_step
+
+    def make_signalling_step(*args, **kwargs):
+        step = make_train_step(*args, **kwargs)
+
+        def run(*a):
+            out = step(*a)
+            steps.append(len(steps) + 1)
+            for signum in signals.get(len(steps), ()):
+                os.kill(os.getpid(), signum)
+            return out
+
+        return run
+
+    monkeypatch.setattr(trainer, "make_train_step", make_signalling_step)
+    return steps
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["once", "twice"])
+def test_sigterm_stops_saves_and_exits_143(
+    config_file, compile_cache, tmp_path, monkeypatch, capsys, second
+):
+    """SIGTERM (a scheduler's time limit, `timeout`, preemption) is taken as the first Ctrl-C:
+    the step in flight finishes, a checkpoint of it is saved, and the command exits with 143 and
+    one line; a second SIGTERM aborts without saving. The handler is there only while `train`
+    runs: the previous one is back afterwards."""
+    from dspark_jax.cli import main
+
+    signals = (signal.SIGTERM, signal.SIGTERM) if second else (signal.SIGTERM,)
+    steps = _signalling_steps(monkeypatch, {3: signals})
+    received = []
+
+    def previous(signum, frame):
+        received.append(signum)
+
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        args = ["--config", str(config_file), "--output", str(tmp_path), "--no-progress"]
+        status = main(["train", *args, "--no-export"])
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 143 and received == [] and after is previous
+    assert steps == [1, 2, 3]
+    if second:
+        assert err[-1] == "dspark-jax train: terminated"
+        assert not (tmp_path / "checkpoints" / "3").exists()
+    else:
+        saved = tmp_path / "checkpoints" / "3"
+        assert err[-1] == f"dspark-jax train: terminated: saved step 3 in {saved}; run again to " \
+            "resume"
+        assert TrainCheckpointer(tmp_path / "checkpoints", 2).all_steps() == [2, 3]

@@ -26,7 +26,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
-from dspark_jax.errors import UserError
+from dspark_jax.errors import Terminated, UserError
 
 # name -> (module, one-line help). Adding a command is one line here plus its module.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -203,16 +203,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         # into an ImportError); that is still an interrupt, not a bug.
         if not _caused_by_interrupt(e):
             raise
-        interrupted = True
+        interrupted = signal.SIGINT
+    except Terminated:
+        # A command that takes SIGTERM as it takes Ctrl-C (train) raises Terminated for it.
+        interrupted = signal.SIGTERM
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted = signal.SIGINT
     else:
-        interrupted = False
-    if interrupted:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        interrupted = None
+    if interrupted is not None:
+        said = "terminated" if interrupted == signal.SIGTERM else "interrupted"
+        print(f"{prog}: {said}", file=sys.stderr)
         if ends_at_once:
-            _end_process(130)
-        return 130
+            _end_process(128 + interrupted)
+        return 128 + interrupted
     if ends_at_once:
         # The output is complete. Teardown has nothing left to save, and a Ctrl-C during it
         # would end the process by the signal (status 130, no message) or print a traceback

@@ -7,7 +7,7 @@
 Running again with the same --output resumes from the newest complete checkpoint; with a larger
 --steps it extends a finished run. --data without --eval-data holds out a deterministic share of
 the data for evaluation (and says so). Ctrl-C (single process) saves a checkpoint and exits with
-status 130.
+status 130; SIGTERM (a scheduler's time limit, `timeout`, preemption) does the same with status 143.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             )
     except TrainingInterrupted as e:
         print(f"dspark-jax train: {e}", file=sys.stderr)
-        return 130
+        return 128 + e.signum  # 130 for Ctrl-C, 143 for SIGTERM, as if ended by the signal
     except UserError as e:
         raise UserError(_naming_flags(str(e), given)) from None
     summary = {

@@ -15,9 +15,10 @@ is recomputed over the new total from the restored step on, and the change is lo
 
 The progress bar advances when a step has finished on the device, not when it is dispatched, so
 its rate and ETA are those of training; the first step (compilation) runs before the bar starts.
-Ctrl-C (SIGINT, single-process runs) while training stops after the step in flight, saves a
-checkpoint and raises `TrainingInterrupted`; a second Ctrl-C interrupts at once. Before training
-starts and after it ends, Ctrl-C interrupts at once (and reliably: see `_Interrupts`).
+Ctrl-C (SIGINT) or SIGTERM (single-process runs) while training stops after the step in flight,
+saves a checkpoint and raises `TrainingInterrupted`; a second signal interrupts at once. Before
+training starts (the first step, compilation included, counts as before) and after it ends, either
+signal interrupts at once (and reliably: see `_Interrupts`); SIGTERM as `errors.Terminated`.
 
 Output folder:
     metrics.jsonl     one JSON object per logged train interval or evaluation
@@ -54,6 +55,7 @@ from dspark_jax.checkpoints.integrity import check_parameters
 from dspark_jax.config import ConfigError, DrafterConfig
 from dspark_jax.configs.recipes import TrainRecipe
 from dspark_jax.conversations import TURNS_AS
+from dspark_jax.errors import Terminated
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.sharding import (
     MeshConfig,
@@ -245,11 +247,13 @@ def _model_reference(path: str | None) -> str | None:
 
 
 class TrainingInterrupted(Exception):
-    """The run was stopped by Ctrl-C after a checkpoint of `step` was saved in `checkpoint`."""
+    """The run was stopped by Ctrl-C (`signum` SIGINT) or SIGTERM after a checkpoint of `step`
+    was saved in `checkpoint`."""
 
-    def __init__(self, step: int, checkpoint: Path):
-        super().__init__(f"interrupted: saved step {step} in {checkpoint}; run again to resume")
-        self.step, self.checkpoint = step, checkpoint
+    def __init__(self, step: int, checkpoint: Path, signum: int = signal.SIGINT):
+        how = "terminated" if signum == signal.SIGTERM else "interrupted"
+        super().__init__(f"{how}: saved step {step} in {checkpoint}; run again to resume")
+        self.step, self.checkpoint, self.signum = step, checkpoint, int(signum)
 
 
 @dataclasses.dataclass
@@ -346,21 +350,26 @@ class _MetricsLog:
 
 
 class _Interrupts:
-    """SIGINT (Ctrl-C) over a whole `train` call, in the main thread of a single-process run.
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler, `timeout`, a preempted VM) over a whole `train`
+    call, in the main thread of a single-process run; the previous handlers come back after.
 
-    While the run sets up or finishes, Ctrl-C aborts as usual (KeyboardInterrupt) and is also
-    remembered, because Python prints and swallows a KeyboardInterrupt raised inside a
-    garbage-collection callback or a `__del__`: `check`, called between the phases, raises it
-    again. While training, the first Ctrl-C asks the loop to stop at the next step boundary
-    (where a checkpoint can be saved); a second aborts at once, abandoning any save in flight,
-    whose failure reports from Orbax are then silenced (the next run removes the partial save).
+    While the run sets up or finishes, either aborts as usual (KeyboardInterrupt; for SIGTERM
+    its subclass `Terminated`) and is also remembered, because Python prints and swallows a
+    KeyboardInterrupt raised inside a garbage-collection callback or a `__del__`: `check`,
+    called between the phases, raises it again. While training, the first signal asks the loop
+    to stop at the next step boundary (where a checkpoint can be saved; `signum` says which
+    signal); a second aborts at once, abandoning any save in flight, whose failure reports from
+    Orbax are then silenced (the next run removes the partial save).
     """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, enabled: bool):
         self._enabled = enabled and threading.current_thread() is threading.main_thread()
-        self._previous = None
+        self._previous: dict[int, Any] = {}
         self.training = False
         self.stop_requested = False
+        self.signum = signal.SIGINT  # the signal that asked to stop, or aborted
         self.aborted = False
         self.on_stop_request = None
         self.checkpoints: Path | None = None  # the folder of the saves an abort abandons
@@ -368,27 +377,35 @@ class _Interrupts:
     def _handle(self, signum, frame) -> None:
         if self.training and not self.stop_requested:
             self.stop_requested = True
+            self.signum = signum
             if self.on_stop_request is not None:
-                self.on_stop_request()
+                self.on_stop_request(signum)
             return
-        self.aborted = True
+        if not self.aborted:
+            self.aborted, self.signum = True, signum
         if self.checkpoints is not None:
             _AbandonedSaves.silence(self.checkpoints)
-        raise KeyboardInterrupt
+        self._raise()
+
+    def _raise(self) -> None:
+        raise Terminated if self.signum == signal.SIGTERM else KeyboardInterrupt
 
     def check(self) -> None:
-        """Raises the Ctrl-C that aborted the run, in case it was swallowed where it landed."""
+        """Raises the signal that aborted the run, in case it was swallowed where it landed."""
         if self.aborted:
-            raise KeyboardInterrupt
+            self._raise()
 
     def __enter__(self) -> _Interrupts:
         if self._enabled:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._enabled and signal.getsignal(signal.SIGINT) == self._handle:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, previous)
+        self._previous = {}
 
 
 class _AbandonedSaves(logging.Filter):
@@ -861,9 +878,12 @@ def _train(
             if bar is not None:
                 bar.update(1)
 
-    def announce_stop() -> None:
+    def announce_stop(signum: int) -> None:
         message = (
-            "Ctrl-C: stopping after the step in flight and saving a checkpoint "
+            "SIGTERM: stopping after the step in flight and saving a checkpoint (a second "
+            "signal aborts without saving)"
+            if signum == signal.SIGTERM
+            else "Ctrl-C: stopping after the step in flight and saving a checkpoint "
             "(Ctrl-C again to abort without saving)"
         )
         (bar.write if bar is not None else logger.warning)(message)
@@ -938,7 +958,7 @@ def _train(
             truncations.report()
     if interrupts.stop_requested:
         log.close()
-        raise TrainingInterrupted(step, checkpointer.directory / str(step))
+        raise TrainingInterrupted(step, checkpointer.directory / str(step), interrupts.signum)
 
     done = step >= total_steps
     eval_end = None
