@@ -294,3 +294,73 @@ def test_sigterm_stops_saves_and_exits_143(
         assert err[-1] == f"dspark-jax train: terminated: saved step 3 in {saved}; run again to " \
             "resume"
         assert TrainCheckpointer(tmp_path / "checkpoints", 2).all_steps() == [2, 3]
+
+
+@pytest.fixture(scope="module")
+def stopped_at_3(config_file, tmp_path_factory):
+    """A run stopped after step 3 (checkpoints 2 and 3), to copy and damage."""
+    out = tmp_path_factory.mktemp("stopped")
+    train(load_train_config(str(config_file)), out, stop_after=3, progress=False, export=False)
+    return out
+
+
+def test_incomplete_newer_step_folders_are_passed_over(
+    config_file, stopped_at_3, tmp_path, caplog
+):
+    """Step folders that lack items (a copy or sync cut short: an empty folder, one holding only
+    its run record) are passed over with a warning for the newest complete step, by a resume and
+    by `find_checkpoint` (export, --init-from); named themselves, they are refused in one line."""
+    from dspark_jax.training.checkpointing import find_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(stopped_at_3, run)
+    checkpoints = run / "checkpoints"
+    (checkpoints / "9").mkdir()
+    (checkpoints / "8").mkdir()
+    shutil.copytree(checkpoints / "3" / "meta", checkpoints / "8" / "meta")
+    with caplog.at_level(logging.WARNING, logger="dspark_jax.training.checkpointing"):
+        assert find_checkpoint(run) == (checkpoints, 3)
+    ignored = "ignoring checkpoint {}: incomplete (no {};"
+    assert ignored.format(checkpoints / "9", "meta, state, data") in caplog.text
+    assert ignored.format(checkpoints / "8", "state, data") in caplog.text
+    for step in ("8", "9"):
+        with pytest.raises(TrainCheckpointError, match=f"checkpoints/{step}: an incomplete"):
+            find_checkpoint(checkpoints / step)
+    config = load_train_config(str(config_file))
+    result = train(config, run, stop_after=4, progress=False, export=False)
+    assert result.resumed_from == 3 and result.final_step == 4
+
+
+def _truncate_largest_array_file(step_dir):
+    largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.truncate(largest.stat().st_size // 3)
+
+
+@pytest.mark.parametrize(
+    "damage, what",
+    [
+        (lambda step: (step / "meta" / "metadata").write_text("{oops"), "run record"),
+        (lambda step: (step / "data" / "process_0-of-1.json").unlink(), "data position"),
+        (_truncate_largest_array_file, "train state"),
+    ],
+    ids=["bad-meta", "no-data-file", "truncated-array"],
+)
+def test_damaged_checkpoint_is_refused_in_one_line(
+    config_file, stopped_at_3, tmp_path, damage, what
+):
+    """A step whose items are there but cannot be read is refused (TrainCheckpointError, one
+    line naming the step folder and what to do), not with the traceback of Orbax or
+    TensorStore, and the run folder is left as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped_at_3, run)
+    damage(run / "checkpoints" / "3")
+    config = load_train_config(str(config_file))
+    with pytest.raises(TrainCheckpointError) as refused:
+        train(config, run, stop_after=4, progress=False, export=False)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    assert f"{run / 'checkpoints' / '3'}: its " in message and what in message, message
+    assert "delete it to use the previous step (2)" in message, message
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3"]

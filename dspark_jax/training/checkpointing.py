@@ -14,12 +14,20 @@ A step folder `<run>/checkpoints/<step>` (or the run folder, or its `checkpoints
 step) is also what `--init-from` and `dspark-jax export` take: `find_checkpoint` locates it,
 `read_meta` returns the run record saved with it (drafter config, recipe, target) and
 `restore_state` the train state without the data-iterator position.
+
+Damage from outside (a copy or rsync cut short, a disk filling up, a hand edit) is reported as
+TrainCheckpointError naming the step folder. A step folder that visibly lacks one of its items
+(`meta`, `state`, `data`; an empty folder included) is passed over, with a warning, for the newest
+complete step before it; nothing is deleted. A step whose items are there but cannot be read is
+refused, with what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,81 @@ class _ReadOnlyNotice(logging.Filter):
         return not str(record.msg).startswith("Given directory is read only")
 
 
+ITEMS = (META, STATE, DATA)
+_warned_incomplete: set[Path] = set()
+
+
+def missing_items(step_dir: Path) -> list[str]:
+    """The items a step folder lacks (all of them for an empty folder)."""
+    return [name for name in ITEMS if not (step_dir / name).is_dir()]
+
+
+def _newest_complete(directory: Path, steps) -> int | None:
+    """The newest of `steps` (folders of `directory`) that holds every item; says which newer
+    ones it passes over, once each."""
+    for step in sorted(steps, reverse=True):
+        step_dir = directory / str(step)
+        missing = missing_items(step_dir)
+        if not missing:
+            return step
+        if step_dir not in _warned_incomplete:
+            _warned_incomplete.add(step_dir)
+            logger.warning(
+                "ignoring checkpoint %s: incomplete (no %s; a save, copy or sync cut short), "
+                "using the newest complete step before it; delete the folder once you no "
+                "longer need it",
+                step_dir,
+                ", ".join(missing),
+            )
+    return None
+
+
+def _damaged(directory: Path, step: int, what: str, error: Exception) -> TrainCheckpointError:
+    """The refusal of a step whose `what` cannot be read (`error`: why), saying what to do."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    cause = lines[0] if len(lines[0]) <= 200 else lines[0][:200] + "..."
+    earlier = [
+        p.name
+        for p in directory.iterdir()
+        if p.name.isdigit() and int(p.name) < step and not missing_items(p)
+    ] if directory.is_dir() else []
+    instead = (
+        f"delete it to use the previous step ({max(map(int, earlier))})"
+        if earlier
+        else "delete it"
+    )
+    return TrainCheckpointError(
+        f"{directory / str(step)}: its {what} cannot be read ({type(error).__name__}: {cause}); "
+        f"if the folder is damaged (a copy cut short, a full disk), {instead} or restore it "
+        "from a copy"
+    )
+
+
+class _IncompleteStepNotice(logging.Filter):
+    """Orbax's warning about a step folder of `directory` without its metadata file: an
+    incomplete step, which `_newest_complete` reports in words of its own."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.prefix = f"{directory}{os.sep}"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Metadata file does not exist") and self.prefix in message)
+
+
+@contextlib.contextmanager
+def _absl_filtered(*filters: logging.Filter) -> Iterator[None]:
+    absl_logger = logging.getLogger("absl")
+    for f in filters:
+        absl_logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for f in filters:
+            absl_logger.removeFilter(f)
+
+
 def _reader(directory: Path) -> ocp.CheckpointManager:
     """A manager that only reads `directory`. Its options are the ones Orbax would otherwise set
     itself for read-only use (and warn about); its remaining warning is filtered while it opens."""
@@ -65,30 +148,37 @@ def _reader(directory: Path) -> ocp.CheckpointManager:
         cleanup_tmp_directories=False,
         enable_async_checkpointing=False,
     )
-    absl_logger, notice = logging.getLogger("absl"), _ReadOnlyNotice()
-    absl_logger.addFilter(notice)
-    try:
+    with _absl_filtered(_ReadOnlyNotice(), _IncompleteStepNotice(directory)):
         return ocp.CheckpointManager(directory, options=options, item_names=(STATE, DATA, META))
-    finally:
-        absl_logger.removeFilter(notice)
 
 
 def find_checkpoint(path: str | os.PathLike) -> tuple[Path, int] | None:
     """(checkpoints folder, step) that `path` names, or None when it is no training checkpoint.
 
     `path` is a step folder (`<run>/checkpoints/<step>`), a run's `checkpoints/` folder or a run
-    folder; the last two mean their newest complete step.
+    folder; the last two mean their newest complete step (incomplete newer ones are passed over
+    with a warning). A step folder named itself must be complete, else TrainCheckpointError.
     """
     path = Path(path).absolute()
-    if path.name.isdigit() and (path / META).is_dir():
-        return path.parent, int(path.name)
+    if path.name.isdigit() and path.is_dir() and not (path / "checkpoints").is_dir():
+        missing = missing_items(path)
+        if not missing:
+            return path.parent, int(path.name)
+        if len(missing) < len(ITEMS) or path.parent.name == "checkpoints":
+            raise TrainCheckpointError(
+                f"{path}: an incomplete checkpoint (no {', '.join(missing)}; a save, copy or "
+                "sync cut short); name another step, or the run folder for its newest complete "
+                "one"
+            )
+
+    def is_step(p: Path) -> bool:
+        return p.name.isdigit() and p.is_dir() and len(missing_items(p)) < len(ITEMS)
+
     for directory in (path, path / "checkpoints"):
-        if not directory.is_dir() or not any(
-            p.name.isdigit() and (p / META).is_dir() for p in directory.iterdir()
-        ):
+        if not directory.is_dir() or not any(is_step(p) for p in directory.iterdir()):
             continue
-        with _reader(directory) as manager:
-            step = manager.latest_step()
+        with _reader(directory) as manager, _absl_filtered(_IncompleteStepNotice(directory)):
+            step = _newest_complete(directory, manager.all_steps())
         if step is None:
             raise TrainCheckpointError(f"{directory}: holds no complete checkpoint")
         return directory, step
@@ -97,17 +187,25 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[Path, int] | None:
 
 def read_meta(directory: Path, step: int) -> dict[str, Any]:
     """The run record saved with checkpoint `step` of `directory`."""
-    with _reader(directory) as manager:
-        restored = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+    try:
+        with _reader(directory) as manager:
+            restored = manager.restore(
+                step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+            )
+    except Exception as e:
+        raise _damaged(directory, step, "run record (meta)", e) from e
     return restored[META]
 
 
 def restore_state(directory: Path, step: int, abstract_state: TrainState) -> TrainState:
     """The train state of checkpoint `step` of `directory`, placed as `abstract_state` says."""
-    with _reader(directory) as manager:
-        restored = manager.restore(
-            step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)})
-        )
+    try:
+        with _reader(directory) as manager:
+            restored = manager.restore(
+                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)})
+            )
+    except Exception as e:
+        raise _damaged(directory, step, "train state", e) from e
     return restored[STATE]
 
 
@@ -121,6 +219,9 @@ class TrainCheckpointer:
         self.incomplete = self._incomplete_saves()
         for name in self.incomplete:
             logger.warning("ignoring incomplete checkpoint %s (a save was interrupted)", name)
+        # For as long as the checkpointer is open: Orbax warns whenever it lists the steps.
+        self._notice = _IncompleteStepNotice(self.directory)
+        logging.getLogger("absl").addFilter(self._notice)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -138,8 +239,9 @@ class TrainCheckpointer:
         return sorted(Path(p).name for p in ocp.path.step.tmp_checkpoints(self.directory))
 
     def latest_step(self) -> int | None:
-        """The newest complete step, or None."""
-        return self._manager.latest_step()
+        """The newest complete step, or None; newer step folders that lack an item are passed
+        over with a warning (and left as they are)."""
+        return _newest_complete(self.directory, self._manager.all_steps())
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -181,23 +283,31 @@ class TrainCheckpointer:
         if step is None:
             raise TrainCheckpointError(f"{self.directory}: no complete checkpoint to restore")
         saved_meta = self.check_record(meta, step)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    STATE: ocp.args.StandardRestore(abstract_state),
-                    DATA: grain.checkpoint.CheckpointRestore(data_iterator),
-                }
-            ),
-        )
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        STATE: ocp.args.StandardRestore(abstract_state),
+                        DATA: grain.checkpoint.CheckpointRestore(data_iterator),
+                    }
+                ),
+            )
+        except Exception as e:
+            raise _damaged(self.directory, step, "train state or data position", e) from e
         return restored[STATE], saved_meta
 
     def check_record(self, meta: dict[str, Any], step: int) -> dict[str, Any]:
         """The run record saved with `step`, once it equals `meta` (the same drafter, target and
         recipe) but for `NOT_COMPARED`; else TrainCheckpointError."""
-        saved_meta = self._manager.restore(
-            step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-        )[META]
+        try:
+            saved_meta = self._manager.restore(
+                step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+            )[META]
+        except Exception as e:
+            raise _damaged(self.directory, step, "run record (meta)", e) from e
+        if not isinstance(saved_meta, dict):
+            raise _damaged(self.directory, step, "run record (meta)", TypeError("not an object"))
         diffs = sorted(
             k
             for k in set(saved_meta) | set(meta)
@@ -215,6 +325,7 @@ class TrainCheckpointer:
 
     def close(self) -> None:
         self._manager.close()
+        logging.getLogger("absl").removeFilter(self._notice)
 
     def __enter__(self) -> TrainCheckpointer:
         return self
