@@ -364,3 +364,30 @@ def test_damaged_checkpoint_is_refused_in_one_line(
     assert f"{run / 'checkpoints' / '3'}: its " in message and what in message, message
     assert "delete it to use the previous step (2)" in message, message
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3"]
+
+
+def test_abandoned_saves_filter_drops_the_shutdown_reports_only(tmp_path):
+    """Once an abort abandons a save, Orbax's background threads report that they found the
+    interpreter's thread pools shut down, without naming the checkpoint folder: dropped, as are
+    reports that name the folder or carry the KeyboardInterrupt; other errors still get out."""
+    from dspark_jax.training.trainer import _AbandonedSaves
+
+    def record(message, error=None):
+        exc_info = (type(error), error, None) if error is not None else None
+        return logging.LogRecord("absl", logging.ERROR, __file__, 1, message, (), exc_info)
+
+    shut_down = RuntimeError("cannot schedule new futures after shutdown")
+    keep = _AbandonedSaves(tmp_path / "checkpoints").filter
+    assert not keep(record(
+        "[process=0][thread=write_metadata_after_commits][operation_id=1] "
+        "_SignalingThread.run() raised an exception: cannot schedule new futures after shutdown",
+        shut_down,
+    ))
+    assert not keep(record("_SignalingThread.run() raised an exception", shut_down))
+    at_exit = RuntimeError("cannot schedule new futures after interpreter shutdown")
+    assert not keep(record("_SignalingThread.run() raised an exception", at_exit))
+    assert not keep(record("callback failed", RuntimeError("Event loop is closed")))
+    assert not keep(record(f"failed to commit {tmp_path / 'checkpoints' / '6'}"))
+    assert not keep(record("waiting", KeyboardInterrupt()))
+    assert keep(record("something else failed", RuntimeError("disk full")))
+    assert keep(record("something else failed", ValueError("bad value")))

@@ -410,17 +410,29 @@ class _Interrupts:
 
 class _AbandonedSaves(logging.Filter):
     """Orbax's reports (through absl's logger) on saves into `directory` that an abort left
-    unfinished: the wait it interrupted, and the background commit that fails once the
-    interpreter shuts down. An abort already says that nothing was saved."""
+    unfinished: the wait it interrupted, the background commit that fails once the interpreter
+    shuts down, and the background threads that find the interpreter's thread pools shut down
+    (their reports name no folder). An abort already says that nothing was saved. Installed
+    only once a run aborts, so other errors go on being reported until then, and after it
+    anything not of these kinds."""
+
+    # What a background thread meets once the pools and loops it needs are shut down: "cannot
+    # schedule new futures after shutdown" (its pool) or "after interpreter shutdown" (every
+    # pool), or the event loop it reports to closed.
+    SHUT_DOWN = ("cannot schedule new futures after", "Event loop is closed")
 
     def __init__(self, directory: Path):
         super().__init__()
         self.directory = str(directory)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, KeyboardInterrupt):
             return False
-        return self.directory not in record.getMessage()
+        if isinstance(error, RuntimeError) and any(m in str(error) for m in self.SHUT_DOWN):
+            return False
+        message = record.getMessage()
+        return self.directory not in message and not any(m in message for m in self.SHUT_DOWN)
 
     @classmethod
     def silence(cls, directory: Path) -> None:
