@@ -391,3 +391,52 @@ def test_abandoned_saves_filter_drops_the_shutdown_reports_only(tmp_path):
     assert not keep(record("waiting", KeyboardInterrupt()))
     assert keep(record("something else failed", RuntimeError("disk full")))
     assert keep(record("something else failed", ValueError("bad value")))
+
+
+def _interrupting(monkeypatch, maker: str) -> None:
+    """Makes the first call of the trainer's `maker` (make_train_step, make_eval_step) program
+    get a Ctrl-C as it starts (where the step compiles)."""
+    from dspark_jax.training import trainer
+
+    make = getattr(trainer, maker)
+
+    def make_interrupted(*args, **kwargs):
+        program = make(*args, **kwargs)
+        calls = []
+
+        def run(*a):
+            calls.append(1)
+            if len(calls) == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+            return program(*a)
+
+        return run
+
+    monkeypatch.setattr(trainer, maker, make_interrupted)
+
+
+@pytest.mark.parametrize(
+    "where", ["first-step", "first-evaluation", "first-step-resumed"]
+)
+def test_ctrl_c_before_the_first_step_has_finished_aborts_at_once(
+    config_file, stopped_at_3, tmp_path, monkeypatch, where
+):
+    """Ctrl-C while the first step compiles or runs, or during the evaluation before it, counts
+    as before training: it aborts at once (no step finished, nothing saved), and a fresh run
+    leaves no folder behind; a resumed run's folder is left as it was."""
+    config = dataclasses.replace(
+        load_train_config(str(config_file)), holdout=where == "first-evaluation"
+    )
+    run = tmp_path / "run"
+    if where == "first-step-resumed":
+        shutil.copytree(stopped_at_3, run)
+    before = sorted(p.name for p in run.iterdir()) if run.exists() else None
+    maker = "make_eval_step" if where == "first-evaluation" else "make_train_step"
+    _interrupting(monkeypatch, maker)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, run, progress=False, export=False)
+    if before is None:
+        assert not run.exists(), sorted(p.name for p in run.iterdir())
+    else:
+        assert sorted(p.name for p in run.iterdir()) == before
+        assert TrainCheckpointer(run / "checkpoints", 2).all_steps() == [2, 3]

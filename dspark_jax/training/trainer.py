@@ -702,8 +702,9 @@ def train(
     """Trains (or resumes, or extends) `config` in `output_dir`; see the module docstring.
 
     `stop_after` ends the call after that many total steps (saving a checkpoint), as a preempted
-    job would; calling again resumes. A call that fails before training starts (bad data, a
-    missing target, a checkpoint of another run) removes what it added to `output_dir`.
+    job would; calling again resumes. A call that fails or is interrupted before its first step
+    has finished (bad data, a missing target, a checkpoint of another run, Ctrl-C) removes what
+    it added to `output_dir`.
     """
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"stop_after must be >= 1 or None, got {stop_after}")
@@ -723,24 +724,29 @@ def train(
 
 class _RunFolder:
     """What setting up a run adds to its folder (the folder itself, the built-in corpora, the
-    checkpoints folder), removed again when the setup fails: a refused run leaves nothing
-    behind, and the folder of a run being resumed keeps everything it held. Only process 0,
-    which creates the folder, removes anything."""
+    checkpoints folder, the metrics log and event file), removed again when the run fails or
+    is aborted before its first step has finished: a refused run leaves nothing behind, and the
+    folder of a run being resumed keeps everything it held. Only process 0, which creates the
+    folder, removes anything."""
 
-    SETUP = ("data", "checkpoints")
+    SETUP = ("data", "checkpoints", "metrics.jsonl")
+    EVENTS = "events.out.tfevents."
 
     def __init__(self, path: Path, owner: bool):
         self.path, self.owner = path, owner
         self.missing = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
-        self.had = {name for name in self.SETUP if (path / name).exists()}
+        self.had = set(os.listdir(path)) if path.is_dir() else set()
         self.set_up = False
 
     def remove_setup(self) -> None:
-        if not self.owner or self.set_up:
+        if not self.owner or self.set_up or not self.path.is_dir():
             return
-        for name in self.SETUP:
-            if name not in self.had:
+        for name in set(os.listdir(self.path)) - self.had:
+            if name in self.SETUP[:2]:
                 shutil.rmtree(self.path / name, ignore_errors=True)
+            elif name in self.SETUP or name.startswith(self.EVENTS):
+                with contextlib.suppress(OSError):
+                    (self.path / name).unlink()
         for made in self.missing:
             with contextlib.suppress(OSError):
                 made.rmdir()
@@ -853,7 +859,8 @@ def _train(
     eval_key = jax.random.PRNGKey(recipe.seed + EVAL_SEED_OFFSET)
 
     interrupts.check()
-    folder.set_up = True
+    # The folder counts as set up (kept whatever happens next) once the first step has finished:
+    # until then an abort or failure removes what this call added, the log included.
     log = _MetricsLog(output_dir, is_main, resumed_from)
     history: list[dict[str, Any]] = []
 
@@ -901,7 +908,10 @@ def _train(
         (bar.write if bar is not None else logger.warning)(message)
 
     interrupts.on_stop_request = announce_stop
-    interrupts.training = True
+    # `interrupts.training` (a first signal stops after the step in flight, with a checkpoint)
+    # starts once the first step has finished: a signal during it, while it compiles, aborts at
+    # once, as before training, rather than wait for the compilation and save a step.
+    folder.set_up = step >= end
     try:
         while step < end and not interrupts.stop_requested:
             interrupts.check()
@@ -915,6 +925,8 @@ def _train(
                 # The first step of a call includes compilation: throughput and the bar's
                 # rate start after it.
                 jax.block_until_ready(metrics)
+                interrupts.check()
+                folder.set_up = interrupts.training = True
                 interval_start = time.perf_counter()
                 if show_bar:
                     bar = tqdm(total=end, initial=step, desc=config.name)
