@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -201,3 +202,31 @@ def test_single_file_outputs_are_never_half_written(tmp_path):
         raise KeyboardInterrupt
     assert path.read_text() == "first"
     assert sorted(p.name for p in path.parent.iterdir()) == ["out.json"]
+
+
+def test_train_distributed_outside_a_cluster_is_one_line(tmp_path):
+    """`train --distributed` on a host that is no TPU pod, SLURM or Open MPI job (and without the
+    three flags) says what is missing in one line, not with JAX's traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "TPU_", "CLOUD_TPU"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    args = ["train", "--config", "tiny-dspark", "--output", str(tmp_path / "run"), "--distributed"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_jax.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("dspark-jax train: error: --distributed: no cluster"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--coordinator-address HOST:PORT, --num-processes N and --process-id I" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -212,22 +212,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multi-host: jax.distributed.initialize (cluster auto-detected unless the next "
         "three flags are given)",
     )
-    parser.add_argument("--coordinator-address")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
+    parser.add_argument(
+        "--coordinator-address",
+        metavar="HOST:PORT",
+        help="with --distributed outside a detected cluster: the address of process 0's "
+        "coordination service (the same on every process)",
+    )
+    parser.add_argument(
+        "--num-processes", type=int, help="with --distributed: how many processes the job has"
+    )
+    parser.add_argument(
+        "--process-id", type=int, help="with --distributed: this process's rank, 0 .. N-1"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark_jax.errors import UserError
     from dspark_jax.sharding import initialize_distributed
 
     if args.distributed:
-        initialize_distributed(
-            args.coordinator_address, args.num_processes, args.process_id, auto_detect=True
-        )
+        try:
+            initialize_distributed(
+                args.coordinator_address, args.num_processes, args.process_id, auto_detect=True
+            )
+        except UserError:
+            raise
+        except ValueError as e:
+            # JAX found no cluster to take the coordinator, process count and rank from.
+            raise UserError(
+                f"--distributed: no cluster environment found ({e}); JAX detects TPU pods, "
+                "SLURM and Open MPI jobs, elsewhere give --coordinator-address HOST:PORT, "
+                "--num-processes N and --process-id I"
+            ) from None
     import jax
 
     from dspark_jax.cli.paths import check_output_folder
-    from dspark_jax.errors import UserError
     from dspark_jax.training.trainer import TrainingInterrupted, train
 
     config = load_train_config(args.config)
