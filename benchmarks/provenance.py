@@ -204,6 +204,17 @@ def output_file(path: str | os.PathLike, option: str) -> Path:
     return check_output_file(path, option)
 
 
+def plot_file(path: str | os.PathLike, option: str, out: str | os.PathLike | None = None) -> Path:
+    """`path` as a Path, once a plot can be written there in a format matplotlib writes (and
+    it is not the `out` file, which it would replace): checked before measuring."""
+    from dspark_jax.cli.paths import check_not_same_file, check_plot_file
+
+    plot = check_plot_file(path, option)
+    if out is not None:
+        check_not_same_file(plot, option, out, "--out", "the plot would replace the results")
+    return plot
+
+
 def read_json(path: str | os.PathLike, option: str) -> object:
     """The JSON in `path`, NaN and Infinity (which earlier versions of the scripts wrote) read
     as None; a UserError naming `option` when the file is missing or not JSON."""

@@ -59,6 +59,7 @@ from provenance import (
     git_commit,
     non_negative_float,
     output_file,
+    plot_file,
     positive_int,
     positive_ints,
     read_json,
@@ -361,7 +362,7 @@ def check_paths(args: argparse.Namespace) -> None:
                 raise UserError(f"--{option} {path}: no such folder")
     output_file(args.out, "--out")
     if args.plot:
-        output_file(args.plot, "--plot")
+        plot_file(args.plot, "--plot", args.out)
 
 
 def main() -> None:

@@ -244,6 +244,14 @@ def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):
     throughput.check_paths(throughput.parse_args(
         ["--synthetic", "tiny", "--out", str(tmp_path / "o.json"), "--plot", ""]
     ))  # fmt: skip
+    # A plot matplotlib cannot write, or one over the results, is refused before any work (it
+    # failed after the whole run, its JSON already written).
+    done = _script("throughput.py", "--synthetic", "tiny", "--plot", "t.txt", cwd=tmp_path)
+    _one_line_error(done, "--plot", ".png")
+    done = _script(
+        "throughput.py", "--synthetic", "tiny", "--out", "t.png", "--plot", "t.png", cwd=tmp_path
+    )
+    _one_line_error(done, "--plot", "would replace the results")
     table = tmp_path / "sps"
     table.mkdir()
     done = _script("throughput.py", "--sps-table", str(table), "--concurrency", "1,8")
