@@ -45,6 +45,23 @@ TokenCallback = Callable[[int, int, list[int]], None]  # (conversation, turn, ne
 TurnCallback = Callable[[Turn], None]
 
 
+def _turn_request(
+    engine: Engine,
+    tokenizer,
+    messages: list[dict[str, str]],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seed: int,
+    enable_thinking: bool,
+) -> Request:
+    """The request answering `messages`' last turn; EngineError when it does not fit `engine`.
+    One place for `answer_conversations` and `unfit_conversations`, so the check made before
+    compiling is the one the run makes."""
+    ids = encode_chat(tokenizer, messages, enable_thinking=enable_thinking)
+    engine.check_request(ids, max_new_tokens, seed)
+    return Request(ids, max_new_tokens, seed=seed, sampling=sampling)
+
+
 def answer_conversations(
     engine: Engine,
     tokenizer,
@@ -83,12 +100,16 @@ def answer_conversations(
 
     def send(c: int, turn: int, history: list[dict[str, str]]) -> None:
         messages = history + [{"role": "user", "content": conversations[c][turn]}]
-        ids = encode_chat(tokenizer, messages, enable_thinking=enable_thinking)
-        request = Request(
-            ids, max_new_tokens, seed=seed + c * max_turns + turn, sampling=sampling
-        )
         try:
-            engine.check_request(ids, max_new_tokens, request.seed)
+            request = _turn_request(
+                engine,
+                tokenizer,
+                messages,
+                max_new_tokens,
+                sampling,
+                seed + c * max_turns + turn,
+                enable_thinking,
+            )
         except EngineError as e:
             if not skip_unfit:
                 raise EngineError(f"conversation {c + 1} turn {turn + 1}: {e}") from None
@@ -144,9 +165,16 @@ def unfit_conversations(
         if not turns:
             continue
         messages = [{"role": "user", "content": turns[0]}]
-        ids = encode_chat(tokenizer, messages, enable_thinking=enable_thinking)
         try:
-            engine.check_request(ids, max_new_tokens, seed + c * max_turns)
+            _turn_request(
+                engine,
+                tokenizer,
+                messages,
+                max_new_tokens,
+                GREEDY,
+                seed + c * max_turns,
+                enable_thinking,
+            )
         except EngineError as e:
             reasons.append(f"conversation {c + 1} turn 1: {e}")
     return reasons
