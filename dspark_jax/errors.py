@@ -32,5 +32,3 @@ class Terminated(KeyboardInterrupt):
     """An abort by SIGTERM (a scheduler's, `timeout`'s or a preemption's signal) rather than by
     Ctrl-C: raised where a KeyboardInterrupt would be, so code that cleans up after an interrupt
     does so after this too; the command line reports it with status 143 (128 + SIGTERM)."""
-
-    signum = 15
