@@ -192,6 +192,40 @@ def test_throughput_leaves_out_evaluation_pauses(files, tmp_path, monkeypatch):
     assert [h["seq_tokens_per_s"] for h in train_logs] == [tokens, tokens]
 
 
+def test_throughput_leaves_out_each_bucket_compile(files, tmp_path, monkeypatch):
+    """With several length buckets each bucket's first step compiles: on a clock where a step
+    takes 1 s and a compile 50 s, every logged interval still trains at 1 step/s, and the bar
+    counts the compiling steps as steps."""
+    clock = [0.0]
+    shapes, dispatched = set(), []
+    real_step = trainer.make_train_step
+
+    def timed_step(*args, **kwargs):
+        run = real_step(*args, **kwargs)
+
+        def timed(state, frozen, batch):
+            shape = batch["tokens"].shape
+            clock[0] += 1.0 + (50.0 if shape not in shapes else 0.0)
+            shapes.add(shape)
+            state, metrics = run(state, frozen, batch)
+            dispatched.append(metrics["loss"])
+            return state, metrics
+
+        return timed
+
+    monkeypatch.setattr(trainer, "make_train_step", timed_step)
+    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(trainer, "tqdm", lambda **kw: _RecordingBar(**kw, dispatched=dispatched))
+    _RecordingBar.instances.clear()
+    config = _config(files, num_steps=8, log_every=2, eval_data=(), seq_lens=(32, 48))
+    result = train(config, tmp_path, progress=True, export=False)
+    assert len(shapes) == 2  # both buckets ran, so a later step compiled
+    rates = [h["steps_per_s"] for h in result.history if "steps_per_s" in h]
+    assert rates and all(r == 1.0 for r in rates)
+    (bar,) = _RecordingBar.instances
+    assert bar.n == 8
+
+
 def test_too_little_data_to_hold_out_is_refused(files, tmp_path, capsys):
     config_file, data, evals = files
     small = tmp_path / "small.jsonl"

@@ -886,6 +886,7 @@ def _train(
     # `timed_seconds` (before the interval's evaluation pauses) plus the time since
     # `interval_start`.
     timed_steps, timed_tokens, timed_seconds = 0, 0, 0.0
+    compiled_shapes: set[tuple[int, ...]] = set()  # batch shapes the train step has run
     truncations = _Truncations(recipe.max_length)
     interval_start = time.perf_counter()
     saved_step = resumed_from
@@ -918,7 +919,15 @@ def _train(
             local = next(iterator)
             truncations.add(local, step + 1)
             batch = global_batch(local, shardings, pad_id)
+            shape = batch["tokens"].shape
+            # A length bucket's first step compiles (on the host, inside the call): like the
+            # first step of the call, it is kept out of the throughput and the bar's rate.
+            compiles = step > first_step and shape not in compiled_shapes
+            if compiles:
+                finished(block_all=True)
+                timed_seconds += time.perf_counter() - interval_start
             state, metrics = train_step(state, frozen, batch)
+            compiled_shapes.add(shape)
             pending.append(metrics)
             step += 1
             if step == first_step + 1:
@@ -930,6 +939,12 @@ def _train(
                 interval_start = time.perf_counter()
                 if show_bar:
                     bar = tqdm(total=end, initial=step, desc=config.name)
+            elif compiles:
+                jax.block_until_ready(metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.unpause()
+                interval_start = time.perf_counter()
             else:
                 timed_steps += 1
                 timed_tokens += batch["tokens"].size
