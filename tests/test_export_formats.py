@@ -110,6 +110,30 @@ def test_converted_folder_names_its_source_as_verifier(tmp_path):
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(TINY_TARGET)
 
 
+def test_speculators_verifier_is_named_so_a_loader_elsewhere_finds_it(tmp_path, monkeypatch):
+    """A verifier given as a relative folder (directly, or as the source of a conversion run in
+    another folder) was written as that relative path, which means nothing to vLLM run
+    elsewhere: it is the absolute path, and a snapshot of the hub cache is its hub id."""
+    work = tmp_path / "work"
+    shutil.copytree(TINY_TARGET, work / "target")
+    monkeypatch.chdir(work)
+    convert_checkpoints("conv", draft=TINY_DRAFT, target="target")
+
+    def verifier(*args):
+        out = tmp_path / f"spec{len(list(tmp_path.glob('spec*')))}"
+        base = ["export", "--format", "speculators", "--out", str(out)]
+        assert main([*base, *args]) == 0
+        config = json.loads((out / "config.json").read_text())
+        return config["speculators_config"]["verifier"]["name_or_path"]
+
+    assert verifier("--draft", str(TINY_DRAFT), "--target", "target") == str(work / "target")
+    monkeypatch.chdir(tmp_path)
+    assert verifier("--draft", str(work / "conv")) == str(work / "target")
+    snapshot = tmp_path / "hub" / "models--acme--tiny-qwen3" / "snapshots" / "0123abc"
+    shutil.copytree(TINY_TARGET, snapshot)
+    assert verifier("--draft", str(TINY_DRAFT), "--target", str(snapshot)) == "acme/tiny-qwen3"
+
+
 def test_speculators_export_of_a_cast_conversion_names_the_cast(tmp_path, capsys):
     """A drafter converted with --dtype float16 holds its target's embedding cast (float32 ->
     float16 rounds nearly every value). The refusal blamed the target ("Name the drafter's own

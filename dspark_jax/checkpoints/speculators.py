@@ -195,12 +195,29 @@ def _local_verifier(verifier: str) -> Path | None:
     return path if path.is_dir() else None
 
 
-def verifier_source(verifier: str) -> str:
-    """`verifier` as the speculators loader can read it: a converted dspark-jax folder is
-    replaced by the Hugging Face folder or hub id it was converted from."""
+def _hub_id_of(path: Path) -> str | None:
+    """`owner/name` of a snapshot in the Hugging Face hub cache (`.../models--owner--name/...`)."""
+    for part in path.parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part.removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
+def _name_of(folder: Path) -> str:
+    """A local verifier folder as its config names it: its hub id when it is a snapshot in the
+    hub cache, else its absolute path (a relative one means nothing to a loader run elsewhere)."""
+    return _hub_id_of(folder.resolve()) or str(folder.resolve())
+
+
+def verifier_source(verifier: str) -> tuple[str, Path | None]:
+    """(`verifier` as the speculators loader can read it, its local folder or None): a hub id as
+    it is, a local folder as `_name_of` says, a converted dspark-jax folder replaced by the Hugging
+    Face folder or hub id its target was converted from."""
     folder = _local_verifier(verifier)
-    if folder is None or not (folder / MANIFEST).is_file():
-        return verifier
+    if folder is None:
+        return verifier, None
+    if not (folder / MANIFEST).is_file():
+        return _name_of(folder), folder
     manifest = read_manifest(folder / MANIFEST)
     entry = manifest.get(TARGET)
     if not entry or not entry.get("source"):
@@ -208,7 +225,11 @@ def verifier_source(verifier: str) -> str:
             f"{folder} holds no converted target to name as the verifier; give the target's "
             "Hugging Face folder or hub id"
         )
-    return str(entry["source"])
+    source = Path(entry.get("resolved_source") or entry["source"]).expanduser()
+    if source.is_dir():
+        return _name_of(source), source
+    # Moved or deleted since the conversion: named as recorded, nothing to check against.
+    return _hub_id_of(source) or str(entry.get("resolved_source") or entry["source"]), None
 
 
 def _verifier_tensors(folder: Path) -> dict[str, np.ndarray]:
@@ -258,9 +279,8 @@ def write_drafter_speculators(
     """Writes `model` in the speculators layout at `out` (atomically); `verifier` is its target
     (Hugging Face folder or hub id). A local verifier is read to check that its embedding and
     head are the drafter's, since the loader takes them from there."""
-    verifier = verifier_source(verifier)
+    verifier, folder = verifier_source(verifier)
     tensors = export_to_torch(model, "")
-    folder = _local_verifier(verifier)
     architectures = ["Qwen3ForCausalLM"]
     if folder is not None:
         architectures = list(read_config_json(folder).get("architectures") or architectures)
