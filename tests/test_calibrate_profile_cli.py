@@ -363,7 +363,8 @@ def test_the_plot_format_is_checked_before_any_work(tmp_path, capsys, monkeypatc
 
 
 def test_calibrate_refuses_records_in_which_nothing_was_verified(tmp_path, capsys):
-    """Rounds that verified no draft (eval --gamma 0) observe no outcome: the fit kept T = 1
+    """Rounds that verified no draft (gamma 0, from Python: eval writes no records for such a
+    run) observe no outcome: the fit kept T = 1
     everywhere with a warning per position and wrote an artifact that changes nothing."""
     _, _, fingerprint = load_drafter(DRAFTER, progress=False)
     z = np.random.default_rng(0).normal(size=(200, 7))
@@ -377,7 +378,7 @@ def test_calibrate_refuses_records_in_which_nothing_was_verified(tmp_path, capsy
         err = capsys.readouterr().err.splitlines()
         assert err[-1] == (
             f"dspark-jax calibrate: error: none of the 200 rounds of {tmp_path / 'g0.npz'} "
-            "verified a draft (rounds of gamma 0, e.g. from eval --gamma 0), so no draft was "
+            "verified a draft (every round verified 0 drafts, as with gamma 0), so no draft was "
             "accepted or rejected and there is nothing to calibrate: record rounds that verify "
             "drafts"
         )

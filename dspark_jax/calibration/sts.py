@@ -215,8 +215,8 @@ def check_observed(records: CalibrationRecords, name: str = "the records") -> No
     no temperature can be fitted, and an artifact of T = 1 everywhere would change nothing."""
     if len(records) and not np.any(records.verified_n):
         raise CalibrationInputError(
-            f"none of the {len(records)} rounds of {name} verified a draft (rounds of gamma 0, "
-            "e.g. from eval --gamma 0), so no draft was accepted or rejected and there is "
+            f"none of the {len(records)} rounds of {name} verified a draft (every round verified "
+            "0 drafts, as with gamma 0), so no draft was accepted or rejected and there is "
             "nothing to calibrate: record rounds that verify drafts"
         )
 
