@@ -4,6 +4,7 @@ run as written."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -73,6 +74,19 @@ def test_training_docs_example_runs_as_written(tmp_path):
     assert "steps 4 resumed from 2" in done.stdout
     assert "resumed from step 2" in done.stderr  # logging.basicConfig shows the notices
     assert (tmp_path / "runs" / "py" / "drafter").is_dir()
+    # The commands that follow run the trained drafter on its own target.
+    (shell,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["bash", "-ec", shell.rstrip() + " --max-new-tokens 8"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tau" in done.stdout + done.stderr
 
 
 def test_train_config_takes_paths(tmp_path):

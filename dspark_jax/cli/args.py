@@ -299,30 +299,37 @@ def load_models(args: argparse.Namespace, with_drafter: bool = True) -> Decoding
 
     target = args.target or EMBEDDED_TARGET
     draft = (args.draft or EMBEDDED_DRAFT) if with_drafter else None
-    if args.target is not None and args.draft is None and with_drafter:
-        _check_embedded_drafter_fits(args, target)
+    if with_drafter and (args.target is None) != (args.draft is None):
+        _check_embedded_part_fits(args, target, draft)
     mesh = decoding_mesh_for(args, target, draft)
     return load_decoding_models(target, draft, dtype=args.dtype, mesh=mesh)
 
 
-def _check_embedded_drafter_fits(args: argparse.Namespace, target) -> None:
+def _check_embedded_part_fits(args: argparse.Namespace, target, draft) -> None:
     """A --target without --draft runs the embedded drafter, which was made for the embedded
-    target; if it does not fit this one, say that the drafter is the default, not the user's."""
+    target, and a --draft without --target runs on the embedded target; if the two do not fit,
+    say that the other half is the default, not the user's."""
     from dspark_jax.checkpoints.converted import read_part_config
     from dspark_jax.config import ConfigError
 
     target_cfg = Qwen3Config.from_hf(read_part_config(target, "target"))
-    drafter_cfg = DrafterConfig.from_hf(read_part_config(EMBEDDED_DRAFT, "draft"))
+    drafter_cfg = DrafterConfig.from_hf(read_part_config(draft, "draft"))
     try:
         drafter_cfg.check_target(target_cfg)
     except ConfigError as e:
-        instead = "--draft (its own drafter)"
-        if hasattr(args, "no_draft"):  # eval has no --no-draft
-            instead += " or --no-draft"
+        if args.draft is None:
+            instead = "--draft (its own drafter)"
+            if hasattr(args, "no_draft"):  # eval has no --no-draft
+                instead += " or --no-draft"
+            raise ConfigError(
+                f"--target {args.target} came without --draft, so the drafter is the embedded "
+                f"{EMBEDDED_NAME} one, made for the embedded target, and it does not fit this "
+                f"one ({e}): give {instead}"
+            ) from None
         raise ConfigError(
-            f"--target {args.target} came without --draft, so the drafter is the embedded "
-            f"{EMBEDDED_NAME} one, made for the embedded target, and it does not fit this one "
-            f"({e}): give {instead}"
+            f"--draft {args.draft} came without --target, so the target is the embedded "
+            f"{EMBEDDED_NAME} one, and this drafter was not made for it ({e}): give --target "
+            "(the model the drafter was trained for)"
         ) from None
 
 
