@@ -26,12 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     models = parser.add_argument_group("models")
     models.add_argument(
-        "--target", help="target folder or hub id (default: the embedded tiny model)"
+        "--target", help="target folder or hub id (default: the embedded dspark-jax-default model)"
     )
     models.add_argument(
         "--draft",
-        help="drafter folder or hub id (default: the embedded tiny drafter when --target is not "
-        "given either; a --target without --draft serves plain decoding)",
+        help="drafter folder or hub id (default: the embedded dspark-jax-default drafter when "
+        "--target is not given either; a --target without --draft serves plain decoding)",
     )
     models.add_argument(
         "--no-draft", action="store_true", help="plain decoding with the target alone"
@@ -176,7 +176,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     given = [flag for flag, set_ in speculation_only.items() if set_]
     plain = args.no_draft or (args.target is not None and args.draft is None)
     if plain and given:
-        raise UserError(f"{', '.join(given)} need a drafter; this server decodes plainly")
+        verb = "needs" if len(given) == 1 else "need"
+        raise UserError(f"{', '.join(given)} {verb} a drafter; this server decodes plainly")
     _buckets(args.prefill_buckets, "--prefill-buckets")
     _buckets(args.token_buckets, "--token-buckets")
 
