@@ -138,6 +138,10 @@ CLI_CASES = [
     ("generate --max-new-tokens many", "invalid int value"),
     ("generate --bogus", "unrecognized arguments: --bogus (see dspark-jax generate --help)"),
     ("generate --mesh 0,1,1", "argument --mesh: mesh axis sizes must be positive or -1"),
+    (
+        "generate --token-ids 1,2,3 --mesh=-1,1,2 --max-num-seqs 3",
+        "--max-num-seqs 3 must be a multiple of data x fsdp = 4 on mesh 4,1,2",
+    ),
     ("generate --target ./no/such/model", "no such folder"),
     ("generate --target {plain_file}", "is not a directory"),
     ("generate --target {hidden_words} --no-draft", "hidden_size must be an integer"),

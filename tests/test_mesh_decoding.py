@@ -243,3 +243,60 @@ def test_policy_switch_on_a_mesh_selects_without_compiling(pair, single_device):
     assert engine.compiled_programs() == programs, "selecting a policy compiled"
     assert [r.tokens for r in whole] == single_device[0]
     assert max(r.verified.max() for r in one) == 1 < max(r.verified.max() for r in whole)
+
+
+def _no_loading(monkeypatch):
+    """Makes every model loader fail the test: a refusal must come before any loading."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("loaded models before refusing")
+
+    from dspark_jax.checkpoints import converted
+
+    for name in ("load_decoding_models", "load_target", "load_drafter"):
+        monkeypatch.setattr(converted, name, loaded)
+    monkeypatch.setattr("dspark_jax.sharding.init_sharded", loaded)
+
+
+IDS = ("--token-ids", "1,2,3", "--token-ids", "4,5,6", "--token-ids", "7,8,9")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", *IDS, "--mesh=-1,1,2", "--max-num-seqs", "3"],
+        ["generate", "--token-ids", "1,2,3", "--mesh", "8,1,1", "--max-num-seqs", "2"],
+        ["serve", "--port", "0", "--mesh=-1,1,2", "--max-num-seqs", "3"],
+        ["profile", "--mesh=-1,1,2", "--max-num-seqs", "3", "--out", "{tmp}/p.json"],
+        ["profile", "--config", "tiny", "--mesh=2,2,2", "--max-num-seqs", "3", "--out", "{tmp}/p"],
+    ],
+    ids=["generate-3-on-4", "generate-2-on-8", "serve", "profile", "profile-config"],
+)
+def test_slots_the_mesh_cannot_split_are_refused_before_loading(
+    argv, tmp_path, monkeypatch, capsys
+):
+    _no_loading(monkeypatch)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    split = 8 if "8,1,1" in argv else 4
+    given = argv[argv.index("--max-num-seqs") + 1]
+    assert f"--max-num-seqs {given} must be a multiple of data x fsdp = {split}" in err
+    assert "\n" not in err
+
+
+def test_offline_slots_round_down_where_rounding_up_passes_max_num_seqs():
+    from argparse import Namespace
+
+    from dspark_jax.cli.args import engine_config
+
+    args = Namespace(
+        max_num_seqs=6, page_size=16, prefill_chunk=64, max_model_len=None, kv_pages=None,
+        rounds_per_chunk=4,
+    )  # fmt: skip
+    mesh = _mesh(4, 1, 2)
+    # 5 requests, at most 6 slots, 4 data shards: 8 would pass the cap, so 4 (not 6)
+    assert engine_config(args, [40] * 5, 4096, mesh).num_slots == 4
+    # within the cap the count still rounds up: 3 requests -> 4 slots
+    assert engine_config(args, [40] * 3, 4096, mesh).num_slots == 4
+    assert engine_config(args, [40] * 5, 4096, None).num_slots == 5

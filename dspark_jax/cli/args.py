@@ -172,16 +172,11 @@ def engine_config(
     Unless given, --max-model-len is what the longest request needs and the KV pool holds what the
     `--max-num-seqs` largest requests reserve together: the cache follows the tokens the run asks
     for, not slots x a preallocated length. No more slots than requests, and one prefill bucket,
-    keep compilation to what the run uses. `limit` is the model's context. On a `mesh` the slots
-    are split over its data and fsdp axes, so their number is rounded up to a multiple of those,
-    within --max-num-seqs (an idle slot costs a row of small arrays; KV pages come from the
-    shared pool only when used)."""
+    keep compilation to what the run uses. `limit` is the model's context. On a `mesh` the slot
+    count is `offline_slots`'s."""
     page = args.page_size
     need = max(positions)
-    slots = min(args.max_num_seqs, len(positions))
-    # the rules table puts slots over data and fsdp
-    split = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
-    slots = min(-(-slots // split) * split, args.max_num_seqs)
+    slots = offline_slots(args.max_num_seqs, len(positions), mesh)
     prefill = min(args.prefill_chunk, -(-need // 64) * 64)
     max_model_len = args.max_model_len
     if max_model_len is None:
@@ -201,6 +196,47 @@ def engine_config(
         prefill_chunk=prefill,
         prefill_buckets=(prefill,),
     )
+
+
+def slot_split(mesh) -> int:
+    """How many shards the rules table splits the slots into on `mesh`: data x fsdp."""
+    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def _slots_refusal(max_num_seqs: int, mesh, split: int) -> UserError:
+    sizes = ",".join(str(mesh.shape[a]) for a in ("data", "fsdp", "tensor"))
+    below = max_num_seqs // split * split
+    give = f"{below} or {below + split}" if below else f"{split}"
+    return UserError(
+        f"--max-num-seqs {max_num_seqs} must be a multiple of data x fsdp = {split} on mesh "
+        f"{sizes} (the slots are split over those axes): give --max-num-seqs {give}, or a "
+        "--mesh with data and fsdp 1 (e.g. 1,1,T: decoding gains nothing from data or fsdp)"
+    )
+
+
+def offline_slots(max_num_seqs: int, requests: int, mesh=None) -> int:
+    """The slot count of an offline run (generate, eval) of `requests` requests: --max-num-seqs,
+    but no more than the requests. On a `mesh` the slots are split over its data and fsdp axes,
+    so the count is rounded up to a multiple of data x fsdp (an idle slot costs a row of small
+    arrays; KV pages come from the shared pool only when used); where that would pass
+    --max-num-seqs, down to the largest multiple within it. A --max-num-seqs below data x fsdp
+    is refused (UserError naming it), which needs only the mesh: call this before loading."""
+    slots = min(max_num_seqs, requests)
+    split = slot_split(mesh)
+    up = -(-slots // split) * split
+    if up <= max_num_seqs:
+        return up
+    if max_num_seqs >= split:
+        return max_num_seqs // split * split
+    raise _slots_refusal(max_num_seqs, mesh, split)
+
+
+def check_mesh_slots(max_num_seqs: int, mesh) -> None:
+    """Refuses a --max-num-seqs that serve or profile (which run exactly that many slots) cannot
+    split over `mesh`'s data and fsdp axes; call it before loading the models."""
+    split = slot_split(mesh)
+    if max_num_seqs % split:
+        raise _slots_refusal(max_num_seqs, mesh, split)
 
 
 def check_kv_pages(args: argparse.Namespace, cfg: EngineConfig, positions: Sequence[int]) -> None:
@@ -292,9 +328,12 @@ def decoding_mesh_for(args: argparse.Namespace, target, draft):
     return decoding_mesh(args.mesh, lambda: decoding_param_bytes(target, draft, args.dtype))
 
 
-def load_models(args: argparse.Namespace, with_drafter: bool = True) -> DecodingModels:
+def load_models(
+    args: argparse.Namespace, requests: int, with_drafter: bool = True
+) -> DecodingModels:
     """Target, tokenizer, stop tokens and (unless `with_drafter` is false) the drafter; both
-    default to the embedded default pair. They load straight onto the `--mesh` (or default) mesh."""
+    default to the embedded default pair. They load straight onto the `--mesh` (or default) mesh,
+    after `offline_slots` has checked that --max-num-seqs fits it for `requests` requests."""
     from dspark_jax.checkpoints.converted import load_decoding_models
 
     target = args.target or EMBEDDED_TARGET
@@ -302,6 +341,7 @@ def load_models(args: argparse.Namespace, with_drafter: bool = True) -> Decoding
     if with_drafter and (args.target is None) != (args.draft is None):
         _check_embedded_part_fits(args, target, draft)
     mesh = decoding_mesh_for(args, target, draft)
+    offline_slots(args.max_num_seqs, requests, mesh)
     return load_decoding_models(target, draft, dtype=args.dtype, mesh=mesh)
 
 

@@ -178,8 +178,8 @@ def run(args: argparse.Namespace) -> int:
     for conversations in datasets.values():  # each dataset starts again at --seed
         check_seed_span(args.seed, conversation_seed_offsets(conversations))
     sampling = sampling_from_args(args)
-    models = load_models(args)
     every = [turns for conversations in datasets.values() for turns in conversations]
+    models = load_models(args, len(every))
     # The same sizing as generate: what the longest conversation needs (turns that still do not
     # fit the model's context are skipped and counted).
     positions = request_positions(args, models, every)

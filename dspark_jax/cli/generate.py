@@ -119,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         check_seed_span(args.seed, conversation_seed_offsets(conversations))
 
-    models = load_models(args, with_drafter=not args.no_draft)
+    models = load_models(
+        args, len(id_prompts) or len(conversations), with_drafter=not args.no_draft
+    )
     positions = request_positions(args, models, conversations, id_prompts)
     cfg = engine_config(args, positions, models.target.cfg.max_position_embeddings, models.mesh)
     if max(positions) > cfg.max_model_len:

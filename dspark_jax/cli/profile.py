@@ -97,7 +97,7 @@ def _build_models(args: argparse.Namespace):
     import jax
     from flax import nnx
 
-    from dspark_jax.cli.args import SEED_LIMIT, decoding_mesh_for
+    from dspark_jax.cli.args import SEED_LIMIT, check_mesh_slots, decoding_mesh_for
     from dspark_jax.config import ConfigError, Qwen3Config
     from dspark_jax.configs import get as named_config
     from dspark_jax.models.drafter import DSparkDrafter
@@ -115,6 +115,7 @@ def _build_models(args: argparse.Namespace):
         if args.mode == "round" and draft_path is None:
             raise ConfigError("--mode round times speculative rounds: give --draft too")
         mesh = decoding_mesh_for(args, target_path, draft_path)
+        check_mesh_slots(args.max_num_seqs, mesh)
         _, target, _ = load_target(target_path, dtype=args.dtype, progress=False, mesh=mesh)
         drafter = None
         if draft_path is not None:
@@ -144,6 +145,7 @@ def _build_models(args: argparse.Namespace):
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(shapes)))
 
     mesh = decoding_mesh(args.mesh, param_bytes)
+    check_mesh_slots(args.max_num_seqs, mesh)
     target = init_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(args.seed)), mesh)
     # Random weights take uint32 seeds: the drafter's is the next one, wrapping at 2**32.
     drafter_seed = (args.seed + 1) % SEED_LIMIT

@@ -208,7 +208,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.checkpoints.converted import load_decoding_models
-    from dspark_jax.cli.args import decoding_mesh_for, served_slots_advice, speculative_parts
+    from dspark_jax.cli.args import (
+        check_mesh_slots,
+        decoding_mesh_for,
+        served_slots_advice,
+        speculative_parts,
+    )
     from dspark_jax.decoding.engine import EngineConfig, block_positions, format_bytes
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
@@ -216,6 +221,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
     _configure_logging(args.log_level)
     target, draft, name = _model_paths(args)
     mesh = decoding_mesh_for(args, target, draft)
+    check_mesh_slots(args.max_num_seqs, mesh)
     models = load_decoding_models(target, draft, dtype=args.dtype, progress=False, mesh=mesh)
     context = models.target.cfg.max_position_embeddings
     # The engine keeps one verification block beyond each request's last token: it gets those
