@@ -116,12 +116,14 @@ def logical_to_spec(
     rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
     *,
     strict: bool = False,
+    what: str | None = None,
 ) -> PartitionSpec:
     """The PartitionSpec of an array of `shape` whose dimensions have `logical_axes`.
 
     `None` names an unsharded dimension. A dimension keeps only the mesh axes not already used by
     an earlier dimension, and none at all when its size does not divide evenly by them -- or,
-    with `strict`, a ShardingError that names the dimension, its size and the mesh axes.
+    with `strict`, a ShardingError that names the dimension, its size and the mesh axes (after
+    `what`, the model or array they belong to, where given).
     """
     if len(logical_axes) != len(shape):
         raise ShardingError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
@@ -143,8 +145,9 @@ def logical_to_spec(
             if strict:
                 split = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
                 raise ShardingError(
-                    f"logical axis {name!r} of size {size} does not divide the mesh axes it "
-                    f"maps to ({split}); choose a mesh whose {'/'.join(axes)} size divides {size}"
+                    f"{what + ': ' if what else ''}logical axis {name!r} of size {size} does not "
+                    f"divide the mesh axes it maps to ({split}); give a --mesh (mesh=) whose "
+                    f"{' x '.join(axes)} size divides {size}"
                 )
             axes = ()
         used.update(axes)
@@ -159,9 +162,11 @@ def logical_sharding(
     rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
     *,
     strict: bool = False,
+    what: str | None = None,
 ) -> NamedSharding:
     """`logical_to_spec` as a NamedSharding on `mesh`."""
-    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules, strict=strict))
+    spec = logical_to_spec(logical_axes, shape, mesh, rules, strict=strict, what=what)
+    return NamedSharding(mesh, spec)
 
 
 def _is_variable(x) -> bool:
@@ -174,6 +179,7 @@ def state_shardings(
     rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES,
     *,
     strict: bool = False,
+    what: str | None = None,
 ):
     """NamedShardings for a pytree of NNX Variables and arrays, with the same structure.
 
@@ -191,7 +197,7 @@ def state_shardings(
             sharding = (
                 replicated
                 if axes is None
-                else logical_sharding(axes, shape, mesh, rules, strict=strict)
+                else logical_sharding(axes, shape, mesh, rules, strict=strict, what=what)
             )
             return x.replace(sharding)
         return replicated
@@ -257,18 +263,39 @@ def initialize_distributed(
     return True
 
 
-def check_heads(what: str, num_heads: int, num_kv_heads: int, mesh: Mesh) -> None:
-    """Raises ShardingError unless the `tensor` axis divides both head counts.
+def tensor_split_sizes(model_cfg) -> dict[str, int]:
+    """The sizes of a Qwen3Config (a target, or a drafter's `model`) that the `tensor` axis
+    splits: whole heads (see `check_model_split`), the vocabulary and the MLP width."""
+    return {
+        "attention heads": model_cfg.num_attention_heads,
+        "key/value heads": model_cfg.num_key_value_heads,
+        "vocabulary entries (vocab_size)": model_cfg.vocab_size,
+        "MLP width (intermediate_size)": model_cfg.intermediate_size,
+    }
+
+
+def tensor_sizes_that_fit(sizes, limit: int) -> list[int]:
+    """The tensor sizes up to `limit` that divide every one of `sizes`, ascending."""
+    common = math.gcd(*sizes) if sizes else 1
+    return [t for t in range(1, limit + 1) if common % t == 0]
+
+
+def check_model_split(what: str, model_cfg, mesh: Mesh) -> None:
+    """Raises ShardingError unless the `tensor` axis divides every size it splits in the model
+    `what` names (`tensor_split_sizes`), before anything is allocated.
 
     Projection kernels store heads flattened with head_dim ([embed, heads * head_dim]), so a
     divisible flat size can still cut a head in two; attention needs whole heads per device.
     """
     tensor = mesh.shape["tensor"]
-    for name, count in (("attention heads", num_heads), ("key/value heads", num_kv_heads)):
+    sizes = tensor_split_sizes(model_cfg)
+    for name, count in sizes.items():
         if count % tensor:
+            fits = tensor_sizes_that_fit(list(sizes.values()), mesh.devices.size)
             raise ShardingError(
-                f"{what}: {count} {name} do not divide the mesh's tensor axis of size {tensor}; "
-                "choose a --mesh whose tensor size divides the head counts"
+                f"{what}: the mesh's tensor size {tensor} does not divide its {count} {name}; "
+                f"give a --mesh whose tensor size divides it (for this model: "
+                f"{', '.join(map(str, fits))})"
             )
 
 
@@ -297,23 +324,51 @@ def device_memory_bytes(device=None) -> int | None:
 PARAMS_SHARE_OF_DEVICE = 0.75
 
 
-def decoding_mesh(config: MeshConfig | None, param_bytes, devices=None) -> Mesh | None:
+def decoding_mesh(
+    config: MeshConfig | None, param_bytes, devices=None, split_sizes=None
+) -> Mesh | None:
     """The mesh the decoding commands run on.
 
     An explicit `config` is used as given (over `devices`, default all devices). Without one:
     no mesh (one device) while the parameters take at most `PARAMS_SHARE_OF_DEVICE` of one
-    device's memory, else every local device on the `tensor` axis -- tensor parallelism splits
-    the weights and the KV heads, the two things that grow with the model, and needs no more
-    requests in flight to pay off (data parallelism would copy the weights to every device).
-    `param_bytes()` gives the parameters' size; it is only asked where device memory is known.
+    device's memory, else the first T local devices on the `tensor` axis, T the largest number of
+    them that divides every size in `split_sizes()` (both models' `tensor_split_sizes`) --
+    tensor parallelism splits the weights and the KV heads, the two things that grow with the
+    model. Devices past T stay idle: for decoding, data (and fsdp) replicas copy the weights and
+    repeat the work (docs/engine.md, "On a mesh"). Where no T above 1 fits, a ShardingError
+    says that the automatic choice failed and asks for a --mesh. `param_bytes()` gives the
+    parameters' size; it is only asked where device memory is known.
     """
     if config is not None:
         return make_mesh(config, devices)
     local = list(devices if devices is not None else jax.local_devices())
     limit = device_memory_bytes(local[0])
-    if limit is None or len(local) == 1 or param_bytes() <= PARAMS_SHARE_OF_DEVICE * limit:
+    if limit is None or len(local) == 1:
         return None
-    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), local)
+    need = param_bytes()
+    if need <= PARAMS_SHARE_OF_DEVICE * limit:
+        return None
+    if split_sizes is None:
+        tensor = len(local)
+    else:
+        tensor = tensor_sizes_that_fit(list(split_sizes()), len(local))[-1]
+    if tensor == 1:
+        raise ShardingError(
+            f"the parameters ({need / 2**30:.2f} GiB) do not fit one device ({limit / 2**30:.2f} "
+            f"GiB, {PARAMS_SHARE_OF_DEVICE:.0%} for parameters), and the automatic mesh puts them "
+            f"on a tensor axis, but no tensor size from 2 to {len(local)} divides the models' "
+            "head counts, vocabulary and MLP width: give --mesh 1,-1,1 (fsdp splits the "
+            "weights along their embedding) or a smaller model"
+        )
+    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), local[:tensor])
+
+
+def describe_mesh(mesh: Mesh | None) -> str:
+    """One line on the mesh in use: its sizes and devices (of how many present)."""
+    if mesh is None:
+        return "one device (no mesh)"
+    sizes = " x ".join(f"{a} {mesh.shape[a]}" for a in MESH_AXES)
+    return f"mesh {sizes} ({mesh.devices.size} of {jax.device_count()} devices)"
 
 
 def put_host_array(array, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -334,12 +389,12 @@ def host_value(x: jax.Array):
     return process_allgather(x, tiled=True)
 
 
-def init_sharded(make_module, mesh: Mesh | None):
+def init_sharded(make_module, mesh: Mesh | None, what: str | None = None):
     """`make_module()` (an NNX module with random weights) built directly in its rules-table
     shardings on `mesh`: each device computes only its own slices (one device: plain call)."""
     if mesh is None:
         return make_module()
     graphdef, abstract = nnx.split(nnx.eval_shape(make_module))
-    shardings = state_shardings(abstract, mesh, strict=True)
+    shardings = state_shardings(abstract, mesh, strict=True, what=what)
     state = jax.jit(lambda: nnx.split(make_module())[1], out_shardings=shardings)()
     return nnx.merge(graphdef, state)

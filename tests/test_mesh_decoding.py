@@ -57,12 +57,18 @@ def _requests():
     ]
 
 
-def _random_pair(num_heads: int = 8, num_kv_heads: int = 4):
-    """A random target/drafter pair like the embedded one, but shallower (compiles faster) and
-    with heads that tensor axes of 2 and 4 divide (the embedded pair has 6 heads)."""
+def _random_pair(num_heads: int = 8, num_kv_heads: int = 4, vocab_size: int = 288):
+    """A random target/drafter pair like the tiny embedded one (vocabulary 288), but shallower
+    (compiles faster) and with heads that tensor axes of 2 and 4 divide (the tiny pair has 6
+    attention heads; the default pair 4 attention and 2 key/value heads)."""
     target_cfg = Qwen3Config.from_hf(read_config_json(TINY_TARGET))
     drafter_cfg = DrafterConfig.from_hf(read_config_json(TINY_DRAFT))
-    heads = dict(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, dtype="float32")
+    heads = dict(
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        vocab_size=vocab_size,
+        dtype="float32",
+    )
     target_cfg = dataclasses.replace(target_cfg, num_hidden_layers=2, **heads)
     drafter_cfg = dataclasses.replace(
         drafter_cfg,
@@ -196,10 +202,21 @@ def test_parameters_load_straight_into_their_shardings(form, request):
 
 def test_axes_that_do_not_divide_the_mesh_are_named():
     mesh = _mesh(1, 1, 4)
-    with pytest.raises(ShardingError, match="6 attention heads .* tensor axis of size 4"):
+    # the tensor size must divide the heads (not the other way round), the model is named,
+    # and so is the flag to change, with the sizes that would fit
+    with pytest.raises(
+        ShardingError,
+        match=r"^target .*: the mesh's tensor size 4 does not divide its 6 attention heads; "
+        r"give a --mesh whose tensor size divides it \(for this model: 1, 2\)$",
+    ):
         load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False, mesh=mesh)
-    with pytest.raises(ShardingError, match=r"'vocab' of size 290 .*tensor=4"):
-        logical_to_spec(("vocab", "embed"), (290, 96), mesh, strict=True)
+    # the vocabulary too: named with the model, checked before anything is placed
+    with pytest.raises(ShardingError, match=r"^target: .*tensor size 4 does not divide its 290 "):
+        Engine(*_random_pair(vocab_size=290), CFG, mesh=mesh)
+    with pytest.raises(
+        ShardingError, match=r"^the lm head: logical axis 'vocab' of size 290 .*tensor=4.*--mesh"
+    ):
+        logical_to_spec(("vocab", "embed"), (290, 96), mesh, strict=True, what="the lm head")
     # without strict (training's rules) the same dimension is replicated
     assert logical_to_spec(("vocab", "embed"), (290, 96), mesh) == P(None, None)
     three_slots = dataclasses.replace(CFG, num_slots=3, token_buckets=(24,))
@@ -300,3 +317,31 @@ def test_offline_slots_round_down_where_rounding_up_passes_max_num_seqs():
     # within the cap the count still rounds up: 3 requests -> 4 slots
     assert engine_config(args, [40] * 3, 4096, mesh).num_slots == 4
     assert engine_config(args, [40] * 5, 4096, None).num_slots == 5
+
+
+def test_default_mesh_takes_the_largest_tensor_size_the_models_split_into(monkeypatch):
+    from dspark_jax import sharding
+
+    monkeypatch.setattr(sharding, "device_memory_bytes", lambda device=None: 10_000_000)
+    # the default pair's sizes: 4 and 2 heads, vocab 4096, MLP 768: tensor 2 on 2 of 8 devices
+    mesh = sharding.decoding_mesh(None, lambda: 10**9, split_sizes=lambda: [4, 2, 4096, 768])
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 2}
+    assert list(mesh.devices.flat) == jax.devices()[:2]
+    assert sharding.describe_mesh(mesh) == "mesh data 1 x fsdp 1 x tensor 2 (2 of 8 devices)"
+    # parameters that fit one device: no mesh
+    assert sharding.decoding_mesh(None, lambda: 10, split_sizes=lambda: [4]) is None
+    # nothing above 1 divides: the automatic choice says it failed and what --mesh to give
+    with pytest.raises(
+        ShardingError, match=r"automatic mesh .* no tensor size from 2 to 8 .*--mesh"
+    ):
+        sharding.decoding_mesh(None, lambda: 10**9, split_sizes=lambda: [3, 1, 4096, 768])
+
+
+def test_generate_prints_the_default_mesh_it_chose(monkeypatch, capsys):
+    from dspark_jax import sharding
+
+    monkeypatch.setattr(sharding, "device_memory_bytes", lambda device=None: 10_000_000)
+    argv = ["generate", "--token-ids", "1,2,3", "--max-new-tokens", "4", "--no-draft"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "decoding on mesh data 1 x fsdp 1 x tensor 2 (2 of 8 devices)" in err

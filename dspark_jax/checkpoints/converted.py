@@ -75,7 +75,7 @@ from dspark_jax.config import (
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.sharding import check_heads
+from dspark_jax.sharding import check_model_split, tensor_split_sizes
 from dspark_jax.tokenizer import copy_tokenizer_bundle, load_tokenizer, stop_token_ids
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ def read_part_config(path: str | os.PathLike, part: str) -> dict[str, Any]:
 
 def _check_mesh_heads(what: str, model_cfg: Qwen3Config, mesh) -> None:
     if mesh is not None:
-        check_heads(what, model_cfg.num_attention_heads, model_cfg.num_key_value_heads, mesh)
+        check_model_split(what, model_cfg, mesh)
 
 
 def _read_drafter(path, dtype: str | None, progress: bool, mesh=None):
@@ -572,18 +572,36 @@ def load_decoding_models(
     )
 
 
+def _decoding_configs(target, draft):
+    """The configs (Qwen3Config, DrafterConfig) of a target and a drafter (or None), read alone."""
+    configs = []
+    for path, part, config_cls in ((target, TARGET, Qwen3Config), (draft, DRAFT, DrafterConfig)):
+        if path is not None:
+            part_dir, _ = locate(path, part)
+            configs.append(config_cls.from_hf(_part_config(part_dir, part)))
+    return configs
+
+
 def decoding_param_bytes(
     target: str | os.PathLike, draft: str | os.PathLike | None = None, dtype=None
 ) -> int:
     """Bytes the parameters of a target (and drafter) take, from their configs alone."""
     total = 0
-    for path, part, config_cls in ((target, TARGET, Qwen3Config), (draft, DRAFT, DrafterConfig)):
-        if path is None:
-            continue
-        part_dir, entry = locate(path, part)
-        cfg = config_cls.from_hf(_part_config(part_dir, part))
+    for cfg in _decoding_configs(target, draft):
         model_cfg = cfg.model if isinstance(cfg, DrafterConfig) else cfg
         name = model_cfg.dtype if dtype is None else _dtype_name(dtype)
         abstract = orbax_io.abstract_model(cfg, name)
         total += sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(abstract)))
     return total
+
+
+def decoding_split_sizes(
+    target: str | os.PathLike, draft: str | os.PathLike | None = None
+) -> list[int]:
+    """Every size of a target (and drafter) that a mesh's tensor axis must divide
+    (`sharding.tensor_split_sizes`), from their configs alone."""
+    sizes = []
+    for cfg in _decoding_configs(target, draft):
+        model_cfg = cfg.model if isinstance(cfg, DrafterConfig) else cfg
+        sizes += tensor_split_sizes(model_cfg).values()
+    return sizes

@@ -322,10 +322,14 @@ def add_mesh_argument(parser) -> None:
 
 def decoding_mesh_for(args: argparse.Namespace, target, draft):
     """The mesh of `--mesh`, or the default for these models (see `sharding.decoding_mesh`)."""
-    from dspark_jax.checkpoints.converted import decoding_param_bytes
+    from dspark_jax.checkpoints.converted import decoding_param_bytes, decoding_split_sizes
     from dspark_jax.sharding import decoding_mesh
 
-    return decoding_mesh(args.mesh, lambda: decoding_param_bytes(target, draft, args.dtype))
+    return decoding_mesh(
+        args.mesh,
+        lambda: decoding_param_bytes(target, draft, args.dtype),
+        split_sizes=lambda: decoding_split_sizes(target, draft),
+    )
 
 
 def load_models(
@@ -342,6 +346,10 @@ def load_models(
         _check_embedded_part_fits(args, target, draft)
     mesh = decoding_mesh_for(args, target, draft)
     offline_slots(args.max_num_seqs, requests, mesh)
+    if mesh is not None:
+        from dspark_jax.sharding import describe_mesh
+
+        print(f"decoding on {describe_mesh(mesh)}", file=sys.stderr)
     return load_decoding_models(target, draft, dtype=args.dtype, mesh=mesh)
 
 

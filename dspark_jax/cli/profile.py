@@ -102,7 +102,12 @@ def _build_models(args: argparse.Namespace):
     from dspark_jax.configs import get as named_config
     from dspark_jax.models.drafter import DSparkDrafter
     from dspark_jax.models.qwen3 import Qwen3
-    from dspark_jax.sharding import decoding_mesh, init_sharded
+    from dspark_jax.sharding import (
+        check_model_split,
+        decoding_mesh,
+        init_sharded,
+        tensor_split_sizes,
+    )
 
     if args.config is None:
         from dspark_jax.checkpoints.converted import load_drafter, load_target
@@ -144,8 +149,14 @@ def _build_models(args: argparse.Namespace):
         )
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(shapes)))
 
-    mesh = decoding_mesh(args.mesh, param_bytes)
+    def split_sizes() -> list[int]:
+        return [*tensor_split_sizes(cfg).values(), *tensor_split_sizes(drafter_cfg.model).values()]
+
+    mesh = decoding_mesh(args.mesh, param_bytes, split_sizes=split_sizes)
     check_mesh_slots(args.max_num_seqs, mesh)
+    if mesh is not None:
+        check_model_split(f"--config {name}", cfg, mesh)
+        check_model_split(f"drafter {drafter_name}", drafter_cfg.model, mesh)
     target = init_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(args.seed)), mesh)
     # Random weights take uint32 seeds: the drafter's is the next one, wrapping at 2**32.
     drafter_seed = (args.seed + 1) % SEED_LIMIT
@@ -166,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.decoding.profiling import profile_engine
     from dspark_jax.errors import UserError
     from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.sharding import describe_mesh
 
     for name in ("max_num_seqs", "context_len", "steps", "repeats"):
         if getattr(args, name) < 1:
@@ -188,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     target, drafter, description, mesh = _build_models(args)
     print(
         f"profiling {args.mode} steps of {description}, {target.dtype}, {args.max_num_seqs} "
-        f"slots, context {args.context_len}",
+        f"slots, context {args.context_len}, on {describe_mesh(mesh)}",
         flush=True,
     )
     cfg = EngineConfig(num_slots=args.max_num_seqs, token_buckets=args.buckets)

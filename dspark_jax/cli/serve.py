@@ -217,6 +217,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.decoding.engine import EngineConfig, block_positions, format_bytes
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
+    from dspark_jax.sharding import describe_mesh
 
     _configure_logging(args.log_level)
     target, draft, name = _model_paths(args)
@@ -279,7 +280,8 @@ def _serve(args: argparse.Namespace, sock) -> int:
     )
     print(
         f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} tokens, KV "
-        f"{format_bytes(kv_bytes)}{'' if mesh is None else ' per device'}) on "
+        f"{format_bytes(kv_bytes)}{'' if mesh is None else ' per device'}; "
+        f"{describe_mesh(mesh)}) on "
         f"http://{host}:{port}/v1 -- warming up, /health turns "
         "200 when ready; SIGTERM or Ctrl-C drains and stops",
         flush=True,

@@ -72,7 +72,7 @@ from dspark_jax.sampling import (
     position_keys,
     sample_from_logprobs,
 )
-from dspark_jax.sharding import check_heads, logical_sharding, state_shardings
+from dspark_jax.sharding import check_model_split, logical_sharding, state_shardings
 
 
 class EngineError(UserError):
@@ -424,9 +424,7 @@ def most_drafts(policy: Policy, gamma: int) -> int:
     )
 
 
-def _check_token_ids(
-    name: str, ids: Sequence[int], vocab: int, field: str | None = None
-) -> None:
+def _check_token_ids(name: str, ids: Sequence[int], vocab: int, field: str | None = None) -> None:
     """Refuses `ids` (described by `name`, the Request's `field`) unless they are a flat
     sequence of integers in the vocabulary: the model would read past its embedding table, and
     a stop id outside it can never match."""
@@ -605,12 +603,11 @@ class Engine:
     def _place_params(self, target: Qwen3, drafter: DSparkDrafter | None, mesh: Mesh) -> None:
         """Checks that the models split over `mesh` and puts their parameters in the rules
         table's shardings (a no-op for parameters loaded there, see `load_decoding_models`)."""
-        check_heads("target", target.cfg.num_attention_heads, target.cfg.num_key_value_heads, mesh)
-        self.target_params = _place(self.target_params, mesh)
+        check_model_split("target", target.cfg, mesh)
+        self.target_params = _place(self.target_params, mesh, "target")
         if drafter is not None:
-            m = drafter.cfg.model
-            check_heads("drafter", m.num_attention_heads, m.num_key_value_heads, mesh)
-            self.drafter_params = _place(self.drafter_params, mesh)
+            check_model_split("drafter", drafter.cfg.model, mesh)
+            self.drafter_params = _place(self.drafter_params, mesh, "drafter")
 
     # -- state ---------------------------------------------------------------------------------
     def _init_state(self, target: Qwen3, drafter: DSparkDrafter | None) -> SlotState:
@@ -918,7 +915,7 @@ def _absent_gpu_target(platforms: tuple[str, ...] | None, gpu_kind: str):
         yield
 
 
-def _place(params, mesh: Mesh):
+def _place(params, mesh: Mesh, what: str | None = None):
     """`params` in their rules-table shardings on `mesh`: arrays are moved (a no-op where they
     already are), abstract leaves (`nnx.eval_shape` models) just carry the sharding."""
 
@@ -927,7 +924,7 @@ def _place(params, mesh: Mesh):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         return jax.device_put(x, sharding)
 
-    return jax.tree.map(one, params, state_shardings(params, mesh, strict=True))
+    return jax.tree.map(one, params, state_shardings(params, mesh, strict=True, what=what))
 
 
 def batch_to_device(batch: PrefillBatch) -> dict[str, Any]:
