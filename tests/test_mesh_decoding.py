@@ -345,3 +345,38 @@ def test_generate_prints_the_default_mesh_it_chose(monkeypatch, capsys):
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "decoding on mesh data 1 x fsdp 1 x tensor 2 (2 of 8 devices)" in err
+
+
+def test_an_sps_table_profiled_on_another_mesh_is_refused(pair, capsys):
+    from dspark_jax.cli import args as cli_args
+
+    target, drafter = pair
+    model = policies.sps_model(target.cfg, drafter.cfg)
+
+    def table(**mesh):
+        return policies.SpsProfile((8, 16), [100.0, 90.0], {"num_slots": 2, "model": model, **mesh})
+
+    tensor2 = {"data": 1, "fsdp": 1, "tensor": 2}
+    sharded = table(mesh=tensor2)
+    single = table(mesh=None)
+    older = table()  # written before profiles recorded a mesh: before meshes, one device
+    mesh = _mesh(1, 1, 2)
+    with pytest.raises(policies.PolicyError, match=r"mesh 1,1,2 \(data,fsdp,tensor\), but the en"):
+        policies.check_sps_profile(sharded, 2, target.cfg, drafter.cfg, mesh=None)
+    for on_one_device in (single, older):
+        with pytest.raises(
+            policies.PolicyError, match=r"one device \(no mesh\), but .* mesh 1,1,2"
+        ):
+            policies.check_sps_profile(on_one_device, 2, target.cfg, drafter.cfg, mesh=mesh)
+        assert policies.check_sps_profile(on_one_device, 2, target.cfg, drafter.cfg, mesh=None)
+    assert policies.check_sps_profile(sharded, 2, target.cfg, drafter.cfg, mesh=mesh)
+    # the engine checks its own mesh
+    with pytest.raises(policies.PolicyError, match="profiled on mesh 1,1,2"):
+        Engine(target, drafter, CFG, policy=policies.PrefixSchedulePolicy(sharded))
+    # the command line words the fix for its flags
+    with pytest.raises(
+        policies.PolicyError,
+        match=r"^--sps-table p.json was profiled on one device .*layout\. Profile this layout with "
+        r"dspark-jax profile and --mesh 1,1,2, or run with no --mesh as the table was$",
+    ):
+        cli_args.check_sps_table("p.json", single, 2, target.cfg, drafter.cfg, str, mesh)

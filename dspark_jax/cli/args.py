@@ -19,6 +19,7 @@ from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import (
     POLICY_NAMES,
+    UNCHECKED,
     Policy,
     PolicyError,
     SpsProfile,
@@ -415,6 +416,7 @@ def speculative_parts(
         target_cfg=models.target.cfg,
         drafter_cfg=models.drafter.cfg,
         slots_advice=slots_advice,
+        mesh=models.mesh,
     )
     return policy, sts
 
@@ -499,18 +501,20 @@ def build_policy(
     target_cfg: Qwen3Config | None = None,
     drafter_cfg: DrafterConfig | None = None,
     slots_advice: Callable[[int, int], str] | None = None,
+    mesh=UNCHECKED,
 ) -> Policy:
     """The policy named by --policy for a drafter with `block_size` drafts per block.
 
     An --sps-table is checked against the engine's `num_slots` and the models' architecture
     (`target_cfg`, `drafter_cfg`) when they are given: its step times describe one batch of
-    one model. `slots_advice` words the fix of a slot mismatch for the command (default:
-    generate's and eval's, `offline_slots_advice`)."""
+    one model; against `mesh` (the engine's, None for one device) when given. `slots_advice`
+    words the fix of a slot mismatch for the command (default: generate's and eval's,
+    `offline_slots_advice`)."""
     check_policy_arguments(args)
     sps = SpsProfile.load(args.sps_table) if args.sps_table else None
     if sps is not None:
         advice = slots_advice or offline_slots_advice(args)
-        check_sps_table(args.sps_table, sps, num_slots, target_cfg, drafter_cfg, advice)
+        check_sps_table(args.sps_table, sps, num_slots, target_cfg, drafter_cfg, advice, mesh)
     gamma = block_size if args.gamma is None else args.gamma
     if not 0 <= gamma <= block_size:
         raise PolicyError(f"--gamma must lie in 0..{block_size} (the block size), got {gamma}")
@@ -524,18 +528,22 @@ def check_sps_table(
     target_cfg: Qwen3Config | None,
     drafter_cfg: DrafterConfig | None,
     slots_advice: Callable[[int, int], str],
+    mesh=UNCHECKED,
 ) -> None:
     """`policies.check_sps_profile` (the engine's check) worded for --sps-table: refuses a table
-    measured for another slot count or another model; one that does not record its model gets
-    a warning. `slots_advice(profiled, num_slots)` says how the command can run the table's
-    slots (`offline_slots_advice`, `served_slots_advice`)."""
+    measured for another slot count, on another mesh (when `mesh` is given; None: one device) or
+    for another model; one that does not record its model gets a warning.
+    `slots_advice(profiled, num_slots)` says how the command can run the table's slots
+    (`offline_slots_advice`, `served_slots_advice`)."""
     checked = check_sps_profile(
         sps,
         num_slots,
         target_cfg,
         drafter_cfg,
+        mesh=mesh,
         name=f"--sps-table {path}",
         slots_advice=slots_advice,
+        mesh_advice=_mesh_advice,
         model_advice="Profile this one with dspark-jax profile --target/--draft (or --config of "
         "its architecture)",
     )
@@ -546,6 +554,20 @@ def check_sps_table(
             "profile again to record it",
             file=sys.stderr,
         )
+
+
+def _mesh_flag(record: dict[str, int] | None) -> str:
+    if record is None:
+        return "no --mesh"
+    return "--mesh " + ",".join(str(record.get(a, 1)) for a in ("data", "fsdp", "tensor"))
+
+
+def _mesh_advice(profiled: dict[str, int] | None, here: dict[str, int] | None) -> str:
+    """How a command can match a table profiled on the mesh `profiled` (None: one device)."""
+    return (
+        f"Profile this layout with dspark-jax profile and {_mesh_flag(here)}, or run with "
+        f"{_mesh_flag(profiled)} as the table was"
+    )
 
 
 def offline_slots_advice(args: argparse.Namespace) -> Callable[[int, int], str]:

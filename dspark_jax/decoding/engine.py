@@ -499,7 +499,7 @@ class Engine:
         for member in policies.members(policy):
             sps = getattr(member, "sps", None)
             if isinstance(sps, SpsProfile):
-                policies.check_sps_profile(sps, cfg.num_slots, target.cfg, drafter.cfg)
+                policies.check_sps_profile(sps, cfg.num_slots, target.cfg, drafter.cfg, mesh=mesh)
         self.policy = policy
         # Checked as a request's stop ids are: one that is no integer or lies past int32 would
         # fail at the first generate, one outside the vocabulary could never match.

@@ -235,15 +235,41 @@ def _default_slots_advice(profiled: int, num_slots: int) -> str:
     )
 
 
+def _default_mesh_advice(profiled: dict[str, int] | None, here: dict[str, int] | None) -> str:
+    return f"Profile again on {mesh_words(here)} (profile_engine with the engine's mesh=)"
+
+
+UNCHECKED = object()
+
+
+def mesh_record(mesh) -> dict[str, int] | None:
+    """A mesh (or the `mesh` a profile's meta records) as {axis: size}; None for one device, as a
+    mesh whose sizes are all 1 is."""
+    shape = None if mesh is None else dict(getattr(mesh, "shape", mesh))
+    if shape is None or all(int(v) == 1 for v in shape.values()):
+        return None
+    return {str(k): int(v) for k, v in shape.items()}
+
+
+def mesh_words(record: dict[str, int] | None) -> str:
+    """A mesh record as words: "one device (no mesh)" or "mesh 1,1,2 (data,fsdp,tensor)"."""
+    if record is None:
+        return "one device (no mesh)"
+    sizes = ",".join(str(record.get(a, 1)) for a in ("data", "fsdp", "tensor"))
+    return f"mesh {sizes} (data,fsdp,tensor)"
+
+
 def check_sps_profile(
     sps: SpsProfile,
     num_slots: int | None,
     target_cfg: Qwen3Config | None,
     drafter_cfg: DrafterConfig | None,
     *,
+    mesh=UNCHECKED,
     name: str = "the SPS profile",
     slots_advice: Callable[[int, int], str] = _default_slots_advice,
     model_advice: str = "Profile this model (profile_engine with its target and drafter)",
+    mesh_advice: Callable[[dict | None, dict | None], str] = _default_mesh_advice,
 ) -> bool:
     """Refuses a profile measured for another slot count than `num_slots` or on another model
     than `target_cfg` / `drafter_cfg`: its step times describe one batch of one model. What is
@@ -253,6 +279,11 @@ def check_sps_profile(
     profile, `slots_advice(profiled, num_slots)` and `model_advice` say how to fix a mismatch
     (each a sentence).
 
+    `mesh` (a Mesh, or None for one device) is compared with the mesh the profile was measured
+    on: step times on another layout differ in scale and shape. A profile that records no mesh
+    was made before meshes were supported, so on one device; `mesh_advice(profiled, here)` (the
+    two meshes as {axis: size}, None for one device) says how to fix a mismatch.
+
     Returns False when the profile does not record its model (one made before profiles did),
     so the caller may warn that it could not be checked, else True."""
     profiled = sps.meta.get("num_slots")
@@ -261,6 +292,14 @@ def check_sps_profile(
             f"{name} was profiled for {profiled} slots, but the engine has {num_slots}: its "
             f"step times describe another batch. {slots_advice(profiled, num_slots)}"
         )
+    if mesh is not UNCHECKED:
+        theirs, ours = mesh_record(sps.meta.get("mesh")), mesh_record(mesh)
+        if theirs != ours:
+            raise PolicyError(
+                f"{name} was profiled on {mesh_words(theirs)}, but the engine runs on "
+                f"{mesh_words(ours)}: its step times describe another layout. "
+                f"{mesh_advice(theirs, ours)}"
+            )
     recorded = sps.meta.get("model")
     if not isinstance(recorded, dict):
         return False
