@@ -380,3 +380,13 @@ def test_an_sps_table_profiled_on_another_mesh_is_refused(pair, capsys):
         r"dspark-jax profile and --mesh 1,1,2, or run with no --mesh as the table was$",
     ):
         cli_args.check_sps_table("p.json", single, 2, target.cfg, drafter.cfg, str, mesh)
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "serve", "profile"])
+def test_mesh_help_recommends_tensor_parallelism(command):
+    # data replicas repeat the decoding work, so the example must not be all devices on data
+    from dspark_jax import cli
+
+    text = " ".join(cli._parser(command).commands[command].format_help().split())
+    assert "give the devices to tensor, e.g. --mesh 1,1,4 or --mesh=1,1,-1" in text
+    assert "-1,1,1" not in text

@@ -315,9 +315,10 @@ def add_mesh_argument(parser) -> None:
         "--mesh",
         type=parse_mesh,
         metavar="D,F,T",
-        help="data,fsdp,tensor sizes as for train, e.g. --mesh=-1,1,1; -1 = the rest (default: "
-        "one device, or every local device on tensor when the parameters do not fit one; see "
-        "docs/engine.md)",
+        help="data,fsdp,tensor sizes as for train, multiplying to the device count; -1 = the "
+        "rest. For decoding give the devices to tensor, e.g. --mesh 1,1,4 or --mesh=1,1,-1 "
+        "(data and fsdp replicas repeat the work). Default: one device, or the largest tensor "
+        "size the models divide when the parameters do not fit one; see docs/engine.md",
     )
 
 
