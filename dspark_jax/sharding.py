@@ -329,7 +329,10 @@ def decoding_mesh(
 ) -> Mesh | None:
     """The mesh the decoding commands run on.
 
-    An explicit `config` is used as given (over `devices`, default all devices). Without one:
+    An explicit `config` is used as given, over `devices` (default all devices); sizes that
+    multiply to fewer devices (no -1) take the first that many, the rest idle -- unlike
+    training's `make_mesh`, which wants them all: a decoding mesh gains nothing from data
+    replicas, so `--mesh 1,1,2` on 8 devices is a sensible request. Without one:
     no mesh (one device) while the parameters take at most `PARAMS_SHARE_OF_DEVICE` of one
     device's memory, else the first T local devices on the `tensor` axis, T the largest number of
     them that divides every size in `split_sizes()` (both models' `tensor_split_sizes`) --
@@ -340,6 +343,10 @@ def decoding_mesh(
     parameters' size; it is only asked where device memory is known.
     """
     if config is not None:
+        devices = list(jax.devices() if devices is None else devices)
+        sizes = (config.data, config.fsdp, config.tensor)
+        if -1 not in sizes and math.prod(sizes) < len(devices):
+            devices = devices[: math.prod(sizes)]
         return make_mesh(config, devices)
     local = list(devices if devices is not None else jax.local_devices())
     limit = device_memory_bytes(local[0])

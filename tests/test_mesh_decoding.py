@@ -390,3 +390,19 @@ def test_mesh_help_recommends_tensor_parallelism(command):
     text = " ".join(cli._parser(command).commands[command].format_help().split())
     assert "give the devices to tensor, e.g. --mesh 1,1,4 or --mesh=1,1,-1" in text
     assert "-1,1,1" not in text
+
+
+def test_a_decoding_mesh_may_use_fewer_devices_than_are_present(capsys):
+    from dspark_jax import sharding
+
+    mesh = sharding.decoding_mesh(MeshConfig(1, 1, 2), lambda: 0)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 2}
+    assert list(mesh.devices.flat) == jax.devices()[:2]
+    # -1 still takes every device, and training's make_mesh still wants them all
+    assert sharding.decoding_mesh(MeshConfig(-1, 1, 2), lambda: 0).devices.size == 8
+    with pytest.raises(ShardingError, match="has 2 devices but 8 are present"):
+        make_mesh(MeshConfig(1, 1, 2))
+    # the command says how many devices it uses, before loading
+    argv = ["generate", "--mesh", "1,1,2", "--token-ids", "1,2,3", "--max-num-seqs", "4"]
+    assert main([*argv, "--max-new-tokens", "4", "--no-draft"]) == 0
+    assert "decoding on mesh data 1 x fsdp 1 x tensor 2 (2 of 8 devices)" in capsys.readouterr().err

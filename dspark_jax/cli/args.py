@@ -315,10 +315,11 @@ def add_mesh_argument(parser) -> None:
         "--mesh",
         type=parse_mesh,
         metavar="D,F,T",
-        help="data,fsdp,tensor sizes as for train, multiplying to the device count; -1 = the "
-        "rest. For decoding give the devices to tensor, e.g. --mesh 1,1,4 or --mesh=1,1,-1 "
-        "(data and fsdp replicas repeat the work). Default: one device, or the largest tensor "
-        "size the models divide when the parameters do not fit one; see docs/engine.md",
+        help="data,fsdp,tensor sizes as for train; -1 = the rest; sizes that multiply to fewer "
+        "than the device count use the first that many devices. For decoding give the devices "
+        "to tensor, e.g. --mesh 1,1,4 or --mesh=1,1,-1 (data and fsdp replicas repeat the "
+        "work). Default: one device, or the largest tensor size the models divide when the "
+        "parameters do not fit one; see docs/engine.md",
     )
 
 
