@@ -200,7 +200,7 @@ def test_parameters_load_straight_into_their_shardings(form, request):
     assert models.drafter_fingerprint == single.drafter_fingerprint
 
 
-def test_axes_that_do_not_divide_the_mesh_are_named():
+def test_axes_that_do_not_divide_the_mesh_are_named(capsys):
     mesh = _mesh(1, 1, 4)
     # the tensor size must divide the heads (not the other way round), the model is named,
     # and so is the flag to change, with the sizes that would fit
@@ -210,6 +210,10 @@ def test_axes_that_do_not_divide_the_mesh_are_named():
         r"give a --mesh whose tensor size divides it \(for this model: 1, 2\)$",
     ):
         load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False, mesh=mesh)
+    # the command refuses it in that one line
+    assert main(["generate", "--target", str(TINY_TARGET), "--draft", str(TINY_DRAFT), "--mesh",
+                 "1,1,4", "--max-new-tokens", "2"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip().count("\n") == 0
     # the vocabulary too: named with the model, checked before anything is placed
     with pytest.raises(ShardingError, match=r"^target: .*tensor size 4 does not divide its 290 "):
         Engine(*_random_pair(vocab_size=290), CFG, mesh=mesh)

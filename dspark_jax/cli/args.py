@@ -349,11 +349,12 @@ def load_models(
         _check_embedded_part_fits(args, target, draft)
     mesh = decoding_mesh_for(args, target, draft)
     offline_slots(args.max_num_seqs, requests, mesh)
-    if mesh is not None:
+    models = load_decoding_models(target, draft, dtype=args.dtype, mesh=mesh)
+    if mesh is not None:  # after loading, so that a refusal stays one line
         from dspark_jax.sharding import describe_mesh
 
         print(f"decoding on {describe_mesh(mesh)}", file=sys.stderr)
-    return load_decoding_models(target, draft, dtype=args.dtype, mesh=mesh)
+    return models
 
 
 def _check_embedded_part_fits(args: argparse.Namespace, target, draft) -> None:
