@@ -124,25 +124,73 @@ def as_rows(cfg: SamplingConfig | RowSampling, shape: tuple[int, ...]) -> RowSam
     return cfg.broadcast(shape) if cfg.temperature.shape != shape else cfg
 
 
+_SIGN = -(2**31)  # int32 sign bit
+
+
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """int32 keys of float32 values, ordered as the values are (-inf lowest, +inf highest)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, ~bits ^ _SIGN, bits)
+
+
+def _key_values(keys: jax.Array) -> jax.Array:
+    """The float32 values of `_ordered_keys`."""
+    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, ~(keys ^ _SIGN), keys), jnp.float32)
+
+
+def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array) -> jax.Array:
+    """Per row, the smallest int32 key t in [lo, hi] where `holds(t)` [..., 1] is true, for a
+    predicate that is false below some key and true from it on, and true at `hi`: 32 halvings."""
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo_x1, hi_x1))[1]
+
+
 def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
     """The smallest kept value of each row [..., 1] under its top-k then top-p filters.
 
     Both filters keep every token tied with the last kept value. Top-p is measured on the
-    distribution left after top-k, normalised over all of it, ties included.
+    distribution left after top-k, normalised over all of it, ties included: its cutoff is the
+    smallest value v whose strictly larger values hold less than top_p of that mass.
+
+    Each cutoff is one of the row's values, found by bisection over their int32 ordering keys (32
+    masked counts or sums over the vocabulary) rather than by sorting it: a sort of [rows, V] is
+    the costliest pass in a round with V in the hundred thousands, on every backend. A search runs
+    only when some row uses its filter.
     """
     vocab = scaled_xv.shape[-1]
-    sorted_xv = -jnp.sort(-scaled_xv, axis=-1)
-    use_k_x = (rows.top_k > 0) & (rows.top_k < vocab)
-    kth_x1 = jnp.take_along_axis(sorted_xv, jnp.clip(rows.top_k - 1, 0, vocab - 1)[..., None], -1)
-    kth_x1 = jnp.where(use_k_x[..., None], kth_x1, -jnp.inf)
-    in_k_xv = sorted_xv >= kth_x1
-    log_norm_x1 = jax.nn.logsumexp(jnp.where(in_k_xv, sorted_xv, -jnp.inf), -1, keepdims=True)
-    cum_xv = jnp.cumsum(jnp.where(in_k_xv, jnp.exp(sorted_xv - log_norm_x1), 0.0), axis=-1)
-    # Mass strictly before each sorted token; built by shifting so it is exactly monotone.
-    before_xv = jnp.concatenate([jnp.zeros_like(cum_xv[..., :1]), cum_xv[..., :-1]], axis=-1)
-    keep_xv = in_k_xv & (before_xv < rows.top_p[..., None])
-    p_cut_x1 = jnp.min(jnp.where(keep_xv, sorted_xv, jnp.inf), axis=-1, keepdims=True)
-    p_cut_x1 = jnp.where((rows.top_p < 1.0)[..., None], p_cut_x1, -jnp.inf)
+    keys_xv = _ordered_keys(scaled_xv)
+    lo_x1 = jnp.min(keys_xv, axis=-1, keepdims=True)
+    hi_x1 = jnp.max(keys_xv, axis=-1, keepdims=True)
+    k_x1 = rows.top_k[..., None]
+    use_k_x1 = (k_x1 > 0) & (k_x1 < vocab)
+    p_x1 = rows.top_p[..., None]
+    use_p_x1 = p_x1 < 1.0
+    off_x1 = jnp.full(lo_x1.shape, -jnp.inf, jnp.float32)
+
+    def kth_value():
+        # The k-th largest value: the smallest t with fewer than k values above it.
+        above = lambda t: jnp.sum(keys_xv > t, axis=-1, keepdims=True) < k_x1  # noqa: E731
+        return jnp.where(use_k_x1, _key_values(_smallest_key(above, lo_x1, hi_x1)), -jnp.inf)
+
+    kth_x1 = jax.lax.cond(jnp.any(use_k_x1), kth_value, lambda: off_x1)
+    in_k_xv = scaled_xv >= kth_x1
+
+    def p_cut():
+        log_norm_x1 = jax.nn.logsumexp(jnp.where(in_k_xv, scaled_xv, -jnp.inf), -1, keepdims=True)
+        prob_xv = jnp.where(in_k_xv, jnp.exp(scaled_xv - log_norm_x1), 0.0)
+        # mass strictly above t, below top_p
+        below = lambda t: (  # noqa: E731
+            jnp.sum(jnp.where(keys_xv > t, prob_xv, 0.0), axis=-1, keepdims=True) < p_x1
+        )
+        return jnp.where(use_p_x1, _key_values(_smallest_key(below, lo_x1, hi_x1)), -jnp.inf)
+
+    p_cut_x1 = jax.lax.cond(jnp.any(use_p_x1), p_cut, lambda: off_x1)
     return jnp.maximum(kth_x1, p_cut_x1)
 
 
@@ -151,9 +199,9 @@ def filtered_logprobs(logits_xv: jax.Array, cfg: SamplingConfig | RowSampling) -
 
     Greedy rows: 0 at the first argmax, -inf elsewhere. Others: logits / T, then top-k, then top-p
     (nucleus), then log_softmax. `cfg` is one `SamplingConfig` for every row or a `RowSampling`
-    whose fields have the logits' leading shape (or a prefix of it, broadcast). The sort that the
-    filters need runs only when some row filters; rows that do not filter get bitwise the same
-    result either way, so a row's output never depends on its neighbours' settings.
+    whose fields have the logits' leading shape (or a prefix of it, broadcast). The cutoff search
+    that the filters need runs only when some row filters; rows that do not filter get bitwise the
+    same result either way, so a row's output never depends on its neighbours' settings.
     """
     rows = as_rows(cfg, logits_xv.shape[:-1])
     greedy_x = rows.greedy

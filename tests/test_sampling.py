@@ -163,6 +163,44 @@ def test_filters_match_numpy_reference_at_full_vocab_size(cfg):
         assert np.all(np.abs(mass_before[differ] - cfg.top_p) < 1e-4)
 
 
+def _sorted_cutoffs(x_v: np.ndarray, top_k: int, top_p: float) -> float:
+    """The cutoff of one row by sorting (the semantics `_filter_cutoffs` finds without a sort):
+    top-k's k-th value, then the smallest value whose strictly larger values hold less than top_p
+    of the top-k mass; ties kept."""
+    v = np.sort(x_v.astype(np.float64))[::-1]
+    kth = v[top_k - 1] if 0 < top_k < len(v) else -np.inf
+    kept = v[v >= kth]
+    p = np.exp(kept - kept.max())
+    p /= p.sum()
+    if top_p >= 1.0:
+        return kth
+    above = {u: p[kept > u].sum() for u in np.unique(kept)}
+    return max(kth, min(u for u, m in above.items() if m < top_p))
+
+
+def test_cutoffs_are_row_values_found_without_sorting():
+    """Mixed per-row settings over rows with ties and -inf entries: each cutoff is the value a
+    sort finds, and the compiled filter holds no sort (the costliest pass over [rows, V])."""
+    from dspark_jax.sampling import RowSampling, _filter_cutoffs
+
+    rng = np.random.default_rng(3)
+    rows, vocab = 48, 300
+    x = np.round(rng.normal(scale=2.0, size=(rows, vocab)), 1).astype(np.float32)  # many ties
+    x[rng.random((rows, vocab)) < 0.2] = -np.inf
+    top_k = rng.choice([0, 1, 2, 7, 50, vocab - 1, vocab, vocab + 5], size=rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.999, 0.9, 0.5, 0.1, 1e-6], size=rows).astype(np.float32)
+    settings = RowSampling(
+        temperature=jnp.ones(rows), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p)
+    )
+    cut = jax.jit(_filter_cutoffs)
+    got = np.asarray(cut(jnp.asarray(x), settings))[:, 0]
+    for r in range(rows):
+        want = _sorted_cutoffs(x[r], int(top_k[r]), float(top_p[r]))
+        assert got[r] == np.float32(want), (r, top_k[r], top_p[r], got[r], want)
+    hlo = cut.lower(jnp.asarray(x), settings).compile().as_text()
+    assert " sort(" not in hlo and "sort." not in hlo
+
+
 def test_sample_tokens_matches_filtered_distribution():
     """Chi-square goodness of fit, 20,000 draws, significance 1e-3."""
     cfg = SamplingConfig(temperature=1.5, top_k=3)
