@@ -259,6 +259,20 @@ def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):
     assert "must be at least 256" in " ".join(_script("throughput.py", "--help").stdout.split())
 
 
+def test_sampling_filters_times_every_mix_against_temperature_sampling(tmp_path):
+    out = tmp_path / "sampling.json"
+    done = _script("sampling_filters.py", "--rows", "4", "--vocab", "512", "--repeats", "2",
+                   "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    mixes = [r["mix"] for r in result["table"]]
+    assert mixes[:3] == ["greedy", "temperature 1", "one row top-p 0.9"] and len(mixes) == 6
+    assert next(r for r in result["table"] if r["mix"] == "temperature 1")["ratio"] == 1.0
+    assert all(r["ms"] > 0 for r in result["table"]) and result["sort_ms"] > 0
+    assert "one row top-p 0.9" in done.stdout and "(a sort of the same logits)" in done.stdout
+    _one_line_error(_script("sampling_filters.py", "--rows", "0"), "--rows")
+
+
 def test_library_errors_and_bad_numbers_are_one_line_errors(tmp_path):
     """Bad input the library or argparse refuses ends in `error: ...`, status 2, no traceback
     (and for bandwidth.py before measuring: a --json that cannot be written is found first)."""

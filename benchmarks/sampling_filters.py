@@ -1,0 +1,97 @@
+"""What top-k / top-p filtering costs a step: `sampling.filtered_logprobs` over [rows, V].
+
+Every verification and every drafting step filters the logits of all its rows in one program
+(the settings are per-row data), so one request with a top-p makes the filter run for the whole
+batch. This times the filter for mixes of settings, against plain temperature sampling in the
+same run, and times a sort of the same [rows, V] logits for scale (the filter finds its cutoffs
+by bisection, with no sort; a sort is what the usual implementation pays).
+
+    python benchmarks/sampling_filters.py [--rows 64] [--vocab 151936] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from provenance import Parser, git_commit, output_file, positive_int, run_main, write_json
+
+from dspark_jax.sampling import RowSampling, filtered_logprobs
+
+# (label, temperature, top_k, top_p) of the rows; "one" mixes set only the first row.
+MIXES = (
+    ("greedy", 0.0, 0, 1.0),
+    ("temperature 1", 1.0, 0, 1.0),
+    ("one row top-p 0.9", None, 0, 0.9),
+    ("every row top-p 0.9", 1.0, 0, 0.9),
+    ("every row top-k 50", 1.0, 50, 1.0),
+    ("every row top-k 50 + top-p 0.9", 1.0, 50, 0.9),
+)
+
+
+def rows_for(mix, rows: int) -> RowSampling:
+    _, temperature, top_k, top_p = mix
+    t = np.ones(rows, np.float32)
+    k = np.zeros(rows, np.int32)
+    p = np.ones(rows, np.float32)
+    if temperature is None:  # one row filters, the rest sample at temperature 1
+        k[0], p[0] = top_k, top_p
+    else:
+        t[:], k[:], p[:] = temperature, top_k, top_p
+    return RowSampling(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p))
+
+
+def median_ms(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=positive_int, default=64, help="rows filtered (64)")
+    parser.add_argument("--vocab", type=positive_int, default=151_936, help="V (Qwen3's)")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls (10)")
+    parser.add_argument("--json", help="write the table here")
+    args = parser.parse_args()
+    if args.json:
+        output_file(args.json, "--json")
+    logits = jax.random.normal(jax.random.key(0), (args.rows, args.vocab), jnp.float32) * 3
+    filt = jax.jit(filtered_logprobs)
+    sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
+    table = []
+    for mix in MIXES:
+        ms = median_ms(filt, logits, rows_for(mix, args.rows), repeats=args.repeats)
+        table.append({"mix": mix[0], "ms": ms})
+    base = next(r["ms"] for r in table if r["mix"] == "temperature 1")
+    sort_ms = median_ms(sort, logits, repeats=args.repeats)
+    device = jax.devices()[0].device_kind
+    print(f"{device}, [{args.rows}, {args.vocab}] float32 logits, commit {git_commit()}")
+    print(f"{'rows sampled with':32} {'ms':>9} {'x temperature 1':>16}")
+    for r in table:
+        r["ratio"] = r["ms"] / base
+        print(f"{r['mix']:32} {r['ms']:9.2f} {r['ratio']:16.2f}")
+    print(f"{'(a sort of the same logits)':32} {sort_ms:9.2f} {sort_ms / base:16.2f}")
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "device": device,
+                "commit": git_commit(),
+                "rows": args.rows,
+                "vocab": args.vocab,
+                "table": table,
+                "sort_ms": sort_ms,
+            },
+        )
+
+
+if __name__ == "__main__":
+    run_main(main)
