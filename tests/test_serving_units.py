@@ -49,6 +49,61 @@ def test_incremental_text_skips_special_tokens():
     assert stream.push([104, 105, 256, 33]) == "hi!"
 
 
+class _CountingBytes(ByteTokenizer):
+    """Counts the ids every decode call is given (the cost of incremental detokenization)."""
+
+    decoded = 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+class _SilentZero:
+    """A tokenizer whose id 0 is an ordinary (non-special) token with no text; others are bytes."""
+
+    all_special_ids = ()
+    decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return bytes(i for i in ids if i).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("make", [_CountingBytes, _SilentZero])
+def test_incremental_text_cost_stays_linear_in_tokens_that_add_no_text(make):
+    # EOS pushed while a request ignores EOS (or a skipped special token) adds no text; the
+    # window used to keep every one of them, so each push re-decoded the whole run (quadratic).
+    silent = 256 if make is _CountingBytes else 0
+    costs = {}
+    for n in (500, 2000):
+        tokenizer = make()
+        stream = TextStream(tokenizer)
+        pieces = [stream.push(list(b"ok "))]
+        pieces += [stream.push([silent]) for _ in range(n)]
+        pieces += [stream.push([i]) for i in "é!".encode()]
+        pieces += [stream.push([silent]) for _ in range(n)] + [stream.flush()]
+        assert "".join(pieces) == "ok é!"
+        costs[n] = tokenizer.decoded
+    assert costs[2000] <= 4 * costs[500] + 50  # linear: 4x the tokens, 4x the cost (not 16x)
+    # EOS from the very first token on (the model ends at once and ignore_eos keeps it going).
+    tokenizer = _CountingBytes()
+    stream = TextStream(tokenizer)
+    assert [stream.push([256]) for _ in range(2000)] == [""] * 2000
+    assert stream.push(list(b"hi")) == "hi" and tokenizer.decoded < 10
+
+
+def test_incremental_text_matches_whole_decode_with_silent_tokens_between():
+    tokenizer = load_tokenizer(EMBEDDED_TARGET)
+    eos = tokenizer.eos_token_id
+    words = tokenizer.encode(" naïve data, ok") + [eos] * 3 + tokenizer.encode(" more")
+    ids = [i for w in words for i in ([w, eos] if w % 3 else [w])]
+    stream = TextStream(tokenizer)
+    text = "".join(stream.push([i]) for i in ids) + stream.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(stream._ids) - stream._prefix <= 4  # the window holds no EOS
+
+
 def test_stop_strings_hold_back_what_could_become_one():
     stops = StopStrings(["STOP", "\n\n"])
     assert stops.feed("abc S") == "abc "

@@ -10,24 +10,42 @@ decode differently at the start of a string (a leading space). Text ending in U+
 incomplete UTF-8 sequence so far and waits for the next step. `stop_tokens` are left out of the
 text.
 
+Tokens that add no text never stay in the window, or every later step would re-decode the whole
+run of them (quadratic in it: EOS pushed while a request sets ignore_eos, skipped special tokens).
+Ids the decoding always drops (`stop_tokens`, special tokens that decode to "") are not added to
+it at all, which changes no text. Other tokens that add nothing after a window that already has
+text (and leave no incomplete character) are dropped from it too.
+
 `StopStrings` finds stop strings in that text as it grows and holds back the tail that could
 still become one, so a streamed client never sees part of a stop string.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from dspark_jax.tokenizer import decode_text
+from dspark_jax.tokenizer import ByteTokenizer, decode_text
 
 _INCOMPLETE = "\ufffd"
+
+
+def _dropped_ids(tokenizer: Any, stop_tokens: Sequence[int]) -> Callable[[int], bool]:
+    """Whether `decode_text` always leaves an id out: a stop token, or a special token (skipped
+    by the decoding) whose own text is empty."""
+    stops = frozenset(int(i) for i in stop_tokens)
+    if isinstance(tokenizer, ByteTokenizer):
+        return lambda i: i in stops or i >= 256
+    specials = getattr(tokenizer, "all_special_ids", None) or ()
+    skipped = stops | {int(i) for i in specials if decode_text(tokenizer, [int(i)]) == ""}
+    return skipped.__contains__
 
 
 class TextStream:
     def __init__(self, tokenizer: Any, stop_tokens: Sequence[int] = ()):
         self._tokenizer = tokenizer
         self._stop_tokens = tuple(stop_tokens)
+        self._dropped = _dropped_ids(tokenizer, self._stop_tokens)
         self._ids: list[int] = []
         self._prefix = 0  # window start
         self._read = 0  # tokens whose text was already returned
@@ -37,9 +55,15 @@ class TextStream:
 
     def push(self, ids: Sequence[int]) -> str:
         """The text `ids` add (possibly empty while a character is incomplete)."""
-        self._ids.extend(ids)
+        kept = [int(i) for i in ids if not self._dropped(int(i))]
+        if not kept:
+            return ""
+        self._ids.extend(kept)
         done = self._decode(self._prefix, self._read)
         text = self._decode(self._prefix)
+        if text == done and done and not text.endswith(_INCOMPLETE):
+            del self._ids[len(self._ids) - len(kept) :]  # no text and no pending character
+            return ""
         if len(text) <= len(done) or text.endswith(_INCOMPLETE):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
