@@ -15,7 +15,7 @@ from fixture_models import load_pair, reference_traces
 from test_scheduled_engine import CFG, PROFILE
 
 from dspark_jax.decoding import policies
-from dspark_jax.decoding.batching import Request, generate
+from dspark_jax.decoding.batching import Batcher, Request, generate
 from dspark_jax.decoding.engine import Engine, EngineError
 from dspark_jax.sampling import SamplingConfig
 
@@ -150,3 +150,32 @@ def test_buckets_hold_the_members_longest_verification():
     mixed = policies.PolicySwitch((policies.FixedPolicy(1), policies.ThresholdPolicy(0.5)))
     buckets = Engine(target, drafter, unset, policy=mixed).token_buckets
     assert buckets[0] == slots and buckets[-1] == slots * (gamma + 1)
+
+
+def test_selecting_any_member_after_warm_up_compiles_nothing():
+    """`Batcher(engine, policy_index=i)` (`Engine.select_policy`) builds the members' carries
+    on the host and moves them explicitly: no program at all compiles after warm_up, not even
+    the small eager ones a carry built with jnp ops needs."""
+    target, drafter = load_pair("vanilla")
+    members = (
+        policies.ThresholdPolicy(0.5),
+        policies.ThresholdPolicy(0.3, cumulative=True),
+        policies.PrefixSchedulePolicy(PROFILE),
+        policies.AsyncSchedulePolicy(PROFILE),
+    )
+    engine = Engine(target, drafter, CFG, policy=policies.PolicySwitch(members))
+    engine.warm_up()
+    programs = engine.compiled_programs()
+    request = dataclasses.replace(_requests(0.0)[0], max_new_tokens=8)
+    compiles = []
+    listener = lambda name, *a, **k: compiles.append(name) if "compile" in name else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for index in (*range(len(members)), 0):
+            batcher = Batcher(engine, policy_index=index)
+            batcher.submit(request, lambda *a: None)
+            batcher.run_until_idle()
+            assert compiles == [], f"member {index}"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert engine.compiled_programs() == programs

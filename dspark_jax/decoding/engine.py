@@ -653,10 +653,12 @@ class Engine:
                 f"{type(self.policy).__name__} only"
             )
         carry = self.policy.init_carry(self.cfg.num_slots, max(self.gamma, 1), index)
-        # Placed exactly as the carry it replaces, committed to its devices or not: an argument
-        # placed differently is a new entry in the programs' dispatch caches -- a recompilation.
+        # Host arrays moved by explicit transfers (eager jnp ops here would compile small
+        # programs after warm-up), placed exactly as the carry they replace, committed to its
+        # devices or not: an argument placed differently is a new entry in the programs'
+        # dispatch caches -- a recompilation.
         carry = jax.tree.map(
-            lambda new, old: jax.device_put(new, old.sharding) if old.committed else new,
+            lambda new, old: jax.device_put(new, old.sharding if old.committed else None),
             carry,
             state.policy_carry,
         )

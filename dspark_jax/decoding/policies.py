@@ -56,7 +56,9 @@ class Policy(Protocol):
     needs_confidence: bool
 
     def init_carry(self, batch: int, gamma: int) -> Any:
-        """The carry at the start of a batch (a pytree of arrays; `()` when stateless)."""
+        """The carry at the start of a batch (a pytree of numpy arrays, `()` when stateless):
+        host values, so that building one runs no device program (`Engine.select_policy` puts
+        it on the device with one explicit transfer after warm-up)."""
         ...
 
     def step(
@@ -406,9 +408,9 @@ class AsyncSchedulePolicy:
 
     def init_carry(self, batch: int, gamma: int) -> HistoryCarry:
         return HistoryCarry(
-            conf_2bk=jnp.zeros((2, batch, gamma), jnp.float32),
-            active_2b=jnp.zeros((2, batch), bool),
-            rounds_seen=jnp.int32(0),
+            conf_2bk=np.zeros((2, batch, gamma), np.float32),
+            active_2b=np.zeros((2, batch), bool),
+            rounds_seen=np.zeros((), np.int32),
         )
 
     def reset_slots(self, carry: HistoryCarry, mask_b: jax.Array) -> HistoryCarry:
@@ -483,7 +485,7 @@ class PolicySwitch:
     def init_carry(self, batch: int, gamma: int, index: int = 0) -> SwitchCarry:
         self.check_index(index)
         return SwitchCarry(
-            jnp.asarray(np.int32(index)), tuple(p.init_carry(batch, gamma) for p in self.policies)
+            np.asarray(index, np.int32), tuple(p.init_carry(batch, gamma) for p in self.policies)
         )
 
     def check_index(self, index: int) -> None:
