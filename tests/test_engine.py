@@ -144,6 +144,25 @@ def test_no_compilation_after_warmup(setup):
     assert before == len(spec.prefill_widths) + 3  # prefills, decode, release, init
 
 
+def test_the_serving_loop_makes_no_implicit_transfers(setup):
+    """Prefill, decode chunks, cancellation and release move data only by explicit transfers
+    (the prefill batch, the results read), so jax.transfer_guard can police the loop."""
+    _, _, _, spec = setup
+    requests = _mixed_requests(T1)
+    guards = (jax.transfer_guard_host_to_device, jax.transfer_guard_device_to_host)
+    with guards[0]("disallow"), guards[1]("disallow"):
+        batcher = Batcher(spec)
+        done = []
+        on_event = lambda kind, payload: done.append(payload) if kind == "done" else None  # noqa: E731
+        handles = [batcher.submit(r, on_event) for r in requests]
+        batcher.step()
+        batcher.cancel(handles[0])
+        batcher.run_until_idle()
+        results, _ = generate(spec, requests[:2])
+    assert len(done) == len(requests) and len(results) == 2
+    assert sum(r.finish_reason == "abort" for r in done) == 1
+
+
 def _prefilled(spec, max_new_tokens):
     """A batcher whose requests (one per entry of `max_new_tokens`) are prefilled and live."""
     batcher = Batcher(spec)

@@ -599,6 +599,10 @@ class Engine:
         self._prefill = jax.jit(prefill, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
         self._decode = jax.jit(decode, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
         self._release = jax.jit(release, donate_argnums=(0,), out_shardings=state_sh)
+        # decode_chunk's flag, on the device once (a host bool would be an implicit transfer
+        # per chunk, which jax.transfer_guard could not tell from a leak): replicated on a mesh,
+        # uncommitted on the default device otherwise.
+        self._yield_flags = tuple(jax.device_put(np.asarray(f), out_sh) for f in (False, True))
 
     def _place_params(self, target: Qwen3, drafter: DSparkDrafter | None, mesh: Mesh) -> None:
         """Checks that the models split over `mesh` and puts their parameters in the rules
@@ -673,9 +677,8 @@ class Engine:
     ) -> tuple[SlotState, ChunkOutput]:
         """Up to `rounds_per_chunk` rounds; with `yield_on_finish` the chunk ends after the round
         in which a request finishes (a traced flag: both modes share one program)."""
-        return self._decode(
-            self.target_params, self.drafter_params, state, np.asarray(yield_on_finish, bool)
-        )
+        flag = self._yield_flags[bool(yield_on_finish)]
+        return self._decode(self.target_params, self.drafter_params, state, flag)
 
     def release(self, state: SlotState, mask_s: np.ndarray) -> SlotState:
         return self._release(state, jnp.asarray(mask_s, bool))
@@ -877,7 +880,7 @@ class Engine:
             )
         lowered = {
             "init": lower_fn(self._init, tp, dp),
-            "decode_chunk": lower_fn(self._decode, tp, dp, state, np.asarray(False)),
+            "decode_chunk": lower_fn(self._decode, tp, dp, state, self._yield_flags[0]),
             "release": lower_fn(self._release, state, np.zeros((self.cfg.num_slots,), bool)),
         }
         for width in self.prefill_widths:
@@ -930,7 +933,12 @@ def _place(params, mesh: Mesh, what: str | None = None):
 
 
 def batch_to_device(batch: PrefillBatch) -> dict[str, Any]:
-    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(PrefillBatch)}
+    """The batch's arrays moved by one explicit transfer (an implicit one per call would hide
+    real leaks from jax.transfer_guard). Uncommitted, as the host arrays were: on a mesh the
+    program still places them itself."""
+    return jax.device_put(
+        {f.name: getattr(batch, f.name) for f in dataclasses.fields(PrefillBatch)}
+    )
 
 
 def slot_state_shardings(state: SlotState, layouts) -> SlotState:
