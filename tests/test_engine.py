@@ -2,6 +2,7 @@
 itself and its seed: not on its slot mates, their settings, or when it joined a running batch."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -439,3 +440,62 @@ def test_kernel_path_reproduces_whole_traces_in_interpret_mode(variant):
     for trace, res in zip(traces, results, strict=True):
         assert res.tokens[:96] == trace["output"]
         assert res.committed.tolist() == trace["acceptance_lengths"]
+
+
+def test_cpu_16_bit_pools_are_stored_in_float32_with_the_same_results(monkeypatch):
+    """XLA:CPU gathers and scatters bfloat16 arrays through a float32 copy of the whole array,
+    so a bf16 pool cost a pass over every layer's pool per step (a step's cost followed the pool
+    size, not the context). On CPU the pools of a 16-bit pair store float32: the compiled decode
+    chunk converts no whole pool, the state is measured in float32 (the memory check), and the
+    tokens, verified lengths and confidences are bit for bit those of bfloat16 pools."""
+    from dspark_jax.checkpoints.converted import load_decoding_models
+    from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+    from dspark_jax.models import attention
+
+    models = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
+    assert models.target.dtype == np.dtype("bfloat16")
+    cfg = EngineConfig(
+        num_slots=2,
+        max_model_len=256,
+        num_pages=40,  # a pool shape no other array has
+        page_size=16,
+        rounds_per_chunk=4,
+        prefill_chunk=64,
+        prefill_buckets=(64,),
+        token_buckets=(16,),
+    )
+    requests = [
+        Request(list(range(5 + 7 * i, 30 + 9 * i)), max_new_tokens=24, seed=i, sampling=s)
+        for i, s in enumerate((GREEDY, T1, T07_P09))
+    ]
+
+    def run(engine):
+        layout = engine.target_layout
+        pool = f"{cfg.num_pages},{cfg.page_size},{2 * layout.num_kv_heads},{layout.head_dim}"
+        # An instruction giving a whole pool that is a convert (or a fusion named for one).
+        convert = re.compile(
+            rf"^\s*(ROOT )?%(\S*convert\S*) = \w+\[{pool}\]|= \w+\[{pool}\]\S* convert\("
+        )
+        lowered = engine.lower()
+        pool_converts = [
+            x
+            for verb in ("decode_chunk", "prefill_64")
+            for x in lowered[verb].compile().as_text().splitlines()
+            if convert.search(x)
+        ]
+        dtypes = {p.dtype.name for p in jax.tree.leaves(jax.eval_shape(engine.init_state))}
+        results, _ = generate(engine, requests)
+        runs = [(r.tokens, r.verified.tolist(), r.conf_logits.tobytes()) for r in results]
+        return pool_converts, dtypes, engine.state_bytes, runs
+
+    converts, dtypes, state_bytes, runs = run(models.engine(cfg))
+    assert converts == [] and "bfloat16" not in dtypes
+    with monkeypatch.context() as m:  # the 16-bit pools as before, for comparison
+        m.setattr(attention, "pool_value_dtype", lambda *a: None)
+        old_converts, old_dtypes, old_bytes, old_runs = run(models.engine(cfg))
+    assert old_converts and "bfloat16" in old_dtypes  # what the check above would have seen
+    assert runs == old_runs
+    # The memory check weighs the pools as stored: 2 more bytes per element.
+    state = jax.eval_shape(models.engine(cfg).init_state)
+    pool_elements = sum(x.size for x in jax.tree.leaves((state.target_pages, state.draft_pages)))
+    assert state_bytes - old_bytes == 2 * pool_elements

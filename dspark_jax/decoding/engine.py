@@ -521,6 +521,9 @@ class Engine:
             )
         self.token_buckets = token_buckets(cfg, policy, gamma)
         self.prefill_widths = cfg.prefill_widths()
+        # XLA:CPU gathers and scatters 16-bit pools through a float32 copy of the whole pool
+        # every step; there the pools store float32 holding the 16-bit values (same results).
+        platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
         try:  # a page size or head dim the attention path cannot take is the user's to change
             impl = cfg.attention_impl or attention.default_impl()
             self.target_layout = attention.PagedLayout(
@@ -530,6 +533,7 @@ class Engine:
                 target.cfg.head_dim,
                 impl,
                 interpret=cfg.attention_interpret,
+                value_dtype=attention.pool_value_dtype(impl, target.dtype, platform),
             )
             self.draft_layout = (
                 None
@@ -541,6 +545,7 @@ class Engine:
                     drafter.cfg.model.head_dim,
                     impl,
                     interpret=cfg.attention_interpret,
+                    value_dtype=attention.pool_value_dtype(impl, drafter.dtype, platform),
                 )
             )
         except ValueError as err:

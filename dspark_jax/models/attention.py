@@ -97,6 +97,14 @@ class PagedLayout:
     `queries_per_fold` is how many query tokens of one sequence the "jax", "pallas_gpu" and
     (non-causal) "pallas_tpu" paths fold into the head axis so that they share one read of the
     sequence's pages.
+
+    `value_dtype` (a 16-bit float dtype's name, or None) makes the pool store float32 arrays
+    holding values rounded to that dtype: written keys/values are rounded to it first and what
+    attention gathers is cast back to it, so every result is bit for bit that of a pool of that
+    dtype. XLA:CPU gathers and scatters 16-bit arrays through a float32 copy of the whole
+    array, hoisted out of the attention loop: a pass over every layer's pool per step, so a step
+    cost grew with the pool, not the context (`pool_value_dtype` sets it for the CPU paths).
+    Only the "jax" and "dense" paths support it.
     """
 
     num_pages: int
@@ -107,10 +115,13 @@ class PagedLayout:
     interpret: bool = False
     kv_chunk_pages: int = 0
     queries_per_fold: int = 8
+    value_dtype: str | None = None
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"unknown attention impl {self.impl!r}; expected one of {IMPLS}")
+        if self.value_dtype is not None and self.impl not in _WIDE_POOL_IMPLS:
+            raise ValueError(f"the {self.impl} attention reads pools in their own dtype")
         for name in ("num_pages", "page_size", "num_kv_heads", "head_dim", "queries_per_fold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -138,6 +149,10 @@ class PagedLayout:
         if self.impl == "pallas_tpu":
             return -(-self.head_dim // _TPU_LANES) * _TPU_LANES
         return self.head_dim
+
+    def pool_dtype(self, dtype):
+        """The dtype a pool of keys/values in `dtype` is stored in (see `value_dtype`)."""
+        return jnp.float32 if self.value_dtype is not None else dtype
 
     @property
     def split_kv(self) -> bool:
@@ -215,13 +230,42 @@ def _pre_ampere_gpu() -> str | None:
     return f"{device.device_kind} (compute capability {capability})"
 
 
+# The paths whose reads go through `_values` (gathers in plain JAX).
+_WIDE_POOL_IMPLS = ("jax", "dense")
+
+
+def pool_value_dtype(impl: str, dtype, platform: str) -> str | None:
+    """`PagedLayout.value_dtype` for keys/values computed in `dtype` on `platform`: the 16-bit
+    float dtype's name on XLA:CPU's plain-JAX paths (see `PagedLayout`), else None (GPU and TPU
+    keep 16-bit pools; their gathers and scatters are native)."""
+    dtype = jnp.dtype(dtype)
+    wide = platform == "cpu" and impl in _WIDE_POOL_IMPLS
+    if wide and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+        return dtype.name
+    return None
+
+
 def init_pages(layout: PagedLayout, dtype) -> Pages:
-    """A zeroed page pool for one layer."""
+    """A zeroed page pool for one layer (stored in `layout.pool_dtype(dtype)`)."""
+    dtype = layout.pool_dtype(dtype)
     if layout.split_kv:
         shape = (layout.num_kv_heads, layout.num_pages, layout.page_size, layout.head_dim)
         return Pages((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
     shape = (layout.num_pages, layout.page_size, 2 * layout.num_kv_heads, layout.physical_head_dim)
     return Pages((jnp.zeros(shape, dtype),))
+
+
+def _stored(x, layout: PagedLayout, pool_dtype):
+    """Keys/values as written to a pool: rounded to `value_dtype` first when it is set."""
+    if layout.value_dtype is not None:
+        x = x.astype(layout.value_dtype)
+    return x.astype(pool_dtype)
+
+
+def _values(x, layout: PagedLayout):
+    """Keys/values gathered from a pool, in the dtype attention sees (exact: they were rounded
+    to it when written)."""
+    return x if layout.value_dtype is None else x.astype(layout.value_dtype)
 
 
 def _interleave_kv(k_thd, v_thd, head_dim_out: int):
@@ -247,14 +291,14 @@ def write_kv(pages: Pages, layout: PagedLayout, k_thd, v_thd, page_table_sp, slo
     offset_t = pos_t % page_size
     if layout.split_kv:
         k_pages, v_pages = pages.arrays
-        k_ktd = jnp.swapaxes(k_thd, 0, 1).astype(k_pages.dtype)
-        v_ktd = jnp.swapaxes(v_thd, 0, 1).astype(v_pages.dtype)
+        k_ktd = _stored(jnp.swapaxes(k_thd, 0, 1), layout, k_pages.dtype)
+        v_ktd = _stored(jnp.swapaxes(v_thd, 0, 1), layout, v_pages.dtype)
         return Pages((
             k_pages.at[:, page_t, offset_t].set(k_ktd, mode="drop"),
             v_pages.at[:, page_t, offset_t].set(v_ktd, mode="drop"),
         ))
     (kv_pages,) = pages.arrays
-    kv_thd = _interleave_kv(k_thd, v_thd, layout.physical_head_dim).astype(kv_pages.dtype)
+    kv_thd = _stored(_interleave_kv(k_thd, v_thd, layout.physical_head_dim), layout, kv_pages.dtype)
     return Pages((kv_pages.at[page_t, offset_t].set(kv_thd, mode="drop"),))
 
 
@@ -520,7 +564,7 @@ def _dense_keys(pages, layout, page_table_sp, seq_slot_n, rag):
     """Every token's slot's whole page table gathered: K, V [T, S, KV, D] and the mask [T, S]
     of the keys the token sees (S = pages_per_slot * page_size)."""
     (kv_pages,) = pages.arrays
-    kv_tpsxd = kv_pages[page_table_sp[seq_slot_n[rag.seq_t]]]
+    kv_tpsxd = _values(kv_pages[page_table_sp[seq_slot_n[rag.seq_t]]], layout)
     t, pps, page_size = kv_tpsxd.shape[:3]
     kv_tsxd = kv_tpsxd.reshape(t, pps * page_size, *kv_tpsxd.shape[3:])
     k_tskd, v_tskd = _split_combined(kv_tsxd, layout.num_kv_heads, layout.head_dim)
@@ -571,7 +615,7 @@ def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
     def step(c, carry):
         m_fkq, l_fkq, acc_fkqd = carry
         logical_c = jnp.minimum(c * chunk_pages + jnp.arange(chunk_pages), pages_per_slot - 1)
-        kv_fcpxd = kv_pages[page_table_sp[slot_f[:, None], logical_c[None, :]]]
+        kv_fcpxd = _values(kv_pages[page_table_sp[slot_f[:, None], logical_c[None, :]]], layout)
         kv_fsxd = kv_fcpxd.reshape(kv_fcpxd.shape[0], chunk_keys, *kv_fcpxd.shape[3:])
         k_fskd, v_fskd = _split_combined(kv_fsxd, kv_heads, head_dim)
         s_fkqs = jnp.einsum("fkqd,fskd->fkqs", q_fkqd, k_fskd,
@@ -861,7 +905,7 @@ def gather_slot_kv(pages: Pages, layout: PagedLayout, page_table_sp):
 
         return contiguous(k_pages), contiguous(v_pages)
     (kv_pages,) = pages.arrays
-    x_sppxd = kv_pages[page_table_sp]
+    x_sppxd = _values(kv_pages[page_table_sp], layout)
     s, p, ps = x_sppxd.shape[:3]
     x_ssxd = x_sppxd.reshape(s, p * ps, *x_sppxd.shape[3:])
     return _split_combined(x_ssxd, layout.num_kv_heads, layout.head_dim)
