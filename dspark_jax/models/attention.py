@@ -236,13 +236,36 @@ _WIDE_POOL_IMPLS = ("jax", "dense")
 
 def pool_value_dtype(impl: str, dtype, platform: str) -> str | None:
     """`PagedLayout.value_dtype` for keys/values computed in `dtype` on `platform`: the 16-bit
-    float dtype's name on XLA:CPU's plain-JAX paths (see `PagedLayout`), else None (GPU and TPU
-    keep 16-bit pools; their gathers and scatters are native)."""
+    float dtype's name on XLA:CPU's plain-JAX paths when this XLA:CPU gathers and scatters that
+    dtype through a float32 copy (see `PagedLayout`), else None (GPU and TPU keep 16-bit pools;
+    their gathers and scatters are native)."""
     dtype = jnp.dtype(dtype)
     wide = platform == "cpu" and impl in _WIDE_POOL_IMPLS
     if wide and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
-        return dtype.name
+        return dtype.name if cpu_gathers_through_float32(dtype.name) else None
     return None
+
+
+@functools.cache
+def cpu_gathers_through_float32(dtype_name: str) -> bool:
+    """Whether XLA:CPU gathers and scatters arrays of `dtype_name` through a float32 copy of the
+    whole array: it does for bfloat16 with jax 0.10's XLA, not for float16 nor with jax 0.11's.
+    Compiles a tiny gather and scatter (once per process) and looks for a float32 array of the
+    operand's shape; False where the default backend is not the CPU."""
+    if jax.default_backend() != "cpu":
+        return False
+    shape = (97, 3, 5)  # a shape nothing else in the program has
+
+    def gather_scatter(x, idx, rows):
+        return x.at[idx].set(rows), x[idx]
+
+    args = (
+        jax.ShapeDtypeStruct(shape, dtype_name),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((2, *shape[1:]), dtype_name),
+    )
+    hlo = jax.jit(gather_scatter).lower(*args).compile().as_text()
+    return "f32[97,3,5]" in hlo
 
 
 def init_pages(layout: PagedLayout, dtype) -> Pages:
