@@ -274,6 +274,12 @@ def tensor_split_sizes(model_cfg) -> dict[str, int]:
     }
 
 
+def models_split_sizes(*model_cfgs) -> list[int]:
+    """`tensor_split_sizes` of several Qwen3Configs (a target, a drafter's `model`), in one list:
+    every size a mesh's tensor axis must divide to split them all."""
+    return [size for cfg in model_cfgs for size in tensor_split_sizes(cfg).values()]
+
+
 def tensor_sizes_that_fit(sizes, limit: int) -> list[int]:
     """The tensor sizes up to `limit` that divide every one of `sizes`, ascending."""
     common = math.gcd(*sizes) if sizes else 1
@@ -368,6 +374,12 @@ def decoding_mesh(
             "weights along their embedding) or a smaller model"
         )
     return make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), local[:tensor])
+
+
+def mesh_sizes(shape) -> str:
+    """A mesh's sizes as --mesh spells them ("1,1,2"): `shape` is a Mesh's or a record of it
+    ({axis: size}; an axis it lacks has size 1)."""
+    return ",".join(str(shape.get(a, 1)) for a in MESH_AXES)
 
 
 def describe_mesh(mesh: Mesh | None) -> str:

@@ -75,7 +75,7 @@ from dspark_jax.config import (
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.sharding import check_model_split, tensor_split_sizes
+from dspark_jax.sharding import check_model_split, models_split_sizes
 from dspark_jax.tokenizer import copy_tokenizer_bundle, load_tokenizer, stop_token_ids
 
 if TYPE_CHECKING:
@@ -600,8 +600,5 @@ def decoding_split_sizes(
 ) -> list[int]:
     """Every size of a target (and drafter) that a mesh's tensor axis must divide
     (`sharding.tensor_split_sizes`), from their configs alone."""
-    sizes = []
-    for cfg in _decoding_configs(target, draft):
-        model_cfg = cfg.model if isinstance(cfg, DrafterConfig) else cfg
-        sizes += tensor_split_sizes(model_cfg).values()
-    return sizes
+    configs = _decoding_configs(target, draft)
+    return models_split_sizes(*(c.model if isinstance(c, DrafterConfig) else c for c in configs))

@@ -29,6 +29,7 @@ from dspark_jax.decoding.policies import (
 from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_NAME, EMBEDDED_TARGET
 from dspark_jax.errors import UserError
 from dspark_jax.sampling import SamplingConfig
+from dspark_jax.sharding import mesh_sizes
 
 if TYPE_CHECKING:
     from dspark_jax.checkpoints.converted import DecodingModels
@@ -205,7 +206,7 @@ def slot_split(mesh) -> int:
 
 
 def _slots_refusal(max_num_seqs: int, mesh, split: int) -> UserError:
-    sizes = ",".join(str(mesh.shape[a]) for a in ("data", "fsdp", "tensor"))
+    sizes = mesh_sizes(mesh.shape)
     below = max_num_seqs // split * split
     give = f"{below} or {below + split}" if below else f"{split}"
     return UserError(
@@ -562,7 +563,7 @@ def check_sps_table(
 def _mesh_flag(record: dict[str, int] | None) -> str:
     if record is None:
         return "no --mesh"
-    return "--mesh " + ",".join(str(record.get(a, 1)) for a in ("data", "fsdp", "tensor"))
+    return f"--mesh {mesh_sizes(record)}"
 
 
 def _mesh_advice(profiled: dict[str, int] | None, here: dict[str, int] | None) -> str:

@@ -106,7 +106,7 @@ def _build_models(args: argparse.Namespace):
         check_model_split,
         decoding_mesh,
         init_sharded,
-        tensor_split_sizes,
+        models_split_sizes,
     )
 
     if args.config is None:
@@ -149,9 +149,7 @@ def _build_models(args: argparse.Namespace):
         )
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(shapes)))
 
-    def split_sizes() -> list[int]:
-        return [*tensor_split_sizes(cfg).values(), *tensor_split_sizes(drafter_cfg.model).values()]
-
+    split_sizes = lambda: models_split_sizes(cfg, drafter_cfg.model)  # noqa: E731
     mesh = decoding_mesh(args.mesh, param_bytes, split_sizes=split_sizes)
     check_mesh_slots(args.max_num_seqs, mesh)
     if mesh is not None:

@@ -37,6 +37,7 @@ from numpy.typing import ArrayLike
 from dspark_jax.config import SHAPE_FIELDS
 from dspark_jax.decoding import scheduler
 from dspark_jax.errors import UserError
+from dspark_jax.sharding import mesh_sizes
 
 if TYPE_CHECKING:
     from dspark_jax.config import DrafterConfig, Qwen3Config
@@ -257,8 +258,7 @@ def mesh_words(record: dict[str, int] | None) -> str:
     """A mesh record as words: "one device (no mesh)" or "mesh 1,1,2 (data,fsdp,tensor)"."""
     if record is None:
         return "one device (no mesh)"
-    sizes = ",".join(str(record.get(a, 1)) for a in ("data", "fsdp", "tensor"))
-    return f"mesh {sizes} (data,fsdp,tensor)"
+    return f"mesh {mesh_sizes(record)} (data,fsdp,tensor)"
 
 
 def check_sps_profile(
