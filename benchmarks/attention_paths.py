@@ -10,6 +10,9 @@ new tokens already written), every sequence holding `kv_len` keys. Two sweeps:
 - pool sweep: kv_len stays at `--fixed-kv` while the per-slot capacity (so pages_per_slot and
   num_pages) doubles. A path whose cost follows the keys in use stays flat; the dense
   reference, which reads every page of the table, grows.
+- mixed sweep: one sequence holds the kv sweep's kv_len and every other `--short-kv` keys. A
+  path whose cost follows the keys in use (the `keys` column) grows with the one long
+  sequence only; one that walks every sequence to the longest context grows like the kv sweep.
 
 Paths: "dense" and "jax" everywhere, plus the backend's kernel path ("pallas_gpu" /
 "pallas_tpu") on an accelerator. Interpret-mode kernels are not timed: that measures the
@@ -49,16 +52,19 @@ KERNEL_BACKENDS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
 def build(impl, *, slots, q_len, kv_len, capacity, page_size, kv_heads, groups, head_dim, dtype,
-          seed=0):
-    """Pages filled for `slots` sequences of kv_len keys and the packed query batch."""
+          short_kv=None, seed=0):
+    """Pages filled for `slots` sequences of kv_len keys (with `short_kv`: the first one only,
+    the others short_kv) and the packed query batch."""
     pages_per_slot = capacity // page_size
     layout = attn.PagedLayout(slots * pages_per_slot, page_size, kv_heads, head_dim, impl)
     rng = np.random.default_rng(seed)
     table = rng.permutation(slots * pages_per_slot).reshape(slots, pages_per_slot)
     table = jnp.asarray(table, jnp.int32)
-    tokens = slots * kv_len
-    slot_t = jnp.repeat(jnp.arange(slots, dtype=jnp.int32), kv_len)
-    pos_t = jnp.tile(jnp.arange(kv_len, dtype=jnp.int32), slots)
+    kv_lens = np.full(slots, kv_len if short_kv is None else short_kv, np.int32)
+    kv_lens[0] = kv_len
+    tokens = int(kv_lens.sum())
+    slot_t = jnp.asarray(np.repeat(np.arange(slots, dtype=np.int32), kv_lens))
+    pos_t = jnp.asarray(np.concatenate([np.arange(n, dtype=np.int32) for n in kv_lens]))
     k = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
     pages = jax.jit(attn.write_kv, static_argnums=1)(
@@ -69,7 +75,7 @@ def build(impl, *, slots, q_len, kv_len, capacity, page_size, kv_heads, groups, 
         table,
         jnp.arange(slots, dtype=jnp.int32),
         jnp.arange(slots + 1, dtype=jnp.int32) * q_len,
-        jnp.full((slots,), kv_len, jnp.int32),
+        jnp.asarray(kv_lens),
         jnp.int32(slots),
     )
     return layout, pages, q, meta
@@ -115,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="pool sweep: keys per sequence (at most every --capacities)")
     parser.add_argument("--capacities", type=positive_ints, default=(512, 1024, 2048, 4096),
                         help="pool sweep: positions per slot, multiples of --page-size")
+    parser.add_argument("--short-kv", type=positive_int, default=64,
+                        help="mixed sweep: keys of every sequence but the long one")
     parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument("--impls", default=None,
                         help=f"comma-separated, of {', '.join(attn.IMPLS)}; default dense, jax "
@@ -135,7 +143,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fixed_kv > min(args.capacities):
         parser.error(f"--fixed-kv {args.fixed_kv}: more keys than --capacities "
                      f"{min(args.capacities)} positions hold")
-    short = [n for n in (*args.kv_lens, args.fixed_kv) if n < args.q_len]
+    if args.short_kv > args.capacity:
+        parser.error(f"--short-kv {args.short_kv}: more keys than --capacity {args.capacity} "
+                     "positions hold")
+    short = [n for n in (*args.kv_lens, args.fixed_kv, args.short_kv) if n < args.q_len]
     if short:
         parser.error(f"kv lengths {','.join(map(str, short))}: fewer keys than the --q-len "
                      f"{args.q_len} new tokens they include")
@@ -174,7 +185,11 @@ def main():
             rows.append(dict(sweep="kv", impl=impl, kv_len=kv_len, capacity=args.capacity))
         for capacity in args.capacities:
             rows.append(dict(sweep="pool", impl=impl, kv_len=args.fixed_kv, capacity=capacity))
-    configs = [(row["impl"], dict(kv_len=row["kv_len"], capacity=row["capacity"], **common))
+        for kv_len in args.kv_lens:
+            rows.append(dict(sweep="mixed", impl=impl, kv_len=kv_len, capacity=args.capacity,
+                             short_kv=args.short_kv))
+    configs = [(row["impl"], dict(kv_len=row["kv_len"], capacity=row["capacity"],
+                                  short_kv=row.get("short_kv"), **common))
                for row in rows]
     for row, ms in zip(rows, time_paths(configs, args.repeats), strict=True):
         row["ms"] = ms
@@ -183,15 +198,17 @@ def main():
     print(f"device {device.device_kind} ({jax.default_backend()}), commit {git_commit()}, "
           f"{args.slots} slots x {args.q_len} queries, {args.kv_heads * args.groups}/"
           f"{args.kv_heads} heads, head_dim {args.head_dim}, page {args.page_size}, {args.dtype}")
-    print(f"{'sweep':<6}{'impl':<12}{'kv_len':>8}{'capacity':>10}{'pages':>8}{'ms':>10}"
-          f"{'x first':>9}")
+    print(f"{'sweep':<6}{'impl':<12}{'kv_len':>8}{'keys':>8}{'capacity':>10}{'pages':>8}"
+          f"{'ms':>10}{'x first':>9}")
     first = {}
     for row in rows:
         base = first.setdefault((row["sweep"], row["impl"]), row["ms"])
         row["num_pages"] = args.slots * row["capacity"] // args.page_size
+        row["keys"] = row["kv_len"] + (args.slots - 1) * row.get("short_kv", row["kv_len"])
         row["ratio_to_first"] = row["ms"] / base
-        print(f"{row['sweep']:<6}{row['impl']:<12}{row['kv_len']:>8}{row['capacity']:>10}"
-              f"{row['num_pages']:>8}{row['ms']:>10.2f}{row['ratio_to_first']:>9.2f}")
+        print(f"{row['sweep']:<6}{row['impl']:<12}{row['kv_len']:>8}{row['keys']:>8}"
+              f"{row['capacity']:>10}{row['num_pages']:>8}{row['ms']:>10.2f}"
+              f"{row['ratio_to_first']:>9.2f}")
     if args.json:
         write_json(args.json, dict(
             benchmark="attention_paths",

@@ -207,6 +207,45 @@ def test_jax_path_matches_dense(groups, causal, chunk_pages):
     assert_padding_zero(case, out)
 
 
+# One long sequence among short ones (page size 2, one page per chunk: the long one is 23
+# chunks, several loop steps of its chunks alone), a verification run next to it and prefill
+# chunks that see nothing before them.
+SKEWED_SEQS = [(1, 1), (45, 8), (3, 2), (0, 0), (2, 1), (5, 5), (4, 1)]
+
+
+@pytest.mark.parametrize("new_kv", [False, True], ids=["in_pages", "new_kv"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_jax_path_with_one_long_sequence_matches_the_reference(causal, new_kv):
+    """The "jax" path's work list: chunks of one fold spread over several loop steps and
+    shared with other folds' chunks in one step merge into the same softmax."""
+    case = make_case(50, groups=2, page_size=2, seqs=SKEWED_SEQS)
+    layout = case.layout("jax", kv_chunk_pages=1, queries_per_fold=4)
+    pages = fill(case, layout)
+    out = _attend(jnp.asarray(case.q_thd), pages, layout, *case.args(), scale=SCALE,
+                  causal=causal, new_kv=_new_kv(case) if new_kv else None)
+    out = np.asarray(out, np.float32)
+    np.testing.assert_allclose(out, contiguous_reference(case, causal), rtol=0,
+                               atol=f32_tolerance(case))
+    assert_padding_zero(case, out)
+
+
+def test_jax_path_steps_follow_the_keys_in_use():
+    """The loop covers the chunks each fold needs, F per step: one fold of 40 chunks among 7
+    folds of 1 takes ceil(47 / 8) = 6 steps, where walking every fold to the longest length
+    took 40; a batch of equal lengths takes as many steps as that length has chunks."""
+    chunk_keys = 16
+    limit_fr = np.zeros((8, 4), np.int32)
+    limit_fr[:, 0] = 16
+    limit_fr[3, :] = [640, 639, 638, 0]
+    cu_w, items, steps = attn._chunk_schedule(jnp.asarray(limit_fr), chunk_keys)
+    assert cu_w.tolist() == [0, 1, 2, 3, 43, 44, 45, 46, 47]
+    assert (int(items), int(steps)) == (47, 6)
+    equal_fr = np.full((8, 4), 640, np.int32)
+    assert int(attn._chunk_schedule(jnp.asarray(equal_fr), chunk_keys)[2]) == 40
+    idle_fr = np.zeros((8, 4), np.int32)
+    assert [int(x) for x in attn._chunk_schedule(jnp.asarray(idle_fr), chunk_keys)[1:]] == [0, 0]
+
+
 def _gpu_cases():
     fast = [(3, True, 8), (4, False, 8), (1, True, 2)]
     slow = [(g, c, r) for g in RATIOS for c in (True, False) for r in (1, 3, 8)]

@@ -12,14 +12,17 @@ the environment variable DSPARK_JAX_ATTENTION):
 - "dense": the reference. Every query gathers all `pages_per_slot` pages of its slot and calls
   `layers.attention` with a mask, so it is exact against the contiguous-cache code and its cost
   follows the page table width, not the keys in use. Tests only.
-- "jax" (CPU default): pure JAX. A `lax.fori_loop` over chunks of `kv_chunk_pages` pages whose
-  trip count is the longest visible length in the batch divided by the chunk (a traced bound),
-  with an online softmax (running max and sum). Query tokens are folded `queries_per_fold` at a
-  time per sequence (as extra heads), and each fold gathers only its own slot's pages of the
-  current chunk, so the cost is folds x longest visible length: it does not depend on the pool
-  size or on `pages_per_slot`. On CPU it is the fastest path here (benchmarks/attention_paths.py:
-  flat over an 8x larger pool, about 2x per doubling of the keys in use); on an accelerator the
-  gathered copies cost a second trip through memory, which is why the kernels below exist.
+- "jax" (CPU default, and TPU's path for the engine's cached part): pure JAX, an online
+  softmax (running max and sum) over chunks of `kv_chunk_pages` pages. Query tokens are folded
+  `queries_per_fold` at a time per sequence (as extra heads); the work is the list of (fold,
+  chunk) pairs each fold needs up to its own visible length, and a `lax.fori_loop` takes F of
+  them a step (F: the static number of folds; a traced trip count), gathering each item's own
+  slot's pages and merging partial softmaxes per fold. So the cost follows the keys in use
+  (the sum over sequences, not folds x the longest one) and not the pool size or
+  `pages_per_slot`. On CPU it is the fastest path here (benchmarks/attention_paths.py: flat
+  over an 8x larger pool, about 2x per doubling of the keys in use, and one long sequence among
+  seven short ones costs what its own keys add); on an accelerator the gathered copies cost a
+  second trip through memory, which is why the kernels below exist.
 - "pallas_tpu": `jax.experimental.pallas.ops.tpu.ragged_paged_attention`, the kernel built for
   mixed prefill/decode over packed tokens and pages (what vLLM's TPU backend uses). Causal
   attention maps one to one onto it; each sequence's pages are DMA'd once per block of query
@@ -614,12 +617,28 @@ def _dense_lse(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
     return o_tkgd.reshape(q_thd.shape), lse_tkg.reshape(t, num_heads)
 
 
+def _chunk_schedule(limit_fr, chunk_keys: int):
+    """The work list of `_chunked` from each fold's visible lengths [F, R]: fold f owns items
+    cu_w[f]:cu_w[f+1], one per chunk of `chunk_keys` keys up to its longest length; returns
+    (cu_w [F + 1], the number of items, the loop steps of F items each that cover them)."""
+    num_folds = limit_fr.shape[0]
+    chunks_f = (jnp.max(limit_fr, axis=1) + chunk_keys - 1) // chunk_keys
+    cu_w = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks_f, dtype=jnp.int32)])
+    num_items = cu_w[-1]
+    return cu_w, num_items, (num_items + num_folds - 1) // num_folds
+
+
 def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
-    """Online softmax over chunks of pages; the loop stops after the longest visible length.
+    """Online softmax over chunks of pages, as a list of (fold, chunk) work items.
     Returns (out [T, H, D] float32, log-sum-exp [T, H]; -inf where no key is visible).
 
     Queries are folded (`queries_per_fold` tokens of a sequence as extra heads), so each chunk
-    of a sequence's pages is gathered once per fold rather than once per query token.
+    of a sequence's pages is gathered once per fold rather than once per query token. Fold f
+    needs the chunks holding its longest visible length, and the work items are those chunks of
+    every fold, fold after fold: each loop step takes the next F items (F: the static number of
+    folds), so the trip count is ceil(sum_f chunks_f / F) -- the keys the batch sees, not its
+    folds times the longest context (one long sequence among short ones no longer makes every
+    fold walk its length), and never more steps than that longest context needs.
     """
     (kv_pages,) = pages.arrays
     num_tokens, num_heads, head_dim = q_thd.shape
@@ -630,28 +649,43 @@ def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
     chunk_keys = chunk_pages * layout.page_size
     folds = _folds(rag, num_tokens, layout.queries_per_fold)
     q_fkqd = _fold_queries(q_thd, folds, kv_heads)
+    num_folds = q_fkqd.shape[0]
     limit_fr = jnp.where(folds.tok_valid_fr, rag.limit_t[folds.tok_fr], 0)
     limit_fq = jnp.repeat(limit_fr, groups, axis=1)  # fold order is (token, group)
     slot_f = seq_slot_n[folds.seq_f]
-    num_chunks = (jnp.max(rag.limit_t) + chunk_keys - 1) // chunk_keys
+    cu_w, num_items, num_steps = _chunk_schedule(limit_fr, chunk_keys)
 
-    def step(c, carry):
+    def step(i, carry):
         m_fkq, l_fkq, acc_fkqd = carry
-        logical_c = jnp.minimum(c * chunk_pages + jnp.arange(chunk_pages), pages_per_slot - 1)
-        kv_fcpxd = _values(kv_pages[page_table_sp[slot_f[:, None], logical_c[None, :]]], layout)
-        kv_fsxd = kv_fcpxd.reshape(kv_fcpxd.shape[0], chunk_keys, *kv_fcpxd.shape[3:])
-        k_fskd, v_fskd = _split_combined(kv_fsxd, kv_heads, head_dim)
-        s_fkqs = jnp.einsum("fkqd,fskd->fkqs", q_fkqd, k_fskd,
+        w = i * num_folds + jnp.arange(num_folds, dtype=jnp.int32)
+        valid_w = w < num_items
+        fold_w = jnp.minimum(
+            jnp.searchsorted(cu_w[1:], w, side="right").astype(jnp.int32), num_folds - 1
+        )
+        chunk_w = jnp.where(valid_w, w - cu_w[fold_w], 0)
+        logical_wc = jnp.minimum(
+            chunk_w[:, None] * chunk_pages + jnp.arange(chunk_pages)[None, :], pages_per_slot - 1
+        )
+        kv_wcpxd = _values(kv_pages[page_table_sp[slot_f[fold_w][:, None], logical_wc]], layout)
+        kv_wsxd = kv_wcpxd.reshape(num_folds, chunk_keys, *kv_wcpxd.shape[3:])
+        k_wskd, v_wskd = _split_combined(kv_wsxd, kv_heads, head_dim)
+        s_wkqs = jnp.einsum("wkqd,wskd->wkqs", q_fkqd[fold_w], k_wskd,
                             preferred_element_type=jnp.float32) * scale
-        key_pos_s = c * chunk_keys + jnp.arange(chunk_keys)
-        mask_f1qs = (key_pos_s[None, None, :] < limit_fq[:, :, None])[:, None]
-        s_fkqs = jnp.where(mask_f1qs, s_fkqs, MASK_VALUE)
-        m_new = jnp.maximum(m_fkq, jnp.max(s_fkqs, axis=-1))
-        p_fkqs = jnp.where(mask_f1qs, jnp.exp(s_fkqs - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m_fkq - m_new)
-        l_new = alpha * l_fkq + jnp.sum(p_fkqs, axis=-1)
-        pv_fkqd = jnp.einsum("fkqs,fskd->fkqd", p_fkqs, v_fskd.astype(jnp.float32))
-        return m_new, l_new, alpha[..., None] * acc_fkqd + pv_fkqd
+        key_pos_ws = chunk_w[:, None] * chunk_keys + jnp.arange(chunk_keys)[None, :]
+        mask_wqs = (key_pos_ws[:, None, :] < limit_fq[fold_w][:, :, None]) & valid_w[:, None, None]
+        p_wkqs, m_wkq, l_wkq = _masked_softmax(s_wkqs, mask_wqs[:, None])
+        pv_wkqd = jnp.einsum("wkqs,wskd->wkqd", p_wkqs, v_wskd.astype(jnp.float32))
+        # Items of one fold sit side by side and may share a step: each is rescaled to the
+        # fold's new maximum and the sums are added per fold (items past the list: dropped).
+        into_w = jnp.where(valid_w, fold_w, num_folds)
+        m_new = m_fkq.at[into_w].max(m_wkq, mode="drop")
+        weight_wkq = jnp.exp(m_wkq - m_new[fold_w])
+        alpha_fkq = jnp.exp(m_fkq - m_new)
+        l_new = (alpha_fkq * l_fkq).at[into_w].add(weight_wkq * l_wkq, mode="drop")
+        acc_new = (alpha_fkq[..., None] * acc_fkqd).at[into_w].add(
+            weight_wkq[..., None] * pv_wkqd, mode="drop"
+        )
+        return m_new, l_new, acc_new
 
     shape_fkq = q_fkqd.shape[:-1]
     init = (
@@ -659,7 +693,7 @@ def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
         jnp.zeros(shape_fkq, jnp.float32),
         jnp.zeros(q_fkqd.shape, jnp.float32),
     )
-    m_fkq, l_fkq, acc_fkqd = jax.lax.fori_loop(0, num_chunks, step, init)
+    m_fkq, l_fkq, acc_fkqd = jax.lax.fori_loop(0, num_steps, step, init)
     out_fkqd, lse_fkq = _normalised(acc_fkqd, m_fkq, l_fkq)
     return _unfold(out_fkqd, folds, groups), _unfold(lse_fkq, folds, groups)
 
