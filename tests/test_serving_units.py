@@ -291,7 +291,8 @@ def test_past_max_connections_a_request_gets_an_openai_503(monkeypatch):
         app_server, bind_socket("127.0.0.1", 0), max_connections=2, log_level="critical"
     ).start()
     host, port = server.address
-    url = f"http://{host}:{port}/health"
+    base = f"http://{host}:{port}"
+    url = f"{base}/v1/models"
     idle = []
     try:
         assert app_server.runner.wait_ready(30)
@@ -304,6 +305,12 @@ def test_past_max_connections_a_request_gets_an_openai_503(monkeypatch):
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "service_unavailable"
         assert "--max-connections 2" in refused.json()["error"]["message"]
+        assert metrics.http_responses.labels("503")._value.get() == 1
+        # Liveness probes and scrapes still answer: a saturated server is busy, not dead.
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        assert httpx.head(f"{base}/health", timeout=10).status_code == 200
+        scraped = httpx.get(f"{base}/metrics", timeout=10)
+        assert scraped.status_code == 200 and "dspark:http_responses_total" in scraped.text
         assert metrics.http_responses.labels("503")._value.get() == 1
         for c in idle:
             c.close()

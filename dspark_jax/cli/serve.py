@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=2048,
-        help="open connections before new requests get 503 (default 2048)",
+        help="open connections before new requests get 503 (/health and /metrics still answer; "
+        "default 2048)",
     )
     http.add_argument(
         "--read-timeout",

@@ -747,7 +747,13 @@ class _CountStatus:
 class _ConnectionLimit:
     """ASGI wrapper answering a request that arrives while more than `limit` connections are
     open with an OpenAI 503 (Retry-After, Connection: close). uvicorn's own limit_concurrency
-    answers text/plain with no Retry-After, before the app (or its response counter) sees it."""
+    answers text/plain with no Retry-After, before the app (or its response counter) sees it.
+
+    `/health` and `/metrics` are answered past the limit: they cost next to nothing, and a
+    liveness probe or a Prometheus scrape that failed whenever the server is saturated would
+    restart a busy server or leave a gap exactly where the overload shows."""
+
+    EXEMPT = frozenset({"/health", "/metrics"})
 
     def __init__(self, app, limit: int, open_connections: Callable[[], int]):
         self.app = app
@@ -755,7 +761,11 @@ class _ConnectionLimit:
         self.open_connections = open_connections
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (count := self.open_connections()) > self.limit:
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in self.EXEMPT
+            and (count := self.open_connections()) > self.limit
+        ):
             error = _unavailable(
                 f"the server has {count} connections open (--max-connections {self.limit})"
             )

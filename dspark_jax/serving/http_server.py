@@ -11,7 +11,8 @@
   opened (or after its first bytes, on a kept-alive connection). Bodies have their own deadline
   in the app (`HttpLimits.read_timeout_s`).
 - Past `max_connections` open connections a request gets 503 from the app (an OpenAI error with
-  Retry-After, counted), not from uvicorn's limit_concurrency (text/plain, uncounted).
+  Retry-After, counted), not from uvicorn's limit_concurrency (text/plain, uncounted);
+  `/health` and `/metrics` are still answered.
 - SIGTERM and SIGINT (Ctrl-C) drain: uvicorn closes the listening socket and the app stops
   taking requests and sheds those not started (503). Running requests get `drain_timeout_s` to
   finish; then the app aborts them itself, so each ends with a whole answer (503, or a last
