@@ -282,6 +282,39 @@ class _IdleBatcher(_ExplodingBatcher):
         return False
 
 
+class _WarmingEngine(_Engine):
+    """Stays in warm-up until `done` is set."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def warm_up(self) -> None:
+        self.done.wait(30)
+
+
+def test_health_during_warm_up_is_a_503_with_retry_after(monkeypatch):
+    monkeypatch.setattr(runtime, "Batcher", _IdleBatcher)
+    engine = _WarmingEngine()
+    model = ServedModel("m", ByteTokenizer(), 64, (256,))
+    app_server = OpenAIServer(EngineRunner(engine, max_waiting=4), model, ServingMetrics(1, 1, 0))
+    server = HttpServer(app_server, bind_socket("127.0.0.1", 0), log_level="critical").start()
+    host, port = server.address
+    url = f"http://{host}:{port}/health"
+    try:
+        assert wait_until(lambda: server.started, 30, interval=0.01)
+        for warming in (httpx.get(url, timeout=10), httpx.head(url, timeout=10)):
+            assert warming.status_code == 503
+            assert warming.headers["retry-after"] == "1"
+        assert httpx.get(url, timeout=10).json()["status"] == "warming up"
+        engine.done.set()
+        assert app_server.runner.wait_ready(30)
+        ready = httpx.get(url, timeout=10)
+        assert ready.status_code == 200 and "retry-after" not in ready.headers
+    finally:
+        engine.done.set()
+        server.shutdown(30)
+
+
 def test_past_max_connections_a_request_gets_an_openai_503(monkeypatch):
     monkeypatch.setattr(runtime, "Batcher", _IdleBatcher)
     model = ServedModel("m", ByteTokenizer(), 64, (256,))

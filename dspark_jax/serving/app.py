@@ -813,7 +813,9 @@ def create_app(
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         status, body = server.health()
-        return JSONResponse(body, status_code=status)
+        # Like every 503 of this server: a probe or client waiting for warm-up knows when.
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.get("/metrics")
     async def metrics():
