@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 
@@ -313,6 +314,33 @@ def test_health_during_warm_up_is_a_503_with_retry_after(monkeypatch):
     finally:
         engine.done.set()
         server.shutdown(30)
+
+
+@pytest.mark.parametrize("stopped_during_warm_up", [False, True])
+def test_ready_is_logged_only_when_the_server_becomes_ready(
+    monkeypatch, caplog, stopped_during_warm_up
+):
+    """A Ctrl-C during warm-up drains at once, but the warm-up runs to its end; its "ready"
+    would come after uvicorn's "Finished server process"."""
+    monkeypatch.setattr(runtime, "Batcher", _IdleBatcher)
+    # The CLI stops this logger propagating to the root, where caplog listens.
+    logger = logging.getLogger(runtime.__name__)
+    caplog.set_level(logging.INFO, logger=runtime.__name__)
+    logger.addHandler(caplog.handler)
+    engine = _WarmingEngine()
+    runner = EngineRunner(engine, max_waiting=1).start()
+    try:
+        if stopped_during_warm_up:
+            runner.close()
+        engine.done.set()
+        assert runner.wait_ready(30) is not stopped_during_warm_up
+        assert runner.stop(30)
+    finally:
+        engine.done.set()
+        logger.removeHandler(caplog.handler)
+    logged = [r.getMessage() for r in caplog.records if r.name == runtime.__name__]
+    assert any(m.startswith("ready:") for m in logged) is not stopped_during_warm_up, logged
+    assert runner.status == runtime.STOPPED
 
 
 def test_past_max_connections_a_request_gets_an_openai_503(monkeypatch):

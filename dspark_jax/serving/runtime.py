@@ -139,14 +139,16 @@ class EngineRunner:
             self.warmup_s = time.perf_counter() - t0
             with self._lock:
                 self.batcher = batcher
-                if self._status == WARMING_UP:
+                ready = self._status == WARMING_UP
+                if ready:
                     self._status = READY
             self._ready.set()
-            log.info(
-                "ready: warm-up compiled %d programs in %.1f s",
-                self.engine.compiled_programs(),
-                self.warmup_s,
-            )
+            if ready:  # not when a drain began during warm-up: the server is stopping
+                log.info(
+                    "ready: warm-up compiled %d programs in %.1f s",
+                    self.engine.compiled_programs(),
+                    self.warmup_s,
+                )
             self._loop(batcher)
         except BaseException as e:  # noqa: BLE001 - reported to every waiting request
             self._fail(e)
