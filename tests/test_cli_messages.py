@@ -1,10 +1,12 @@
-"""Small truths of the command line: --version, and output folders that are not overwritten
-without --overwrite (named as the flag, not as a Python argument)."""
+"""Small truths of the command line: --version, `python -m dspark_jax`, output folders that are
+not overwritten without --overwrite (named as the flag, not as a Python argument)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -17,6 +19,16 @@ from dspark_jax.embedded import TINY_DRAFT
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"dspark-jax {version('dspark-jax')}"
+
+
+@pytest.mark.parametrize("module", ["dspark_jax", "dspark_jax.cli"])
+def test_python_dash_m_runs_the_cli(module):
+    """`python -m dspark_jax serve ...` is the spelling people try first."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: dspark-jax") and "serve" in done.stdout
 
 
 def test_eval_refuses_a_non_empty_output_folder(tmp_path, capsys):

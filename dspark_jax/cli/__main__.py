@@ -1,4 +1,5 @@
-"""`python -m dspark_jax.cli`: the `dspark-jax` console script without the installed launcher."""
+"""`python -m dspark_jax.cli` (or `python -m dspark_jax`): the `dspark-jax` console script
+without the installed launcher."""
 
 import sys
 
