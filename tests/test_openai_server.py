@@ -591,6 +591,8 @@ def test_nulls_neutral_values_and_every_role_are_accepted(served):
         metadata={"team": "search"},
         service_tier="auto",
         user="u1",
+        safety_identifier="u1-hash",
+        prompt_cache_key="chat-v1",
         response_format={"type": "text"},
         reasoning_effort=None,
         tools=[],

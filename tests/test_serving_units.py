@@ -163,11 +163,13 @@ def test_neutral_values_of_fields_the_server_does_not_implement_are_accepted():
     CompletionRequest.model_validate_json(
         b'{"prompt": "x", "store": false, "metadata": {"team": "a"}, "service_tier": "auto",'
         b' "user": "u1", "suffix": "", "best_of": 1, "logprobs": null, "logit_bias": {},'
-        b' "presence_penalty": 0, "frequency_penalty": null}'
+        b' "presence_penalty": 0, "frequency_penalty": null, "safety_identifier": "h1",'
+        b' "prompt_cache_key": "k1"}'
     )
     ChatCompletionRequest.model_validate_json(
         b'{"messages": [{"role": "user", "content": "x"}], "store": false, "metadata": {},'
         b' "service_tier": "default", "user": "u1", "parallel_tool_calls": true, "tools": [],'
+        b' "safety_identifier": "h1", "prompt_cache_key": null,'
         b' "tool_choice": "none", "logprobs": false, "top_logprobs": 0,'
         b' "response_format": {"type": "text"}, "reasoning_effort": null}'
     )

@@ -6,7 +6,8 @@ are refused with a 400 naming the field, instead of being coerced or failing dee
 engine. Fields of the OpenAI API that this server does not implement are accepted only at their
 neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: null`, `store: false`, ...), so a
 client never silently gets something other than what it asked for; fields with no effect on
-the answer (`user`, `metadata`, `parallel_tool_calls` without tools) are accepted and ignored.
+the answer (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`, `parallel_tool_calls`
+without tools) are accepted and ignored.
 Where the OpenAI API lets a field be null, null means its default. Fields that take one of
 several JSON types (`prompt`, `stop`, message `content`) pick the schema by the JSON type sent,
 so an error names one place and says one thing.
@@ -130,7 +131,11 @@ class GenerationRequest(_Strict):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     return_token_ids: Flag = False
+    # No effect on the answer: OpenAI's end-user id (`safety_identifier` is its successor) and
+    # its prompt-caching hint.
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     presence_penalty: Annotated[Penalty | None, _only(None, 0.0)] = None
     frequency_penalty: Annotated[Penalty | None, _only(None, 0.0)] = None
     logit_bias: Annotated[dict[str, float] | None, _only(None, {})] = None
