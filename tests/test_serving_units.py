@@ -426,6 +426,9 @@ def test_chat_template_and_enable_thinking():
     # A developer message is a system message to the template (OpenAI's newer name for it).
     developer = rendered(b'{"messages": [{"role": "developer", "content": "be brief"}]}')
     assert developer.startswith("<|im_start|>system\nbe brief<|im_end|>\n")
+    # A message's name is accepted and not passed to the template (docs/serving.md).
+    named = rendered(b'{"messages": [{"role": "user", "content": "hi", "name": "alice"}]}')
+    assert named == plain
     thinking = rendered(b"{" + messages + b', "chat_template_kwargs": {"enable_thinking": true}}')
     assert thinking == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     # Streamed text leaves special tokens out and keeps the think markers (no reasoning parser).

@@ -207,7 +207,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Only an assistant message may leave its content out (OpenAI: one that calls tools).
     content: Annotated[Content | None, Field(validate_default=True)] = None
-    name: str | None = None
+    name: str | None = None  # accepted; the chat template sees role and content only
     tool_call_id: str | None = None  # which call a tool message answers
     # Fields the API returns on an assistant message, so a client can send a reply back as it
     # got it (`messages.append(reply.choices[0].message.model_dump())`): neutral values only.
