@@ -13,11 +13,13 @@ import pytest
 from _chat_tokenizer import build_chat_tokenizer
 from pydantic import ValidationError
 from serving_helpers import wait_until
+from uvicorn.config import LOGGING_CONFIG
+from uvicorn.logging import AccessFormatter
 
 from dspark_jax.decoding.batching import Handle
 from dspark_jax.embedded import EMBEDDED_TARGET
 from dspark_jax.serving import runtime
-from dspark_jax.serving.app import ApiError, OpenAIServer, ServedModel
+from dspark_jax.serving.app import ApiError, HttpLimits, OpenAIServer, ServedModel
 from dspark_jax.serving.http_server import HttpServer, bind_socket
 from dspark_jax.serving.metrics import ServingMetrics
 from dspark_jax.serving.protocol import (
@@ -382,6 +384,55 @@ def test_past_max_connections_a_request_gets_an_openai_503(monkeypatch):
         for c in idle:
             c.close()
         server.shutdown(30)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_head_timeout_is_in_the_access_log_like_a_body_timeout(monkeypatch):
+    """uvicorn logs what goes through the app (a body timeout); a request head that never
+    completes is answered below it, and gets the same access-log line."""
+    monkeypatch.setattr(runtime, "Batcher", _IdleBatcher)
+    model = ServedModel("m", ByteTokenizer(), 64, (256,))
+    limits = HttpLimits(read_timeout_s=0.5)
+    app_server = OpenAIServer(
+        EngineRunner(_Engine(), max_waiting=4), model, ServingMetrics(1, 1, 0), limits
+    )
+    server = HttpServer(app_server, bind_socket("127.0.0.1", 0), read_timeout_s=0.5)
+    access = logging.getLogger("uvicorn.access")
+    logged = _Records()
+    access.addHandler(logged)
+    host, port = server.address
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    try:
+        server.start()
+        assert app_server.runner.wait_ready(30)
+        for sent in (head, head + b"Content-Length: 100\r\n\r\n{", b"POST /v1/co"):
+            with socket.create_connection((host, port), timeout=10) as c:
+                c.sendall(sent)
+                answer = b""
+                while chunk := c.recv(65536):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert wait_until(lambda: len(logged.records) == 3, 10)
+    finally:
+        access.removeHandler(logged)
+        server.shutdown(30)
+    # Formatted as the server's access log formats them (uvicorn's own format).
+    formatter = AccessFormatter(LOGGING_CONFIG["formatters"]["access"]["fmt"], use_colors=False)
+    lines = [formatter.format(r) for r in logged.records]
+    assert all(
+        line.endswith('"POST /v1/completions HTTP/1.1" 408 Request Timeout') for line in lines[:2]
+    )
+    # A request line that never arrived whole is not guessed at.
+    assert lines[2].endswith('"- - HTTP/-" 408 Request Timeout'), lines
+    assert all(line.startswith("INFO:") and " 127.0.0.1:" in line for line in lines), lines
 
 
 def test_engine_failure_answers_in_flight_requests_and_stops_the_server(monkeypatch):

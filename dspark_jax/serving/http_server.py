@@ -7,9 +7,10 @@
   head's size (h11's incomplete-event limit, 16 KiB) and closes idle keep-alive connections
   (`timeout_keep_alive`), but a client that sends its head one byte at a time (slow loris) is
   never timed out: `_HeadDeadline` answers 408 (an OpenAI error object, counted in the
-  metrics) and closes when a request head is not complete `read_timeout_s` after the connection
-  opened (or after its first bytes, on a kept-alive connection). Bodies have their own deadline
-  in the app (`HttpLimits.read_timeout_s`).
+  metrics and written to the access log like the app's answers) and closes when a request head
+  is not complete `read_timeout_s` after the connection opened (or after its first bytes, on a
+  kept-alive connection). Bodies have their own deadline in the app
+  (`HttpLimits.read_timeout_s`).
 - Past `max_connections` open connections a request gets 503 from the app (an OpenAI error with
   Retry-After, counted), not from uvicorn's limit_concurrency (text/plain, uncounted);
   `/health` and `/metrics` are still answered.
@@ -29,9 +30,11 @@ import asyncio
 import errno
 import json
 import logging
+import re
 import signal
 import socket
 import threading
+import urllib.parse
 
 import h11
 import uvicorn
@@ -147,6 +150,26 @@ class _HeadDeadline(H11Protocol):
             self.transport.write(self.timeout_answer)
             self.transport.close()
             self.timeouts.inc()
+            if self.access_log:  # as uvicorn logs every answer that went through the app
+                self.access_logger.info(
+                    '%s - "%s %s HTTP/%s" %d',
+                    f"{self.client[0]}:{self.client[1]}" if self.client else "",
+                    *_request_line(self.conn.trailing_data[0]),
+                    408,
+                )
+
+
+_REQUEST_LINE = re.compile(rb"([A-Z]+) (\S+) HTTP/(\d\.\d)\r?\n")
+
+
+def _request_line(head: bytes) -> tuple[str, str, str]:
+    """(method, path, HTTP version) of a partly received request head for the access log, each
+    "-" unless its whole request line arrived."""
+    match = _REQUEST_LINE.match(head)
+    if match is None:
+        return "-", "-", "-"
+    method, target, version = (part.decode("latin-1") for part in match.groups())
+    return method, urllib.parse.quote(target, safe="/?=&%:@+,;!$'()*~"), version
 
 
 def _protocol(read_timeout_s: float, metrics: ServingMetrics) -> type[H11Protocol]:
