@@ -21,7 +21,9 @@ the slot later.
 A request's tokens depend only on itself and its seed (the engine's randomness is addressed by
 request and position), never on when it joined or which requests share the slots -- except
 under policies that size verification by the whole batch (the schedulers), which keep the
-output distribution but not the exact tokens.
+output distribution but not the exact tokens, and up to rounding: the verification is padded to
+a token bucket chosen by the load, and in bfloat16 that shape can tip a near-tie between two
+logits (docs/engine.md, "What holds").
 
 Threads: `submit` and `cancel` may be called from any thread; everything else runs on the thread
 that drives the loop (`run_until_idle` for offline work; the server's engine thread calls `step`).
