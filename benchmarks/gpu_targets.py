@@ -7,7 +7,9 @@ met, not met or not measured (markdown, ready for docs/benchmarks.md):
 - at concurrency 64 the better scheduler (Algorithm 1 or Section 5.2) serves >= 1.1x the
   throughput of the best other policy (no speculation, fixed gamma, best threshold;
   throughput.json);
-- the training step at the released recipe's shapes reaches >= 40% MFU (train_throughput.json).
+- the training step at the released recipe's shapes reaches >= 40% MFU, counting the frozen
+  target's forward and the drafter's training (train_throughput.json; the drafter-only MFU
+  is shown beside it, not judged).
 
     python benchmarks/gpu_targets.py gpu_out/        # the folder gpu_session.sh wrote
 
@@ -41,6 +43,9 @@ SESSION_FILES = (
     "sps.json",
     "switch_cost.json",
 )
+# train_throughput.py's MODEL_FLOPS_VERSION whose MFU is judged (that script imports jax; this
+# one does not, so the number is repeated here and a test keeps the two equal).
+MODEL_FLOPS_VERSION = 2
 # The released recipe's shapes (benchmarks/gpu_session.sh at its default SIZE).
 AIM_CONFIG = "qwen3-4b"
 AIM_TRAINING = {
@@ -135,6 +140,10 @@ def scheduler_target(report: dict | None) -> dict:
 
 
 def training_target(result: dict | None) -> dict:
+    """The MFU of target forward + drafter training (the aim's), with the drafter-only MFU in
+    the detail. A result counted before MODEL_FLOPS_VERSION (no `model_flops_version`: dense
+    attention, the Markov head's W1 and the fc input gradient counted, ~14% high at the
+    recipe's shapes) is shown but not judged."""
     source = "train_throughput.json"
     if result is None:
         return _row(None, ">= 0.40", None, f"no {source} in the folder", source)
@@ -143,13 +152,28 @@ def training_target(result: dict | None) -> dict:
         f"({result['device']}, {result['target']} + {result['drafter']}, {result['dtype']})"
     )
     if result.get("mfu") is None:
-        return _row(None, ">= 0.40", None, f"no peak FLOP/s known: {detail}", source)
+        why = result.get("mfu_note") or "no peak FLOP/s known"
+        return _row(None, ">= 0.40", None, f"{why}: {detail}", source)
+    if result.get("drafter_mfu") is not None:
+        detail = f"drafter-only MFU {result['drafter_mfu']:.2f}; {detail}"
     row = _row(result["mfu"], ">= 0.40", result["mfu"] >= 0.40, detail, source)
     differ = [
         f"{key} {result[key]}" for key, aim in AIM_TRAINING.items() if result.get(key, aim) != aim
     ]
     recipe = ", ".join(f"{key} {aim}" for key, aim in AIM_TRAINING.items())
-    return _off_shapes(row, f"{', '.join(differ)}; the recipe: {recipe}" if differ else None)
+    row = _off_shapes(row, f"{', '.join(differ)}; the recipe: {recipe}" if differ else None)
+    version = result.get("model_flops_version", 1)
+    if version == MODEL_FLOPS_VERSION:
+        return row
+    return {
+        **row,
+        "met": None,
+        "detail": f"model FLOPs counted by formula version {version}, not "
+        f"{MODEL_FLOPS_VERSION} (version 1 counts dense attention, the Markov head's W1 and "
+        "the fc input gradient: about 14% high at the recipe's shapes); not judged, re-run "
+        f"train_throughput.py: {row['detail']}",
+        "not_judged": True,
+    }
 
 
 def targets(folder: Path) -> list[dict]:
@@ -181,7 +205,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         value = "n/a" if r["value"] is None else f"{r['value']:.2f}"
         status = {True: "**met**", False: "**not met**", None: "not measured"}[r["met"]]
-        if r.get("off_shapes"):
+        if r.get("off_shapes") or r.get("not_judged"):
             status = "not judged"
         lines.append(
             f"| {r['name']} | {value} | {r['target']} | {status}: {r['detail']} | {r['source']} |"

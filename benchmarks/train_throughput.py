@@ -8,12 +8,14 @@ frozen target forward, packed anchor blocks, chunked loss with remat, AdamW upda
     python benchmarks/train_throughput.py --target qwen3-4b --drafter dspark-qwen3-4b \
         --batch 8 --seq-len 4096 --anchors 512 --chunk 64 --dtype bfloat16
 
-Prints a table and writes JSON (--json). Model FLOPs count one target forward (over the whole
-sequence, attention as executed: dense) and the drafter's forward plus a backward of twice its
-forward cost (the frozen lm_head only needs the input gradient); remat recomputation is not
-counted, so MFU is model FLOPs utilisation. Memory: XLA's analysis of the compiled step
-(arguments, temporaries, their peak) beside the allocator's measured peak where the backend
-keeps one (GPU/TPU).
+Prints a table and writes JSON (--json). MFU is model FLOPs utilisation: the matmul FLOPs the
+step must do (`model_flops`, counted from the shapes; remat recomputation, masked attention and
+gradients nobody needs are not counted) over the step's time and the devices' dense bf16 peak
+(`PEAK_BF16_FLOPS`, looked up by the exact device kind; an unknown kind gives no MFU and says
+so). Two MFUs are reported side by side: the total (one frozen target forward + the drafter's
+training), which the project's aim is judged on, and the drafter's training FLOPs alone over the
+same step time. Memory: XLA's analysis of the compiled step (arguments, temporaries, their peak)
+beside the allocator's measured peak where the backend keeps one (GPU/TPU).
 """
 
 from __future__ import annotations
@@ -47,16 +49,32 @@ from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sharding import MeshConfig, make_mesh, shard_state, state_shardings
 from dspark_jax.training import step as S
 
-# Dense bf16 peak FLOP/s per device, by substring of jax's device_kind.
+# Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per device, by jax's exact
+# `device_kind`. An exact match, because one family spans parts of different peaks: the H100
+# SXM ("NVIDIA H100 80GB HBM3") has 989e12, the H100 PCIe 756e12. NVIDIA's datasheets quote
+# the with-sparsity figures, twice these: H100 SXM 1,979 and PCIe 1,513 TFLOP/s (checked against
+# a reseller's copy of NVIDIA's H100 table, 2026-11-25). H100 NVL: 835e12 per GPU, the figure
+# this table was given for the 94 GB part, not checked against an NVIDIA page (none was at
+# hand). H200 (SXM): the H100 SXM's compute with more memory. A100, every form factor: 312e12.
+# TPUs: Google's per-chip bf16 peaks (one jax device per chip from v4 on).
 PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "TPU v5p": 459e12,
-    "TPU v5 lite": 197e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
     "TPU v4": 275e12,
-    "TPU v6": 918e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
 }
+# Bumped when `model_flops` changes what it counts, so gpu_targets.py can tell results counted
+# the old way (no such field: dense attention, the Markov head's W1 counted as a matmul, the fc
+# input gradient counted; about 14% more than version 2 at the released recipe's shapes).
+MODEL_FLOPS_VERSION = 2
 
 
 def _linear_params(cfg: Qwen3Config) -> int:
@@ -67,29 +85,73 @@ def _linear_params(cfg: Qwen3Config) -> int:
     return cfg.num_hidden_layers * (attn + mlp)
 
 
-def _attention_flops(cfg: Qwen3Config, queries: int, keys: int) -> float:
-    """QK^T and PV, as executed (dense), per sequence."""
-    return 4.0 * queries * keys * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+def _attention_flops(cfg: Qwen3Config, query_key_pairs: float) -> float:
+    """QK^T and PV over the (query, key) pairs a mask lets through, all layers, one pass."""
+    return 4.0 * query_key_pairs * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+
+
+def mean_anchor(seq_len: int) -> float:
+    """Expected position of an anchor in one benchmark sequence: `training.loss.sample_anchors`
+    draws the anchors uniformly without replacement among the `anchor_positions` candidates
+    (_prompt_len(seq_len) .. seq_len - 2), so each one's expectation is their mean."""
+    return (_prompt_len(seq_len) + seq_len - 2) / 2
 
 
 def model_flops(
-    target: Qwen3Config, drafter: DrafterConfig, batch: int, seq_len: int, chunk: int
+    target: Qwen3Config, drafter: DrafterConfig, batch: int, seq_len: int, anchor: float
 ) -> dict[str, float]:
-    """Model FLOPs of one train step (see the module docstring)."""
+    """Useful matmul FLOPs of one train step over `batch` sequences of `seq_len` tokens whose
+    anchors sit at mean position `anchor` (`mean_anchor`: the expectation under the step's
+    uniform sampling, exact in expectation because every term is linear in the positions).
+
+    target_forward: the frozen target once over the sequence (2 x decoder weights per token),
+    causal attention (query q sees keys 0..q: seq_len (seq_len + 1) / 2 pairs), and its lm_head
+    on the n * gamma block slots (p_t).
+
+    drafter_train, forward x 3 (forward, input and weight gradients) except where a gradient is
+    not needed:
+      - fc over the taps: forward + weight gradient only (the taps are under stop_gradient);
+      - the context K/V projections of every drafter layer over the whole sequence;
+      - the block stream's decoder weights on the n * gamma slots, less layer 0's q/k/v input
+        gradient (its input is the frozen embedding's output);
+      - block attention over the keys a block's queries see: the p_i context keys j < p_i and
+        the gamma keys of their own block, gamma * sum_i (p_i + gamma) pairs;
+      - the frozen lm_head: forward + input gradient;
+      - the Markov head: W2 [vocab, rank] once (W1 is a gather, no matmul), plus the gated or
+        rnn kind's projection; the confidence head's projection.
+    Not counted: remat recomputation, attention over masked keys (computed or not), the
+    embedding gathers, norms and other elementwise work.
+    """
     m = drafter.model
     n, k = drafter.num_anchors, drafter.block_size
     slots = n * k
-    target_fwd = 2.0 * _linear_params(target) * seq_len + _attention_flops(target, seq_len, seq_len)
-    target_fwd += 2.0 * target.hidden_size * target.vocab_size * slots  # p_t on the block slots
-    kv_width = 2 * m.num_key_value_heads * m.head_dim * m.num_hidden_layers
-    context = (
-        2.0 * seq_len * (drafter.num_context_features * m.hidden_size + m.hidden_size * kv_width)
+    d, v, r = m.hidden_size, m.vocab_size, drafter.markov_rank
+    target_fwd = (
+        2.0 * _linear_params(target) * seq_len
+        + _attention_flops(target, seq_len * (seq_len + 1) / 2)
+        + 2.0 * target.hidden_size * target.vocab_size * slots  # p_t on the block slots
     )
-    blocks = 2.0 * _linear_params(m) * slots + _attention_flops(m, slots, seq_len + chunk * k)
-    heads = 2.0 * slots * m.vocab_size * (m.hidden_size + 2 * drafter.markov_rank)
-    lm_head = 2.0 * slots * m.vocab_size * m.hidden_size
-    drafter_fwd = context + blocks + heads
-    drafter_train = 3.0 * drafter_fwd - lm_head  # no weight gradient for the frozen lm_head
+    fc = 2.0 * seq_len * drafter.num_context_features * d
+    kv_width = 2 * m.num_key_value_heads * m.head_dim * m.num_hidden_layers
+    context_kv = 2.0 * seq_len * d * kv_width
+    blocks = 2.0 * _linear_params(m) * slots
+    qkv_width = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+    layer0_qkv = 2.0 * slots * d * qkv_width
+    block_attention = _attention_flops(m, k * n * (anchor + k))
+    lm_head = 2.0 * slots * v * d
+    heads = 2.0 * slots * v * r  # Markov W2
+    if r and drafter.markov_head_type == "gated":
+        heads += 2.0 * slots * (d + r) * r
+    elif r and drafter.markov_head_type == "rnn":
+        heads += 2.0 * slots * (d + 2 * r) * 3 * r
+    if drafter.enable_confidence_head:
+        heads += 2.0 * slots * (d + (r if drafter.confidence_head_with_markov else 0))
+    drafter_train = (
+        2.0 * fc
+        + 3.0 * (context_kv + blocks + block_attention + heads)
+        - layer0_qkv
+        + 2.0 * lm_head
+    )
     return {
         "target_forward": batch * target_fwd,
         "drafter_train": batch * drafter_train,
@@ -97,12 +159,15 @@ def model_flops(
     }
 
 
-def _peak_flops(device) -> float | None:
-    kind = getattr(device, "device_kind", "")
-    for name, flops in PEAK_BF16_FLOPS.items():
-        if name.lower() in kind.lower():
-            return flops
-    return None
+def peak_flops(device_kind: str) -> tuple[float | None, str | None]:
+    """(dense bf16 peak FLOP/s, None) for a known device kind, else (None, why not)."""
+    peak = PEAK_BF16_FLOPS.get(device_kind)
+    if peak is not None:
+        return peak, None
+    return None, (
+        f"no dense bf16 peak known for device kind {device_kind!r} (known: "
+        f"{', '.join(PEAK_BF16_FLOPS)}); add it to PEAK_BF16_FLOPS from the vendor's datasheet"
+    )
 
 
 def _prompt_len(seq_len: int) -> int:
@@ -183,8 +248,14 @@ def run(args: argparse.Namespace) -> dict:
     # temporaries); backends without an allocator report (CPU) give None.
     stats = jax.devices()[0].memory_stats() or {}
     measured_peak = stats.get("peak_bytes_in_use")
-    flops = model_flops(target_cfg, drafter_cfg, args.batch, args.seq_len, args.chunk)
-    peak = _peak_flops(jax.devices()[0])
+    flops = model_flops(
+        target_cfg, drafter_cfg, args.batch, args.seq_len, mean_anchor(args.seq_len)
+    )
+    kind = jax.devices()[0].device_kind
+    peak, mfu_note = peak_flops(kind)
+    if jax.default_backend() == "cpu":
+        peak, mfu_note = None, "no MFU on CPU (no dense bf16 peak to divide by)"
+    peak_all = None if peak is None else peak * jax.device_count()
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
@@ -206,9 +277,20 @@ def run(args: argparse.Namespace) -> dict:
         "step_s_max": max(times),
         "seq_tokens_per_s": args.batch * args.seq_len / step_s,
         "block_tokens_per_s": args.batch * args.anchors * drafter_cfg.block_size / step_s,
+        # What the FLOP counts below mean (see MODEL_FLOPS_VERSION); results without this
+        # field were counted the old way.
+        "model_flops_version": MODEL_FLOPS_VERSION,
         "model_tflop_per_step": flops["total"] / 1e12,
+        "target_forward_tflop_per_step": flops["target_forward"] / 1e12,
+        "drafter_train_tflop_per_step": flops["drafter_train"] / 1e12,
         "achieved_tflops": flops["total"] / step_s / 1e12,
-        "mfu": None if peak is None else flops["total"] / step_s / (peak * jax.device_count()),
+        "peak_bf16_tflops_per_device": None if peak is None else peak / 1e12,
+        # The aim's MFU: target forward + drafter training over the step time.
+        "mfu": None if peak_all is None else flops["total"] / step_s / peak_all,
+        # The drafter's training FLOPs alone over the same step time (the target forward's
+        # share is mfu - drafter_mfu).
+        "drafter_mfu": None if peak_all is None else flops["drafter_train"] / step_s / peak_all,
+        "mfu_note": mfu_note,
         "loss": float(metrics["loss"]),
         "xla_memory": xla_memory,
         "measured_peak_bytes": None if measured_peak is None else int(measured_peak),
@@ -234,6 +316,10 @@ def xla_memory_bytes(compiled) -> dict | None:
         fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"]
     )
     return fields
+
+
+def _percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def _bytes(n: int | None) -> str:
@@ -293,9 +379,14 @@ def main() -> None:
         ("seq tokens/s", f"{result['seq_tokens_per_s']:,.0f}"),
         ("block tokens/s", f"{result['block_tokens_per_s']:,.0f}"),
         ("model TFLOP/step", f"{result['model_tflop_per_step']:.4f}"),
+        ("  target forward", f"{result['target_forward_tflop_per_step']:.4f}"),
+        ("  drafter training", f"{result['drafter_train_tflop_per_step']:.4f}"),
         ("achieved TFLOP/s", f"{result['achieved_tflops']:.3f}"),
-        ("MFU", "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"),
+        ("MFU (target fwd + drafter)", _percent(result["mfu"])),
+        ("drafter-only MFU", _percent(result["drafter_mfu"])),
     ]
+    if result["mfu_note"]:
+        rows.append(("MFU note", result["mfu_note"]))
     xla = result["xla_memory"] or {}
     rows += [
         ("XLA memory: args / temps", f"{_bytes(xla.get('arguments'))} / "

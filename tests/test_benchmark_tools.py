@@ -126,7 +126,8 @@ def test_gpu_session_refuses_a_stage_it_does_not_have(tmp_path):
 _CPU_TRAINING = {
     "device": "1 x cpu", "target": "tiny-vanilla-target", "drafter": "tiny-vanilla-dspark",
     "dtype": "float32", "seq_len": 256, "anchors": 32, "achieved_tflops": 0.01,
-    "step_s_median": 0.1, "mfu": None,
+    "step_s_median": 0.1, "mfu": None, "drafter_mfu": None, "model_flops_version": 2,
+    "mfu_note": "no MFU on CPU (no dense bf16 peak to divide by)",
 }  # fmt: skip
 
 
@@ -394,6 +395,194 @@ def test_train_throughput_refuses_more_anchors_than_a_sequence_has_blocks():
     assert train_throughput.anchor_positions(4096) >= 512  # the released recipe's shapes
     done = _script("train_throughput.py", "--anchors", "64", "--seq-len", "16")
     _one_line_error(done, "--anchors 64", "13 positions")
+
+
+def _small_pair():
+    """A target and drafter small enough to count by hand (see the arithmetic below)."""
+    import dataclasses
+
+    from dspark_jax import configs
+
+    target = dataclasses.replace(
+        configs.get("tiny-vanilla-target"), vocab_size=32, hidden_size=8, intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+    )  # fmt: skip
+    drafter = dataclasses.replace(
+        configs.get("tiny-vanilla-dspark"),
+        model=dataclasses.replace(target, num_hidden_layers=1, tie_word_embeddings=False),
+        block_size=3, mask_token_id=31, target_layer_ids=(-1, 0), num_target_layers=2,
+        markov_rank=4, num_anchors=2,
+    )  # fmt: skip
+    return target, drafter
+
+
+def test_train_throughput_counts_useful_model_flops():
+    """model_flops on a small pair, term by term by hand (per sequence, seq_len 16):
+
+    target: D 8, I 16, 2 layers, 2 heads, 1 KV head, head_dim 4, vocab 32.
+      decoder weights per layer: attention 8*4*(2*2 + 2*1) = 192, MLP 3*8*16 = 384 -> 576;
+      x 2 layers = 1152; forward 2*1152*16 tokens = 36864
+      causal attention: 16*17/2 = 136 (query, key) pairs; 4*136*2 heads*4*2 layers = 8704
+      p_t head on n*gamma = 2*3 = 6 slots: 2*8*32*6 = 3072
+      target_forward = 36864 + 8704 + 3072 = 48640
+    drafter: the same layer shapes, 1 layer; taps (-1, 0) -> 2*8 = 16 context features;
+    Markov rank 4 (vanilla), confidence head with the Markov feature. Anchors: the prompt is
+    16 // 8 = 2 tokens, candidates 2..14 (13 of them), mean anchor (2 + 14) / 2 = 8.
+      fc 2*16*16*8 = 4096, forward + weight gradient only: x 2 = 8192
+      context K/V: width 2*1*4 = 8 per layer; 2*16*8*8 = 2048, x 3 = 6144
+      blocks: 2*576*6 = 6912, x 3 = 20736, less layer 0's q/k/v input gradient
+        2*6*8*((2 + 2*1)*4) = 1536
+      block attention: gamma*n*(mean anchor + gamma) = 3*2*(8 + 3) = 66 pairs;
+        4*66*2*4*1 = 2112, x 3 = 6336
+      frozen lm_head 2*6*32*8 = 3072, forward + input gradient: x 2 = 6144
+      Markov W2 2*6*32*4 = 1536 (W1 is a gather: 0), confidence 2*6*(8 + 4) = 144;
+        (1536 + 144) x 3 = 5040
+      drafter_train = 8192 + 6144 + 20736 - 1536 + 6336 + 6144 + 5040 = 51056
+    Batch 2 doubles each. (Before model_flops_version 2 the same pair counted dense
+    attention, both Markov matrices and the fc input gradient.)"""
+    import train_throughput
+
+    target, drafter = _small_pair()
+    anchor = train_throughput.mean_anchor(16)
+    assert anchor == 8.0 and train_throughput.anchor_positions(16) == 13
+    flops = train_throughput.model_flops(target, drafter, 2, 16, anchor)
+    assert flops == {
+        "target_forward": 2 * 48640.0,
+        "drafter_train": 2 * 51056.0,
+        "total": 2 * (48640.0 + 51056.0),
+    }
+    # Attention is counted over visible keys: anchors one position later add gamma*n = 6 pairs
+    # per drafter layer, 4*6*2*4 = 192 forward FLOPs, x 3 for training, x 2 sequences.
+    later = train_throughput.model_flops(target, drafter, 2, 16, anchor + 1)
+    assert later["drafter_train"] - flops["drafter_train"] == 2 * 3 * 192.0
+    assert later["target_forward"] == flops["target_forward"]
+
+
+def test_train_throughput_counts_the_markov_kinds_projections():
+    """gated adds gate_proj [D + r -> r], rnn joint_proj [D + 2r -> 3r], each x 3 for training;
+    rank 0 (DFlash shape) drops W2 and, with no confidence head, the confidence projection."""
+    import dataclasses
+
+    import train_throughput
+
+    target, drafter = _small_pair()
+    base = train_throughput.model_flops(target, drafter, 1, 16, 8.0)["drafter_train"]
+    gated = dataclasses.replace(drafter, markov_head_type="gated")
+    rnn = dataclasses.replace(drafter, markov_head_type="rnn")
+    # gated: 2*6*(8 + 4)*4 = 576, x 3 = 1728; rnn: 2*6*(8 + 8)*12 = 2304, x 3 = 6912.
+    assert train_throughput.model_flops(target, gated, 1, 16, 8.0)["drafter_train"] == base + 1728
+    assert train_throughput.model_flops(target, rnn, 1, 16, 8.0)["drafter_train"] == base + 6912
+    dflash = dataclasses.replace(
+        drafter, markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False
+    )
+    # Less (W2 1536 + confidence 144) x 3 = 5040.
+    assert train_throughput.model_flops(target, dflash, 1, 16, 8.0)["drafter_train"] == base - 5040
+
+
+def test_train_throughput_released_recipe_counts():
+    """At the released recipe's shapes (Qwen3-4B + its 5-layer drafter, one 4096-token sequence,
+    512 anchors): 57.87 TFLOP per sequence (target forward 37.50, drafter training 20.37),
+    against 66.00 counted before model_flops_version 2."""
+    import dataclasses
+
+    import train_throughput
+
+    from dspark_jax import configs
+
+    target = configs.get("qwen3-4b")
+    drafter = dataclasses.replace(configs.get("dspark-qwen3-4b"), num_anchors=512)
+    anchor = train_throughput.mean_anchor(4096)
+    assert anchor == (512 + 4094) / 2
+    flops = train_throughput.model_flops(target, drafter, 1, 4096, anchor)
+    assert flops["target_forward"] / 1e12 == pytest.approx(37.5012, abs=1e-4)
+    assert flops["drafter_train"] / 1e12 == pytest.approx(20.3671, abs=1e-4)
+    assert flops["total"] / 1e12 == pytest.approx(57.8683, abs=1e-4)
+
+
+def _dot_flops(jaxpr, times=1):
+    """2 x M x N x K of every dot_general in a jaxpr, scan bodies times their length."""
+    import math
+
+    import jax.extend.core
+
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            # batch x contracted x lhs free x rhs free = lhs size x rhs size / (batch x contr.)
+            shared = math.prod(lhs[i] for i in (*lc, *lb))
+            total += times * 2.0 * math.prod(lhs) * math.prod(rhs) / shared
+        inner = times * eqn.params["length"] if eqn.primitive.name == "scan" else times
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    total += _dot_flops(sub.jaxpr, inner)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    total += _dot_flops(sub, inner)
+    return total
+
+
+def test_train_throughput_count_matches_the_steps_jaxpr():
+    """The matmuls the real train step traces (tiny fixture pair, no remat, so nothing is
+    recomputed) are exactly model_flops plus what it leaves out on purpose: the masked pairs of
+    dense attention (the target's full 64 x 64 instead of causal; each drafter query against
+    all 64 context keys and the chunk's 4 x 7 block keys instead of the visible ones, x 3 for
+    training) and layer 0's q/k/v input gradient, traced though the frozen embedding needs it
+    not. A matmul added to the model or a gradient dropped shows up here."""
+    import dataclasses
+
+    import train_throughput as tt
+    from flax import nnx
+
+    from dspark_jax import configs
+    from dspark_jax.models.qwen3 import Qwen3
+    from dspark_jax.sharding import MeshConfig, make_mesh
+    from dspark_jax.training import step as S
+
+    batch, seq_len, anchors, chunk = 2, 64, 8, 4
+    target_cfg = configs.get("tiny-vanilla-target")
+    drafter_cfg = dataclasses.replace(configs.get("tiny-vanilla-dspark"), num_anchors=anchors)
+    target_gd, target_state = nnx.split(Qwen3(target_cfg, rngs=nnx.Rngs(0)))
+    drafter = S.new_drafter(drafter_cfg, nnx.merge(target_gd, target_state), seed=0)
+    drafter_gd, params, frozen_drafter = S.split_drafter(drafter)
+    models = S.Models(target_gd, drafter_gd, drafter_cfg)
+    cfg = dataclasses.replace(S.StepConfig(anchors, chunk, 1), remat=False)
+    tx, schedule = S.make_optimizer(1e-4, 100, 10, 0.0, 1.0)
+    state = S.init_train_state(params, tx, 0)
+    frozen = S.FrozenParams(target_state, frozen_drafter)
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    step = S.make_train_step(models, cfg, tx, schedule, mesh, state, frozen, batch, seq_len)
+    shapes = {
+        "tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+        "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.bool_),
+        "length": jax.ShapeDtypeStruct((batch,), jnp.int32),
+    }
+    traced = _dot_flops(step.trace(state, frozen, shapes).jaxpr.jaxpr)
+
+    m, k = drafter_cfg.model, drafter_cfg.block_size
+    slots, anchor = anchors * k, tt.mean_anchor(seq_len)
+    useful = tt.model_flops(target_cfg, drafter_cfg, batch, seq_len, anchor)["total"]
+    masked = tt._attention_flops(target_cfg, seq_len * seq_len - seq_len * (seq_len + 1) / 2)
+    masked += 3 * tt._attention_flops(m, slots * (seq_len + chunk * k) - k * anchors * (anchor + k))
+    layer0_qkv = 2.0 * slots * m.hidden_size * (m.num_attention_heads + 2 * m.num_key_value_heads)
+    layer0_qkv *= m.head_dim
+    assert traced == pytest.approx(useful + batch * (masked + layer0_qkv), rel=1e-12)
+
+
+def test_train_throughput_peak_is_looked_up_by_the_exact_device_kind():
+    import train_throughput
+
+    assert train_throughput.peak_flops("NVIDIA H100 80GB HBM3") == (989e12, None)  # SXM
+    assert train_throughput.peak_flops("NVIDIA H100 PCIe") == (756e12, None)
+    assert train_throughput.peak_flops("NVIDIA H100 NVL") == (835e12, None)
+    assert train_throughput.peak_flops("NVIDIA H200") == (989e12, None)
+    # No substring guesses: an H200 NVL or an unknown H100 part gets no peak, and says why.
+    for kind in ("NVIDIA H200 NVL", "NVIDIA H100", "H100", "cpu"):
+        peak, note = train_throughput.peak_flops(kind)
+        assert peak is None and repr(kind) in note and "NVIDIA H100 PCIe" in note
+    # gpu_targets.py judges results of the formula version train_throughput.py writes.
+    assert gpu_targets.MODEL_FLOPS_VERSION == train_throughput.MODEL_FLOPS_VERSION
 
 
 def test_docstrings_say_what_the_scripts_do():

@@ -31,10 +31,10 @@ def _throughput(schedulers, others, concurrency=64):
     return {"device": "gpu: H100", "rows": rows}
 
 
-def _train(mfu):
+def _train(mfu, drafter_mfu=None):
     models = {"target": "qwen3-4b", "drafter": "dspark-qwen3-4b", "dtype": "bfloat16"}
     return {"device": "1 x H100", **models, "achieved_tflops": 400.0, "step_s_median": 1.5,
-            "mfu": mfu}  # fmt: skip
+            "mfu": mfu, "drafter_mfu": drafter_mfu, "model_flops_version": 2}  # fmt: skip
 
 
 def test_every_aim_met(tmp_path):
@@ -75,3 +75,24 @@ def test_cpu_results_are_not_measured(tmp_path):
     rows = gpu_targets.targets(tmp_path)
     assert rows[0]["met"] is None and rows[3]["met"] is None
     assert rows[1]["met"] is True  # the round/step ratio needs no floor
+
+
+def test_training_mfu_shows_the_drafter_part_and_refuses_to_judge_the_old_count(tmp_path):
+    _write(tmp_path, "train_throughput.json", _train(0.45, drafter_mfu=0.12))
+    row = gpu_targets.targets(tmp_path)[3]
+    assert row["met"] is True and row["value"] == pytest.approx(0.45)
+    assert "drafter-only MFU 0.12" in row["detail"]
+    # A file from before model_flops_version 2 (its MFU counted dense attention, the Markov
+    # W1 and the fc input gradient): shown, not judged either way.
+    old = _train(0.45)
+    del old["model_flops_version"], old["drafter_mfu"]
+    _write(tmp_path, "train_throughput.json", old)
+    row = gpu_targets.targets(tmp_path)[3]
+    assert row["met"] is None and row["value"] == pytest.approx(0.45)
+    assert "formula version 1, not 2" in row["detail"] and "re-run" in row["detail"]
+    assert "not judged" in gpu_targets.markdown([{"name": "training", **row}])
+    # An unknown device: no MFU, and the note says why.
+    note = "no dense bf16 peak known for device kind 'NVIDIA H100 SXM9'"
+    _write(tmp_path, "train_throughput.json", {**_train(None), "mfu_note": note})
+    row = gpu_targets.targets(tmp_path)[3]
+    assert row["met"] is None and row["value"] is None and note in row["detail"]
