@@ -151,8 +151,9 @@ def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, 32, halve, (lo_x1, hi_x1))[1]
 
 
-def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
-    """The smallest kept value of each row [..., 1] under its top-k then top-p filters.
+def _row_cutoffs(scaled_xv: jax.Array, top_k_x: jax.Array, top_p_x: jax.Array) -> jax.Array:
+    """The smallest kept value of each row [X, 1] of `scaled_xv` [X, V] under its top-k then top-p
+    filters (top_k 0 or >= V and top_p 1 switch them off; such a row gets -inf).
 
     Both filters keep every token tied with the last kept value. Top-p is measured on the
     distribution left after top-k, normalised over all of it, ties included: its cutoff is the
@@ -160,16 +161,17 @@ def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
 
     Each cutoff is one of the row's values, found by bisection over their int32 ordering keys (32
     masked counts or sums over the vocabulary) rather than by sorting it: a sort of [rows, V] is
-    the costliest pass in a round with V in the hundred thousands, on every backend. A search runs
-    only when some row uses its filter.
+    the costliest pass in a round with V in the hundred thousands, on every backend. Every count
+    and sum runs along its own row, so a row's cutoff does not depend on the other rows of the
+    block; each search runs only when some row of the block uses its filter.
     """
     vocab = scaled_xv.shape[-1]
     keys_xv = _ordered_keys(scaled_xv)
     lo_x1 = jnp.min(keys_xv, axis=-1, keepdims=True)
     hi_x1 = jnp.max(keys_xv, axis=-1, keepdims=True)
-    k_x1 = rows.top_k[..., None]
+    k_x1 = top_k_x[:, None]
     use_k_x1 = (k_x1 > 0) & (k_x1 < vocab)
-    p_x1 = rows.top_p[..., None]
+    p_x1 = top_p_x[:, None]
     use_p_x1 = p_x1 < 1.0
     off_x1 = jnp.full(lo_x1.shape, -jnp.inf, jnp.float32)
 
@@ -194,25 +196,91 @@ def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
     return jnp.maximum(kth_x1, p_cut_x1)
 
 
+# Sizes (rows) of the blocks that `_filter_cutoffs` searches when only some rows filter: one request
+# of a verification bucket at gamma 7 is 8 rows, eight of them 64; the whole batch is the last rung.
+# Multiples of 8: XLA's CPU reductions over 4096 values or more sum a row of a block of 3, 5 or 7
+# rows differently from the whole batch, and were not seen to in blocks of 4, 8, 16 or 64
+# (tests/test_sampling.py holds every block to the whole batch's cutoffs).
+_ROW_BLOCKS = (8, 64, 512)
+
+# Vocabularies smaller than this search the whole batch. Such a search is cheap, and XLA's CPU
+# backend sums a block of fewer than 4096 values (8 rows of 511) by a tree of 32-wide windows but
+# a larger one by a library kernel: a narrow block could round a row's top-p mass differently
+# from the whole batch and move a cutoff that lies within an ulp of top_p.
+_BLOCK_MIN_VOCAB = 4096
+
+
+def _row_blocks(rows: int, vocab: int) -> tuple[int, ...]:
+    """The block sizes `_filter_cutoffs` may search for [rows, vocab] logits, smallest first: the
+    `_ROW_BLOCKS` below `rows` (none for a vocabulary under `_BLOCK_MIN_VOCAB`), then `rows`."""
+    if vocab < _BLOCK_MIN_VOCAB:
+        return (rows,)
+    return tuple(b for b in _ROW_BLOCKS if b < rows) + (rows,)
+
+
+def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
+    """The smallest kept value of each row [..., 1] under its top-k then top-p filters
+    (`_row_cutoffs`); -inf for a row that does not filter, greedy rows included (their output is
+    the argmax whatever the cutoff).
+
+    The search costs what the filtering rows need, not the whole batch: the n rows that filter are
+    gathered, in order, into the smallest block of `_row_blocks` that holds them (3 rows of 512
+    search [8, V]), their cutoffs found there and read back by each row's place in the block. A
+    block the size of the batch searches it in place, and n = 0 searches nothing. One program holds
+    every rung and `lax.switch` picks one by the traced n, so no setting changes what is compiled.
+    A row's cutoff is the same in any block (`_ROW_BLOCKS`, `_BLOCK_MIN_VOCAB`), so it does not
+    depend on how many other rows filter.
+    """
+    vocab = scaled_xv.shape[-1]
+    lead = scaled_xv.shape[:-1]
+    scaled_xv = scaled_xv.reshape(-1, vocab)
+    top_k_x = rows.top_k.reshape(-1)
+    top_p_x = rows.top_p.reshape(-1)
+    filters_x = ~rows.greedy.reshape(-1) & (((top_k_x > 0) & (top_k_x < vocab)) | (top_p_x < 1.0))
+    count = jnp.sum(filters_x, dtype=jnp.int32)
+    slot_x = jnp.cumsum(filters_x, dtype=jnp.int32) - 1
+    sizes = _row_blocks(scaled_xv.shape[0], vocab)
+
+    def search(size):
+        if size == scaled_xv.shape[0]:
+            return lambda: _row_cutoffs(
+                scaled_xv, jnp.where(filters_x, top_k_x, 0), jnp.where(filters_x, top_p_x, 1.0)
+            )
+
+        def gathered():
+            (row_b,) = jnp.nonzero(filters_x, size=size, fill_value=0)
+            live_b = jnp.arange(size) < count
+            cut_b1 = _row_cutoffs(
+                scaled_xv[row_b],
+                jnp.where(live_b, top_k_x[row_b], 0),
+                jnp.where(live_b, top_p_x[row_b], 1.0),
+            )
+            return jnp.where(filters_x[:, None], cut_b1[jnp.clip(slot_x, 0, size - 1)], -jnp.inf)
+
+        return gathered
+
+    off_x1 = jnp.full((scaled_xv.shape[0], 1), -jnp.inf, jnp.float32)
+    rung = jnp.sum(count > jnp.asarray((0,) + sizes[:-1], jnp.int32))
+    cutoff_x1 = jax.lax.switch(rung, [lambda: off_x1] + [search(size) for size in sizes])
+    return cutoff_x1.reshape(lead + (1,))
+
+
 def filtered_logprobs(logits_xv: jax.Array, cfg: SamplingConfig | RowSampling) -> jax.Array:
     """Log-probabilities [..., V] (float32) of the distribution that sampling draws from.
 
     Greedy rows: 0 at the first argmax, -inf elsewhere. Others: logits / T, then top-k, then top-p
     (nucleus), then log_softmax. `cfg` is one `SamplingConfig` for every row or a `RowSampling`
     whose fields have the logits' leading shape (or a prefix of it, broadcast). The cutoff search
-    that the filters need runs only when some row filters; rows that do not filter get bitwise the
-    same result either way, so a row's output never depends on its neighbours' settings.
+    that the filters need covers only the rows that filter (`_filter_cutoffs`), and none when no
+    row does; every row gets bitwise the same result whichever other rows filter, so a row's
+    output never depends on its neighbours' settings.
     """
     rows = as_rows(cfg, logits_xv.shape[:-1])
     greedy_x = rows.greedy
     temperature_x = jnp.where(greedy_x, 1.0, rows.temperature)
     scaled_xv = logits_xv.astype(jnp.float32) / temperature_x[..., None]
     vocab = logits_xv.shape[-1]
-    filters_x = ~greedy_x & (((rows.top_k > 0) & (rows.top_k < vocab)) | (rows.top_p < 1.0))
-    no_cut = jnp.full(scaled_xv.shape[:-1] + (1,), -jnp.inf, jnp.float32)
-    cutoff_x1 = jax.lax.cond(
-        jnp.any(filters_x), lambda: _filter_cutoffs(scaled_xv, rows), lambda: no_cut
-    )
+    cutoff_x1 = _filter_cutoffs(scaled_xv, rows)
     logp_xv = jax.nn.log_softmax(jnp.where(scaled_xv >= cutoff_x1, scaled_xv, -jnp.inf), axis=-1)
     best_x = jnp.argmax(logits_xv, axis=-1)
     onehot_xv = jnp.arange(vocab) == best_x[..., None]

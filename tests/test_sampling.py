@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 from scipy import stats
 
 from dspark_jax.sampling import (
@@ -257,3 +258,145 @@ def test_position_keys_accepts_legacy_keys():
     typed = position_keys(typed_b, positions_bk, STREAM_DRAFT)
     assert legacy.shape == (3, 2, 2)
     np.testing.assert_array_equal(legacy, jax.random.key_data(typed))
+
+
+# 100 rows of a 4096 vocabulary search blocks of 8, 64 or all 100 rows.
+BLOCK_ROWS, BLOCK_VOCAB = 100, 4096
+
+
+def _full_width_cutoffs(scaled_xv, top_k_x, top_p_x, filters_x):
+    """The cutoffs of one search over the whole batch (as before blocks), filters_x's rows only."""
+    from dspark_jax.sampling import _row_cutoffs
+
+    return _row_cutoffs(
+        scaled_xv, jnp.where(filters_x, top_k_x, 0), jnp.where(filters_x, top_p_x, 1.0)
+    )
+
+
+def _top_p_flips(x_xv: np.ndarray, top_k_x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, two adjacent float32 top_p values between which the whole-batch search moves the
+    row's cutoff: the row's top-p mass sits exactly there, so a block that rounds it by one ulp
+    differently gets another cutoff at one of them."""
+    from dspark_jax.sampling import _key_values, _ordered_keys
+
+    full = jax.jit(lambda p: _full_width_cutoffs(x_xv, top_k_x, p, True)[:, 0])
+    rows = x_xv.shape[0]
+    start = full(jnp.full(rows, 1e-3, jnp.float32))
+    lo = np.asarray(_ordered_keys(jnp.full(rows, 1e-3, jnp.float32)), np.int64)
+    hi = np.asarray(_ordered_keys(jnp.full(rows, 0.999, jnp.float32)), np.int64)
+    while np.any(hi - lo > 1):
+        mid = (lo + hi) // 2
+        same = np.asarray(full(_key_values(jnp.asarray(mid, jnp.int32))) == start)
+        lo, hi = np.where(same, mid, lo), np.where(same, hi, mid)
+    p_lo, p_hi = (np.asarray(_key_values(jnp.asarray(k, jnp.int32))) for k in (lo, hi))
+    moved = np.asarray(full(jnp.asarray(p_lo)) != full(jnp.asarray(p_hi)))
+    return p_lo, np.where(moved, p_hi, p_lo)
+
+
+@pytest.fixture(scope="module")
+def block_batch():
+    """Logits with ties and -inf, a top-k per row, and each row's top-p flip points with and
+    without its top-k."""
+    rng = np.random.default_rng(11)
+    x = np.round(rng.normal(scale=3.0, size=(BLOCK_ROWS, BLOCK_VOCAB)), 2).astype(np.float32)
+    x[rng.random(x.shape) < 0.05] = -np.inf
+    top_k = rng.choice([1, 2, 7, 50, 1000, BLOCK_VOCAB - 1], size=BLOCK_ROWS).astype(np.int32)
+    flips = {
+        "top_p": _top_p_flips(x, np.zeros(BLOCK_ROWS, np.int32)),
+        "both": _top_p_flips(x, top_k),
+    }
+    return x, top_k, flips
+
+
+@pytest.mark.parametrize("filtering", [0, 1, 8, 9, 64, 65, BLOCK_ROWS])
+@pytest.mark.parametrize("filters", ["top_k", "top_p", "both"])
+def test_cutoffs_in_any_block_are_the_whole_batch_cutoffs(block_batch, filters, filtering):
+    """Whichever block the filtering rows are gathered into, each gets bitwise the cutoff of the
+    search over the whole batch, top_p set on either side of the very mass where that cutoff
+    moves; rows that do not filter (greedy ones with top-k / top-p settings among them) get none.
+    And a filtering row's log-probabilities are the same as when every row of the batch filters.
+    Groups of `filtering` rows take turns, so most rows pass through the block's every place."""
+    from dspark_jax.sampling import RowSampling, _filter_cutoffs
+
+    x, top_k, flips = block_batch
+    rng = np.random.default_rng(filtering)
+    order = rng.permutation(BLOCK_ROWS)
+    groups = [order[i : i + filtering] for i in range(0, BLOCK_ROWS, max(filtering, 1))][:12]
+    cutoffs, full_width, logp = (
+        jax.jit(_filter_cutoffs),
+        jax.jit(_full_width_cutoffs),
+        jax.jit(filtered_logprobs),
+    )
+    for group, side in ((g, s) for g in groups for s in (0, 1)):
+        chosen = np.isin(np.arange(BLOCK_ROWS), group)
+        greedy = ~chosen & (rng.random(BLOCK_ROWS) < 0.3)
+        k = np.where(chosen & (filters != "top_p"), top_k, 0)
+        k = np.where(greedy, 5, k).astype(np.int32)
+        p = np.ones(BLOCK_ROWS, np.float32)
+        if filters != "top_k":
+            p_lo, p_hi = flips[filters]
+            p = np.where(chosen, np.where(np.arange(BLOCK_ROWS) % 2 == side, p_lo, p_hi), 1.0)
+            p = np.where(greedy, 0.5, p).astype(np.float32)
+        settings = RowSampling(
+            temperature=jnp.asarray(np.where(greedy, 0.0, 1.0), jnp.float32),
+            top_k=jnp.asarray(k),
+            top_p=jnp.asarray(p),
+        )
+        got = np.asarray(cutoffs(jnp.asarray(x), settings))
+        np.testing.assert_array_equal(got, np.asarray(full_width(x, k, p, chosen)))
+        assert np.all(np.isneginf(got[~chosen]))
+
+        everyone = RowSampling(
+            temperature=jnp.ones(BLOCK_ROWS),
+            top_k=jnp.asarray(np.where(chosen, k, 3), jnp.int32),
+            top_p=jnp.asarray(np.where(chosen, p, 0.5), jnp.float32),
+        )
+        np.testing.assert_array_equal(
+            np.asarray(logp(x, settings))[chosen], np.asarray(logp(x, everyone))[chosen]
+        )
+
+
+def _ops(jaxpr) -> list:
+    """Every equation of `jaxpr` and of the programs inside it."""
+    eqns = []
+    for eqn in jaxpr.eqns:
+        eqns.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, ClosedJaxpr):
+                    eqns += _ops(sub.jaxpr)
+                elif isinstance(sub, Jaxpr):
+                    eqns += _ops(sub)
+    return eqns
+
+
+def test_few_filtering_rows_search_a_block_not_the_batch():
+    """One branch per block size and one that searches nothing: each branch's counts, sums and
+    bounds over the vocabulary cover only its block's rows, so one filtering row of 512 costs 32
+    passes over [8, V], not over [512, V]. Nothing sorts."""
+    from dspark_jax.sampling import RowSampling, _filter_cutoffs, _row_blocks
+
+    rows, vocab = 512, BLOCK_VOCAB
+    assert _row_blocks(rows, vocab) == (8, 64, 512)
+    assert _row_blocks(100, vocab) == (8, 64, 100) and _row_blocks(8, vocab) == (8,)
+    assert _row_blocks(rows, vocab - 1) == (rows,)
+    settings = RowSampling.from_config(SamplingConfig(1.0, 50, 0.9), (rows,))
+    jaxpr = jax.make_jaxpr(_filter_cutoffs)(jnp.zeros((rows, vocab)), settings).jaxpr
+    assert not [e for e in _ops(jaxpr) if "sort" in e.primitive.name]
+    (switch,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    none, *searches = switch.params["branches"]
+
+    def over_vocab(branch):
+        return [
+            e.invars[0].aval.shape
+            for e in _ops(branch.jaxpr)
+            if e.primitive.name in ("reduce_sum", "reduce_max", "reduce_min")
+            and e.invars[0].aval.shape[-1:] == (vocab,)
+        ]
+
+    assert over_vocab(none) == []
+    for size, branch in zip(_row_blocks(rows, vocab), searches, strict=True):
+        shapes = over_vocab(branch)
+        # min and max keys, the top-k count, the top-p norm (a max and a sum), the top-p sum
+        assert len(shapes) == 6
+        assert set(shapes) == {(size, vocab)}, (size, set(shapes))
