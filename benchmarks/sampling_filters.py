@@ -1,10 +1,11 @@
 """What top-k / top-p filtering costs a step: `sampling.filtered_logprobs` over [rows, V].
 
 Every verification and every drafting step filters the logits of all its rows in one program
-(the settings are per-row data), so one request with a top-p makes the filter run for the whole
-batch. This times the filter for mixes of settings, against plain temperature sampling in the
-same run, and times a sort of the same [rows, V] logits for scale (the filter finds its cutoffs
-by bisection, with no sort; a sort is what the usual implementation pays).
+(the settings are per-row data). The cutoff search covers only the rows that filter, gathered
+into a block of 8, 64 or 512 rows or the whole batch, so this times the filter with 1, 8 and 64
+of the rows filtering as well as every row, against plain temperature sampling in the same run,
+and times a sort of the same [rows, V] logits for scale (the filter finds its cutoffs by
+bisection, with no sort; a sort is what the usual implementation pays).
 
     python benchmarks/sampling_filters.py [--rows 64] [--vocab 151936] [--json out.json]
 """
@@ -21,26 +22,30 @@ from provenance import Parser, git_commit, output_file, positive_int, run_main, 
 
 from dspark_jax.sampling import RowSampling, filtered_logprobs
 
-# (label, temperature, top_k, top_p) of the rows; "one" mixes set only the first row.
+# (label, temperature, top_k, top_p, rows using them): None = every row; the other rows sample at
+# temperature 1. Counts at or above --rows are left out.
 MIXES = (
-    ("greedy", 0.0, 0, 1.0),
-    ("temperature 1", 1.0, 0, 1.0),
-    ("one row top-p 0.9", None, 0, 0.9),
-    ("every row top-p 0.9", 1.0, 0, 0.9),
-    ("every row top-k 50", 1.0, 50, 1.0),
-    ("every row top-k 50 + top-p 0.9", 1.0, 50, 0.9),
+    ("greedy", 0.0, 0, 1.0, None),
+    ("temperature 1", 1.0, 0, 1.0, None),
+    ("top-p 0.9, 1 row", 1.0, 0, 0.9, 1),
+    ("top-p 0.9, 8 rows", 1.0, 0, 0.9, 8),
+    ("top-p 0.9, 64 rows", 1.0, 0, 0.9, 64),
+    ("top-p 0.9, every row", 1.0, 0, 0.9, None),
+    ("top-k 50, 1 row", 1.0, 50, 1.0, 1),
+    ("top-k 50, every row", 1.0, 50, 1.0, None),
+    ("top-k 50 + top-p 0.9, 1 row", 1.0, 50, 0.9, 1),
+    ("top-k 50 + top-p 0.9, every row", 1.0, 50, 0.9, None),
 )
 
 
 def rows_for(mix, rows: int) -> RowSampling:
-    _, temperature, top_k, top_p = mix
+    """Settings [rows]: the mix's on its rows, spread evenly over the batch; T=1 on the rest."""
+    _, temperature, top_k, top_p, count = mix
     t = np.ones(rows, np.float32)
     k = np.zeros(rows, np.int32)
     p = np.ones(rows, np.float32)
-    if temperature is None:  # one row filters, the rest sample at temperature 1
-        k[0], p[0] = top_k, top_p
-    else:
-        t[:], k[:], p[:] = temperature, top_k, top_p
+    chosen = np.linspace(0, rows - 1, count or rows).round().astype(int)
+    t[chosen], k[chosen], p[chosen] = temperature, top_k, top_p
     return RowSampling(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p))
 
 
@@ -68,8 +73,10 @@ def main() -> None:
     sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
     table = []
     for mix in MIXES:
+        if mix[-1] is not None and mix[-1] >= args.rows:
+            continue
         ms = median_ms(filt, logits, rows_for(mix, args.rows), repeats=args.repeats)
-        table.append({"mix": mix[0], "ms": ms})
+        table.append({"mix": mix[0], "filtering": mix[-1] or args.rows, "ms": ms})
     base = next(r["ms"] for r in table if r["mix"] == "temperature 1")
     sort_ms = median_ms(sort, logits, repeats=args.repeats)
     device = jax.devices()[0].device_kind
