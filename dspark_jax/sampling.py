@@ -203,19 +203,17 @@ def _row_cutoffs(scaled_xv: jax.Array, top_k_x: jax.Array, top_p_x: jax.Array) -
 # (tests/test_sampling.py holds every block to the whole batch's cutoffs).
 _ROW_BLOCKS = (8, 64, 512)
 
-# Vocabularies smaller than this search the whole batch. Such a search is cheap, and XLA's CPU
-# backend sums a block of fewer than 4096 values (8 rows of 511) by a tree of 32-wide windows but
-# a larger one by a library kernel: a narrow block could round a row's top-p mass differently
-# from the whole batch and move a cutoff that lies within an ulp of top_p.
-_BLOCK_MIN_VOCAB = 4096
+# The fewest values (rows x vocabulary) of a block worth gathering; smaller ones are left to the
+# whole batch. XLA's CPU backend sums fewer than 4096 values by a tree of 32-wide windows but more
+# by a library kernel, so such a block could round a row's top-p mass differently from the whole
+# batch and move a cutoff that lies within an ulp of top_p. Blocks that small are cheap to skip.
+_BLOCK_MIN_VALUES = 4096
 
 
 def _row_blocks(rows: int, vocab: int) -> tuple[int, ...]:
     """The block sizes `_filter_cutoffs` may search for [rows, vocab] logits, smallest first: the
-    `_ROW_BLOCKS` below `rows` (none for a vocabulary under `_BLOCK_MIN_VOCAB`), then `rows`."""
-    if vocab < _BLOCK_MIN_VOCAB:
-        return (rows,)
-    return tuple(b for b in _ROW_BLOCKS if b < rows) + (rows,)
+    `_ROW_BLOCKS` below `rows` that hold `_BLOCK_MIN_VALUES`, then `rows`."""
+    return tuple(b for b in _ROW_BLOCKS if b < rows and b * vocab >= _BLOCK_MIN_VALUES) + (rows,)
 
 
 def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
@@ -228,7 +226,7 @@ def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
     search [8, V]), their cutoffs found there and read back by each row's place in the block. A
     block the size of the batch searches it in place, and n = 0 searches nothing. One program holds
     every rung and `lax.switch` picks one by the traced n, so no setting changes what is compiled.
-    A row's cutoff is the same in any block (`_ROW_BLOCKS`, `_BLOCK_MIN_VOCAB`), so it does not
+    A row's cutoff is the same in any block (`_ROW_BLOCKS`, `_BLOCK_MIN_VALUES`), so it does not
     depend on how many other rows filter.
     """
     vocab = scaled_xv.shape[-1]

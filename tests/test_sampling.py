@@ -260,7 +260,7 @@ def test_position_keys_accepts_legacy_keys():
     np.testing.assert_array_equal(legacy, jax.random.key_data(typed))
 
 
-# 100 rows of a 4096 vocabulary search blocks of 8, 64 or all 100 rows.
+# 100 rows search blocks of 8, 64 or all 100 rows of a 4096 vocabulary, of 64 or 100 of a 300 one.
 BLOCK_ROWS, BLOCK_VOCAB = 100, 4096
 
 
@@ -293,14 +293,15 @@ def _top_p_flips(x_xv: np.ndarray, top_k_x: np.ndarray) -> tuple[np.ndarray, np.
     return p_lo, np.where(moved, p_hi, p_lo)
 
 
-@pytest.fixture(scope="module")
-def block_batch():
+@pytest.fixture(scope="module", params=[BLOCK_VOCAB, 300], ids=["V4096", "V300"])
+def block_batch(request):
     """Logits with ties and -inf, a top-k per row, and each row's top-p flip points with and
     without its top-k."""
+    vocab = request.param
     rng = np.random.default_rng(11)
-    x = np.round(rng.normal(scale=3.0, size=(BLOCK_ROWS, BLOCK_VOCAB)), 2).astype(np.float32)
+    x = np.round(rng.normal(scale=3.0, size=(BLOCK_ROWS, vocab)), 2).astype(np.float32)
     x[rng.random(x.shape) < 0.05] = -np.inf
-    top_k = rng.choice([1, 2, 7, 50, 1000, BLOCK_VOCAB - 1], size=BLOCK_ROWS).astype(np.int32)
+    top_k = rng.choice([1, 2, 7, 50, 250, vocab - 1], size=BLOCK_ROWS).astype(np.int32)
     flips = {
         "top_p": _top_p_flips(x, np.zeros(BLOCK_ROWS, np.int32)),
         "both": _top_p_flips(x, top_k),
@@ -379,7 +380,7 @@ def test_few_filtering_rows_search_a_block_not_the_batch():
     rows, vocab = 512, BLOCK_VOCAB
     assert _row_blocks(rows, vocab) == (8, 64, 512)
     assert _row_blocks(100, vocab) == (8, 64, 100) and _row_blocks(8, vocab) == (8,)
-    assert _row_blocks(rows, vocab - 1) == (rows,)
+    assert _row_blocks(rows, 511) == (64, 512) and _row_blocks(rows, 63) == (rows,)
     settings = RowSampling.from_config(SamplingConfig(1.0, 50, 0.9), (rows,))
     jaxpr = jax.make_jaxpr(_filter_cutoffs)(jnp.zeros((rows, vocab)), settings).jaxpr
     assert not [e for e in _ops(jaxpr) if "sort" in e.primitive.name]
