@@ -49,21 +49,25 @@ def rows_for(mix, rows: int) -> RowSampling:
     return RowSampling(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p))
 
 
-def median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def median_ms(calls: list, repeats: int) -> list[float]:
+    """Median milliseconds of each `(fn, *args)` call, timed in turns (one call of each a round)
+    so that load drifting on a shared machine weighs on every call alike."""
+    for fn, *args in calls:
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    times = [[] for _ in calls]
+    for _ in range(repeats):
+        for (fn, *args), call_times in zip(calls, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            call_times.append(time.perf_counter() - start)
+    return [statistics.median(call_times) * 1e3 for call_times in times]
 
 
 def main() -> None:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=positive_int, default=64, help="rows filtered (64)")
     parser.add_argument("--vocab", type=positive_int, default=151_936, help="V (Qwen3's)")
-    parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls (10)")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed rounds (10)")
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
     if args.json:
@@ -71,14 +75,14 @@ def main() -> None:
     logits = jax.random.normal(jax.random.key(0), (args.rows, args.vocab), jnp.float32) * 3
     filt = jax.jit(filtered_logprobs)
     sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
-    table = []
-    for mix in MIXES:
-        if mix[-1] is not None and mix[-1] >= args.rows:
-            continue
-        ms = median_ms(filt, logits, rows_for(mix, args.rows), repeats=args.repeats)
-        table.append({"mix": mix[0], "filtering": mix[-1] or args.rows, "ms": ms})
+    mixes = [mix for mix in MIXES if mix[-1] is None or mix[-1] < args.rows]
+    calls = [(filt, logits, rows_for(mix, args.rows)) for mix in mixes] + [(sort, logits)]
+    *mix_ms, sort_ms = median_ms(calls, args.repeats)
+    table = [
+        {"mix": mix[0], "filtering": mix[-1] or args.rows, "ms": ms}
+        for mix, ms in zip(mixes, mix_ms, strict=True)
+    ]
     base = next(r["ms"] for r in table if r["mix"] == "temperature 1")
-    sort_ms = median_ms(sort, logits, repeats=args.repeats)
     device = jax.devices()[0].device_kind
     print(f"{device}, [{args.rows}, {args.vocab}] float32 logits, commit {git_commit()}")
     print(f"{'rows sampled with':32} {'ms':>9} {'x temperature 1':>16}")
