@@ -182,7 +182,8 @@ want switch_cost &&
   stage switch_cost python3 benchmarks/policy_switch_cost.py --synthetic "$size" \
     --dtype "$dtype" --concurrency "${levels%% *}" --members 5 --json "$out/switch_cost.json"
 # What top-k / top-p filtering costs a step over Qwen3's vocabulary (64 rows: a verification
-# bucket), against temperature sampling and a sort of the same logits.
+# bucket) with 1, 8 or every row filtering, against temperature sampling and a sort of the same
+# logits.
 want sampling &&
   stage sampling python3 benchmarks/sampling_filters.py --rows 64 --vocab "$vocab" \
     --json "$out/sampling.json"
