@@ -524,8 +524,8 @@ def _dot_flops(jaxpr, times=1):
 
 
 def test_train_throughput_count_matches_the_steps_jaxpr():
-    """The matmuls the real train step traces (tiny fixture pair, no remat, so nothing is
-    recomputed) are exactly model_flops plus what it leaves out on purpose: the masked pairs of
+    """The matmuls the real train step traces (tiny fixture pair; the step recomputes
+    nothing) are exactly model_flops plus what it leaves out on purpose: the masked pairs of
     dense attention (the target's full 64 x 64 instead of causal; each drafter query against
     all 64 context keys and the chunk's 4 x 7 block keys instead of the visible ones, x 3 for
     training) and layer 0's q/k/v input gradient, traced though the frozen embedding needs it
@@ -547,7 +547,7 @@ def test_train_throughput_count_matches_the_steps_jaxpr():
     drafter = S.new_drafter(drafter_cfg, nnx.merge(target_gd, target_state), seed=0)
     drafter_gd, params, frozen_drafter = S.split_drafter(drafter)
     models = S.Models(target_gd, drafter_gd, drafter_cfg)
-    cfg = dataclasses.replace(S.StepConfig(anchors, chunk, 1), remat=False)
+    cfg = S.StepConfig(anchors, chunk, 1)
     tx, schedule = S.make_optimizer(1e-4, 100, 10, 0.0, 1.0)
     state = S.init_train_state(params, tx, 0)
     frozen = S.FrozenParams(target_state, frozen_drafter)

@@ -7,17 +7,20 @@ Per step:
    target runs forward once (no gradient) and yields the tapped features (the drafter's context)
    and the final normed hidden state (the target distributions p_t).
 3. The drafter's context K/V are computed once per micro-batch; the anchors are then processed in
-   chunks (`lax.scan` over chunks, each chunk under `jax.checkpoint`): a chunk of c anchors is a
-   packed query sequence of c blocks [anchor, MASK x (gamma-1)] at positions p..p+gamma-1, with a
-   block-sparse mask (context keys j < p of the query's own block, block keys of that block only,
-   bidirectionally), followed by the teacher-forced Markov heads, p_t through the frozen lm_head
-   and `dspark_loss`.
+   chunks (`lax.scan` over chunks): a chunk of c anchors is a packed query sequence of c blocks
+   [anchor, MASK x (gamma-1)] at positions p..p+gamma-1, with a block-sparse mask (context keys
+   j < p of the query's own block, block keys of that block only, bidirectionally), followed by
+   the teacher-forced Markov heads, p_t through the frozen lm_head and `dspark_loss`. Each
+   chunk's gradient is taken right after its forward, inside the same scan iteration
+   (`drafter_loss_sums`).
 
 Memory: the [B, N*gamma, V] logits of a whole sequence (3584 x 152k floats per sequence for the
 released recipe) are never materialised; only one chunk's [B, c, gamma, V] logits, its attention
-scores [B, heads, c*gamma, L + c*gamma] and its loss temporaries are live, and the backward pass
-recomputes the chunk instead of storing it. Blocks are independent given the context K/V, so
-chunking changes nothing but the order of the sums.
+scores [B, heads, c*gamma, L + c*gamma] and its loss temporaries are live, and they are freed once
+that chunk's backward is done. Nothing is recomputed: differentiating a scan of chunks from the
+outside would have to store every chunk's residuals or, under `jax.checkpoint`, run every chunk's
+forward twice (about 14% of the step's matmul FLOPs at the released recipe). Blocks are
+independent given the context K/V, so chunking changes nothing but the order of the sums.
 
 Normalisation: `dspark_loss` returns weighted means over the slots it is given. Each chunk's means
 are multiplied back by the chunk's weight sums and divided by the weight sums of the whole batch
@@ -88,7 +91,6 @@ class StepConfig:
     anchors_per_chunk: int
     num_microbatches: int = 1
     weights: LossWeights = DSPARK_WEIGHTS
-    remat: bool = True
 
     def __post_init__(self):
         if self.num_anchors < 1 or self.anchors_per_chunk < 1 or self.num_microbatches < 1:
@@ -260,20 +262,37 @@ def drafter_loss_sums(
 ) -> dict[str, jax.Array]:
     """Metric sums of `dspark_loss` over the given sequences' blocks (`finalize_metrics` divides).
 
-    Differentiable in `params` ("loss" is the weighted loss sum). `hidden_bld` and `taps_blf`
-    are the target's final normed hidden states and tapped features of the same sequences.
+    Differentiable in `params` only ("loss" is the weighted loss sum; the other sums carry no
+    gradient). `hidden_bld` and `taps_blf` are the target's final normed hidden states and
+    tapped features of the same sequences, constants here (`target_features` stops their
+    gradient; differentiating through them raises JAX's closed-over-value error).
+
+    The gradient is taken chunk by chunk inside the forward scan (`jax.vjp` of each chunk with
+    respect to the parameters and the context K/V, summed in the scan carry); the context K/V
+    cotangent goes back through their projection once, after the scan. A `jax.custom_vjp` hands
+    that gradient, times the cotangent of "loss", to the caller's `jax.grad`. So one chunk's
+    residuals are live at a time, as under `jax.checkpoint`, and no chunk's forward runs twice.
+    Without differentiation (evaluation) only the forward scan runs.
     """
     dcfg = models.drafter_cfg
     gamma = dcfg.block_size
     b, seq_len = hidden_bld.shape[:2]
-    drafter = nnx.merge(models.drafter, frozen_drafter, params)
+    kv_axes = ("batch", "length", "kv_heads", None)
     positions_bl = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
-    ctx_kv = drafter.context_kv(taps_blf, positions_bl)
-    ctx_k = [constrain(k, ("batch", "length", "kv_heads", None), mesh) for k, _ in ctx_kv]
-    ctx_v = [constrain(v, ("batch", "length", "kv_heads", None), mesh) for _, v in ctx_kv]
 
-    def chunk_sums(params, ctx_k, ctx_v, xs):
+    def context(params):
+        """([ctx_k_blhd per layer], [ctx_v_blhd per layer]): the drafter's context K/V."""
+        drafter = nnx.merge(models.drafter, frozen_drafter, params)
+        ctx_kv = drafter.context_kv(taps_blf, positions_bl)
+        return (
+            [constrain(k, kv_axes, mesh) for k, _ in ctx_kv],
+            [constrain(v, kv_axes, mesh) for _, v in ctx_kv],
+        )
+
+    def chunk_sums(params, ctx, xs):
+        """(loss sum, the other metric sums) of one chunk of anchors."""
         anchors_bc, labels_bck, prev_bck, prefix_bck = xs
+        ctx_k, ctx_v = ctx
         drafter = nnx.merge(models.drafter, frozen_drafter, params)
         c = anchors_bc.shape[1]
         tokens_bt, positions_bt, mask_bts = packed_block_inputs(
@@ -291,14 +310,8 @@ def drafter_loss_sums(
         )
         # dspark_loss returns its metrics without gradient; the loss itself must keep one.
         metrics["loss"] = loss
-        return _to_sums(metrics, denominators(prefix_bck, cfg.weights.decay))
-
-    if cfg.remat:
-        chunk_sums = jax.checkpoint(chunk_sums, prevent_cse=False)  # scan already blocks CSE
-
-    def body(acc, xs):
-        sums = chunk_sums(params, ctx_k, ctx_v, xs)
-        return jax.tree.map(jnp.add, acc, sums), None
+        sums = _to_sums(metrics, denominators(prefix_bck, cfg.weights.decay))
+        return sums.pop("loss"), sums
 
     chunk = cfg.anchors_per_chunk
     xs = (
@@ -307,10 +320,70 @@ def drafter_loss_sums(
         _chunk_major(labels.prev_tokens_bnk, chunk),
         _chunk_major(labels.prefix_mask_bnk, chunk),
     )
-    first = jax.tree.map(lambda x: x[0], xs)
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(chunk_sums, params, ctx_k, ctx_v, first))
-    sums, _ = jax.lax.scan(body, zeros, xs)
-    return sums
+
+    def zero_sums(params, ctx):
+        first = jax.tree.map(lambda x: x[0], xs)
+        shapes = jax.eval_shape(chunk_sums, params, ctx, first)
+        return jax.tree.map(jnp.zeros_like, shapes)
+
+    def add(a, b):
+        return jax.tree.map(jnp.add, a, b)
+
+    def param_sharded(grads):
+        """Gradient accumulators pinned to the parameters' shardings (the rules table's)."""
+        if mesh is None:
+            return grads
+        return jax.lax.with_sharding_constraint(grads, state_shardings(grads, mesh))
+
+    def ctx_sharded(d_ctx):
+        return jax.tree.map(lambda x: constrain(x, kv_axes, mesh), d_ctx)
+
+    @jax.custom_vjp
+    def loss_sums(params):
+        ctx = context(params)
+
+        def body(acc, xs):
+            return add(acc, chunk_sums(params, ctx, xs)), None
+
+        (loss, sums), _ = jax.lax.scan(body, zero_sums(params, ctx), xs)
+        return {**sums, "loss": loss}
+
+    def loss_sums_fwd(params):
+        ctx, context_vjp = jax.vjp(context, params)
+
+        def body(acc, xs):
+            sums_acc, d_params_acc, d_ctx_acc = acc
+            loss, chunk_vjp, sums = jax.vjp(
+                lambda p, ctx: chunk_sums(p, ctx, xs), params, ctx, has_aux=True
+            )
+            d_params, d_ctx = chunk_vjp(jnp.ones_like(loss))
+            d_ctx = jax.tree.map(lambda d: d.astype(jnp.float32), d_ctx)
+            acc = (
+                add(sums_acc, (loss, sums)),
+                param_sharded(add(d_params_acc, d_params)),
+                ctx_sharded(add(d_ctx_acc, d_ctx)),
+            )
+            return acc, None
+
+        # The context cotangent is summed in float32 (the K/V may be bfloat16) and rounded once.
+        zero_d_ctx = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), ctx)
+        init = (
+            zero_sums(params, ctx),
+            param_sharded(jax.tree.map(jnp.zeros_like, params)),
+            ctx_sharded(zero_d_ctx),
+        )
+        ((loss, sums), d_params, d_ctx), _ = jax.lax.scan(body, init, xs)
+        d_ctx = jax.tree.map(lambda d, x: d.astype(x.dtype), d_ctx, ctx)
+        (d_params_via_ctx,) = context_vjp(d_ctx)
+        grads = param_sharded(add(d_params, d_params_via_ctx))
+        return {**sums, "loss": loss}, grads
+
+    def loss_sums_bwd(grads, sums_ct):
+        # Only "loss" depends on the parameters; the gradient was taken with cotangent 1.
+        return (jax.tree.map(lambda g: (sums_ct["loss"] * g).astype(g.dtype), grads),)
+
+    loss_sums.defvjp(loss_sums_fwd, loss_sums_bwd)
+    return loss_sums(params)
 
 
 def target_features(
