@@ -2,16 +2,17 @@
 
 Random weights and random tokens (speed does not depend on their values) at the shapes of a named
 target + drafter pair; the step is the real one (`dspark_jax.training.step.make_train_step`):
-frozen target forward, packed anchor blocks, chunked loss with remat, AdamW update.
+frozen target forward, packed anchor blocks, chunked loss (each chunk's gradient taken right
+after its forward), AdamW update.
 
     python benchmarks/train_throughput.py                        # tiny fixture shapes (CPU)
     python benchmarks/train_throughput.py --target qwen3-4b --drafter dspark-qwen3-4b \
         --batch 8 --seq-len 4096 --anchors 512 --chunk 64 --dtype bfloat16
 
-Prints a table and writes JSON (--json). MFU is model FLOPs utilisation: the matmul FLOPs the
-step must do (`model_flops`, counted from the shapes; remat recomputation, masked attention and
-gradients nobody needs are not counted) over the step's time and the devices' dense bf16 peak
-(`PEAK_BF16_FLOPS`, looked up by the exact device kind; an unknown kind gives no MFU and says
+Prints a table and writes JSON (--json). MFU is model FLOPs utilisation: the matmul FLOPs the step
+must do (`model_flops`, counted from the shapes; masked attention and gradients nobody needs are
+not counted, and the step recomputes no forward) over the step's time and the devices' dense bf16
+peak (`PEAK_BF16_FLOPS`, looked up by the exact device kind; an unknown kind gives no MFU and says
 so). Two MFUs are reported side by side: the total (one frozen target forward + the drafter's
 training), which the project's aim is judged on, and the drafter's training FLOPs alone over the
 same step time. Memory: XLA's analysis of the compiled step (arguments, temporaries, their peak)
@@ -119,8 +120,8 @@ def model_flops(
       - the frozen lm_head: forward + input gradient;
       - the Markov head: W2 [vocab, rank] once (W1 is a gather, no matmul), plus the gated or
         rnn kind's projection; the confidence head's projection.
-    Not counted: remat recomputation, attention over masked keys (computed or not), the
-    embedding gathers, norms and other elementwise work.
+    Not counted: attention over masked keys (computed or not), the embedding gathers, norms
+    and other elementwise work.
     """
     m = drafter.model
     n, k = drafter.num_anchors, drafter.block_size
