@@ -8,6 +8,8 @@ Linear weights are [out, in]; conversion transposes).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,44 @@ def attention(q_bthd, k_bshd, v_bshd, mask_bts, scale: float):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bshd.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bshd)
     return out.reshape(b, t, h, d)
+
+
+# cuDNN's fused attention takes 16-bit floats only; float32 stays on XLA's path.
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def causal_attention_impl(dtype, backend: str | None = None) -> str:
+    """The `implementation` `causal_attention` asks `jax.nn.dot_product_attention` for: "cudnn"
+    (flash attention: no [T, T] scores in memory, the masked half skipped) for 16-bit inputs
+    on a GPU backend (None: the default backend), else "xla". Not JAX's None, which means
+    "xla" (jax 0.10) and would keep the dense float32 scores on a GPU too."""
+    gpu = (backend or jax.default_backend()) == "gpu"
+    return "cudnn" if gpu and jnp.dtype(dtype) in _CUDNN_DTYPES else "xla"
+
+
+def causal_attention(q_bthd, k_bshd, v_bshd, scale: float, implementation: str | None = None):
+    """Causal self-attention over whole sequences (query t sees keys 0..t), grouped-query
+    (q heads a multiple of k/v heads), through `jax.nn.dot_product_attention(is_causal=True)`.
+
+    Its "xla" path is `attention` with a lower-triangular mask: scores and softmax in float32,
+    the same mask value. Where cuDNN refuses the call while tracing (no cuDNN, a ROCm GPU, a
+    head dim it does not take), it warns and takes that path."""
+    impl = implementation or causal_attention_impl(q_bthd.dtype)
+    call = functools.partial(
+        jax.nn.dot_product_attention, q_bthd, k_bshd, v_bshd, scale=scale, is_causal=True
+    )
+    if impl == "cudnn":
+        try:
+            return call(implementation="cudnn")
+        except (NotImplementedError, RuntimeError) as e:
+            warnings.warn(
+                f"cuDNN attention is not available here ({e}); causal attention runs as XLA's "
+                "dense attention, with [T, T] float32 scores per layer",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            impl = "xla"
+    return call(implementation=impl)
 
 
 class Attention(nnx.Module):

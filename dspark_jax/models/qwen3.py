@@ -10,7 +10,7 @@ from flax import nnx
 
 from dspark_jax.config import Qwen3Config
 from dspark_jax.models import paged
-from dspark_jax.models.layers import MLP, Attention, Embed, RMSNorm, attention
+from dspark_jax.models.layers import MLP, Attention, Embed, RMSNorm, causal_attention
 from dspark_jax.models.paged import PagedCache, TokenBatch, new_cache
 
 
@@ -25,12 +25,13 @@ class DecoderLayer(nnx.Module):
             cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype
         )
 
-    def __call__(self, x_btd, positions_bt, mask_btk):
-        """A cache-free forward (training, parity checks) with an explicit attention mask."""
+    def __call__(self, x_btd, positions_bt):
+        """A cache-free forward over whole sequences (training, parity checks), causal through
+        `causal_attention`: no [T, T] mask, and cuDNN flash attention on a GPU."""
         h = self.input_layernorm(x_btd)
         q = self.self_attn.query(h, positions_bt)
         k, v = self.self_attn.key_value(h, positions_bt)
-        o = attention(q, k, v, mask_btk, self.self_attn.scale)
+        o = causal_attention(q, k, v, self.self_attn.scale)
         x_btd = x_btd + self.self_attn.output(o)
         return x_btd + self.mlp(self.post_attention_layernorm(x_btd))
 
@@ -89,19 +90,19 @@ class Qwen3(nnx.Module):
         return new_cache(self.cfg, num_slots, max_len, self.dtype, page_size, impl)
 
     def __call__(self, tokens_bt, tap_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
-        """The decoder over whole sequences at positions 0..T-1 with a causal mask (training,
-        parity checks): hidden [B, T, D], taps [B, T, F].
+        """The decoder over whole sequences at positions 0..T-1, causal (training, parity
+        checks): hidden [B, T, D], taps [B, T, F]. Attention is `layers.causal_attention`, so
+        no [T, T] mask or score tensor is built where cuDNN runs it.
 
         `tap_layer_ids` follow the transformers `hidden_states` convention shifted by one: -1 is
         the embedding output and i the output of layer i.
         """
         b, t = tokens_bt.shape
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
-        causal_btk = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
         x_btd = self.embed_tokens(tokens_bt, self.dtype)
         layer_out_btd = {-1: x_btd}
         for i, layer in enumerate(self.layers):
-            x_btd = layer(x_btd, positions_bt, causal_btk)
+            x_btd = layer(x_btd, positions_bt)
             layer_out_btd[i] = x_btd
         taps_btf = (
             jnp.concatenate([layer_out_btd[i] for i in tap_layer_ids], axis=-1)

@@ -1,0 +1,102 @@
+"""The target's whole-sequence forward (training's `target_features`, the parity checks) runs
+its causal attention through `jax.nn.dot_product_attention(is_causal=True)`.
+
+On a GPU with 16-bit weights that is cuDNN's flash attention: per layer one fused call, and no
+[T, T] mask or float32 score tensor (2 GiB per layer of Qwen3-4B at 4096 tokens with the dense
+path). Elsewhere it is XLA's dense attention, the same math as `layers.attention` under a
+lower-triangular mask. The GPU program is lowered here from shapes alone; this machine has no
+cuDNN, so its version check is stood in for (lowering reads only the version number).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.config import Qwen3Config
+from dspark_jax.models import layers
+from dspark_jax.models.qwen3 import Qwen3
+
+CFG = Qwen3Config(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    dtype="bfloat16",
+)
+SEQ = 256
+CUDNN = "__cudnn$fmhaSoftmax"
+# Any tensor whose last two dimensions are [SEQ, SEQ]: the dense path's mask and scores.
+SEQ_BY_SEQ = re.compile(rf"tensor<(?:\d+x)*{SEQ}x{SEQ}x\w+>")
+
+
+def _lowered_forward(platform: str):
+    """The forward `target_features` runs (taps included), lowered from abstract weights."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(CFG, rngs=nnx.Rngs(0))))
+
+    def forward(state, tokens_bt):
+        out = nnx.merge(graphdef, state)(tokens_bt, tap_layer_ids=(0, 1))
+        return out.hidden, out.taps
+
+    tokens = jax.ShapeDtypeStruct((1, SEQ), jnp.int32)
+    return jax.jit(forward).trace(state, tokens).lower(lowering_platforms=(platform,))
+
+
+@pytest.fixture
+def gpu_backend(monkeypatch):
+    """`causal_attention` choosing as it does when the default backend is a GPU."""
+    impl = functools.partial(layers.causal_attention_impl, backend="gpu")
+    monkeypatch.setattr(layers, "causal_attention_impl", impl)
+
+
+def test_gpu_forward_is_cudnn_flash_attention_without_seq_by_seq_tensors(gpu_backend, monkeypatch):
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    text = _lowered_forward("cuda").as_text()
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    assert calls == [CUDNN] * CFG.num_hidden_layers, calls
+    assert not SEQ_BY_SEQ.search(text), SEQ_BY_SEQ.search(text).group(0)
+
+
+def test_gpu_forward_without_cudnn_falls_back_to_xla(gpu_backend):
+    """No cuDNN (a ROCm GPU, a jaxlib without it, as on this machine): XLA's dense path."""
+    with pytest.warns(RuntimeWarning, match="cuDNN attention is not available"):
+        text = _lowered_forward("cuda").as_text()
+    assert "__cudnn" not in text
+    assert SEQ_BY_SEQ.search(text)
+
+
+def test_impl_choice():
+    assert layers.causal_attention_impl(jnp.bfloat16, "gpu") == "cudnn"
+    assert layers.causal_attention_impl(jnp.float16, "gpu") == "cudnn"
+    assert layers.causal_attention_impl(jnp.float32, "gpu") == "xla"
+    assert layers.causal_attention_impl(jnp.bfloat16, "cpu") == "xla"
+    assert layers.causal_attention_impl(jnp.bfloat16, "tpu") == "xla"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_xla_path_matches_dense_attention_under_a_causal_mask(dtype):
+    """Grouped-query (3 query heads per k/v head), odd length, batch of two."""
+    b, t, heads, kv_heads, d = 2, 37, 6, 2, 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    shapes = ((b, t, heads, d), (b, t, kv_heads, d), (b, t, kv_heads, d))
+    q, k, v = (
+        jax.random.normal(key, shape).astype(dtype) for key, shape in zip(keys, shapes, strict=True)
+    )
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
+    dense = jax.jit(lambda q, k, v: layers.attention(q, k, v, mask, d**-0.5))(q, k, v)
+    causal = jax.jit(lambda q, k, v: layers.causal_attention(q, k, v, d**-0.5, "xla"))(q, k, v)
+    assert causal.dtype == dense.dtype
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(
+        np.asarray(causal, np.float32), np.asarray(dense, np.float32), rtol=tol, atol=tol
+    )
