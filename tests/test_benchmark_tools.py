@@ -267,10 +267,13 @@ def test_sampling_filters_times_every_mix_against_temperature_sampling(tmp_path)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     mixes = [r["mix"] for r in result["table"]]
-    assert mixes[:3] == ["greedy", "temperature 1", "one row top-p 0.9"] and len(mixes) == 6
+    # Four rows: each filter by one row and by every row (the 8- and 64-row mixes need more).
+    assert mixes == ["greedy", "temperature 1", "top-p 0.9, 1 row", "top-p 0.9, every row",
+                     "top-k 50, 1 row", "top-k 50, every row", "top-k 50 + top-p 0.9, 1 row",
+                     "top-k 50 + top-p 0.9, every row"]
     assert next(r for r in result["table"] if r["mix"] == "temperature 1")["ratio"] == 1.0
     assert all(r["ms"] > 0 for r in result["table"]) and result["sort_ms"] > 0
-    assert "one row top-p 0.9" in done.stdout and "(a sort of the same logits)" in done.stdout
+    assert "top-p 0.9, 1 row" in done.stdout and "(a sort of the same logits)" in done.stdout
     _one_line_error(_script("sampling_filters.py", "--rows", "0"), "--rows")
 
 
