@@ -8,7 +8,6 @@ Linear weights are [out, in]; conversion transposes).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import jax
@@ -172,16 +171,16 @@ def causal_attention(q_bthd, k_bshd, v_bshd, scale: float, implementation: str |
     """Causal self-attention over whole sequences (query t sees keys 0..t), grouped-query
     (q heads a multiple of k/v heads), through `jax.nn.dot_product_attention(is_causal=True)`.
 
-    Its "xla" path is `attention` with a lower-triangular mask: scores and softmax in float32,
-    the same mask value. Where cuDNN refuses the call while tracing (no cuDNN, a ROCm GPU, a
-    head dim it does not take), it warns and takes that path."""
+    The "xla" path is `attention` itself with a lower-triangular mask (scores and softmax in
+    float32, the same mask value), not JAX's own XLA path, which refuses float16 inputs on CPU.
+    Where cuDNN refuses the call while tracing (no cuDNN, a ROCm GPU, a head dim it does not
+    take), it warns and takes that path."""
     impl = implementation or causal_attention_impl(q_bthd.dtype)
-    call = functools.partial(
-        jax.nn.dot_product_attention, q_bthd, k_bshd, v_bshd, scale=scale, is_causal=True
-    )
     if impl == "cudnn":
         try:
-            return call(implementation="cudnn")
+            return jax.nn.dot_product_attention(
+                q_bthd, k_bshd, v_bshd, scale=scale, is_causal=True, implementation="cudnn"
+            )
         except (NotImplementedError, RuntimeError) as e:
             warnings.warn(
                 f"cuDNN attention is not available here ({e}); causal attention runs as XLA's "
@@ -189,8 +188,9 @@ def causal_attention(q_bthd, k_bshd, v_bshd, scale: float, implementation: str |
                 RuntimeWarning,
                 stacklevel=2,
             )
-            impl = "xla"
-    return call(implementation=impl)
+    t, s = q_bthd.shape[1], k_bshd.shape[1]
+    mask_bts = jnp.tril(jnp.ones((t, s), bool))[None]
+    return attention(q_bthd, k_bshd, v_bshd, mask_bts, scale)
 
 
 class Attention(nnx.Module):
