@@ -7,10 +7,11 @@ import re
 import jax
 import numpy as np
 import pytest
+from compile_events import compile_threads
 from fixture_models import VARIANTS, load_pair, reference_traces
 
 from dspark_jax.decoding.batching import Batcher, Observer, Request, generate
-from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
+from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError, warm_up_all
 from dspark_jax.sampling import SamplingConfig
 
 # The reference counts its 96 tokens after the first one, then keeps the first 96 overall.
@@ -143,6 +144,35 @@ def test_no_compilation_after_warmup(setup):
     assert compiles == []
     assert spec.compiled_programs() == before
     assert before == len(spec.prefill_widths) + 3  # prefills, decode, release, init
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_warm_up_compiles_each_program_once(setup, workers):
+    """warm_up() compiles every program (init, the prefill buckets, the decode chunk, release)
+    on its worker threads, and the scratch run after them finds those executables: no program
+    compiles twice; with one worker every program compiles on the calling thread."""
+    _, target, drafter, _ = setup
+    engine = Engine(target, drafter, CFG)
+    where = compile_threads(lambda: engine.warm_up(workers))
+    programs = len(engine.prefill_widths) + 3
+    on_pool = [w for w in where if w.startswith("dspark-compile")]
+    assert len(on_pool) == (programs if workers > 1 else 0)
+    # beyond the programs, at most the small op jnp.asarray of release's mask compiles (jax 0.10)
+    assert programs <= len(where) <= programs + 1
+    assert engine.compiled_programs() == programs
+
+
+def test_warm_up_all_compiles_every_engine_on_the_pool(setup):
+    """warm_up_all builds every program of several engines at once; each engine's scratch run
+    then compiles nothing of its own, and later calls compile nothing either."""
+    _, target, drafter, _ = setup
+    engines = [Engine(target, None, CFG), Engine(target, drafter, CFG)]
+    where = compile_threads(lambda: warm_up_all(engines, workers=2))
+    programs = sum(len(e.prefill_widths) + 3 for e in engines)
+    assert sum(w.startswith("dspark-compile") for w in where) == programs
+    assert len(where) <= programs + 1
+    for engine in engines:
+        assert compile_threads(engine.warm_up) == []
 
 
 def test_the_serving_loop_makes_no_implicit_transfers(setup):

@@ -38,6 +38,7 @@ is pinned to the same shardings, so donation holds and no call compiles a second
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -893,9 +894,16 @@ class Engine:
             lowered[f"prefill_{width}"] = lower_fn(self._prefill, tp, dp, state, batch)
         return lowered
 
-    def warm_up(self) -> None:
+    def warm_up(self, workers: int | None = None) -> None:
         """Compiles every program (each prefill bucket, the decode chunk, release) on a scratch
-        state, so that nothing compiles while requests are served."""
+        state, so that nothing compiles while requests are served.
+
+        The programs are lowered from shapes one after another (Python), then compiled by up
+        to `workers` threads at once (default: one per CPU core; XLA compiles without the
+        GIL). jit keeps what they compiled, so the scratch run that follows compiles nothing:
+        at real shapes warm-up takes about as long as its largest program, not the sum of all.
+        `warm_up_all` does the same for several engines at once."""
+        compile_concurrently(list(self.lower().values()), workers)
         state = self.init_state()
         for width in self.prefill_widths:
             state, out = self.prefill(state, self.pack_prefill([self._scratch_item()], width))
@@ -908,6 +916,30 @@ class Engine:
         return sum(
             f._cache_size() for f in (self._init, self._prefill, self._decode, self._release)
         )
+
+
+def compile_concurrently(lowered: Sequence[jax.stages.Lowered], workers: int | None = None) -> None:
+    """Compiles `lowered` programs on up to `workers` threads (default: one per CPU core).
+
+    Each `Lowered` keeps its executable, and a later call of the jitted function with arguments
+    of the shapes and placements it was lowered for finds that executable instead of
+    compiling again."""
+    workers = min(len(lowered), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        for program in lowered:
+            program.compile()
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, "dspark-compile") as pool:
+        for future in [pool.submit(program.compile) for program in lowered]:
+            future.result()
+
+
+def warm_up_all(engines: Sequence[Engine], workers: int | None = None) -> None:
+    """`Engine.warm_up` of every engine, their programs all compiled at once: benchmarks that
+    build an engine per batch size or policy wait for the largest program, not for each."""
+    compile_concurrently([p for e in engines for p in e.lower().values()], workers)
+    for engine in engines:
+        engine.warm_up(workers)
 
 
 @contextlib.contextmanager
