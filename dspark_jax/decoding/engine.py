@@ -924,7 +924,7 @@ def compile_concurrently(lowered: Sequence[jax.stages.Lowered], workers: int | N
     Each `Lowered` keeps its executable, and a later call of the jitted function with arguments
     of the shapes and placements it was lowered for finds that executable instead of
     compiling again."""
-    workers = min(len(lowered), workers or os.cpu_count() or 1)
+    workers = min(len(lowered), workers or _usable_cores())
     if workers <= 1:
         for program in lowered:
             program.compile()
@@ -932,6 +932,14 @@ def compile_concurrently(lowered: Sequence[jax.stages.Lowered], workers: int | N
     with concurrent.futures.ThreadPoolExecutor(workers, "dspark-compile") as pool:
         for future in [pool.submit(program.compile) for program in lowered]:
             future.result()
+
+
+def _usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity masks (macOS)
+        return os.cpu_count() or 1
 
 
 def warm_up_all(engines: Sequence[Engine], workers: int | None = None) -> None:
