@@ -20,8 +20,9 @@ are rolled back to --context between chunks). Reported:
 - floor: (weight bytes read + KV bytes read) / HBM bandwidth for one target step. Weight bytes
   exclude lookup-only tables (an untied input embedding); KV bytes are the keys and values in
   use (batch x context positions): the paged attention reads only those, whatever the pool.
-- programs: XLA compilations during warm-up (every program of the engine); the timed chunks
-  must compile nothing.
+- build: every engine's programs (all batch sizes, plain and speculative) compiled at once,
+  one per CPU core (--compile-workers), before any timing: programs, wall seconds, and compile
+  seconds summed over threads; the timed chunks must compile nothing.
 
 With --profile DIR, one more plain and one more speculative chunk at --profile-batch run under
 the XLA profiler (benchmarks/xla_profile.py): device busy time against wall time, time by op kind
@@ -47,6 +48,7 @@ from flax import nnx
 from provenance import (
     CompileClock,
     Parser,
+    add_compile_workers,
     git_commit,
     non_negative_float,
     output_file,
@@ -59,7 +61,7 @@ from provenance import (
 
 from dspark_jax import configs
 from dspark_jax.cli import use_compilation_cache
-from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.engine import Engine, EngineConfig, warm_up_all
 from dspark_jax.decoding.profiling import filled_state
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
@@ -201,9 +203,8 @@ def _rolled_back(state, slots: int, context: int, rep: int):
 
 
 def profile_chunk(engine: Engine, context: int, temperature: float, trace_dir: Path) -> dict:
-    """An XLA profile of one decode chunk (warmed up first), summarized by xla_profile."""
+    """An XLA profile of one decode chunk of a warmed-up engine, summarized by xla_profile."""
     slots = engine.cfg.num_slots
-    engine.warm_up()
     state = filled_state(engine, context, temperature)
     state, out = engine.decode_chunk(_rolled_back(state, slots, context, 0))
     state = _rolled_back(state, slots, context, 1)
@@ -220,16 +221,13 @@ def profile_chunk(engine: Engine, context: int, temperature: float, trace_dir: P
 
 
 def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
-    """(median seconds per round, committed tokens per request-round, the warm-up's
-    `CompileClock`, programs built while timing) with every slot live at `context` cached
-    positions."""
+    """(median seconds per round, committed tokens per request-round, programs built while
+    timing) with every slot live at `context` cached positions; `engine` is warmed up."""
     slots = engine.cfg.num_slots
-    with CompileClock() as warm:
-        engine.warm_up()
-        state = filled_state(engine, context, temperature)
-        # An untimed chunk: it also compiles the small eager ops that roll the slots back.
-        state, out = engine.decode_chunk(_rolled_back(state, slots, context, 0))
-        jax.block_until_ready(out.count_s)
+    state = filled_state(engine, context, temperature)
+    # An untimed chunk: it also compiles the small eager ops that roll the slots back.
+    state, out = engine.decode_chunk(_rolled_back(state, slots, context, 0))
+    jax.block_until_ready(out.count_s)
     per_round, tokens = [], []
     with CompileClock() as late:
         for rep in range(1, repeats + 1):
@@ -242,7 +240,7 @@ def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
             rounds = int(np.sum(np.asarray(out.step_tokens_r) > 0))
             per_round.append(elapsed / rounds)
             tokens.append(float(np.sum(np.asarray(out.count_s))) / (rounds * slots))
-    return statistics.median(per_round), statistics.median(tokens), warm, late.programs
+    return statistics.median(per_round), statistics.median(tokens), late.programs
 
 
 def default_context(args: argparse.Namespace) -> int:
@@ -305,11 +303,12 @@ def run(args: argparse.Namespace) -> dict:
         "rows": [],
     }
     rows = result["rows"]
+    # Every slot is live and the fixed policy verifies whole blocks, so each round packs exactly
+    # `batch` (plain) or `batch * (gamma + 1)` tokens: one token bucket each. The engines'
+    # default buckets would add the smaller ones, each a branch of the decode program holding a
+    # whole target forward to compile (seven at 64 slots), never run here.
+    engines = {}
     for batch in args.batch_sizes:
-        # Every slot is live and the fixed policy verifies whole blocks, so each round packs
-        # exactly `batch` (plain) or `batch * (gamma + 1)` tokens: one token bucket each. The
-        # engines' default buckets would add the smaller ones, each a branch of the decode
-        # program holding a whole target forward to compile (seven at 64 slots), never run here.
         cfg = EngineConfig(
             num_slots=batch,
             max_model_len=max_len,
@@ -318,21 +317,33 @@ def run(args: argparse.Namespace) -> dict:
             prefill_buckets=(16,),
             token_buckets=(batch,),
         )
-        engines = {
+        engines[batch] = {
             "plain": Engine(target, None, cfg),
             "spec": Engine(
                 target, drafter, dataclasses.replace(cfg, token_buckets=(batch * (gamma + 1),))
             ),
         }
+    # Every engine's programs at once, one per CPU core: the build waits for the largest
+    # program, not for the sum of them all.
+    all_engines = [e for pair in engines.values() for e in pair.values()]
+    with CompileClock() as build:
+        warm_up_all(all_engines, args.compile_workers)
+    result["build"] = {
+        "engines": len(all_engines),
+        "programs": build.programs,
+        "compile_s": build.compile_s,
+        "wall_s": build.wall_s,
+    }
+    print(
+        f"built {build.programs} programs of {len(all_engines)} engines in {build.wall_s:.0f} s",
+        flush=True,
+    )
+    for batch in args.batch_sizes:
         row: dict = {"batch": batch}
-        for mode, engine in engines.items():
-            seconds, tokens, warm, late = time_chunks(
-                engine, context, args.repeats, args.temperature
-            )
+        for mode, engine in engines[batch].items():
+            seconds, tokens, late = time_chunks(engine, context, args.repeats, args.temperature)
             row[f"{mode}_ms"] = seconds * 1e3
             row[f"{mode}_tokens_per_round"] = tokens
-            row[f"{mode}_programs"] = warm.programs
-            row[f"{mode}_compile_s"] = warm.compile_s
             row[f"{mode}_compiles_while_timing"] = late
             if args.profile and batch == args.profile_batch:
                 row[f"{mode}_profile"] = profile_chunk(
@@ -353,11 +364,7 @@ def run(args: argparse.Namespace) -> dict:
             for tau in args.taus
         }
         rows.append(row)
-        print(
-            f"batch {batch} done (compiled {row['plain_programs'] + row['spec_programs']} "
-            f"programs in {row['plain_compile_s'] + row['spec_compile_s']:.0f} s)",
-            flush=True,
-        )
+        print(f"batch {batch} done", flush=True)
         if args.json:  # what is measured so far survives a run cut off later
             write_json(args.json, result)
 
@@ -376,7 +383,6 @@ def format_table(result: dict) -> str:
         + " ".join(f"{'tok/s@' + t:>11}" for t in taus)
         + " "
         + " ".join(f"{'x@' + t:>6}" for t in taus)
-        + f" {'programs':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
@@ -388,14 +394,17 @@ def format_table(result: dict) -> str:
             + " ".join(f"{r['projected'][t]['tokens_per_s']:>11.1f}" for t in taus)
             + " "
             + " ".join(f"{r['projected'][t]['speedup']:>6.2f}" for t in taus)
-            + f" {r['plain_programs'] + r['spec_programs']:>8}"
         )
     bandwidth = result["bandwidth_gbs"]
     late = sum(
         r["plain_compiles_while_timing"] + r["spec_compiles_while_timing"] for r in result["rows"]
     )
-    built = sum(r["plain_compile_s"] + r["spec_compile_s"] for r in result["rows"])
-    lines.append(f"compilations while timing: {late}; building the programs took {built:.0f} s")
+    build = result["build"]
+    lines.append(
+        f"compilations while timing: {late}; building the {build['programs']} programs of "
+        f"{build['engines']} engines took {build['wall_s']:.0f} s ({build['compile_s']:.0f} s "
+        "of compile time summed over threads)"
+    )
     lines.append(
         f"{result['device']} ({result['platform']}), {result['target']} + {result['drafter']}, "
         f"{result['dtype']}, gamma {result['gamma']}, context {result['context']}, max_model_len "
@@ -430,6 +439,7 @@ def main() -> None:
         "--bandwidth-json", help="bandwidth measured by benchmarks/bandwidth.py (beats the others)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_compile_workers(parser)
     parser.add_argument(
         "--profile",
         metavar="DIR",

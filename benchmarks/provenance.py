@@ -107,6 +107,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def add_compile_workers(parser: argparse.ArgumentParser) -> None:
+    """--compile-workers: how many programs `engine.warm_up_all` compiles at once."""
+    parser.add_argument(
+        "--compile-workers",
+        type=positive_int,
+        help="programs compiled at once (default: one per CPU core; 1 compiles one at a time)",
+    )
+
+
 def run_main(main: Callable[[], int | None]) -> NoReturn:
     """Runs a script's `main()` and ends the process with its status (None: 0); bad input
     (`USER_ERRORS`) raised anywhere inside is reported as `PROG: error: MESSAGE`, status 2."""
