@@ -101,10 +101,12 @@ summary=()
 # DEADLINE (seconds from the start, optional): a stage gets only the time left before it, and
 # none starts once it has passed. Set it under the device call's limit (DEADLINE=560 with a
 # 600 s call): a stage stopped there still has its partial JSON packed and the summary printed,
-# which a call killed at its limit would not.
-stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures and times
+# which a call killed at its limit would not. STAGE_CAP=S before `stage` stops that stage after
+# S seconds as well (the test stages', below, so they cannot eat the aims' time).
+stage() {  # [STAGE_CAP=S] stage NAME COMMAND...: runs it, tees its log, remembers failures and times
   local name=$1; shift
-  local start=$SECONDS result=ok limit=()
+  local start=$SECONDS result=ok limit=() why=
+  local cap=${STAGE_CAP:-0}
   if [ -n "${DEADLINE:-}" ]; then
     local left=$((DEADLINE - SECONDS))
     if [ "$left" -le 5 ]; then
@@ -112,7 +114,10 @@ stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures an
       summary+=("$(printf '%-18s %8s  %s' "$name" - "not started")"); failed+=("$name")
       return
     fi
-    limit=(timeout --kill-after=15 "$left")
+    limit=(timeout --kill-after=15 "$left"); why="DEADLINE=$DEADLINE s"
+  fi
+  if [ "$cap" -gt 0 ] && { [ ${#limit[@]} -eq 0 ] || [ "$cap" -lt "$left" ]; }; then
+    limit=(timeout --kill-after=15 "$cap"); why="its cap of $cap s"
   fi
   echo "=== $name: $*"
   "${limit[@]}" "$@" 2>&1 | tee "$out/$name.log"
@@ -120,7 +125,7 @@ stage() {  # stage NAME COMMAND...: runs it, tees its log, remembers failures an
   if [ "$rc" -ne 0 ]; then
     failed+=("$name"); result=FAILED
     if [ ${#limit[@]} -gt 0 ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
-      result="stopped at DEADLINE=$DEADLINE s"
+      result="stopped at $why"
     fi
   fi
   echo "=== $name took $((SECONDS - start)) s"
@@ -137,15 +142,17 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 # The tests that exercise the engine, the kernels and the training step on the GPU: the first
 # part (Pallas kernels natively against the dense reference, the engine's exact greedy traces,
 # the models' parity with the reference, the verifier, the train step) before the benchmarks,
-# whose numbers mean nothing if these fail; the rest after the aims' stages. Four pytest workers
-# (compiling is CPU work; the machine has 16 cores) share the GPU: none may grab a fixed
-# fraction of its memory up front. --maxfail, not -x: one call should show every failing area.
-gpu_tests() {
-  stage "$1" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    python3 -m pytest -q -n 4 --maxfail=8 -p no:cacheprovider "${@:2}"
+# whose numbers mean nothing if these fail; the rest after the aims' stages. Each is capped
+# (TESTS_CORE_S, TESTS_REST_S seconds; 0: no cap): a stopped stage's log still shows every test
+# that ran, and the aims keep their time. Four pytest workers (compiling is CPU work; the
+# machine has 16 cores) share the GPU: none may grab a fixed fraction of its memory up front.
+# --maxfail, not -x: one call should show every failing area.
+gpu_tests() {  # gpu_tests NAME CAP TEST_FILE...
+  STAGE_CAP=$2 stage "$1" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    python3 -m pytest -q -n 4 --maxfail=8 -p no:cacheprovider "${@:3}"
 }
 want tests_core &&
-  gpu_tests tests_core tests/test_attention.py tests/test_engine.py \
+  gpu_tests tests_core "${TESTS_CORE_S:-180}" tests/test_attention.py tests/test_engine.py \
     tests/test_fixture_parity.py tests/test_verify.py tests/test_train_step.py
 
 want bandwidth &&
@@ -167,7 +174,8 @@ for c in $levels; do
       --prefill-buckets 64,256 --out "$out/throughput_c$c.json" --plot ""
   if [ "$c" = "${levels%% *}" ]; then  # the tests and tables that come after the aim's level
     want tests_rest &&
-      gpu_tests tests_rest tests/test_sampling.py tests/test_transformers_parity.py \
+      gpu_tests tests_rest "${TESTS_REST_S:-180}" tests/test_sampling.py \
+        tests/test_transformers_parity.py \
         tests/test_lossless.py tests/test_scheduled_engine.py tests/test_policy_switch.py \
         tests/test_train_loss.py
     # shellcheck disable=SC2086
