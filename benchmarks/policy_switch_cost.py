@@ -38,7 +38,7 @@ from dspark_jax.checkpoints.converted import load_decoding_models
 from dspark_jax.cli import use_compilation_cache
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Request, generate
-from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.engine import Engine, EngineConfig, warm_up_all
 from dspark_jax.decoding.profiling import profile_engine
 from dspark_jax.embedded import TINY_DIR
 from dspark_jax.sampling import SamplingConfig
@@ -143,7 +143,9 @@ def main() -> None:
         return Engine(target, drafter, cfg, policy=policy, stop_tokens=models.stop_tokens)
 
     switch = engine(policies.PolicySwitch(members))
-    switch.warm_up()
+    owns = {i: engine(members[i]) for i in args.members}
+    # Every engine's programs at once, one per CPU core.
+    warm_up_all([switch, *owns.values()])
     device = jax.devices()[0]
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -164,8 +166,7 @@ def main() -> None:
     print("| member | own engine (ms/round) | under the switch (ms/round) | ratio | program |")
     print("|---|---:|---:|---:|---:|")
     for i in args.members:
-        own = engine(members[i])
-        own.warm_up()
+        own = owns[i]
         times = {"own": [], "switch": []}
         for _ in range(args.repeats):
             for name, e, index in (("own", own, None), ("switch", switch, i)):
