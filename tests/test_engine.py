@@ -11,7 +11,14 @@ from compile_events import compile_threads
 from fixture_models import VARIANTS, load_pair, reference_traces
 
 from dspark_jax.decoding.batching import Batcher, Observer, Request, generate
-from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError, warm_up_all
+from dspark_jax.decoding.engine import (
+    COMPILE_WORKERS_ENV,
+    Engine,
+    EngineConfig,
+    EngineError,
+    default_compile_workers,
+    warm_up_all,
+)
 from dspark_jax.sampling import SamplingConfig
 
 # The reference counts its 96 tokens after the first one, then keeps the first 96 overall.
@@ -535,3 +542,16 @@ def test_cpu_16_bit_pools_are_stored_in_float32_with_the_same_results(monkeypatc
     state = jax.eval_shape(models.engine(cfg).init_state)
     pool_elements = sum(x.size for x in jax.tree.leaves((state.target_pages, state.draft_pages)))
     assert state_bytes - old_bytes == 2 * pool_elements
+
+
+def test_compile_workers_come_from_the_environment(monkeypatch):
+    """DSPARK_JAX_COMPILE_WORKERS sets how many programs warm-up compiles at once; nonsense is
+    refused by name instead of silently compiling one at a time."""
+    monkeypatch.setenv(COMPILE_WORKERS_ENV, "3")
+    assert default_compile_workers() == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(COMPILE_WORKERS_ENV, bad)
+        with pytest.raises(EngineError, match=COMPILE_WORKERS_ENV):
+            default_compile_workers()
+    monkeypatch.delenv(COMPILE_WORKERS_ENV)
+    assert default_compile_workers() >= 1

@@ -918,13 +918,18 @@ class Engine:
         )
 
 
+# Programs compiled at once by default (a positive integer; unset: one per usable core).
+COMPILE_WORKERS_ENV = "DSPARK_JAX_COMPILE_WORKERS"
+
+
 def compile_concurrently(lowered: Sequence[jax.stages.Lowered], workers: int | None = None) -> None:
-    """Compiles `lowered` programs on up to `workers` threads (default: one per CPU core).
+    """Compiles `lowered` programs on up to `workers` threads (default: $DSPARK_JAX_COMPILE_WORKERS,
+    else one per usable CPU core).
 
     Each `Lowered` keeps its executable, and a later call of the jitted function with arguments
     of the shapes and placements it was lowered for finds that executable instead of
     compiling again."""
-    workers = min(len(lowered), workers or _usable_cores())
+    workers = min(len(lowered), workers or default_compile_workers())
     if workers <= 1:
         for program in lowered:
             program.compile()
@@ -934,8 +939,21 @@ def compile_concurrently(lowered: Sequence[jax.stages.Lowered], workers: int | N
             future.result()
 
 
-def _usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+def default_compile_workers() -> int:
+    """$DSPARK_JAX_COMPILE_WORKERS, else the CPU cores this process may run on (its affinity
+    mask, not the machine's count)."""
+    setting = os.environ.get(COMPILE_WORKERS_ENV, "").strip()
+    if setting:
+        try:
+            workers = int(setting)
+        except ValueError:
+            workers = 0
+        if workers < 1:
+            raise EngineError(
+                f"{COMPILE_WORKERS_ENV}={setting!r}: give a positive number of programs to "
+                "compile at once"
+            )
+        return workers
     try:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # no affinity masks (macOS)
