@@ -112,7 +112,8 @@ def add_compile_workers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile-workers",
         type=positive_int,
-        help="programs compiled at once (default: one per CPU core; 1 compiles one at a time)",
+        help="programs compiled at once (default: $DSPARK_JAX_COMPILE_WORKERS, else one per CPU "
+        "core; 1 compiles one at a time)",
     )
 
 

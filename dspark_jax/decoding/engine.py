@@ -899,11 +899,16 @@ class Engine:
         state, so that nothing compiles while requests are served.
 
         The programs are lowered from shapes one after another (Python), then compiled by up
-        to `workers` threads at once (default: one per CPU core; XLA compiles without the
-        GIL). jit keeps what they compiled, so the scratch run that follows compiles nothing:
-        at real shapes warm-up takes about as long as its largest program, not the sum of all.
-        `warm_up_all` does the same for several engines at once."""
+        to `workers` threads at once (default: `default_compile_workers()`; XLA compiles
+        without the GIL). jit keeps what they compiled, so the scratch run that follows
+        compiles nothing: at real shapes warm-up takes about as long as its largest program,
+        not the sum of all. `warm_up_all` does the same for several engines at once."""
         compile_concurrently(list(self.lower().values()), workers)
+        self._scratch_run()
+
+    def _scratch_run(self) -> None:
+        """Every verb once on a scratch state (compiling what `lower` did not build: nothing
+        after `compile_concurrently`, save small eager ops)."""
         state = self.init_state()
         for width in self.prefill_widths:
             state, out = self.prefill(state, self.pack_prefill([self._scratch_item()], width))
@@ -965,7 +970,7 @@ def warm_up_all(engines: Sequence[Engine], workers: int | None = None) -> None:
     build an engine per batch size or policy wait for the largest program, not for each."""
     compile_concurrently([p for e in engines for p in e.lower().values()], workers)
     for engine in engines:
-        engine.warm_up(workers)
+        engine._scratch_run()
 
 
 @contextlib.contextmanager
