@@ -20,7 +20,8 @@ turns in decode rounds that served a live request), tau and drafts verified per 
 Compilation happens before timing (`warm_up`). Beside the SPS profile's, each level builds two
 engines: the plain one and one speculative engine holding every policy above
 (`policies.PolicySwitch`), so the target's and drafter's forwards compile once per level, not
-once per policy.
+once per policy. The plain engine compiles alongside the profiled round (`profile_engine`'s
+`compile_with`); the speculative one needs the profile's table, so it compiles after.
 
     python benchmarks/throughput.py                 # the tiny byte-level pair, CPU
     python benchmarks/throughput.py --target T --draft D --prompts mt-bench.jsonl
@@ -424,16 +425,26 @@ def main() -> None:
             prefill_seqs=8,
             prefill_buckets=prefill_buckets,
         )
+        # Plain decoding packs at most one token per slot: one bucket of `c` serves every
+        # round, where the profile's larger ones would be compiled and never run.
+        plain = Engine(target, None, dataclasses.replace(cfg, token_buckets=(c,)))
         if args.sps_table:
             profile = policies.SpsProfile.load(Path(args.sps_table) / f"sps_c{c}.json")
         else:
             print(f"profiling rounds of {c} slots ...", flush=True)
             with CompileClock() as clock:
                 profile = profile_engine(
-                    target, drafter, cfg, context_len=args.context_len, steps=8, repeats=3
+                    target,
+                    drafter,
+                    cfg,
+                    context_len=args.context_len,
+                    steps=8,
+                    repeats=3,
+                    compile_with=(plain,),
                 )
             print(
-                f"  profiled in {clock.wall_s:.0f} s ({clock.compile_s:.0f} s compiling)",
+                f"  profiled in {clock.wall_s:.0f} s ({clock.compile_s:.0f} s compiling, "
+                "the plain engine's programs too)",
                 flush=True,
             )
         tables[c] = profile.to_json()
@@ -456,9 +467,6 @@ def main() -> None:
             rows.append({"concurrency": c, "mode": mode, **cell})
             write_json(args.out, report, indent=2)
 
-        # Plain decoding packs at most one token per slot: one bucket of `c` serves every
-        # round, where the profile's larger ones would be compiled and never run.
-        plain = Engine(target, None, dataclasses.replace(cfg, token_buckets=(c,)))
         keep("no speculation", measure("no speculation", plain))
         # Every speculative policy in one engine: the target's and drafter's forwards compile
         # once per level, not once per policy (`policies.PolicySwitch`). --separate-engines

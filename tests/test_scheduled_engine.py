@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from compile_events import compile_threads
 from fixture_models import load_pair, reference_traces
 from test_scheduler import _reference_alg1, _survival
 
@@ -204,3 +205,25 @@ def test_profile_engine_records_the_models_it_timed(capsys):
     # The command line takes it without the warning meant for tables of older versions.
     cli_args.check_sps_table("sps.json", profile, 2, target.cfg, drafter.cfg, lambda p, n: "")
     assert capsys.readouterr().err == ""
+
+
+def test_profile_engine_compiles_the_callers_next_engines_with_its_round():
+    """`compile_with`: the caller's next engine (benchmarks/throughput.py's plain one) compiles
+    on the profiler's threads, beside the profiled round and before any timing, so that its own
+    warm-up afterwards compiles nothing and the round program is still built only once."""
+    from dspark_jax.decoding.profiling import profile_engine
+
+    target, drafter = load_pair("vanilla")
+    cfg = EngineConfig(num_slots=2, max_model_len=64, prefill_chunk=32, prefill_buckets=(32,))
+    plain = Engine(target, None, dataclasses.replace(cfg, token_buckets=(2,)))
+    quick = {"context_len": 8, "steps": 1, "repeats": 1}
+    built = compile_threads(
+        lambda: profile_engine(target, drafter, cfg, compile_with=(plain,), **quick)
+    )
+    pooled = [name for name in built if name.startswith("dspark-compile")]
+    # The round program and every program of the plain engine, each once; what the profile
+    # compiled on its own thread afterwards are small eager operations (filling its state).
+    assert len(pooled) == 1 + len(plain.lower())
+    programs = plain.compiled_programs()
+    assert compile_threads(plain.warm_up) == []
+    assert plain.compiled_programs() == programs

@@ -965,10 +965,15 @@ def default_compile_workers() -> int:
         return os.cpu_count() or 1
 
 
-def warm_up_all(engines: Sequence[Engine], workers: int | None = None) -> None:
+def warm_up_all(
+    engines: Sequence[Engine],
+    workers: int | None = None,
+    extra: Sequence[jax.stages.Lowered] = (),
+) -> None:
     """`Engine.warm_up` of every engine, their programs all compiled at once: benchmarks that
-    build an engine per batch size or policy wait for the largest program, not for each."""
-    compile_concurrently([p for e in engines for p in e.lower().values()], workers)
+    build an engine per batch size or policy wait for the largest program, not for each.
+    `extra`: other lowered programs to compile on the same threads (a profiler's own)."""
+    compile_concurrently([*extra, *(p for e in engines for p in e.lower().values())], workers)
     for engine in engines:
         engine._scratch_run()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import jax
@@ -36,6 +36,7 @@ from dspark_jax.decoding.engine import (
     EngineConfig,
     SlotState,
     token_buckets,
+    warm_up_all,
 )
 from dspark_jax.decoding.policies import SpsProfile, profile_meta, sps_model
 from dspark_jax.errors import UserError
@@ -187,6 +188,7 @@ def profile_engine(
     repeats: int = 5,
     log: Callable[[str], None] | None = None,
     mesh=None,
+    compile_with: Sequence[Engine] = (),
     **meta,
 ) -> SpsProfile:
     """Median steps/s per token bucket of an engine built with `cfg` (its `token_buckets`, or
@@ -196,7 +198,9 @@ def profile_engine(
 
     Round mode needs the drafter and samples at `temperature`; verify mode times the target
     alone and samples nothing, so it takes no temperature. `mesh`: the engine runs sharded on
-    it (the table then describes that mesh)."""
+    it (the table then describes that mesh). `compile_with`: engines the caller builds next,
+    warmed up (`Engine.warm_up`) on the same compile threads as the profiled round, before
+    any timing: their compiling overlaps the profile's instead of following it."""
     if mode not in ("round", "verify"):
         raise ProfileError(f"mode must be 'round' or 'verify', got {mode!r}")
     if mode == "round" and drafter is None:
@@ -241,6 +245,9 @@ def profile_engine(
         policy=CarriedLengths() if round_mode else None,
         mesh=mesh,
     )
+    # Everything compiles before the first timed step: the round program (verify mode's own is
+    # built below) together with the caller's next engines.
+    warm_up_all(compile_with, extra=[engine.lower()["decode_chunk"]] if round_mode else [])
     state = filled_state(engine, context_len, temperature)
     sps = np.zeros((len(buckets),))
     for i, width in enumerate(buckets):
