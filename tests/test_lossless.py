@@ -143,9 +143,11 @@ def _sample(sampling, prompt, num_samples, gamma):
     return [tuple(r.tokens) for r in results], np.concatenate([r.accepted for r in results])
 
 
-def _chi_square(sampling):
-    """(p-value, degrees of freedom, power at DETECT_TV, share of rounds accepting draft 1)."""
-    prompt, n, gamma = CASES[sampling]
+def _chi_square(sampling, n=None):
+    """(p-value, degrees of freedom, power at DETECT_TV, share of rounds accepting draft 1), on
+    `n` samples (default: the case's)."""
+    prompt, case_n, gamma = CASES[sampling]
+    n = n or case_n
     assert len(prompt) == PROMPT_LEN
     eos = _models()[0].cfg.eos_token_ids[0]
     expected = _expected_cells(prompt, sampling, eos, MIN_EXPECTED / n)
@@ -191,6 +193,14 @@ def _broken_correction(target_logp_bv, draft_logp_bv, rejected_b):
     return target_logp_bv
 
 
+# Samples the broken verifier is tested on. At T=0.7 / top-p 0.9 it is so far off (p 3e-258 on
+# 4096 samples, measured 2026-11-27) that a fifth of the case's samples, one engine batch,
+# shows the test rejects it: for a fixed alternative the chi-square test's power only grows
+# with the samples, so the full test rejects it too. At T=1 the difference is small (p 0.06 on
+# 4096 samples): that one runs on the case's 65536 (slow).
+BROKEN_SAMPLES = {T07_P09: BATCH, T1: CASES[T1][1]}
+
+
 @pytest.mark.parametrize(
     "sampling",
     [T07_P09, pytest.param(T1, marks=pytest.mark.slow)],
@@ -199,6 +209,7 @@ def _broken_correction(target_logp_bv, draft_logp_bv, rejected_b):
 def test_broken_verifier_fails(sampling, monkeypatch):
     # The engine is built (so its round is traced) after patching: it uses the broken helper.
     monkeypatch.setattr(verify_module, "_correction_logprobs", _broken_correction)
-    p_value, df, power, _ = _chi_square(sampling)
-    assert power >= MIN_POWER
+    p_value, df, power, _ = _chi_square(sampling, BROKEN_SAMPLES[sampling])
+    if BROKEN_SAMPLES[sampling] == CASES[sampling][1]:
+        assert power >= MIN_POWER
     assert p_value < ALPHA, f"a broken verifier passed: p = {p_value:.2e} with {df} dof"
