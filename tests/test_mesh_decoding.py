@@ -269,6 +269,30 @@ def test_policy_switch_on_a_mesh_selects_without_compiling(pair, single_device):
     assert max(r.verified.max() for r in one) == 1 < max(r.verified.max() for r in whole)
 
 
+def test_profiling_on_a_mesh_compiles_the_round_once(pair):
+    """`profile_engine` on a mesh lays its state out where the engine keeps it. Host-made arrays
+    mixed into the engine's sharded state called the round program with other input shardings
+    than its own outputs have: it compiled once for the first bucket's state and again for the
+    next (and once more after the round began compiling before timing)."""
+    from dspark_jax.decoding.profiling import profile_engine
+
+    built = []
+
+    def listener(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            built.append(kwargs.get("fun_name"))
+
+    cfg = EngineConfig(num_slots=2, max_model_len=64, prefill_chunk=32, prefill_buckets=(32,))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        profile = profile_engine(*pair, cfg, context_len=8, steps=1, repeats=1, mesh=_mesh(1, 1, 2))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(profile.buckets) > 1  # the buckets after the first ran on the round's outputs
+    assert built.count("jit(decode)") == 1, built
+    assert profile.meta["mesh"] == {"data": 1, "fsdp": 1, "tensor": 2}
+
+
 def _no_loading(monkeypatch):
     """Makes every model loader fail the test: a refusal must come before any loading."""
 

@@ -101,15 +101,28 @@ def filled_state(engine: Engine, context_len: int, temperature: float = 0.0) -> 
     s = cfg.num_slots
     state = engine.init_state()
     table = np.arange(s * cfg.pages_per_slot, dtype=np.int32).reshape(s, cfg.pages_per_slot)
-    return state.replace(
-        page_table_sp=jnp.asarray(table),
-        lengths_s=jnp.full((s,), context_len, jnp.int32),
-        max_new_s=jnp.full((s,), np.iinfo(np.int32).max // 2, jnp.int32),
-        stop_sk=jnp.full_like(state.stop_sk, NO_STOP_TOKEN),
-        sampling_s=dataclasses.replace(
-            state.sampling_s, temperature=jnp.full((s,), temperature, jnp.float32)
+    return placed(
+        engine,
+        state.replace(
+            page_table_sp=jnp.asarray(table),
+            lengths_s=jnp.full((s,), context_len, jnp.int32),
+            max_new_s=jnp.full((s,), np.iinfo(np.int32).max // 2, jnp.int32),
+            stop_sk=jnp.full_like(state.stop_sk, NO_STOP_TOKEN),
+            sampling_s=dataclasses.replace(
+                state.sampling_s, temperature=jnp.full((s,), temperature, jnp.float32)
+            ),
         ),
     )
+
+
+def placed(engine: Engine, state: SlotState) -> SlotState:
+    """`state` with every array where the engine keeps it (its mesh shardings; a no-op on one
+    device). A state mixing the engine's sharded arrays with fresh host-made ones calls the
+    engine's programs with other input shardings than `Engine.lower` and the engine's own
+    outputs have, and each such mix compiles the program again."""
+    if engine.state_shardings is None:
+        return state
+    return jax.tree.map(jax.device_put, state, engine.state_shardings)
 
 
 def _round_seconds(
@@ -126,6 +139,7 @@ def _round_seconds(
             lengths_s=jnp.full((len(lengths),), context_len, jnp.int32),
             num_generated_s=jnp.zeros((len(lengths),), jnp.int32),
         )
+        s = placed(engine, s)
         s, out = engine.decode_chunk(s)
         if not np.all(np.asarray(out.verified_sr)[live] >= 0):
             raise ProfileError("a slot stopped during round profiling; timings would be short")
