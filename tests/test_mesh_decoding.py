@@ -282,7 +282,13 @@ def test_profiling_on_a_mesh_compiles_the_round_once(pair):
         if event.endswith("backend_compile_duration"):
             built.append(kwargs.get("fun_name"))
 
-    cfg = EngineConfig(num_slots=2, max_model_len=64, prefill_chunk=32, prefill_buckets=(32,))
+    cfg = EngineConfig(
+        num_slots=2,
+        max_model_len=64,
+        prefill_chunk=32,
+        prefill_buckets=(32,),
+        token_buckets=(8, 16),
+    )
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         profile = profile_engine(*pair, cfg, context_len=8, steps=1, repeats=1, mesh=_mesh(1, 1, 2))

@@ -124,9 +124,7 @@ def test_sts_applies_to_requests_at_its_temperature():
 
     _, gated = load_pair("gated")
     with pytest.raises(StsArtifactMismatchError, match="calibrated for drafter"):
-        Engine(
-            target, drafter, CFG, sts=sharp, drafter_fingerprint=drafter_fingerprint(gated)
-        )
+        Engine(target, drafter, CFG, sts=sharp, drafter_fingerprint=drafter_fingerprint(gated))
     short = dataclasses.replace(sharp, temperatures=(0.05,) * 5)
     with pytest.raises(StsArtifactMismatchError, match="5 temperatures"):
         Engine(target, drafter, CFG, sts=short, drafter_fingerprint=fingerprint)
@@ -214,7 +212,9 @@ def test_profile_engine_compiles_the_callers_next_engines_with_its_round():
     from dspark_jax.decoding.profiling import profile_engine
 
     target, drafter = load_pair("vanilla")
-    cfg = EngineConfig(num_slots=2, max_model_len=64, prefill_chunk=32, prefill_buckets=(32,))
+    cfg = EngineConfig(
+        num_slots=2, max_model_len=64, prefill_chunk=32, prefill_buckets=(32,), token_buckets=(16,)
+    )
     plain = Engine(target, None, dataclasses.replace(cfg, token_buckets=(2,)))
     quick = {"context_len": 8, "steps": 1, "repeats": 1}
     built = compile_threads(
