@@ -19,10 +19,6 @@ for pkg in grain fastapi starlette uvicorn pydantic annotated-types \
            typing-inspection tensorboardX openai distro jiter sniffio array-record dm-tree; do
   fetch "$pkg"
 done
-# The image's pytest-xdist is of an unread version: the project's addopts need >= 3.8
-# (--no-loadscope-reorder), and that release needs execnet >= 2.1.
-fetch "pytest-xdist>=3.8"
-fetch "execnet>=2.1"
 # pydantic needs one exact pydantic-core: the one its metadata names, not the newest.
 core=$(unzip -p .whl/pydantic-[0-9]*.whl '*/METADATA' |
        sed -n 's/^Requires-Dist: pydantic-core==\([^ ;]*\).*/\1/p')

@@ -27,35 +27,6 @@ if "DSPARK_JAX_COMPILATION_CACHE" not in os.environ:
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DSPARK_JAX_COMPILATION_CACHE"])
 
 
-# pytest-xdist hands whole test files (`--dist loadfile`) to whichever worker frees first, in
-# collection order (`--no-loadscope-reorder`; its default orders files by how many tests they
-# hold, which put the few-but-long statistical files last). The longest files go first, so
-# that the run does not end with one worker on a long file while the other idles. Measured
-# with `--durations=0` (per-file call time, longest first, 2026-11-27); the rest keep their order.
-LONGEST_FILES_FIRST = (
-    "test_engine.py",
-    "test_scheduled_engine.py",
-    "test_lossless.py",
-    "test_notebook.py",
-    "test_mesh_decoding.py",
-    "test_scheduled_lossless.py",
-    "test_policy_switch.py",
-    "test_train_resume.py",
-    "test_decode_commands.py",
-    "test_python_api.py",
-    "test_train_truth.py",
-    "test_verify.py",
-    "test_attention.py",
-    "test_transformers_parity.py",
-    "test_sts_engine.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
-
-
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
