@@ -115,8 +115,9 @@ def _pit_p_value(policy):
     ids = np.zeros((N_SEQ, len(prompt) + SEQ_TOKENS), np.int32)
     for i, r in enumerate(results):
         ids[i, : len(prompt) + len(r.tokens)] = prompt + r.tokens
-    logits = jax.jit(lambda x: target.logits(target(x).hidden))(ids)
-    probs = np.exp(np.asarray(filtered_logprobs(logits, T1), np.float64))
+    # One program: the filter run eagerly compiles each of its operations separately.
+    logprobs = jax.jit(lambda x: filtered_logprobs(target.logits(target(x).hidden), T1))(ids)
+    probs = np.exp(np.asarray(logprobs, np.float64))
     rng = np.random.default_rng(0)
     u = []
     for i, r in enumerate(results):
