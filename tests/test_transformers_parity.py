@@ -1,10 +1,13 @@
 """Parity with transformers' own Qwen3ForCausalLM built from tiny random configs (no downloads)."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from fixture_models import max_rel_err
+from flax import nnx
 from transformers import Qwen3Config as HFQwen3Config
 from transformers import Qwen3ForCausalLM
 
@@ -62,16 +65,33 @@ def _ours(hf_cfg, model):
     return target_from_torch(cfg, DictSource(tensors))
 
 
+@functools.partial(nnx.jit, static_argnums=(3,))
+def _packed_forward(model, tokens_t, counts_s, width, starts_s, cache):
+    # One program per width: run eagerly, the forward compiled each of its hundreds of small
+    # operations once per new shape (700 compilations in one test).
+    batch = TokenBatch.per_slot(starts_s, counts_s, width)
+    out = model.paged_forward(tokens_t, batch, cache)
+    return model.logits(out.hidden), paged.write(cache, out.kv, batch)
+
+
+@nnx.jit
+def _full_logits(model, ids_bt):
+    return model.logits(model(ids_bt).hidden)
+
+
 def _packed(model, cache, chunks, starts):
     """Runs slot b's tokens `chunks[b]` at positions starts[b].. in one packed forward; returns
     each slot's logits rows and the updated cache."""
     counts = np.array([len(c) for c in chunks])
-    batch = TokenBatch.per_slot(
-        jnp.asarray(starts, jnp.int32), jnp.asarray(counts, jnp.int32), int(counts.sum())
+    logits, cache = _packed_forward(
+        model,
+        jnp.asarray(np.concatenate(chunks), jnp.int32),
+        jnp.asarray(counts, jnp.int32),
+        int(counts.sum()),
+        jnp.asarray(starts, jnp.int32),
+        cache,
     )
-    out = model.paged_forward(jnp.asarray(np.concatenate(chunks), jnp.int32), batch, cache)
-    rows = np.split(np.asarray(model.logits(out.hidden)), np.cumsum(counts)[:-1])
-    return rows, paged.write(cache, out.kv, batch)
+    return np.split(np.asarray(logits), np.cumsum(counts)[:-1]), cache
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -95,7 +115,7 @@ def test_cached_decoding_equals_full_forward(case):
     hf_cfg, model = _hf_model(case)
     ours = _ours(hf_cfg, model)
     ids = np.random.default_rng(1).integers(0, hf_cfg.vocab_size, (2, 30)).astype(np.int32)
-    full = ours.logits(ours(jnp.asarray(ids)).hidden)
+    full = _full_logits(ours, jnp.asarray(ids))
 
     pos = np.array([9, 14])
     cache = ours.new_cache(2, 64, page_size=8, impl="dense")
@@ -123,7 +143,7 @@ def test_rejected_tokens_roll_back_by_length():
     hf_cfg, model = _hf_model("untied-gqa")
     ours = _ours(hf_cfg, model)
     ids = np.random.default_rng(2).integers(0, hf_cfg.vocab_size, (1, 20)).astype(np.int32)
-    full = ours.logits(ours(jnp.asarray(ids)).hidden)
+    full = _full_logits(ours, jnp.asarray(ids))
     _, cache = _packed(ours, ours.new_cache(1, 32, page_size=8, impl="dense"), [ids[0, :12]], [0])
     wrong = (ids[0, 12:16] + 1) % hf_cfg.vocab_size
     _, cache = _packed(ours, cache, [wrong], [12])
