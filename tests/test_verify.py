@@ -12,11 +12,11 @@ from dspark_jax.sampling import (
     STREAM_DRAFT,
     STREAM_RESIDUAL,
     SamplingConfig,
-    filtered_logprobs,
     position_keys,
     request_keys,
     sample_tokens,
 )
+from dspark_jax.sampling import filtered_logprobs as _filtered_logprobs
 
 GREEDY = SamplingConfig()
 T1 = SamplingConfig(temperature=1.0)
@@ -24,6 +24,9 @@ FILTERED = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
 NO_STOP = jnp.array([NO_STOP_TOKEN], jnp.int32)
 
 jit_verify = jax.jit(verify, static_argnames="cfg")
+# Jitted: run eagerly, the filter compiled each of its operations (and the branches of its
+# cutoff search) once per shape, most of this file's compile time.
+filtered_logprobs = jax.jit(_filtered_logprobs, static_argnums=1)
 
 
 def peaked(tokens, vocab: int, height: float = 30.0) -> jnp.ndarray:
