@@ -80,13 +80,12 @@ def _models():
 
 
 @functools.cache
-def _next_logprobs_fn(sampling):
-    """One program per input shape: the filter run eagerly would compile each of its small
-    operations (and the conditionals of its cutoff search) once per row count."""
+def target_logprobs_fn(sampling):
+    """ids [B, T] -> the target's filtered log-probabilities [B, T, V] at every position, one
+    program per input shape: the filter run eagerly would compile each of its small operations
+    (and the conditionals of its cutoff search) once per row count."""
     target, _ = _models()
-    return jax.jit(
-        lambda ids_bt: filtered_logprobs(target.logits(target(ids_bt).hidden[:, -1]), sampling)
-    )
+    return jax.jit(lambda ids_bt: filtered_logprobs(target.logits(target(ids_bt).hidden), sampling))
 
 
 def _next_logprobs(prefixes, sampling):
@@ -97,7 +96,7 @@ def _next_logprobs(prefixes, sampling):
     ids = np.asarray(prefixes, np.int32)
     padded = np.zeros((1 << (len(ids) - 1).bit_length(), ids.shape[1]), np.int32)
     padded[: len(ids)] = ids
-    return np.asarray(_next_logprobs_fn(sampling)(padded)[: len(ids)], np.float64)
+    return np.asarray(target_logprobs_fn(sampling)(padded)[: len(ids), -1], np.float64)
 
 
 def _expected_cells(prompt, sampling, eos, min_prob):

@@ -19,17 +19,22 @@ Two tests, both on the vanilla fixture models at temperature 1:
    hence 4096.
 """
 
-import jax
 import numpy as np
 import pytest
 from scipy import stats
-from test_lossless import NEW_TOKENS, _cell_probabilities, _expected_cells, _models
+from test_lossless import (
+    NEW_TOKENS,
+    _cell_probabilities,
+    _expected_cells,
+    _models,
+    target_logprobs_fn,
+)
 
 from dspark_jax.decoding import policies
 from dspark_jax.decoding import verify as verify_module
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
-from dspark_jax.sampling import SamplingConfig, filtered_logprobs
+from dspark_jax.sampling import SamplingConfig
 
 ALPHA = 1e-3
 T1 = SamplingConfig(temperature=1.0)
@@ -115,9 +120,7 @@ def _pit_p_value(policy):
     ids = np.zeros((N_SEQ, len(prompt) + SEQ_TOKENS), np.int32)
     for i, r in enumerate(results):
         ids[i, : len(prompt) + len(r.tokens)] = prompt + r.tokens
-    # One program: the filter run eagerly compiles each of its operations separately.
-    logprobs = jax.jit(lambda x: filtered_logprobs(target.logits(target(x).hidden), T1))(ids)
-    probs = np.exp(np.asarray(logprobs, np.float64))
+    probs = np.exp(np.asarray(target_logprobs_fn(T1)(ids), np.float64))
     rng = np.random.default_rng(0)
     u = []
     for i, r in enumerate(results):
