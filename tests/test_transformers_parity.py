@@ -65,8 +65,8 @@ def _ours(hf_cfg, model):
     return target_from_torch(cfg, DictSource(tensors))
 
 
-@functools.partial(nnx.jit, static_argnums=(3,))
-def _packed_forward(model, tokens_t, counts_s, width, starts_s, cache):
+@functools.partial(nnx.jit, static_argnums=(1,))
+def _packed_forward(model, width, tokens_t, counts_s, starts_s, cache):
     # One program per width: run eagerly, the forward compiled each of its hundreds of small
     # operations once per new shape (700 compilations in one test).
     batch = TokenBatch.per_slot(starts_s, counts_s, width)
@@ -85,9 +85,9 @@ def _packed(model, cache, chunks, starts):
     counts = np.array([len(c) for c in chunks])
     logits, cache = _packed_forward(
         model,
+        int(counts.sum()),
         jnp.asarray(np.concatenate(chunks), jnp.int32),
         jnp.asarray(counts, jnp.int32),
-        int(counts.sum()),
         jnp.asarray(starts, jnp.int32),
         cache,
     )
