@@ -9,6 +9,7 @@ is benchmarks/gpu_session.sh's job.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -16,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from fixture_models import load_pair
+from flax import nnx
 
 from dspark_jax.decoding.engine import Engine, EngineConfig, _absent_gpu_target
 from dspark_jax.models import attention as attn
+from dspark_jax.models.qwen3 import Qwen3
 
 CFG = EngineConfig(
     num_slots=4,
@@ -81,3 +84,22 @@ def test_paged_kernel_lowers_for_any_table_length(table_pages, page_size, dtype)
     with _absent_gpu_target(("cuda",), "NVIDIA H100"):
         lowered = kernel.trace(*args).lower(lowering_platforms=("cuda",))
     assert set(_custom_calls(lowered)) == {TRITON}
+
+
+def test_layers_lower_once_whatever_the_depth():
+    """Every layer is a call of one jitted layer program (`qwen3.paged_layers`), so a deeper
+    target adds calls, not layer bodies: the decode program of a target three times as deep
+    holds as many attention kernels, and its lowering does not grow with the depth (the host
+    time every engine spends before compiling: seconds, not minutes, at Qwen3-4B's 36 layers)."""
+    target, _ = load_pair("vanilla")
+    depth = target.cfg.num_hidden_layers
+    deeper_cfg = dataclasses.replace(target.cfg, num_hidden_layers=3 * depth)
+    deeper = nnx.eval_shape(lambda: Qwen3(deeper_cfg, rngs=nnx.Rngs(0)))
+    engines = [Engine(t, None, CFG) for t in (target, deeper)]
+    texts = [e.lower(platforms=("cuda",))["decode_chunk"].as_text() for e in engines]
+    kernels = [len(re.findall(r"custom_call @" + re.escape(TRITON), t)) for t in texts]
+    layer_calls = [len(re.findall(r"call @decoder_layer(_\d+)?\b", t)) for t in texts]
+    assert kernels[0] > 0 and kernels[1] == kernels[0], kernels
+    # One call per layer in each token bucket's branch of the decode program.
+    buckets = len(engines[0].token_buckets)
+    assert layer_calls == [buckets * depth, buckets * 3 * depth], (layer_calls, buckets)

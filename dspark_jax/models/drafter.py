@@ -20,7 +20,7 @@ from dspark_jax.models import paged
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
 from dspark_jax.models.layers import Embed, Linear, RMSNorm, attention
 from dspark_jax.models.paged import PagedCache, TokenBatch, new_cache
-from dspark_jax.models.qwen3 import DecoderLayer
+from dspark_jax.models.qwen3 import DecoderLayer, paged_layers
 from dspark_jax.sampling import (
     RowSampling,
     SamplingConfig,
@@ -126,8 +126,7 @@ class DSparkDrafter(nnx.Module):
             max_seq_tokens=gamma,
         )
         x_1td = self.embed_tokens(self.block_tokens(anchor_s).reshape(1, -1), self.dtype)
-        for layer, layer_pages in zip(self.layers, cache.pages, strict=True):
-            x_1td, _ = layer.paged(x_1td, batch, cache, layer_pages, causal=False)
+        x_1td, _, _ = paged_layers(self.layers, x_1td, batch, cache, causal=False)
         return self.norm(x_1td[0]).reshape(num_slots, gamma, -1)
 
     # -- backbone --------------------------------------------------------------------------

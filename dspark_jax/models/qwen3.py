@@ -51,6 +51,38 @@ class DecoderLayer(nnx.Module):
         return x_1td, new_kv
 
 
+def _layer_program(method: str, **options):
+    """`DecoderLayer.<method>(*args, **options)` jitted, taking the layer as (graphdef, state)
+    before `args`: one per forward.
+
+    A forward runs each of its layers as a call of this one function, so the layers (which
+    share their structure and shapes) are traced and lowered once per forward and token width,
+    not once per layer: the program holds one layer body that every layer calls, and XLA, which
+    inlines calls, optimises the same graph as that of the layers written out one after another
+    (36 for Qwen3-4B, in each token bucket of a decode program: `benchmarks/lowering_time.py`).
+    A new function each forward keeps what a trace decided (cuDNN or not, say) to that forward.
+    """
+
+    def run(graphdef, state, *args):
+        return getattr(nnx.merge(graphdef, state), method)(*args, **options)
+
+    run.__name__ = run.__qualname__ = "decoder_layer"  # the lowered function's name
+    return jax.jit(run, static_argnums=0)
+
+
+def paged_layers(layers, x_1td, batch: TokenBatch, cache: PagedCache, causal: bool = True):
+    """`DecoderLayer.paged` of each layer in turn over `cache.pages`: the last layer's x, x
+    after each layer and every layer's new (k, v), each layer a call of one layer program."""
+    run = _layer_program("paged", causal=causal)
+    shared = cache.replace(pages=())  # what attention needs besides the layer's own pages
+    outs, new_kv = [], []
+    for layer, layer_pages in zip(layers, cache.pages, strict=True):
+        x_1td, kv = run(*nnx.split(layer), x_1td, batch, shared, layer_pages)
+        outs.append(x_1td)
+        new_kv.append(kv)
+    return x_1td, outs, tuple(new_kv)
+
+
 class TargetOutput(NamedTuple):
     hidden: jax.Array  # final hidden state after the final norm (what lm_head reads)
     taps: jax.Array | None  # concatenated hidden states of the tapped layers
@@ -101,8 +133,9 @@ class Qwen3(nnx.Module):
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
         x_btd = self.embed_tokens(tokens_bt, self.dtype)
         layer_out_btd = {-1: x_btd}
+        run = _layer_program("__call__")
         for i, layer in enumerate(self.layers):
-            x_btd = layer(x_btd, positions_bt)
+            x_btd = run(*nnx.split(layer), x_btd, positions_bt)
             layer_out_btd[i] = x_btd
         taps_btf = (
             jnp.concatenate([layer_out_btd[i] for i in tap_layer_ids], axis=-1)
@@ -123,19 +156,15 @@ class Qwen3(nnx.Module):
         back (rejected drafts) is only a matter of the lengths its next batch states: keys past
         them are never read and are overwritten later.
         """
-        x_1td = self.embed_tokens(tokens_t[None], self.dtype)
-        layer_out = {-1: x_1td}
-        new_kv = []
-        for i, layer in enumerate(self.layers):
-            x_1td, kv = layer.paged(x_1td, batch, cache, cache.pages[i])
-            new_kv.append(kv)
-            layer_out[i] = x_1td
+        emb_1td = self.embed_tokens(tokens_t[None], self.dtype)
+        x_1td, outs, new_kv = paged_layers(self.layers, emb_1td, batch, cache)
+        layer_out = {-1: emb_1td, **dict(enumerate(outs))}
         taps_tf = (
             jnp.concatenate([layer_out[i][0] for i in tap_layer_ids], axis=-1)
             if tap_layer_ids
             else None
         )
-        return TargetOutput(self.norm(x_1td[0]), taps_tf, tuple(new_kv))
+        return TargetOutput(self.norm(x_1td[0]), taps_tf, new_kv)
 
     def logits(self, hidden_xd):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
