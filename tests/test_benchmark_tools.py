@@ -594,3 +594,25 @@ def test_docstrings_say_what_the_scripts_do():
     doc = " ".join(bandwidth.__doc__.split())
     assert "x * 1.0000001" in doc and "jnp.copy" not in doc and "measured here" not in doc
     assert "not a script" in provenance.__doc__
+
+
+def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
+    """lowering_time.py at the tiny pair's shapes, lowered for a GPU without one: every program
+    gets a row, the decode chunk holds one Triton attention kernel per token bucket and model
+    (the layers share one lowered body), and bad input is a one-line error."""
+    out = tmp_path / "lowering.json"
+    done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    rows = {r["program"]: r for r in report["rows"]}
+    assert set(rows) == {"init", "decode_chunk", "prefill_64", "prefill_256"}
+    assert all(r["trace_s"] >= 0 and r["lower_s"] > 0 and r["mlir_mb"] > 0 for r in rows.values())
+    # One lowered layer body per token bucket (8, 16, 32) and one for the drafter, which
+    # drafts once per round: at most two attention kernels each (the paged partials, and the
+    # new tokens' flash attention where a bucket uses it). Layers written out one by one would
+    # make it at least 3 x 4 + 2 (the tiny target has 4 layers, its drafter 2).
+    assert "token buckets (8, 16, 32)" in report["setting"]
+    assert 4 <= rows["decode_chunk"]["kernel_calls"] <= 2 * (3 + 1), rows["decode_chunk"]
+    assert "total trace + lower" in done.stdout
+    _one_line_error(_script("lowering_time.py", "--prefill-buckets", "0"), "--prefill-buckets")
+    _one_line_error(_script("lowering_time.py", "--config", "nope"), "--config")

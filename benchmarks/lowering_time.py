@@ -1,0 +1,161 @@
+"""How long the engine's programs take to trace and lower at a named config's shapes: the host
+work in Python that comes before XLA compiles anything, which no compile thread shares.
+
+Nothing is allocated: the target and its drafter (as `decode_speed.py --config` names them) are
+built with `nnx.eval_shape`, and each program is traced and lowered from shapes, by default for a
+GPU with the Triton attention kernels (no GPU needed: `Engine.lower(platforms=("cuda",))`), else
+for this machine's backend. One row per program: trace seconds, lower seconds, the lowered
+module's size and its Triton kernel calls (none on the CPU's plain-JAX attention). So the cost
+of a change to the model code is measured here, before a lent GPU's minutes are spent on it:
+
+    python benchmarks/lowering_time.py                      # Qwen3-4B, 64 slots, speculative
+    python benchmarks/lowering_time.py --plain --slots 8
+    python benchmarks/lowering_time.py --platform here --json lowering.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import re
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    from provenance import Parser, output_file, positive_int, positive_ints
+
+    parser = Parser(description=__doc__.split("\n")[0])
+    from decode_speed import CONFIGS
+
+    parser.add_argument(
+        "--config",
+        default="qwen3-4b",
+        choices=sorted(CONFIGS),
+        help="target and drafter shapes, as decode_speed.py names them (qwen3-4b)",
+    )
+    parser.add_argument("--slots", type=positive_int, default=64, help="engine slots (64)")
+    parser.add_argument(
+        "--max-model-len", type=positive_int, default=512, help="positions per slot (512)"
+    )
+    parser.add_argument(
+        "--prefill-buckets",
+        type=positive_ints,
+        default=(64, 256),
+        help="prefill token buckets (64,256)",
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--plain", action="store_true", help="no drafter: plain decoding")
+    parser.add_argument(
+        "--platform",
+        default="cuda",
+        choices=("cuda", "here"),
+        help="lower for a GPU with the Triton kernels (cuda, the default) or this backend",
+    )
+    parser.add_argument("--json", type=Path, help="write the table here too")
+    args = parser.parse_args()
+    if args.json:
+        output_file(args.json, "--json")
+    return _measure(args, args.prefill_buckets)
+
+
+def _measure(args, prefill_buckets) -> int:
+    import dataclasses
+
+    import jax
+    from decode_speed import CONFIGS
+    from flax import nnx
+    from provenance import git_commit, write_json
+
+    from dspark_jax.configs import get as named_config
+    from dspark_jax.decoding.engine import (
+        Engine,
+        EngineConfig,
+        _absent_gpu_target,
+        batch_to_device,
+    )
+    from dspark_jax.models.drafter import DSparkDrafter
+    from dspark_jax.models.qwen3 import Qwen3
+
+    target_name, drafter_name = CONFIGS[args.config]
+    target_cfg = dataclasses.replace(named_config(target_name), dtype=args.dtype)
+    drafter_cfg = named_config(drafter_name)
+    drafter_cfg = dataclasses.replace(
+        drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=args.dtype)
+    )
+    target = nnx.eval_shape(lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0)))
+    drafter = (
+        None if args.plain else nnx.eval_shape(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0)))
+    )
+    platforms = ("cuda",) if args.platform == "cuda" else None
+    cfg = EngineConfig(
+        num_slots=args.slots,
+        max_model_len=args.max_model_len,
+        prefill_chunk=max(prefill_buckets),
+        prefill_seqs=8,
+        prefill_buckets=prefill_buckets,
+        # Plain decoding packs one token per slot: one bucket, as the benchmarks build it.
+        token_buckets=(args.slots,) if args.plain else None,
+        attention_impl="pallas_gpu" if platforms else None,
+    )
+    engine = Engine(target, drafter, cfg)
+    tp, dp = engine.target_params, engine.drafter_params
+    state = jax.eval_shape(engine._init, tp, dp)
+    programs = {
+        "init": (engine._init, (tp, dp)),
+        "decode_chunk": (engine._decode, (tp, dp, state, engine._yield_flags[0])),
+    }
+    for width in engine.prefill_widths:
+        batch = batch_to_device(engine.pack_prefill([engine._scratch_item()], width))
+        programs[f"prefill_{width}"] = (engine._prefill, (tp, dp, state, batch))
+    rows = []
+    for name, (fn, fn_args) in programs.items():
+        with _absent_gpu_target(platforms, "NVIDIA H100"):
+            start = time.perf_counter()
+            traced = fn.trace(*fn_args)
+            traced_at = time.perf_counter()
+            text = traced.lower(lowering_platforms=platforms).as_text()
+            lowered_at = time.perf_counter()
+        rows.append(
+            dict(
+                program=name,
+                trace_s=round(traced_at - start, 2),
+                lower_s=round(lowered_at - traced_at, 2),
+                mlir_mb=round(len(text) / 1e6, 2),
+                kernel_calls=len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)),
+            )
+        )
+    where = "a GPU (Triton kernels)" if platforms else f"{jax.default_backend()} (this machine)"
+    head = (
+        f"{target_name}" + ("" if args.plain else f" + {drafter_name}") + f", {args.dtype}, "
+        f"{args.slots} slots, token buckets {engine.token_buckets}, prefill buckets "
+        f"{engine.prefill_widths}; lowered for {where}; commit {git_commit()}, "
+        f"{datetime.date.today()}, {platform.node()} ({platform.processor() or 'cpu'})"
+    )
+    print(head)
+    print(f"{'program':<16}{'trace s':>9}{'lower s':>9}{'MLIR MB':>9}{'Triton':>9}")
+    for r in rows:
+        print(
+            f"{r['program']:<16}{r['trace_s']:9.2f}{r['lower_s']:9.2f}{r['mlir_mb']:9.2f}"
+            f"{r['kernel_calls']:9d}"
+        )
+    total = sum(r["trace_s"] + r["lower_s"] for r in rows)
+    print(f"total trace + lower: {total:.1f} s")
+    if args.json:
+        write_json(
+            args.json,
+            dict(
+                setting=head,
+                commit=git_commit(),
+                date=datetime.date.today().isoformat(),
+                rows=rows,
+                total_s=round(total, 2),
+            ),
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    from provenance import run_main
+
+    run_main(main)
