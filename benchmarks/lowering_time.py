@@ -11,6 +11,12 @@ of a change to the model code is measured here, before a lent GPU's minutes are 
     python benchmarks/lowering_time.py                      # Qwen3-4B, 64 slots, speculative
     python benchmarks/lowering_time.py --plain --slots 8
     python benchmarks/lowering_time.py --platform here --json lowering.json
+    python benchmarks/lowering_time.py --config tiny --slots 4 --platform here --compile
+
+`--compile` (this backend only) compiles each program as well and counts what XLA made of it:
+instructions, fusions, copies and calls in the optimised module. Layers run as calls of one
+layer program (`dspark_jax.models.qwen3`), which XLA inlines, so the counts should be (nearly)
+those of the layers written out: a call per layer left in, or many more copies, would say not.
 """
 
 from __future__ import annotations
@@ -52,8 +58,16 @@ def main() -> int:
         choices=("cuda", "here"),
         help="lower for a GPU with the Triton kernels (cuda, the default) or this backend",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --platform here: compile each program too, and count the compiled "
+        "instructions, fusions and copies (what XLA optimised)",
+    )
     parser.add_argument("--json", type=Path, help="write the table here too")
     args = parser.parse_args()
+    if args.compile and args.platform != "here":
+        parser.error("--compile needs --platform here (no other backend's compiler is at hand)")
     if args.json:
         output_file(args.json, "--json")
     return _measure(args, args.prefill_buckets)
@@ -114,17 +128,29 @@ def _measure(args, prefill_buckets) -> int:
             start = time.perf_counter()
             traced = fn.trace(*fn_args)
             traced_at = time.perf_counter()
-            text = traced.lower(lowering_platforms=platforms).as_text()
+            lowered = traced.lower(lowering_platforms=platforms)
             lowered_at = time.perf_counter()
-        rows.append(
-            dict(
-                program=name,
-                trace_s=round(traced_at - start, 2),
-                lower_s=round(lowered_at - traced_at, 2),
-                mlir_mb=round(len(text) / 1e6, 2),
-                kernel_calls=len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)),
-            )
+        text = lowered.as_text()
+        row = dict(
+            program=name,
+            trace_s=round(traced_at - start, 2),
+            lower_s=round(lowered_at - traced_at, 2),
+            mlir_mb=round(len(text) / 1e6, 2),
+            kernel_calls=len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)),
         )
+        if args.compile:
+            start = time.perf_counter()
+            compiled = lowered.compile()
+            row["compile_s"] = round(time.perf_counter() - start, 2)
+            # Instructions by opcode: `%name = shape opcode(operands)`, in every computation.
+            ops = re.findall(r"^\s*(?:ROOT )?%?\S+ = .*? ([a-z][\w-]*)\(", compiled.as_text(), re.M)
+            row.update(
+                instructions=len(ops),
+                fusions=ops.count("fusion"),
+                copies=ops.count("copy"),
+                calls=ops.count("call"),
+            )
+        rows.append(row)
     where = "a GPU (Triton kernels)" if platforms else f"{jax.default_backend()} (this machine)"
     head = (
         f"{target_name}" + ("" if args.plain else f" + {drafter_name}") + f", {args.dtype}, "
@@ -133,11 +159,16 @@ def _measure(args, prefill_buckets) -> int:
         f"{datetime.date.today()}, {platform.node()} ({platform.processor() or 'cpu'})"
     )
     print(head)
-    print(f"{'program':<16}{'trace s':>9}{'lower s':>9}{'MLIR MB':>9}{'Triton':>9}")
+    compiled_cols = ("compile_s", "instructions", "fusions", "copies", "calls")
+    print(
+        f"{'program':<16}{'trace s':>9}{'lower s':>9}{'MLIR MB':>9}{'Triton':>9}"
+        + ("".join(f"{c.replace('_s', ' s'):>13}" for c in compiled_cols) if args.compile else "")
+    )
     for r in rows:
         print(
             f"{r['program']:<16}{r['trace_s']:9.2f}{r['lower_s']:9.2f}{r['mlir_mb']:9.2f}"
             f"{r['kernel_calls']:9d}"
+            + ("".join(f"{r[c]:>13}" for c in compiled_cols) if args.compile else "")
         )
     total = sum(r["trace_s"] + r["lower_s"] for r in rows)
     print(f"total trace + lower: {total:.1f} s")
