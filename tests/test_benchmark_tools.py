@@ -616,3 +616,18 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
     assert "total trace + lower" in done.stdout
     _one_line_error(_script("lowering_time.py", "--prefill-buckets", "0"), "--prefill-buckets")
     _one_line_error(_script("lowering_time.py", "--config", "nope"), "--config")
+    _one_line_error(_script("lowering_time.py", "--compile"), "--compile needs --platform here")
+
+
+def test_lowering_time_compile_counts_what_xla_made_of_each_program(tmp_path):
+    """--compile: the plain tiny engine's programs compiled on this backend, with the counts of
+    the optimised modules (test_gpu_lowering.py holds those counts to the layers written out)."""
+    out = tmp_path / "lowering.json"
+    done = _script("lowering_time.py", "--config", "tiny", "--slots", "2", "--plain",
+                   "--platform", "here", "--compile", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["program"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():
+        assert r["compile_s"] > 0 and r["instructions"] > r["fusions"] > 0, r
+        assert r["copies"] >= 0 and r["calls"] >= 0 and r["kernel_calls"] == 0, r
+    assert "instructions" in done.stdout

@@ -9,6 +9,7 @@ is benchmarks/gpu_session.sh's job.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import re
@@ -21,6 +22,7 @@ from flax import nnx
 
 from dspark_jax.decoding.engine import Engine, EngineConfig, _absent_gpu_target
 from dspark_jax.models import attention as attn
+from dspark_jax.models import qwen3
 from dspark_jax.models.qwen3 import Qwen3
 
 CFG = EngineConfig(
@@ -103,3 +105,34 @@ def test_layers_lower_once_whatever_the_depth():
     # One call per layer in each token bucket's branch of the decode program.
     buckets = len(engines[0].token_buckets)
     assert layer_calls == [buckets * depth, buckets * 3 * depth], (layer_calls, buckets)
+
+
+def _compiled_opcodes(engine: Engine) -> collections.Counter:
+    text = engine.lower()["decode_chunk"].compile().as_text()
+    return collections.Counter(
+        re.findall(r"^\s*(?:ROOT )?%?\S+ = .*? ([a-z][\w-]*)\(", text, re.M)
+    )
+
+
+def test_the_layer_program_compiles_to_the_layers_written_out(monkeypatch):
+    """XLA inlines the layer calls: the plain engine's decode program compiled (for this
+    backend) with the shared layer program has the calls, copies and (within 1%) the
+    instructions and fusions of the same program with the layers written out one by one."""
+    target, _ = load_pair("vanilla")
+    cfg = EngineConfig(num_slots=2, max_model_len=64, prefill_chunk=16, prefill_buckets=(16,),
+                       token_buckets=(2,))  # fmt: skip
+    shared = _compiled_opcodes(Engine(target, None, cfg))
+
+    def written_out(method, **options):
+        def run(graphdef, state, *args):
+            return getattr(nnx.merge(graphdef, state), method)(*args, **options)
+
+        return run
+
+    monkeypatch.setattr(qwen3, "_layer_program", written_out)
+    inline = _compiled_opcodes(Engine(target, None, cfg))
+    assert shared["call"] == inline["call"], (shared["call"], inline["call"])
+    assert shared["copy"] == inline["copy"], (shared["copy"], inline["copy"])
+    total_shared, total_inline = sum(shared.values()), sum(inline.values())
+    assert abs(total_shared - total_inline) <= 0.01 * total_inline, (total_shared, total_inline)
+    assert abs(shared["fusion"] - inline["fusion"]) <= 0.01 * inline["fusion"], shared["fusion"]
