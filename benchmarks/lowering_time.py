@@ -70,28 +70,23 @@ def main() -> int:
         parser.error("--compile needs --platform here (no other backend's compiler is at hand)")
     if args.json:
         output_file(args.json, "--json")
-    return _measure(args, args.prefill_buckets)
+    return _measure(args, CONFIGS[args.config])
 
 
-def _measure(args, prefill_buckets) -> int:
+def _measure(args, pair: tuple[str, str]) -> int:
     import dataclasses
 
     import jax
-    from decode_speed import CONFIGS
     from flax import nnx
     from provenance import git_commit, write_json
 
     from dspark_jax.configs import get as named_config
-    from dspark_jax.decoding.engine import (
-        Engine,
-        EngineConfig,
-        _absent_gpu_target,
-        batch_to_device,
-    )
+    from dspark_jax.decoding.engine import Engine, EngineConfig, _absent_gpu_target
     from dspark_jax.models.drafter import DSparkDrafter
     from dspark_jax.models.qwen3 import Qwen3
 
-    target_name, drafter_name = CONFIGS[args.config]
+    target_name, drafter_name = pair
+    prefill_buckets = args.prefill_buckets
     target_cfg = dataclasses.replace(named_config(target_name), dtype=args.dtype)
     drafter_cfg = named_config(drafter_name)
     drafter_cfg = dataclasses.replace(
@@ -113,17 +108,8 @@ def _measure(args, prefill_buckets) -> int:
         attention_impl="pallas_gpu" if platforms else None,
     )
     engine = Engine(target, drafter, cfg)
-    tp, dp = engine.target_params, engine.drafter_params
-    state = jax.eval_shape(engine._init, tp, dp)
-    programs = {
-        "init": (engine._init, (tp, dp)),
-        "decode_chunk": (engine._decode, (tp, dp, state, engine._yield_flags[0])),
-    }
-    for width in engine.prefill_widths:
-        batch = batch_to_device(engine.pack_prefill([engine._scratch_item()], width))
-        programs[f"prefill_{width}"] = (engine._prefill, (tp, dp, state, batch))
     rows = []
-    for name, (fn, fn_args) in programs.items():
+    for name, (fn, fn_args) in engine.programs().items():
         with _absent_gpu_target(platforms, "NVIDIA H100"):
             start = time.perf_counter()
             traced = fn.trace(*fn_args)

@@ -871,11 +871,15 @@ class Engine:
         without one targets `gpu_kind` (a device kind as JAX reports it), which the Triton
         kernels' lowering asks for on jax >= 0.11."""
         platforms = None if platforms is None else tuple(platforms)
-
-        def lower_fn(fn, *args):
+        lowered = {}
+        for name, (fn, args) in self.programs().items():
             with _absent_gpu_target(platforms, gpu_kind):
-                return fn.trace(*args).lower(lowering_platforms=platforms)
+                lowered[name] = fn.trace(*args).lower(lowering_platforms=platforms)
+        return lowered
 
+    def programs(self) -> dict[str, tuple[Any, tuple]]:
+        """Every program as (jitted verb, arguments to trace it with: the parameters, a state
+        of shapes alone, a scratch prefill batch), by the names `lower` gives them."""
         tp, dp = self.target_params, self.drafter_params
         state = jax.eval_shape(self._init, tp, dp)
         if self.state_shardings is not None:
@@ -884,15 +888,15 @@ class Engine:
                 state,
                 self.state_shardings,
             )
-        lowered = {
-            "init": lower_fn(self._init, tp, dp),
-            "decode_chunk": lower_fn(self._decode, tp, dp, state, self._yield_flags[0]),
-            "release": lower_fn(self._release, state, np.zeros((self.cfg.num_slots,), bool)),
+        programs = {
+            "init": (self._init, (tp, dp)),
+            "decode_chunk": (self._decode, (tp, dp, state, self._yield_flags[0])),
+            "release": (self._release, (state, np.zeros((self.cfg.num_slots,), bool))),
         }
         for width in self.prefill_widths:
             batch = batch_to_device(self.pack_prefill([self._scratch_item()], width))
-            lowered[f"prefill_{width}"] = lower_fn(self._prefill, tp, dp, state, batch)
-        return lowered
+            programs[f"prefill_{width}"] = (self._prefill, (tp, dp, state, batch))
+        return programs
 
     def warm_up(self, workers: int | None = None) -> None:
         """Compiles every program (each prefill bucket, the decode chunk, release) on a scratch
