@@ -443,3 +443,29 @@ def test_a_decoding_mesh_may_use_fewer_devices_than_are_present(capsys):
     argv = ["generate", "--mesh", "1,1,2", "--token-ids", "1,2,3", "--max-num-seqs", "4"]
     assert main([*argv, "--max-new-tokens", "4", "--no-draft"]) == 0
     assert "decoding on mesh data 1 x fsdp 1 x tensor 2 (2 of 8 devices)" in capsys.readouterr().err
+
+
+def test_a_mesh_of_stand_in_devices_is_compiled_for_never_run(monkeypatch):
+    """A mesh of a topology's stand-in devices (`jax.experimental.topologies`: a GPU or TPU
+    compiled for without one, benchmarks/deviceless.py) holds nothing: the engine neither weighs
+    its slot state against their memory nor puts anything on them, lowers and compiles every
+    program, and refuses to run one. No CPU topology exists: CPU devices play the stand-ins."""
+    assert not any(map(engine_module.is_compile_only, jax.devices()))
+    monkeypatch.setattr(engine_module, "is_compile_only", lambda device: True)
+
+    def weighed(devices):
+        raise AssertionError("the slot state was weighed against a stand-in's memory")
+
+    monkeypatch.setattr(engine_module, "memory_budget", weighed)
+    put = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: put.append(a) or device_put(*a, **k))
+    abstract = nnx.eval_shape(_random_pair)  # models as a GPU session's AOT script builds them
+    engine = Engine(*abstract, CFG, mesh=_mesh(1, 1, 2))
+    assert put == [], "put arrays on devices that are not there"
+    assert engine.compile_only
+    compiled = {name: lowered.compile() for name, lowered in engine.lower().items()}
+    assert set(compiled) == {"init", "decode_chunk", "release", "prefill_32"}
+    assert compiled["decode_chunk"].memory_analysis().argument_size_in_bytes > 0
+    with pytest.raises(EngineError, match="stands in for devices that are not there"):
+        engine.init_state()

@@ -206,6 +206,13 @@ def memory_budget(devices: Sequence[jax.Device]) -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), HOST_MEMORY
 
 
+def is_compile_only(device: jax.Device) -> bool:
+    """Whether `device` stands in for hardware that is not there (a device of a
+    `jax.experimental.topologies` topology): programs compile for it, nothing is put on it."""
+    client = getattr(device, "client", None)
+    return getattr(client, "runtime_type", None) == "compile_only_runtime"
+
+
 def _state_bytes(abstract: SlotState, shardings: SlotState | None) -> int:
     """Bytes of the slot state on one device: on a mesh, that device's shard of every array."""
     leaves = jax.tree.leaves(abstract)
@@ -600,7 +607,11 @@ class Engine:
         self.state_bytes = _state_bytes(abstract, state_sh)
         # Unplaced arrays go to the default device, the first local one.
         local = jax.local_devices()[:1] if mesh is None else mesh.local_devices
-        _check_memory(self.state_bytes, cfg, local)
+        # A mesh of a topology's stand-in devices (`jax.experimental.topologies`: a TPU or GPU
+        # compiled for without one) holds nothing: its programs are lowered and compiled only.
+        self.compile_only = any(map(is_compile_only, local))
+        if not self.compile_only:
+            _check_memory(self.state_bytes, cfg, local)
         self._init = jax.jit(init, out_shardings=state_sh)
         self._prefill = jax.jit(prefill, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
         self._decode = jax.jit(decode, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
@@ -608,7 +619,10 @@ class Engine:
         # decode_chunk's flag, on the device once (a host bool would be an implicit transfer
         # per chunk, which jax.transfer_guard could not tell from a leak): replicated on a mesh,
         # uncommitted on the default device otherwise.
-        self._yield_flags = tuple(jax.device_put(np.asarray(f), out_sh) for f in (False, True))
+        if self.compile_only:  # traced with, never passed
+            self._yield_flags = (jax.ShapeDtypeStruct((), np.bool_, sharding=out_sh),) * 2
+        else:
+            self._yield_flags = tuple(jax.device_put(np.asarray(f), out_sh) for f in (False, True))
 
     def _place_params(self, target: Qwen3, drafter: DSparkDrafter | None, mesh: Mesh) -> None:
         """Checks that the models split over `mesh` and puts their parameters in the rules
@@ -651,6 +665,12 @@ class Engine:
         )
 
     def init_state(self) -> SlotState:
+        if self.compile_only:
+            raise EngineError(
+                "this engine's mesh stands in for devices that are not there (a "
+                "jax.experimental.topologies topology): its programs can be lowered and "
+                "compiled (`lower`), not run"
+            )
         return self._init(self.target_params, self.drafter_params)
 
     def select_policy(self, state: SlotState, index: int) -> SlotState:
