@@ -13,24 +13,39 @@ of a change to the model code is measured here, before a lent GPU's minutes are 
     python benchmarks/lowering_time.py --platform here --json lowering.json
     python benchmarks/lowering_time.py --config tiny --slots 4 --platform here --compile
 
-`--compile` (this backend only) compiles each program as well and counts what XLA made of it:
-instructions, fusions, copies and calls in the optimised module. Layers run as calls of one
-layer program (`dspark_jax.models.qwen3`), which XLA inlines, so the counts should be (nearly)
-those of the layers written out: a call per layer left in, or many more copies, would say not.
+`--compile` compiles each program as well and counts what XLA made of it: instructions, fusions,
+copies and calls in the optimised module, and its temporaries (`memory_analysis`). Layers run as
+calls of one layer program (`dspark_jax.models.qwen3`), which XLA inlines, so the counts should
+be (nearly) those of the layers written out: a call per layer left in, or many more copies,
+would say not. `--platform h100` (or h200) compiles with XLA's GPU compiler for that GPU
+without one (benchmarks/deviceless.py; needs `pip install "jax[cuda12]"`, no GPU): the compile
+times and programs a GPU session would get, and the kernels ptxas had to spill registers for:
+
+    python benchmarks/lowering_time.py --platform h100 --compile --json aot_h100.json
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import platform
 import re
 import time
 from pathlib import Path
 
+_LABELS = {"compile_s": "compile s", "temp_mib": "temp MiB"}
+
 
 def main() -> int:
+    from deviceless import GPUS, prepare_logging
     from provenance import Parser, output_file, positive_int, positive_ints
 
+    # ptxas' spill warnings are informational messages, let through only if asked for before
+    # JAX starts (decode_speed imports it).
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--platform")
+    if first.parse_known_args()[0].platform in GPUS:
+        prepare_logging()
     parser = Parser(description=__doc__.split("\n")[0])
     from decode_speed import CONFIGS
 
@@ -55,19 +70,22 @@ def main() -> int:
     parser.add_argument(
         "--platform",
         default="cuda",
-        choices=("cuda", "here"),
-        help="lower for a GPU with the Triton kernels (cuda, the default) or this backend",
+        choices=("cuda", "here", *sorted(GPUS)),
+        help="lower for a GPU with the Triton kernels (cuda, the default), for this backend, "
+        "or compile for that GPU without one (h100, h200)",
     )
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="with --platform here: compile each program too, and count the compiled "
-        "instructions, fusions and copies (what XLA optimised)",
+        help="with --platform here, h100 or h200: compile each program too, and count the "
+        "compiled instructions, fusions and copies (what XLA optimised)",
     )
     parser.add_argument("--json", type=Path, help="write the table here too")
     args = parser.parse_args()
-    if args.compile and args.platform != "here":
-        parser.error("--compile needs --platform here (no other backend's compiler is at hand)")
+    if args.compile and args.platform == "cuda":
+        parser.error(
+            "--compile needs --platform here, h100 or h200 (cuda only lowers: no GPU compiler)"
+        )
     if args.json:
         output_file(args.json, "--json")
     return _measure(args, CONFIGS[args.config])
@@ -77,6 +95,7 @@ def _measure(args, pair: tuple[str, str]) -> int:
     import dataclasses
 
     import jax
+    from deviceless import GPUS
     from flax import nnx
     from provenance import git_commit, write_json
 
@@ -97,6 +116,13 @@ def _measure(args, pair: tuple[str, str]) -> int:
         None if args.plain else nnx.eval_shape(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0)))
     )
     platforms = ("cuda",) if args.platform == "cuda" else None
+    mesh = None
+    if args.platform in GPUS:
+        from deviceless import gpu_devices
+
+        from dspark_jax.sharding import MeshConfig, make_mesh
+
+        mesh = make_mesh(MeshConfig(1, 1, 1), gpu_devices(args.platform))
     cfg = EngineConfig(
         num_slots=args.slots,
         max_model_len=args.max_model_len,
@@ -105,9 +131,9 @@ def _measure(args, pair: tuple[str, str]) -> int:
         prefill_buckets=prefill_buckets,
         # Plain decoding packs one token per slot: one bucket, as the benchmarks build it.
         token_buckets=(args.slots,) if args.plain else None,
-        attention_impl="pallas_gpu" if platforms else None,
+        attention_impl="pallas_gpu" if platforms or mesh is not None else None,
     )
-    engine = Engine(target, drafter, cfg)
+    engine = Engine(target, drafter, cfg, mesh=mesh)
     rows = []
     for name, (fn, fn_args) in engine.programs().items():
         with _absent_gpu_target(platforms, "NVIDIA H100"):
@@ -125,9 +151,14 @@ def _measure(args, pair: tuple[str, str]) -> int:
             kernel_calls=len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)),
         )
         if args.compile:
+            from deviceless import captured_spills
+
             start = time.perf_counter()
-            compiled = lowered.compile()
+            with captured_spills() as spills:
+                compiled = lowered.compile()
             row["compile_s"] = round(time.perf_counter() - start, 2)
+            row["temp_mib"] = round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)
+            row["spills"] = spills.kernels
             # Instructions by opcode: `%name = shape opcode(operands)`, in every computation.
             ops = re.findall(r"^\s*(?:ROOT )?%?\S+ = .*? ([a-z][\w-]*)\(", compiled.as_text(), re.M)
             row.update(
@@ -137,7 +168,13 @@ def _measure(args, pair: tuple[str, str]) -> int:
                 calls=ops.count("call"),
             )
         rows.append(row)
-    where = "a GPU (Triton kernels)" if platforms else f"{jax.default_backend()} (this machine)"
+    if mesh is not None:
+        kind = mesh.devices.flat[0].device_kind
+        where = f"an {kind} without one (XLA's GPU compiler on this machine's CPU)"
+    elif platforms:
+        where = "a GPU (Triton kernels)"
+    else:
+        where = f"{jax.default_backend()} (this machine)"
     head = (
         f"{target_name}" + ("" if args.plain else f" + {drafter_name}") + f", {args.dtype}, "
         f"{args.slots} slots, token buckets {engine.token_buckets}, prefill buckets "
@@ -145,10 +182,10 @@ def _measure(args, pair: tuple[str, str]) -> int:
         f"{datetime.date.today()}, {platform.node()} ({platform.processor() or 'cpu'})"
     )
     print(head)
-    compiled_cols = ("compile_s", "instructions", "fusions", "copies", "calls")
+    compiled_cols = ("compile_s", "instructions", "fusions", "copies", "calls", "temp_mib")
     print(
         f"{'program':<16}{'trace s':>9}{'lower s':>9}{'MLIR MB':>9}{'Triton':>9}"
-        + ("".join(f"{c.replace('_s', ' s'):>13}" for c in compiled_cols) if args.compile else "")
+        + ("".join(f"{_LABELS.get(c, c):>13}" for c in compiled_cols) if args.compile else "")
     )
     for r in rows:
         print(
@@ -158,6 +195,13 @@ def _measure(args, pair: tuple[str, str]) -> int:
         )
     total = sum(r["trace_s"] + r["lower_s"] for r in rows)
     print(f"total trace + lower: {total:.1f} s")
+    if args.compile:
+        print(f"total compile: {sum(r['compile_s'] for r in rows):.1f} s")
+        spilled = {k: v for r in rows for k, v in r["spills"].items()}
+        print(
+            "register spills (ptxas; bytes stored/loaded): "
+            + (", ".join(f"{k} {s}/{ld}" for k, (s, ld) in sorted(spilled.items())) or "none")
+        )
     if args.json:
         write_json(
             args.json,

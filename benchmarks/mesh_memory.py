@@ -12,11 +12,12 @@ a laptop:
 
 `--tpu TOPOLOGY` compiles for TPU chips that are not there (`jax.experimental.topologies`; it
 needs libtpu, `pip install "jax[tpu]"`, but no TPU) with the Pallas TPU attention: the numbers a
-TPU would see. Without it the programs compile for XLA:CPU with the plain-JAX attention, whose
-temporaries overstate an accelerator's: XLA:CPU gathers from a bf16 array through a float32 copy
-of the whole array, so each page pool that attention reads gets a float32 twin (twice the pool),
-hoisted out of the attention loop -- the CPU rows bound the memory from above, they do not
-size a chip.
+TPU would see. `--gpu h100` (or h200) does the same for one GPU with the Triton attention
+(benchmarks/deviceless.py; `pip install "jax[cuda12]"`, no GPU), mesh 1x1x1. Without either
+the programs compile for XLA:CPU with the plain-JAX attention, whose temporaries overstate an
+accelerator's: XLA:CPU gathers from a bf16 array through a float32 copy of the whole array, so
+each page pool that attention reads gets a float32 twin (twice the pool), hoisted out of the
+attention loop -- the CPU rows bound the memory from above, they do not size a chip.
 
 Columns per program: arguments (parameters + slot state + inputs), outputs, aliased (outputs
 written into donated arguments: counted once), temporaries, and their total
@@ -56,6 +57,7 @@ def _pairs() -> list[str]:
 
 
 def main() -> int:
+    from deviceless import GPU_MEMORY_GB, GPUS
     from provenance import Parser, output_file, positive_float, positive_int
 
     parser = Parser(description=__doc__.split("\n")[0])
@@ -65,22 +67,39 @@ def main() -> int:
         choices=_pairs(),
         help="named target config, with its drafter dspark-<config> (qwen3-8b)",
     )
-    parser.add_argument("--mesh", type=_parse_mesh, default=(1, 1, 4), help="data,fsdp,tensor")
+    parser.add_argument(
+        "--mesh", type=_parse_mesh, help="data,fsdp,tensor (1,1,4; with --gpu 1,1,1)"
+    )
     parser.add_argument("--slots", type=positive_int, default=32, help="engine slots (32)")
     parser.add_argument(
         "--max-model-len", type=positive_int, default=4096, help="positions per slot"
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument(
-        "--device-gb", type=positive_float, default=16.0, help="budget per device (16)"
+        "--device-gb",
+        type=positive_float,
+        help="budget per device (16; with --gpu that GPU's memory)",
     )
     parser.add_argument(
         "--tpu",
         metavar="TOPOLOGY",
         help="compile for this TPU topology without a TPU (e.g. v5e:2x2; needs libtpu)",
     )
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPUS),
+        help="compile for one such GPU without it (mesh 1,1,1; needs jax[cuda12])",
+    )
     parser.add_argument("--json", type=Path, help="write the table here too")
     args = parser.parse_args()
+    if args.gpu is not None and args.tpu is not None:
+        parser.error("--gpu and --tpu name two different machines: give one")
+    if args.mesh is None:
+        args.mesh = (1, 1, 1) if args.gpu is not None else (1, 1, 4)
+    if args.gpu is not None and args.mesh != (1, 1, 1):
+        parser.error(f"--gpu compiles for one GPU: --mesh 1,1,1, not {args.mesh}")
+    if args.device_gb is None:
+        args.device_gb = GPU_MEMORY_GB[args.gpu] if args.gpu is not None else 16.0
     if args.json:
         output_file(args.json, "--json")
 
@@ -89,7 +108,7 @@ def main() -> int:
     if "jax" in sys.modules:
         raise RuntimeError("run this script directly: JAX must not be imported before it")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if os.environ["JAX_PLATFORMS"] == "cpu" and args.tpu is None:
+    if os.environ["JAX_PLATFORMS"] == "cpu" and args.tpu is None and args.gpu is None:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
     return _measure(args)
@@ -119,6 +138,11 @@ def _measure(args) -> int:
         topology = topologies.get_topology_desc(topology_name=args.tpu, platform="tpu")
         devices, impl = list(topology.devices), "pallas_tpu"
         platform_name = f"TPU {args.tpu} ({devices[0].device_kind}), compiled without the chips"
+    elif args.gpu is not None:
+        from deviceless import gpu_devices
+
+        devices, impl = gpu_devices(args.gpu), "pallas_gpu"
+        platform_name = f"{devices[0].device_kind}, compiled without the GPU"
     else:
         platform_name = f"{jax.default_backend()}, {len(devices)} devices made up by XLA"
     if size > len(devices):

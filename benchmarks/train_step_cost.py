@@ -11,7 +11,11 @@ FLOPs are counted from the jaxpr, every dot_general times the trip counts of the
 scans). `--target-layers` cuts the target's depth to keep the compile short; the drafter's taps
 are then moved onto the layers that remain (five taps kept, so the context width is unchanged).
 Memory is XLA's analysis of the compiled step on this backend: on CPU an upper bound for a GPU
-(XLA:CPU converts bf16 weights to f32 for its matmuls).
+(XLA:CPU converts bf16 weights to f32 for its matmuls). `--gpu h100` (or h200) compiles with
+XLA's GPU compiler for that GPU without one (benchmarks/deviceless.py; `pip install
+"jax[cuda12]"`): the memory and compile time the GPU itself would have.
+
+    python benchmarks/train_step_cost.py --compile --gpu h100 --batch 4 --microbatches 4
 """
 
 from __future__ import annotations
@@ -79,7 +83,13 @@ def build_step(args):
     tx, schedule = S.make_optimizer(1e-4, 1000, 10, 0.0, 1.0)
     state = jax.eval_shape(lambda p: S.init_train_state(p, tx, 0), params)
     frozen = S.FrozenParams(target_state, frozen_drafter)
-    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    if args.gpu is None:
+        devices = jax.devices()[:1]
+    else:
+        from deviceless import gpu_devices
+
+        devices = gpu_devices(args.gpu)
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices)
     shape = (args.batch, args.seq_len)
     batch = {
         "tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
@@ -99,7 +109,14 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="also compile: memory analysis")
+    parser.add_argument(
+        "--gpu",
+        choices=("h100", "h200"),
+        help="with --compile: compile for one such GPU without it (needs jax[cuda12])",
+    )
     args = parser.parse_args()
+    if args.gpu is not None and not args.compile:
+        parser.error("--gpu needs --compile (the FLOP count does not depend on the machine)")
     step, state, frozen, batch = build_step(args)
     traced = step.trace(state, frozen, batch)
     print(
@@ -112,10 +129,18 @@ def main():
         t0 = time.perf_counter()
         memory = traced.lower().compile().memory_analysis()
         gib = 2.0**30
+        where = jax.default_backend() if args.gpu is None else f"{args.gpu}, compiled without it"
+        held = (
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes
+        )
         print(
-            f"compiled in {time.perf_counter() - t0:.0f} s; XLA memory ({jax.default_backend()}): "
+            f"compiled in {time.perf_counter() - t0:.0f} s; XLA memory ({where}): "
             f"arguments {memory.argument_size_in_bytes / gib:.2f} GiB, "
-            f"temporaries {memory.temp_size_in_bytes / gib:.2f} GiB"
+            f"temporaries {memory.temp_size_in_bytes / gib:.2f} GiB, "
+            f"held while it runs {held / gib:.2f} GiB"
         )
 
 

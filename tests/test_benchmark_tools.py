@@ -1,6 +1,7 @@
 """The benchmarks' shared pieces: provenance (commit, compile cost) and throughput's --combine,
 which joins concurrency levels measured in separate GPU calls for gpu_targets.py to judge."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import deviceless  # noqa: E402
 import gpu_targets  # noqa: E402
 import provenance  # noqa: E402
 import throughput  # noqa: E402
@@ -157,12 +159,12 @@ def test_gpu_session_runs_named_stages_and_ends_with_their_summary(tmp_path):
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _script(name: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+def _script(name: str, *args: str, cwd=None, timeout: int = 120) -> subprocess.CompletedProcess:
     """A benchmark script run with bad arguments: it must fail fast, in one line."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / name), *args],
-        env=env, cwd=cwd, capture_output=True, text=True, timeout=120,
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -618,7 +620,9 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
     assert "total trace + lower" in done.stdout
     _one_line_error(_script("lowering_time.py", "--prefill-buckets", "0"), "--prefill-buckets")
     _one_line_error(_script("lowering_time.py", "--config", "nope"), "--config")
-    _one_line_error(_script("lowering_time.py", "--compile"), "--compile needs --platform here")
+    _one_line_error(
+        _script("lowering_time.py", "--compile"), "--compile needs --platform here, h100 or h200"
+    )
 
 
 def test_lowering_time_compile_counts_what_xla_made_of_each_program(tmp_path):
@@ -632,4 +636,70 @@ def test_lowering_time_compile_counts_what_xla_made_of_each_program(tmp_path):
     for r in rows.values():
         assert r["compile_s"] > 0 and r["instructions"] > r["fusions"] > 0, r
         assert r["copies"] >= 0 and r["calls"] >= 0 and r["kernel_calls"] == 0, r
+        assert r["temp_mib"] >= 0 and r["spills"] == {}, r  # no ptxas on XLA:CPU
+    assert rows["decode_chunk"]["temp_mib"] > 0
     assert "instructions" in done.stdout
+    assert "register spills (ptxas; bytes stored/loaded): none" in done.stdout
+
+
+def test_deviceless_keeps_ptxas_spills_and_passes_other_messages_on(capfd):
+    """What XLA writes to file descriptor 2 while compiling: ptxas' spill warnings are kept
+    (the largest of a kernel's variants), informational lines dropped, anything else written
+    back to stderr."""
+    capfd.readouterr()
+    with deviceless.captured_spills() as spills:
+        for line in (
+            "I1128 02:04:10.7 1656 subprocess_compilation.cc:349] ptxas warning : Registers are "
+            "spilled to local memory in function 'paged_partials', 488 bytes spill stores, "
+            "484 bytes spill loads",
+            "I1128 02:04:10.8 1656 subprocess_compilation.cc:349] ptxas warning : Registers are "
+            "spilled to local memory in function 'paged_partials__1', 512 bytes spill stores, "
+            "8 bytes spill loads",
+            "I1128 02:04:10.9 1656 pjrt_client.cc:579] PjRt-IFRT device count: total=1",
+            "W1128 02:04:11.0 1656 gpu_compiler.cc:1] a warning someone should see",
+        ):
+            os.write(2, (line + "\n").encode())
+    assert spills.kernels == {"paged_partials": (512, 484)}
+    err = capfd.readouterr().err
+    assert "a warning someone should see" in err
+    assert "PjRt-IFRT" not in err and "spilled" not in err
+
+
+def test_deviceless_explains_what_compiling_for_a_gpu_needs(monkeypatch):
+    """No GPU name outside the table, and a plugin that cannot describe a GPU (not installed,
+    or too old) is a user error naming the install, not a traceback."""
+    from jax.experimental import topologies
+
+    with pytest.raises(deviceless.UserError, match="no GPU named 'a100': h100, h200"):
+        deviceless.gpu_devices("a100")
+
+    def no_plugin(**kwargs):
+        assert kwargs["platform"] == "cuda"
+        assert 'device_description_str: "NVIDIA H200"' in kwargs["target_config"]
+        raise RuntimeError("Unknown backend cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    needs = r'Unknown backend cuda\); .*pip install "jax\[cuda12\]"'
+    with pytest.raises(deviceless.UserError, match=needs):
+        deviceless.gpu_devices("h200")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason='compiling for a GPU without one needs pip install "jax[cuda12]"',
+)
+def test_qwen3_4b_programs_compile_for_an_h100_without_one(tmp_path):
+    """XLA's own GPU compiler at Qwen3-4B shapes (64 slots): every program compiles for an H100
+    that is not there, with the Triton attention kernels, no copy of a page pool (119 small
+    copies at f34a5eb, the largest an index vector) and no attention kernel spilling registers.
+    About 3 minutes on two cores."""
+    out = tmp_path / "aot.json"
+    done = _script("lowering_time.py", "--platform", "h100", "--compile", "--json", str(out),
+                   timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["program"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"init", "decode_chunk", "release", "prefill_64", "prefill_256"}
+    assert rows["decode_chunk"]["kernel_calls"] > 0 and rows["decode_chunk"]["compile_s"] > 0
+    spilled = {k for r in rows.values() for k in r["spills"]}
+    assert not any("attention" in k or "mha" in k for k in spilled), spilled
