@@ -100,7 +100,7 @@ def _measure(args, pair: tuple[str, str]) -> int:
     from provenance import git_commit, write_json
 
     from dspark_jax.configs import get as named_config
-    from dspark_jax.decoding.engine import Engine, EngineConfig, _absent_gpu_target
+    from dspark_jax.decoding.engine import Engine, EngineConfig
     from dspark_jax.models.drafter import DSparkDrafter
     from dspark_jax.models.qwen3 import Qwen3
 
@@ -136,7 +136,7 @@ def _measure(args, pair: tuple[str, str]) -> int:
     engine = Engine(target, drafter, cfg, mesh=mesh)
     rows = []
     for name, (fn, fn_args) in engine.programs().items():
-        with _absent_gpu_target(platforms, "NVIDIA H100"):
+        with engine.lowering_target(platforms):
             start = time.perf_counter()
             traced = fn.trace(*fn_args)
             traced_at = time.perf_counter()

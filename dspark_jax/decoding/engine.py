@@ -893,9 +893,18 @@ class Engine:
         platforms = None if platforms is None else tuple(platforms)
         lowered = {}
         for name, (fn, args) in self.programs().items():
-            with _absent_gpu_target(platforms, gpu_kind):
+            with self.lowering_target(platforms, gpu_kind):
                 lowered[name] = fn.trace(*args).lower(lowering_platforms=platforms)
         return lowered
+
+    def lowering_target(self, platforms: tuple[str, ...] | None, gpu_kind: str = "NVIDIA H100"):
+        """The context to trace and lower a program in (see `lower`): where the GPU compiled
+        for is not this process' backend -- `platforms` names one, or the mesh is a GPU's
+        stand-ins (its device kind then) -- the Triton kernels' lowering is told which GPU."""
+        device = None if self.mesh is None else self.mesh.devices.flat[0]
+        if self.compile_only and device.platform == "gpu":
+            return _absent_gpu_target(("cuda",), device.device_kind)
+        return _absent_gpu_target(platforms, gpu_kind)
 
     def programs(self) -> dict[str, tuple[Any, tuple]]:
         """Every program as (jitted verb, arguments to trace it with: the parameters, a state
