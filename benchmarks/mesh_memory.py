@@ -220,7 +220,7 @@ def _measure(args) -> int:
     fits = peak <= budget
     print(
         f"peak per device {peak / gib:.2f} GiB = {peak / 1e9:.2f} GB: "
-        f"{'fits' if fits else 'does NOT fit'} a {args.device_gb:g} GB device"
+        f"{'fits' if fits else 'does NOT fit'} a {args.device_gb:.4g} GB device"
     )
     if args.json:
         write_json(

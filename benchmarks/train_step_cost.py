@@ -20,7 +20,6 @@ XLA's GPU compiler for that GPU without one (benchmarks/deviceless.py; `pip inst
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import time
@@ -28,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from provenance import Parser, run_main
 
 from dspark_jax.configs import qwen3 as Q
 from dspark_jax.models.qwen3 import Qwen3
@@ -101,7 +101,7 @@ def build_step(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-layers", type=int, default=36)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--anchors", type=int, default=512)
@@ -145,4 +145,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -374,6 +374,11 @@ def test_mesh_memory_names_the_configs_it_takes_and_its_exit_status():
     import mesh_memory
 
     assert "exits 0 either way" in " ".join(mesh_memory.__doc__.split())
+    both = _script("mesh_memory.py", "--gpu", "h100", "--tpu", "v5e:2x2")
+    _one_line_error(both, "--gpu and --tpu name two different machines")
+    _one_line_error(_script("mesh_memory.py", "--gpu", "h100", "--mesh", "1,1,2"), "one GPU")
+    _one_line_error(_script("mesh_memory.py", "--gpu", "a100"), "--gpu", "'h100', 'h200'")
+    _one_line_error(_script("train_step_cost.py", "--gpu", "h100"), "--gpu needs --compile")
 
 
 def test_policy_switch_cost_names_each_member_it_times():
