@@ -30,6 +30,7 @@ from flax import nnx
 from provenance import Parser, run_main
 
 from dspark_jax.configs import qwen3 as Q
+from dspark_jax.decoding.engine import absent_gpu_target
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sharding import MeshConfig, make_mesh
 from dspark_jax.training import step as S
@@ -55,7 +56,8 @@ def executed_matmul_flops(jaxpr, mult: int = 1) -> float:
 
 
 def build_step(args):
-    """(jitted step, abstract state, frozen and batch) at Qwen3-4B / DSpark-Qwen3-4B widths."""
+    """(jitted step, abstract state, frozen and batch, the device kind it is compiled for) at
+    Qwen3-4B / DSpark-Qwen3-4B widths."""
     target_cfg = dataclasses.replace(
         Q.QWEN3_4B, num_hidden_layers=args.target_layers, dtype="bfloat16"
     )
@@ -97,7 +99,7 @@ def build_step(args):
         "length": jax.ShapeDtypeStruct(shape[:1], jnp.int32),
     }
     step = S.make_train_step(models, cfg, tx, schedule, mesh, state, frozen, *shape)
-    return step, state, frozen, batch
+    return step, state, frozen, batch, devices[0].device_kind
 
 
 def main():
@@ -117,7 +119,7 @@ def main():
     args = parser.parse_args()
     if args.gpu is not None and not args.compile:
         parser.error("--gpu needs --compile (the FLOP count does not depend on the machine)")
-    step, state, frozen, batch = build_step(args)
+    step, state, frozen, batch, device_kind = build_step(args)
     traced = step.trace(state, frozen, batch)
     print(
         f"target layers {args.target_layers}, batch {args.batch} x {args.seq_len}, "
@@ -127,6 +129,11 @@ def main():
     print(f"executed matmul FLOPs per step: {flops / 1e12:.2f} TF")
     if args.compile:
         t0 = time.perf_counter()
+        if args.gpu is not None:
+            # Traced again as for the GPU: attention through cuDNN's flash attention, as a GPU
+            # would run it (a custom call, which the FLOP count above would not see).
+            with absent_gpu_target(("cuda",), device_kind):
+                traced = step.trace(state, frozen, batch)
         memory = traced.lower().compile().memory_analysis()
         gib = 2.0**30
         where = jax.default_backend() if args.gpu is None else f"{args.gpu}, compiled without it"

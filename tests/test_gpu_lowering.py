@@ -20,7 +20,7 @@ import pytest
 from fixture_models import load_pair
 from flax import nnx
 
-from dspark_jax.decoding.engine import Engine, EngineConfig, _absent_gpu_target
+from dspark_jax.decoding.engine import Engine, EngineConfig, absent_gpu_target
 from dspark_jax.models import attention as attn
 from dspark_jax.models import qwen3
 from dspark_jax.models.qwen3 import Qwen3
@@ -83,7 +83,7 @@ def test_paged_kernel_lowers_for_any_table_length(table_pages, page_size, dtype)
         jax.ShapeDtypeStruct((), jnp.int32),
     )
     kernel = jax.jit(functools.partial(attn._gpu_paged_partials, interpret=False))
-    with _absent_gpu_target(("cuda",), "NVIDIA H100"):
+    with absent_gpu_target(("cuda",), "NVIDIA H100"):
         lowered = kernel.trace(*args).lower(lowering_platforms=("cuda",))
     assert set(_custom_calls(lowered)) == {TRITON}
 

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import Qwen3Config
+from dspark_jax.decoding.engine import absent_gpu_target
 from dspark_jax.models import layers
 from dspark_jax.models.qwen3 import Qwen3
 
@@ -69,8 +70,15 @@ def test_gpu_forward_is_cudnn_flash_attention_without_seq_by_seq_tensors(gpu_bac
     assert not SEQ_BY_SEQ.search(text), SEQ_BY_SEQ.search(text).group(0)
 
 
-def test_gpu_forward_without_cudnn_falls_back_to_xla(gpu_backend):
-    """No cuDNN (a ROCm GPU, a jaxlib without it, as on this machine): XLA's dense path."""
+def test_gpu_forward_without_cudnn_falls_back_to_xla(gpu_backend, monkeypatch):
+    """No cuDNN (a ROCm GPU, a jaxlib without it): XLA's dense path. Its absence is made
+    here, as JAX reports it, so the test holds where cuDNN is installed too."""
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+
+    def absent():
+        raise RuntimeError("cuDNN is not detected.")
+
+    monkeypatch.setattr(fused, "check_cudnn_version", absent)
     with pytest.warns(RuntimeWarning, match="cuDNN attention is not available"):
         text = _lowered_forward("cuda").as_text()
     assert "__cudnn" not in text
@@ -83,6 +91,19 @@ def test_impl_choice():
     assert layers.causal_attention_impl(jnp.float32, "gpu") == "xla"
     assert layers.causal_attention_impl(jnp.bfloat16, "cpu") == "xla"
     assert layers.causal_attention_impl(jnp.bfloat16, "tpu") == "xla"
+
+
+def test_impl_choice_follows_the_gpu_compiled_for():
+    """Traced for a GPU this machine lacks (an abstract device names it, as when compiling for
+    an H100 without one), the forward takes the GPU's path; outside, this backend's again."""
+    assert jax.default_backend() != "gpu"
+    assert layers.causal_attention_impl(jnp.bfloat16) == "xla"
+    with absent_gpu_target(("cuda",), "NVIDIA H100"):
+        assert layers.target_backend() == "gpu"
+        assert layers.causal_attention_impl(jnp.bfloat16) == "cudnn"
+        assert layers.causal_attention_impl(jnp.float32) == "xla"
+    assert layers.target_backend() == jax.default_backend()
+    assert layers.causal_attention_impl(jnp.bfloat16) == "xla"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -903,8 +903,8 @@ class Engine:
         stand-ins (its device kind then) -- the Triton kernels' lowering is told which GPU."""
         device = None if self.mesh is None else self.mesh.devices.flat[0]
         if self.compile_only and device.platform == "gpu":
-            return _absent_gpu_target(("cuda",), device.device_kind)
-        return _absent_gpu_target(platforms, gpu_kind)
+            return absent_gpu_target(("cuda",), device.device_kind)
+        return absent_gpu_target(platforms, gpu_kind)
 
     def programs(self) -> dict[str, tuple[Any, tuple]]:
         """Every program as (jitted verb, arguments to trace it with: the parameters, a state
@@ -1012,11 +1012,12 @@ def warm_up_all(
 
 
 @contextlib.contextmanager
-def _absent_gpu_target(platforms: tuple[str, ...] | None, gpu_kind: str):
+def absent_gpu_target(platforms: tuple[str, ...] | None, gpu_kind: str):
     """Names the GPU to lower for while `platforms` asks for one this process does not have.
     jax >= 0.11's Pallas Triton lowering reads the target's compute capability from the
     device, or from an abstract mesh's `AbstractDevice` when there is no device (jax 0.10
-    assumed compute capability 9.0); without one it raises "No supported GPU devices found"."""
+    assumed compute capability 9.0); without one it raises "No supported GPU devices found".
+    The cache-free forwards' attention (`layers.causal_attention_impl`) takes cuDNN's there."""
     wants_gpu = platforms is not None and bool({"cuda", "rocm", "gpu"} & set(platforms))
     if not wants_gpu or jax.default_backend() == "gpu":
         yield

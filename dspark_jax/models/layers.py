@@ -158,12 +158,22 @@ def attention(q_bthd, k_bshd, v_bshd, mask_bts, scale: float):
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+def target_backend() -> str:
+    """The backend a program being traced is for: the platform of the device an abstract mesh
+    context names (`jax.sharding.use_abstract_mesh`: how a GPU that is not here is compiled
+    for, see `decoding.engine.absent_gpu_target`), else JAX's default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None:
+        return jax.default_backend()
+    return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+
+
 def causal_attention_impl(dtype, backend: str | None = None) -> str:
     """The `implementation` `causal_attention` asks `jax.nn.dot_product_attention` for: "cudnn"
     (flash attention: no [T, T] scores in memory, the masked half skipped) for 16-bit inputs
-    on a GPU backend (None: the default backend), else "xla". Not JAX's None, which means
+    on a GPU backend (None: `target_backend()`), else "xla". Not JAX's None, which means
     "xla" (jax 0.10) and would keep the dense float32 scores on a GPU too."""
-    gpu = (backend or jax.default_backend()) == "gpu"
+    gpu = (backend or target_backend()) == "gpu"
     return "cudnn" if gpu and jnp.dtype(dtype) in _CUDNN_DTYPES else "xla"
 
 
