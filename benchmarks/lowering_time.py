@@ -96,7 +96,7 @@ def _measure(args, pair: tuple[str, str]) -> int:
     import dataclasses
 
     import jax
-    from deviceless import GPUS
+    from deviceless import GPUS, captured_spills, gpu_devices
     from flax import nnx
     from provenance import git_commit, write_json
 
@@ -119,8 +119,6 @@ def _measure(args, pair: tuple[str, str]) -> int:
     platforms = ("cuda",) if args.platform == "cuda" else None
     mesh = None
     if args.platform in GPUS:
-        from deviceless import gpu_devices
-
         from dspark_jax.sharding import MeshConfig, make_mesh
 
         mesh = make_mesh(MeshConfig(1, 1, 1), gpu_devices(args.platform))
@@ -152,8 +150,6 @@ def _measure(args, pair: tuple[str, str]) -> int:
             kernel_calls=len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)),
         )
         if args.compile:
-            from deviceless import captured_spills
-
             start = time.perf_counter()
             with captured_spills() as spills:
                 compiled = lowered.compile()

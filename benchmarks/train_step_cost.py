@@ -26,8 +26,10 @@ import time
 
 import jax
 import jax.numpy as jnp
+from deviceless import GPUS, gpu_devices
 from flax import nnx
 from provenance import Parser, run_main
+from train_throughput import xla_memory_bytes
 
 from dspark_jax.configs import qwen3 as Q
 from dspark_jax.decoding.engine import absent_gpu_target
@@ -88,8 +90,6 @@ def build_step(args):
     if args.gpu is None:
         devices = jax.devices()[:1]
     else:
-        from deviceless import gpu_devices
-
         devices = gpu_devices(args.gpu)
     mesh = make_mesh(MeshConfig(1, 1, 1), devices)
     shape = (args.batch, args.seq_len)
@@ -113,7 +113,7 @@ def main():
     parser.add_argument("--compile", action="store_true", help="also compile: memory analysis")
     parser.add_argument(
         "--gpu",
-        choices=("h100", "h200"),
+        choices=sorted(GPUS),
         help="with --compile: compile for one such GPU without it (needs jax[cuda12])",
     )
     args = parser.parse_args()
@@ -134,20 +134,14 @@ def main():
             # would run it (a custom call, which the FLOP count above would not see).
             with absent_gpu_target(("cuda",), device_kind):
                 traced = step.trace(state, frozen, batch)
-        memory = traced.lower().compile().memory_analysis()
+        memory = xla_memory_bytes(traced.lower().compile())
         gib = 2.0**30
         where = jax.default_backend() if args.gpu is None else f"{args.gpu}, compiled without it"
-        held = (
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes
-        )
         print(
             f"compiled in {time.perf_counter() - t0:.0f} s; XLA memory ({where}): "
-            f"arguments {memory.argument_size_in_bytes / gib:.2f} GiB, "
-            f"temporaries {memory.temp_size_in_bytes / gib:.2f} GiB, "
-            f"held while it runs {held / gib:.2f} GiB"
+            f"arguments {memory['arguments'] / gib:.2f} GiB, "
+            f"temporaries {memory['temporaries'] / gib:.2f} GiB, "
+            f"held while it runs {memory['peak'] / gib:.2f} GiB"
         )
 
 
