@@ -8,6 +8,7 @@ and no traceback; the table of inputs and messages is docs/errors.md.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -515,8 +516,9 @@ def test_modified_target_of_a_converted_folder_is_refused(converted, tmp_path):
 def test_a_truncated_orbax_file_fails_in_one_line(converted, tmp_path, capsys, monkeypatch):
     """Reads still in flight when the first one fails used to report to Orbax's closed event
     loop from tensorstore's threads, and Python printed each 'RuntimeError: Event loop is
-    closed' (as an unraisable exception) after the one-line error, in most runs. Five tries
-    make a miss unlikely."""
+    closed' (as an unraisable exception) after the one-line error, in most runs; the abandoned
+    read coroutines, once garbage-collected, printed Orbax's own exception with the whole
+    TensorStore spec. Five tries make a miss unlikely."""
     damaged = tmp_path / "damaged"
     shutil.copytree(converted, damaged)
     data = max((damaged / "draft" / "params").rglob("d/*"), key=lambda f: f.stat().st_size)
@@ -527,6 +529,7 @@ def test_a_truncated_orbax_file_fails_in_one_line(converted, tmp_path, capsys, m
         rc, lines = _run(["export", "--draft", str(damaged), "--out", str(tmp_path / "x")], capsys)
         time.sleep(0.2)  # the late reads finish within milliseconds
         assert rc == 2 and len(lines) == 1 and "cannot read the Orbax checkpoint" in lines[0]
+    gc.collect()  # abandoned coroutines report when they are collected
     assert unraisable == []
     assert not (tmp_path / "x").exists()
 

@@ -7,7 +7,6 @@ exactly the ones read.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from flax import nnx
 
 from dspark_jax.checkpoints import interrupts
 from dspark_jax.checkpoints.convert import is_float_dtype, key_path_names, shape_problems
+from dspark_jax.checkpoints.orbax_reads import finished_reads
 from dspark_jax.checkpoints.safetensors_io import CheckpointError
 from dspark_jax.config import DrafterConfig
 from dspark_jax.models.drafter import DSparkDrafter
@@ -49,28 +49,6 @@ def save_params(model: nnx.Module, params_dir: Path) -> None:
             ckpt.close()
 
 
-class _ClosingLoop(asyncio.SelectorEventLoop):
-    """An event loop that drops callbacks scheduled after it closed.
-
-    Orbax runs a synchronous read on a fresh event loop and closes it as soon as the read
-    raises; the tensorstore reads still in flight then finish on tensorstore's threads and hand
-    their results to the closed loop, and each such hand-off printed "RuntimeError: Event loop
-    is closed" with a traceback after our one-line error. Nobody waits for those results."""
-
-    def call_soon_threadsafe(self, callback, *args, context=None):
-        try:
-            return super().call_soon_threadsafe(callback, *args, context=context)
-        except RuntimeError:
-            if self.is_closed():
-                return None
-            raise
-
-
-class _ClosingLoopPolicy(asyncio.DefaultEventLoopPolicy):
-    def new_event_loop(self) -> asyncio.AbstractEventLoop:
-        return _ClosingLoop()
-
-
 def _not_metadata_warning(record: logging.LogRecord) -> bool:
     # Orbax logs this and returns no metadata; `read_metadata` reports that as an error.
     return not record.getMessage().startswith("Failed to get item metadata")
@@ -78,17 +56,15 @@ def _not_metadata_warning(record: logging.LogRecord) -> bool:
 
 @contextlib.contextmanager
 def _reading() -> Iterator[None]:
-    """Runs Orbax reads on `_ClosingLoop`s (the loops Orbax creates come from the policy),
-    without the warning Orbax logs (through absl) for metadata it cannot read."""
-    previous = asyncio.get_event_loop_policy()
-    asyncio.set_event_loop_policy(_ClosingLoopPolicy())
+    """Orbax reads that end every read they start (`finished_reads`), without the warning Orbax
+    logs (through absl) for metadata it cannot read."""
     absl_logger = logging.getLogger("absl")
     absl_logger.addFilter(_not_metadata_warning)
     try:
-        yield
+        with finished_reads():
+            yield
     finally:
         absl_logger.removeFilter(_not_metadata_warning)
-        asyncio.set_event_loop_policy(previous)
 
 
 def _flat(tree) -> dict[str, Any]:

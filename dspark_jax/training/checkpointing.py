@@ -35,6 +35,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from dspark_jax.checkpoints.orbax_reads import finished_reads
 from dspark_jax.errors import UserError
 from dspark_jax.training.step import TrainState
 
@@ -188,7 +189,7 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[Path, int] | None:
 def read_meta(directory: Path, step: int) -> dict[str, Any]:
     """The run record saved with checkpoint `step` of `directory`."""
     try:
-        with _reader(directory) as manager:
+        with finished_reads(), _reader(directory) as manager:
             restored = manager.restore(
                 step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
             )
@@ -200,7 +201,7 @@ def read_meta(directory: Path, step: int) -> dict[str, Any]:
 def restore_state(directory: Path, step: int, abstract_state: TrainState) -> TrainState:
     """The train state of checkpoint `step` of `directory`, placed as `abstract_state` says."""
     try:
-        with _reader(directory) as manager:
+        with finished_reads(), _reader(directory) as manager:
             restored = manager.restore(
                 step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)})
             )
@@ -284,15 +285,16 @@ class TrainCheckpointer:
             raise TrainCheckpointError(f"{self.directory}: no complete checkpoint to restore")
         saved_meta = self.check_record(meta, step)
         try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{
-                        STATE: ocp.args.StandardRestore(abstract_state),
-                        DATA: grain.checkpoint.CheckpointRestore(data_iterator),
-                    }
-                ),
-            )
+            with finished_reads():
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        **{
+                            STATE: ocp.args.StandardRestore(abstract_state),
+                            DATA: grain.checkpoint.CheckpointRestore(data_iterator),
+                        }
+                    ),
+                )
         except Exception as e:
             raise _damaged(self.directory, step, "train state or data position", e) from e
         return restored[STATE], saved_meta
@@ -301,9 +303,10 @@ class TrainCheckpointer:
         """The run record saved with `step`, once it equals `meta` (the same drafter, target and
         recipe) but for `NOT_COMPARED`; else TrainCheckpointError."""
         try:
-            saved_meta = self._manager.restore(
-                step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-            )[META]
+            with finished_reads():
+                saved_meta = self._manager.restore(
+                    step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+                )[META]
         except Exception as e:
             raise _damaged(self.directory, step, "run record (meta)", e) from e
         if not isinstance(saved_meta, dict):
