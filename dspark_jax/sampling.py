@@ -151,9 +151,16 @@ def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, 32, halve, (lo_x1, hi_x1))[1]
 
 
-def _row_cutoffs(scaled_xv: jax.Array, top_k_x: jax.Array, top_p_x: jax.Array) -> jax.Array:
+def _row_cutoffs(
+    scaled_xv: jax.Array,
+    top_k_x: jax.Array,
+    top_p_x: jax.Array,
+    temperature_x: jax.Array | None = None,
+) -> jax.Array:
     """The smallest kept value of each row [X, 1] of `scaled_xv` [X, V] under its top-k then top-p
-    filters (top_k 0 or >= V and top_p 1 switch them off; such a row gets -inf).
+    filters (top_k 0 or >= V and top_p 1 switch them off; such a row gets -inf). With
+    `temperature_x`, `scaled_xv` holds the logits, each row to be divided by its temperature
+    (`_scaled`).
 
     Both filters keep every token tied with the last kept value. Top-p is measured on the
     distribution left after top-k, normalised over all of it, ties included: its cutoff is the
@@ -164,9 +171,20 @@ def _row_cutoffs(scaled_xv: jax.Array, top_k_x: jax.Array, top_p_x: jax.Array) -
     the costliest pass in a round with V in the hundred thousands, on every backend. Every count
     and sum runs along its own row, so a row's cutoff does not depend on the other rows of the
     block; each search runs only when some row of the block uses its filter.
+
+    Each halving reads the logits as they came (bf16 from a bf16 model) and computes a value's
+    key and probability again from them: on a GPU a pass over [512, V] float32 keys and
+    probabilities read 4x the bytes of one over the bf16 logits, and 32 passes are most of what
+    filtering costs there, where the arithmetic redone is cheap beside the memory traffic.
     """
     vocab = scaled_xv.shape[-1]
-    keys_xv = _ordered_keys(scaled_xv)
+
+    def values():
+        if temperature_x is None:
+            return scaled_xv.astype(jnp.float32)
+        return _scaled(scaled_xv, temperature_x)
+
+    keys_xv = _ordered_keys(values())
     lo_x1 = jnp.min(keys_xv, axis=-1, keepdims=True)
     hi_x1 = jnp.max(keys_xv, axis=-1, keepdims=True)
     k_x1 = top_k_x[:, None]
@@ -177,19 +195,27 @@ def _row_cutoffs(scaled_xv: jax.Array, top_k_x: jax.Array, top_p_x: jax.Array) -
 
     def kth_value():
         # The k-th largest value: the smallest t with fewer than k values above it.
-        above = lambda t: jnp.sum(keys_xv > t, axis=-1, keepdims=True) < k_x1  # noqa: E731
+        def above(t_x1):
+            return jnp.sum(_ordered_keys(values()) > t_x1, axis=-1, keepdims=True) < k_x1
+
         return jnp.where(use_k_x1, _key_values(_smallest_key(above, lo_x1, hi_x1)), -jnp.inf)
 
     kth_x1 = jax.lax.cond(jnp.any(use_k_x1), kth_value, lambda: off_x1)
-    in_k_xv = scaled_xv >= kth_x1
 
     def p_cut():
-        log_norm_x1 = jax.nn.logsumexp(jnp.where(in_k_xv, scaled_xv, -jnp.inf), -1, keepdims=True)
-        prob_xv = jnp.where(in_k_xv, jnp.exp(scaled_xv - log_norm_x1), 0.0)
-        # mass strictly above t, below top_p
-        below = lambda t: (  # noqa: E731
-            jnp.sum(jnp.where(keys_xv > t, prob_xv, 0.0), axis=-1, keepdims=True) < p_x1
-        )
+        scaled = values()
+        in_k_xv = scaled >= kth_x1
+        log_norm_x1 = jax.nn.logsumexp(jnp.where(in_k_xv, scaled, -jnp.inf), -1, keepdims=True)
+
+        def below(t_x1):
+            # mass strictly above t, below top_p
+            x_xv = values()
+            prob_xv = jnp.where(x_xv >= kth_x1, jnp.exp(x_xv - log_norm_x1), 0.0)
+            mass_x1 = jnp.sum(
+                jnp.where(_ordered_keys(x_xv) > t_x1, prob_xv, 0.0), axis=-1, keepdims=True
+            )
+            return mass_x1 < p_x1
+
         return jnp.where(use_p_x1, _key_values(_smallest_key(below, lo_x1, hi_x1)), -jnp.inf)
 
     p_cut_x1 = jax.lax.cond(jnp.any(use_p_x1), p_cut, lambda: off_x1)
@@ -216,10 +242,26 @@ def _row_blocks(rows: int, vocab: int) -> tuple[int, ...]:
     return tuple(b for b in _ROW_BLOCKS if b < rows and b * vocab >= _BLOCK_MIN_VALUES) + (rows,)
 
 
-def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
-    """The smallest kept value of each row [..., 1] under its top-k then top-p filters
-    (`_row_cutoffs`); -inf for a row that does not filter, greedy rows included (their output is
-    the argmax whatever the cutoff).
+def _temperatures(rows: RowSampling) -> jax.Array:
+    """Each row's divisor of its logits: its temperature, 1 for greedy rows."""
+    return jnp.where(rows.greedy, 1.0, rows.temperature)
+
+
+def _scaled(logits_xv: jax.Array, temperature_x: jax.Array) -> jax.Array:
+    """float32 logits / T: what the filters and the softmax see."""
+    return logits_xv.astype(jnp.float32) / temperature_x[..., None]
+
+
+def _filter_cutoffs(logits_xv: jax.Array, rows: RowSampling) -> jax.Array:
+    """The smallest kept value of each row [..., 1] of its scaled logits (`_scaled`) under its
+    top-k then top-p filters (`_row_cutoffs`); -inf for a row that does not filter, greedy rows
+    included (their output is the argmax whatever the cutoff).
+
+    The logits go into the search's conditional as they come (bf16 from a bf16 model) and are
+    scaled inside it: an operand of a conditional is a buffer of its own, so passing the scaled
+    float32 rows would have them written out in full every round ([512, V] float32 at Qwen3's
+    vocabulary: 311 MB, then read again by every pass of the softmax) even when no row filters,
+    where outside a conditional XLA fuses the scaling into the passes that read it.
 
     The search costs what the filtering rows need, not the whole batch: the n rows that filter are
     gathered, in order, into the smallest block of `_row_blocks` that holds them (3 rows of 512
@@ -229,35 +271,40 @@ def _filter_cutoffs(scaled_xv: jax.Array, rows: RowSampling) -> jax.Array:
     A row's cutoff is the same in any block (`_ROW_BLOCKS`, `_BLOCK_MIN_VALUES`), so it does not
     depend on how many other rows filter.
     """
-    vocab = scaled_xv.shape[-1]
-    lead = scaled_xv.shape[:-1]
-    scaled_xv = scaled_xv.reshape(-1, vocab)
+    vocab = logits_xv.shape[-1]
+    lead = logits_xv.shape[:-1]
+    logits_xv = logits_xv.reshape(-1, vocab)
+    temperature_x = _temperatures(rows).reshape(-1)
     top_k_x = rows.top_k.reshape(-1)
     top_p_x = rows.top_p.reshape(-1)
     filters_x = ~rows.greedy.reshape(-1) & (((top_k_x > 0) & (top_k_x < vocab)) | (top_p_x < 1.0))
     count = jnp.sum(filters_x, dtype=jnp.int32)
     slot_x = jnp.cumsum(filters_x, dtype=jnp.int32) - 1
-    sizes = _row_blocks(scaled_xv.shape[0], vocab)
+    sizes = _row_blocks(logits_xv.shape[0], vocab)
 
     def search(size):
-        if size == scaled_xv.shape[0]:
+        if size == logits_xv.shape[0]:
             return lambda: _row_cutoffs(
-                scaled_xv, jnp.where(filters_x, top_k_x, 0), jnp.where(filters_x, top_p_x, 1.0)
+                logits_xv,
+                jnp.where(filters_x, top_k_x, 0),
+                jnp.where(filters_x, top_p_x, 1.0),
+                temperature_x,
             )
 
         def gathered():
             (row_b,) = jnp.nonzero(filters_x, size=size, fill_value=0)
             live_b = jnp.arange(size) < count
             cut_b1 = _row_cutoffs(
-                scaled_xv[row_b],
+                logits_xv[row_b],
                 jnp.where(live_b, top_k_x[row_b], 0),
                 jnp.where(live_b, top_p_x[row_b], 1.0),
+                temperature_x[row_b],
             )
             return jnp.where(filters_x[:, None], cut_b1[jnp.clip(slot_x, 0, size - 1)], -jnp.inf)
 
         return gathered
 
-    off_x1 = jnp.full((scaled_xv.shape[0], 1), -jnp.inf, jnp.float32)
+    off_x1 = jnp.full((logits_xv.shape[0], 1), -jnp.inf, jnp.float32)
     rung = jnp.sum(count > jnp.asarray((0,) + sizes[:-1], jnp.int32))
     cutoff_x1 = jax.lax.switch(rung, [lambda: off_x1] + [search(size) for size in sizes])
     return cutoff_x1.reshape(lead + (1,))
@@ -275,10 +322,9 @@ def filtered_logprobs(logits_xv: jax.Array, cfg: SamplingConfig | RowSampling) -
     """
     rows = as_rows(cfg, logits_xv.shape[:-1])
     greedy_x = rows.greedy
-    temperature_x = jnp.where(greedy_x, 1.0, rows.temperature)
-    scaled_xv = logits_xv.astype(jnp.float32) / temperature_x[..., None]
+    scaled_xv = _scaled(logits_xv, _temperatures(rows))
     vocab = logits_xv.shape[-1]
-    cutoff_x1 = _filter_cutoffs(scaled_xv, rows)
+    cutoff_x1 = _filter_cutoffs(logits_xv, rows)
     logp_xv = jax.nn.log_softmax(jnp.where(scaled_xv >= cutoff_x1, scaled_xv, -jnp.inf), axis=-1)
     best_x = jnp.argmax(logits_xv, axis=-1)
     onehot_xv = jnp.arange(vocab) == best_x[..., None]

@@ -401,3 +401,46 @@ def test_few_filtering_rows_search_a_block_not_the_batch():
         # min and max keys, the top-k count, the top-p norm (a max and a sum), the top-p sum
         assert len(shapes) == 6
         assert set(shapes) == {(size, vocab)}, (size, set(shapes))
+
+
+def test_logits_enter_the_cutoff_search_as_they_come():
+    """The search's conditionals and halving loops get the bf16 logits themselves, and scale
+    them as they read them: an operand of a conditional or a loop is a buffer of its own, and a
+    float32 copy of [512, V] (or its int32 keys and float32 probabilities, read 32 times) would
+    be written out every round on a GPU, where outside them XLA fuses the scaling into the
+    passes that read the logits."""
+    from dspark_jax.sampling import RowSampling, _filter_cutoffs
+
+    rows, vocab = 512, BLOCK_VOCAB
+    settings = RowSampling.from_config(SamplingConfig(0.7, 50, 0.9), (rows,))
+    jaxpr = jax.make_jaxpr(_filter_cutoffs)(jnp.zeros((rows, vocab), jnp.bfloat16), settings)
+    branching = [e for e in _ops(jaxpr.jaxpr) if e.primitive.name in ("cond", "while")]
+    assert len(branching) >= 5  # the block switch, two filter conds and two loops per block
+    for eqn in branching:
+        large = [a for a in (v.aval for v in eqn.invars) if a.ndim == 2 and a.shape[-1] == vocab]
+        assert all(a.dtype == jnp.bfloat16 for a in large), (eqn.primitive.name, large)
+
+
+def test_cutoffs_follow_the_temperature_and_take_16_bit_logits():
+    """Scaling inside the search gives bitwise the cutoffs of logits scaled beforehand, and bf16
+    logits the cutoffs of the same values in float32."""
+    from dspark_jax.sampling import RowSampling, _filter_cutoffs, _row_cutoffs
+
+    rng = np.random.default_rng(11)
+    rows, vocab = 16, 2048
+    logits = jnp.asarray(rng.normal(scale=3.0, size=(rows, vocab)), jnp.bfloat16)
+    temperature = jnp.asarray(rng.choice([0.3, 0.7, 1.0, 1.7], size=rows), jnp.float32)
+    top_k = jnp.asarray(rng.choice([0, 5, 100], size=rows), jnp.int32)
+    top_p = jnp.asarray(rng.choice([1.0, 0.95, 0.5], size=rows), jnp.float32)
+    settings = RowSampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    scaled = logits.astype(jnp.float32) / temperature[:, None]
+    want = jax.jit(_row_cutoffs)(scaled, top_k, top_p)
+    np.testing.assert_array_equal(jax.jit(_filter_cutoffs)(logits, settings), want)
+    np.testing.assert_array_equal(
+        jax.jit(_filter_cutoffs)(logits.astype(jnp.float32), settings), want
+    )
+    assert np.isfinite(np.asarray(want)).sum() >= rows // 2  # most rows filter
+    np.testing.assert_array_equal(
+        jax.jit(filtered_logprobs)(logits, settings),
+        jax.jit(filtered_logprobs)(logits.astype(jnp.float32), settings),
+    )
