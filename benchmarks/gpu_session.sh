@@ -50,10 +50,10 @@ if [ "$size" = tiny ]; then
   batches="1 8"; contexts="64 256"; max_lens="256 2048"; slots=8; packed=8; levels="8 1"
   dtype=float32
   attn="--kv-heads 2 --groups 2 --head-dim 32 --kv-lens 64,256 --capacity 512 --capacities 256,512"
-  train=(); bw_gib=0.25; vocab=4096
+  train=(); bw_gib=0.25; vocab=4096; filter_rows=64
 else
   batches="1 8 32 64"; contexts="256 1024 4096"; max_lens="512 2048 8192"; slots=32
-  packed=64; levels="64 1 8 32 128 256"; bw_gib=4; dtype=bfloat16; vocab=151936
+  packed=64; levels="64 1 8 32 128 256"; bw_gib=4; dtype=bfloat16; vocab=151936; filter_rows=512
   attn="--kv-heads 8 --groups 4 --head-dim 128 --kv-lens 512,1024,2048,4096 --capacity 8192"
   attn+=" --capacities 2048,4096,8192,16384"
   # The released recipe (configs/train_qwen3.py): one 4096-token sequence per micro-step, the
@@ -197,12 +197,12 @@ done
 want switch_cost &&
   stage switch_cost python3 benchmarks/policy_switch_cost.py --synthetic "$size" \
     --dtype "$dtype" --concurrency "${levels%% *}" --members 5 --json "$out/switch_cost.json"
-# What top-k / top-p filtering costs a step over Qwen3's vocabulary (64 rows: a verification
-# bucket) with 1, 8 or every row filtering, against temperature sampling and a sort of the same
-# logits.
+# What top-k / top-p filtering costs a round over Qwen3's vocabulary (512 rows: the verification
+# of 64 slots at gamma 7, the lm head's logits as the engine gets them) with 1, 8, 64 or every
+# row filtering, against temperature sampling and a sort of the same logits.
 want sampling &&
-  stage sampling python3 benchmarks/sampling_filters.py --rows 64 --vocab "$vocab" \
-    --json "$out/sampling.json"
+  stage sampling python3 benchmarks/sampling_filters.py --rows "$filter_rows" --vocab "$vocab" \
+    --dtype "$dtype" --json "$out/sampling.json"
 if want throughput; then
   parts=("$out"/throughput_c*.json)
   if [ -e "${parts[0]}" ]; then

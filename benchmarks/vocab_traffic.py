@@ -1,0 +1,237 @@
+"""What a verification moves over the vocabulary, read from the compiled program: the [rows, V]
+arrays the lm head, the sampling filter and the verifier write and read.
+
+A speculative round at Qwen3's vocabulary (151936) verifies up to 512 tokens at 64 slots, and
+every [512, V] float32 array it writes is 311 MB: on a GPU the vocabulary side of a round can
+cost more memory traffic than the target's weights. This compiles that side alone -- the lm head
+over the packed tokens, `filtered_logprobs` under per-token settings, `verify_packed` -- and
+reports, from XLA's optimised program:
+
+- every [rows, V] array the round writes outside the filters' search (what every round pays,
+  greedy and temperature-only rounds included), and the passes that read such arrays
+  (reductions and elementwise fusions; gathers of a few rows are left out);
+- for each halving loop of the top-k / top-p cutoff search (`sampling._row_cutoffs`, one per
+  block of 8, 64 or all rows), the [rows, V] bytes each pass carries and reads, times its passes.
+
+By default it compiles for an H100 without one (benchmarks/deviceless.py; needs
+`pip install "jax[cuda12]"`, no GPU); `--platform here` compiles for this machine's backend.
+
+    python benchmarks/vocab_traffic.py                         # 64 slots, gamma 7, Qwen3-4B
+    python benchmarks/vocab_traffic.py --platform here --vocab 4096 --slots 4 --hidden 64
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*?)\)(.*)$")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_KIND = re.compile(r"kind=(k\w+)")
+
+
+def vocab_bytes(shape_text: str, vocab: int) -> int:
+    """Bytes of the arrays in `shape_text` (a shape or a tuple of shapes) that have a dimension
+    of `vocab`."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        sizes = [int(d) for d in dims.split(",") if d]
+        if vocab in sizes:
+            n = 1
+            for d in sizes:
+                n *= d
+            total += n * _BYTES[dtype]
+    return total
+
+
+@dataclass
+class Write:
+    op: str
+    shape: str
+    mb: float
+    branch: bool  # inside a conditional's branch (not every round)
+
+
+@dataclass
+class Loop:
+    rows: int  # the block the loop searches
+    passes: int
+    carried: str  # the [rows, V] arrays each pass reads
+    mb_per_pass: float
+    mb: float
+
+
+@dataclass
+class Traffic:
+    writes: list[Write]
+    read_back_mb: float  # of the arrays written, by the passes outside the search's loops
+    loops: list[Loop]
+
+
+def analyse(hlo: str, vocab: int) -> Traffic:
+    """The vocabulary-sized traffic of an optimised HLO module's text (`Compiled.as_text()`).
+
+    Reads are counted for arrays the program writes (the logits and what is made from them),
+    each time a fusion, reduction or copy takes one whole: an upper bound, since a fusion that
+    gathers a few rows of one counts it all. The program's inputs are not counted."""
+    fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo))
+    branches = set()
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", hlo):
+        branches.update(b.strip().lstrip("%") for b in group.split(","))
+    for key in ("true_computation", "false_computation"):
+        branches.update(re.findall(key + r"=%?([\w.\-]+)", hlo))
+    bodies = {}  # while body computation -> (carried shape text, trip count)
+    written: dict[str, int] = {}
+    writes, loops, read_back = [], [], 0
+    current = None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head and " = " not in line:
+            current = head.group(1)
+            continue
+        inst = _INSTRUCTION.match(line)
+        if inst is None or current is None or current in fused:
+            continue
+        name, shape, op, operands, rest = inst.groups()
+        if op == "while":
+            body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
+            trips = _TRIPS.search(rest)
+            bodies[body] = (shape, int(trips.group(1)) if trips else 1)
+            continue
+        if op not in ("fusion", "custom-call", "dot", "reduce", "sort", "copy"):
+            continue
+        if current not in bodies:
+            for operand in operands.split(","):
+                read_back += written.get(operand.strip().lstrip("%"), 0)
+        size = vocab_bytes(shape, vocab)
+        if size and current not in bodies:
+            written[name] = size
+            kind = _KIND.search(rest)
+            label = kind.group(1) if op == "fusion" and kind else op
+            writes.append(Write(label, shape, size / 1e6, current in branches))
+    for shape, trips in bodies.values():
+        carried = vocab_bytes(shape, vocab)
+        if carried:
+            arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(shape) if str(vocab) in d.split(",")]
+            rows = int(_ARRAY.findall(arrays[0])[0][1].split(",")[0])
+            loops.append(Loop(rows, trips, " ".join(arrays), carried / 1e6, carried * trips / 1e6))
+    loops.sort(key=lambda loop: (loop.rows, loop.mb))
+    return Traffic(writes, read_back / 1e6, loops)
+
+
+def verification(
+    slots: int, gamma: int, hidden: int, vocab: int, dtype, device, float32_logits: bool = False
+):
+    """The jitted vocabulary side of one round and its argument shapes, on `device`; with
+    `float32_logits` the lm head's logits are cast to float32 before filtering (as the engine
+    did before 2026-11-28)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from dspark_jax.decoding.verify import verify_packed
+    from dspark_jax.sampling import RowSampling, filtered_logprobs
+
+    tokens = slots * (gamma + 1)
+
+    def round_(hidden_td, head_vd, slot_t, temperature, top_k, top_p, drafts, draft_logp, rows,
+               lengths, keys, positions, stops):
+        logits_tv = hidden_td @ head_vd.T  # the lm head, in the model's dtype (Qwen3.logits)
+        if float32_logits:
+            logits_tv = logits_tv.astype(jnp.float32)
+        settings = RowSampling(temperature, top_k, top_p)
+        logp_tv = filtered_logprobs(logits_tv, settings.take(slot_t))
+        return verify_packed(drafts, draft_logp, logp_tv, rows, lengths, keys, positions,
+                             settings, stops)
+
+    place = SingleDeviceSharding(device)
+    shape = lambda dims, t: jax.ShapeDtypeStruct(dims, t, sharding=place)  # noqa: E731
+    args = (
+        shape((tokens, hidden), dtype), shape((vocab, hidden), dtype), shape((tokens,), jnp.int32),
+        shape((slots,), jnp.float32), shape((slots,), jnp.int32), shape((slots,), jnp.float32),
+        shape((slots, gamma), jnp.int32), shape((slots, gamma, vocab), jnp.float32),
+        shape((slots, gamma + 1), jnp.int32), shape((slots,), jnp.int32),
+        shape((slots, 2), jnp.uint32), shape((slots,), jnp.int32), shape((slots, 4), jnp.int32),
+    )
+    return jax.jit(round_), args
+
+
+def main() -> int:
+    from deviceless import GPUS
+    from provenance import Parser, git_commit, output_file, positive_int, write_json
+
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--slots", type=positive_int, default=64, help="slots verified (64)")
+    parser.add_argument("--gamma", type=positive_int, default=7, help="drafts per slot (7)")
+    parser.add_argument("--hidden", type=positive_int, default=2560, help="hidden size (4B's)")
+    parser.add_argument("--vocab", type=positive_int, default=151_936, help="V (Qwen3's)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--float32-logits",
+        action="store_true",
+        help="cast the lm head's logits to float32 before filtering (the engine before "
+        "2026-11-28), to compare",
+    )
+    parser.add_argument(
+        "--platform",
+        default="h100",
+        choices=("here", *sorted(GPUS)),
+        help="compile for that GPU without one (h100, the default; h200) or for this backend",
+    )
+    parser.add_argument("--json", help="write the tables here too")
+    args = parser.parse_args()
+    if args.json:
+        output_file(args.json, "--json")
+    if args.platform in GPUS:
+        from deviceless import gpu_devices
+
+        device = gpu_devices(args.platform)[0]
+    import jax
+    import jax.numpy as jnp
+
+    if args.platform == "here":
+        device = jax.devices()[0]
+    fn, shapes = verification(
+        args.slots,
+        args.gamma,
+        args.hidden,
+        args.vocab,
+        jnp.dtype(args.dtype),
+        device,
+        args.float32_logits,
+    )
+    traffic = analyse(fn.lower(*shapes).compile().as_text(), args.vocab)
+    rows = args.slots * (args.gamma + 1)
+    logits = "float32" if args.float32_logits else args.dtype
+    print(f"{device.device_kind}, {rows} verified rows x V {args.vocab}, {args.dtype} lm head, "
+          f"{logits} logits filtered, commit {git_commit()}")
+    every = [w for w in traffic.writes if not w.branch]
+    print("[rows, V] arrays written, every round:")
+    for w in every:
+        print(f"  {w.op:12s} {w.shape[:56]:56s} {w.mb:9.1f} MB")
+    print("  ... and inside conditionals (the search's gathered blocks, categorical draws):")
+    for w in traffic.writes:
+        if w.branch:
+            print(f"  {w.op:12s} {w.shape[:56]:56s} {w.mb:9.1f} MB")
+    print(f"  written every round {sum(w.mb for w in every):.1f} MB; read back at most "
+          f"{traffic.read_back_mb:.1f} MB")
+    print("cutoff search, per halving loop (top-k, top-p) of each block of filtering rows:")
+    for loop in traffic.loops:
+        print(f"  block {loop.rows:4d}: {loop.passes} passes x {loop.mb_per_pass:7.1f} MB "
+              f"({loop.carried}) = {loop.mb:8.1f} MB")
+    if args.json:
+        write_json(args.json, {
+            "device": device.device_kind, "commit": git_commit(), "rows": rows,
+            "vocab": args.vocab, "dtype": args.dtype, "logits": logits, **asdict(traffic),
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    from provenance import run_main
+
+    run_main(main)
