@@ -22,6 +22,8 @@ without one (benchmarks/deviceless.py; needs `pip install "jax[cuda12]"`, no GPU
 times and programs a GPU session would get, and the kernels ptxas had to spill registers for:
 
     python benchmarks/lowering_time.py --platform h100 --compile --json aot_h100.json
+    python benchmarks/lowering_time.py --platform h100 --compile --programs decode_chunk \
+        --hlo hlo/    # the optimised program, to read
 """
 
 from __future__ import annotations
@@ -81,12 +83,24 @@ def main() -> int:
         help="with --platform here, h100 or h200: compile each program too, and count the "
         "compiled instructions, fusions and copies (what XLA optimised)",
     )
+    parser.add_argument(
+        "--programs",
+        help="comma-separated names of the programs to measure (default: every one; the "
+        "names are the table's, e.g. decode_chunk)",
+    )
+    parser.add_argument(
+        "--hlo",
+        type=Path,
+        help="with --compile: write each program's optimised HLO to HLO/<program>.txt",
+    )
     parser.add_argument("--json", type=Path, help="write the table here too")
     args = parser.parse_args()
     if args.compile and args.platform == "cuda":
         parser.error(
             "--compile needs --platform here, h100 or h200 (cuda only lowers: no GPU compiler)"
         )
+    if args.hlo and not args.compile:
+        parser.error("--hlo needs --compile (it writes the compiled programs)")
     if args.json:
         output_file(args.json, "--json")
     return _measure(args, CONFIGS[args.config])
@@ -102,6 +116,7 @@ def _measure(args, pair: tuple[str, str]) -> int:
 
     from dspark_jax.configs import get as named_config
     from dspark_jax.decoding.engine import Engine, EngineConfig
+    from dspark_jax.errors import UserError
     from dspark_jax.models.drafter import DSparkDrafter
     from dspark_jax.models.qwen3 import Qwen3
 
@@ -133,8 +148,20 @@ def _measure(args, pair: tuple[str, str]) -> int:
         attention_impl="pallas_gpu" if platforms or mesh is not None else None,
     )
     engine = Engine(target, drafter, cfg, mesh=mesh)
+    programs = engine.programs()
+    if args.programs:
+        wanted = [p.strip() for p in args.programs.split(",") if p.strip()]
+        unknown = sorted(set(wanted) - set(programs))
+        if unknown or not wanted:
+            raise UserError(
+                f"--programs: no program named {', '.join(unknown) or repr(args.programs)} "
+                f"(this engine's: {', '.join(programs)})"
+            )
+        programs = {name: programs[name] for name in programs if name in wanted}
+    if args.hlo:
+        args.hlo.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name, (fn, fn_args) in engine.programs().items():
+    for name, (fn, fn_args) in programs.items():
         with engine.lowering_target(platforms):
             start = time.perf_counter()
             traced = fn.trace(*fn_args)
@@ -156,8 +183,11 @@ def _measure(args, pair: tuple[str, str]) -> int:
             row["compile_s"] = round(time.perf_counter() - start, 2)
             row["temp_mib"] = round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)
             row["spills"] = spills.kernels
+            optimised = compiled.as_text()
+            if args.hlo:
+                (args.hlo / f"{name}.txt").write_text(optimised)
             # Instructions by opcode: `%name = shape opcode(operands)`, in every computation.
-            ops = re.findall(r"^\s*(?:ROOT )?%?\S+ = .*? ([a-z][\w-]*)\(", compiled.as_text(), re.M)
+            ops = re.findall(r"^\s*(?:ROOT )?%?\S+ = .*? ([a-z][\w-]*)\(", optimised, re.M)
             row.update(
                 instructions=len(ops),
                 fusions=ops.count("fusion"),

@@ -629,6 +629,15 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
     _one_line_error(
         _script("lowering_time.py", "--compile"), "--compile needs --platform here, h100 or h200"
     )
+    _one_line_error(_script("lowering_time.py", "--hlo", str(tmp_path)), "--hlo needs --compile")
+    _one_line_error(
+        _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs", "decode"),
+        "--programs: no program named decode (this engine's: init, decode_chunk",
+    )
+    done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs",
+                   "decode_chunk", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [r["program"] for r in json.loads(out.read_text())["rows"]] == ["decode_chunk"]
 
 
 def test_lowering_time_compile_counts_what_xla_made_of_each_program(tmp_path):
@@ -636,9 +645,13 @@ def test_lowering_time_compile_counts_what_xla_made_of_each_program(tmp_path):
     the optimised modules (test_gpu_lowering.py holds those counts to the layers written out)."""
     out = tmp_path / "lowering.json"
     done = _script("lowering_time.py", "--config", "tiny", "--slots", "2", "--plain",
-                   "--platform", "here", "--compile", "--json", str(out))  # fmt: skip
+                   "--platform", "here", "--compile", "--json", str(out),
+                   "--hlo", str(tmp_path / "hlo"))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {r["program"]: r for r in json.loads(out.read_text())["rows"]}
+    written = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+    assert written == sorted(f"{name}.txt" for name in rows), written
+    assert "HloModule" in (tmp_path / "hlo" / "decode_chunk.txt").read_text()
     for r in rows.values():
         assert r["compile_s"] > 0 and r["instructions"] > r["fusions"] > 0, r
         assert r["copies"] >= 0 and r["calls"] >= 0 and r["kernel_calls"] == 0, r
