@@ -198,11 +198,11 @@ want switch_cost &&
   stage switch_cost python3 benchmarks/policy_switch_cost.py --synthetic "$size" \
     --dtype "$dtype" --concurrency "${levels%% *}" --members 5 --json "$out/switch_cost.json"
 # What top-k / top-p filtering costs a round over Qwen3's vocabulary (512 rows: the verification
-# of 64 slots at gamma 7, the lm head's logits as the engine gets them) with 1, 8, 64 or every
-# row filtering, against temperature sampling and a sort of the same logits.
+# of 64 slots at gamma 7) with 1, 8, 64 or every row filtering, against temperature sampling and
+# a sort of the same logits.
 want sampling &&
   stage sampling python3 benchmarks/sampling_filters.py --rows "$filter_rows" --vocab "$vocab" \
-    --dtype "$dtype" --json "$out/sampling.json"
+    --json "$out/sampling.json"
 if want throughput; then
   parts=("$out"/throughput_c*.json)
   if [ -e "${parts[0]}" ]; then

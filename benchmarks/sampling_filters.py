@@ -7,11 +7,7 @@ of the rows filtering as well as every row, against plain temperature sampling i
 and times a sort of the same [rows, V] logits for scale (the filter finds its cutoffs by
 bisection, with no sort; a sort is what the usual implementation pays).
 
-    python benchmarks/sampling_filters.py [--rows 64] [--vocab 151936] [--dtype bfloat16]
-        [--json out.json]
-
-`--dtype` is the logits' (float32 by default; a bf16 model's engine filters its lm head's bf16
-logits as they come, see `vocab_traffic.py`).
+    python benchmarks/sampling_filters.py [--rows 64] [--vocab 151936] [--json out.json]
 """
 
 from __future__ import annotations
@@ -72,15 +68,11 @@ def main() -> None:
     parser.add_argument("--rows", type=positive_int, default=64, help="rows filtered (64)")
     parser.add_argument("--vocab", type=positive_int, default=151_936, help="V (Qwen3's)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed rounds (10)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="the logits' (float32)"
-    )
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
     if args.json:
         output_file(args.json, "--json")
     logits = jax.random.normal(jax.random.key(0), (args.rows, args.vocab), jnp.float32) * 3
-    logits = logits.astype(args.dtype)
     filt = jax.jit(filtered_logprobs)
     sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
     mixes = [mix for mix in MIXES if mix[-1] is None or mix[-1] < args.rows]
@@ -92,7 +84,7 @@ def main() -> None:
     ]
     base = next(r["ms"] for r in table if r["mix"] == "temperature 1")
     device = jax.devices()[0].device_kind
-    print(f"{device}, [{args.rows}, {args.vocab}] {args.dtype} logits, commit {git_commit()}")
+    print(f"{device}, [{args.rows}, {args.vocab}] float32 logits, commit {git_commit()}")
     print(f"{'rows sampled with':32} {'ms':>9} {'x temperature 1':>16}")
     for r in table:
         r["ratio"] = r["ms"] / base
@@ -106,7 +98,6 @@ def main() -> None:
                 "commit": git_commit(),
                 "rows": args.rows,
                 "vocab": args.vocab,
-                "dtype": args.dtype,
                 "table": table,
                 "sort_ms": sort_ms,
             },

@@ -2,14 +2,14 @@
 arrays the lm head, the sampling filter and the verifier write and read.
 
 A speculative round at Qwen3's vocabulary (151936) verifies up to 512 tokens at 64 slots, and
-every [512, V] float32 array it writes is 311 MB: on a GPU the vocabulary side of a round can
-cost more memory traffic than the target's weights. This compiles that side alone -- the lm head
-over the packed tokens, `filtered_logprobs` under per-token settings, `verify_packed` -- and
-reports, from XLA's optimised program:
+every [512, V] float32 array it writes is 311 MB: on a GPU the vocabulary side of a round costs
+memory traffic comparable to the target's weights (8 GB at 4B), more when rows filter. This
+compiles that side alone -- the lm head over the packed tokens (float32 logits, as
+`layers.Embed.attend` makes them), `filtered_logprobs` under per-token settings,
+`verify_packed` -- and reports, from XLA's optimised program:
 
-- every [rows, V] array the round writes outside the filters' search (what every round pays,
-  greedy and temperature-only rounds included), and the passes that read such arrays
-  (reductions and elementwise fusions; gathers of a few rows are left out);
+- every [rows, V] array the round writes, every round (greedy and temperature-only rounds
+  included) or only inside a conditional, and at most how much of them is read back;
 - for each halving loop of the top-k / top-p cutoff search (`sampling._row_cutoffs`, one per
   block of 8, 64 or all rows), the [rows, V] bytes each pass carries and reads, times its passes.
 
@@ -123,12 +123,8 @@ def analyse(hlo: str, vocab: int) -> Traffic:
     return Traffic(writes, read_back / 1e6, loops)
 
 
-def verification(
-    slots: int, gamma: int, hidden: int, vocab: int, dtype, device, float32_logits: bool = False
-):
-    """The jitted vocabulary side of one round and its argument shapes, on `device`; with
-    `float32_logits` the lm head's logits are cast to float32 before filtering (as the engine
-    did before 2026-11-28)."""
+def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device):
+    """The jitted vocabulary side of one round and its argument shapes, on `device`."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -140,9 +136,9 @@ def verification(
 
     def round_(hidden_td, head_vd, slot_t, temperature, top_k, top_p, drafts, draft_logp, rows,
                lengths, keys, positions, stops):
-        logits_tv = hidden_td @ head_vd.T  # the lm head, in the model's dtype (Qwen3.logits)
-        if float32_logits:
-            logits_tv = logits_tv.astype(jnp.float32)
+        # The lm head as `layers.Embed.attend` computes it: inputs in the model's dtype,
+        # float32 accumulated and returned.
+        logits_tv = jnp.einsum("td,vd->tv", hidden_td, head_vd, preferred_element_type=jnp.float32)
         settings = RowSampling(temperature, top_k, top_p)
         logp_tv = filtered_logprobs(logits_tv, settings.take(slot_t))
         return verify_packed(drafts, draft_logp, logp_tv, rows, lengths, keys, positions,
@@ -171,12 +167,6 @@ def main() -> int:
     parser.add_argument("--vocab", type=positive_int, default=151_936, help="V (Qwen3's)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument(
-        "--float32-logits",
-        action="store_true",
-        help="cast the lm head's logits to float32 before filtering (the engine before "
-        "2026-11-28), to compare",
-    )
-    parser.add_argument(
         "--platform",
         default="h100",
         choices=("here", *sorted(GPUS)),
@@ -202,13 +192,11 @@ def main() -> int:
         args.vocab,
         jnp.dtype(args.dtype),
         device,
-        args.float32_logits,
     )
     traffic = analyse(fn.lower(*shapes).compile().as_text(), args.vocab)
     rows = args.slots * (args.gamma + 1)
-    logits = "float32" if args.float32_logits else args.dtype
-    print(f"{device.device_kind}, {rows} verified rows x V {args.vocab}, {args.dtype} lm head, "
-          f"{logits} logits filtered, commit {git_commit()}")
+    print(f"{device.device_kind}, {rows} verified rows x V {args.vocab}, {args.dtype} lm head "
+          f"(float32 logits), commit {git_commit()}")
     every = [w for w in traffic.writes if not w.branch]
     print("[rows, V] arrays written, every round:")
     for w in every:
@@ -226,7 +214,7 @@ def main() -> int:
     if args.json:
         write_json(args.json, {
             "device": device.device_kind, "commit": git_commit(), "rows": rows,
-            "vocab": args.vocab, "dtype": args.dtype, "logits": logits, **asdict(traffic),
+            "vocab": args.vocab, "dtype": args.dtype, **asdict(traffic),
         })
     return 0
 

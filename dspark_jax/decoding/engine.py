@@ -1145,7 +1145,7 @@ def _prefill(
     final_n = in_call_n & (last_row_n >= 0)
     hidden_nd = hidden_td[jnp.maximum(last_row_n, 0)]
     slot_rows = state.sampling_s.take(seq_slot_n)
-    logp_nv = filtered_logprobs(target.logits(hidden_nd, dtype=None), slot_rows)
+    logp_nv = filtered_logprobs(target.logits(hidden_nd), slot_rows)
     prompt_len_n = host["prompt_len_n"]
     first_keys = position_keys(state.keys_s[seq_slot_n], prompt_len_n, STREAM_RESIDUAL)
     first_n = sample_from_logprobs(first_keys, logp_nv, slot_rows.greedy)
@@ -1314,7 +1314,7 @@ def _spec_round(
         def run(_):
             batch = full.head(width)
             fwd = target.paged_forward(tokens_t[:width], batch, target_cache, taps)
-            logits_tv = target.logits(fwd.hidden, dtype=None)
+            logits_tv = target.logits(fwd.hidden)
             logp_tv = filtered_logprobs(logits_tv, state.sampling_s.take(batch.slot_t))
             rows_sj = batch.cu_q_lens_n1[:-1, None] + jnp.arange(gamma + 1)[None, :]
             result = verify_packed(
@@ -1378,7 +1378,7 @@ def _plain_round(
             batch = full.head(width)
             fwd = target.paged_forward(state.anchor_s[batch.slot_t], batch, target_cache)
             row_s = jnp.clip(batch.cu_q_lens_n1[:-1], 0, width - 1)
-            logits_sv = target.logits(fwd.hidden[row_s], dtype=None)
+            logits_sv = target.logits(fwd.hidden[row_s])
             logp_sv = filtered_logprobs(logits_sv, state.sampling_s)
             keys_s = position_keys(state.keys_s, start_s + 1, STREAM_RESIDUAL)
             next_s = sample_from_logprobs(keys_s, logp_sv, state.sampling_s.greedy)

@@ -166,13 +166,6 @@ class Qwen3(nnx.Module):
         )
         return TargetOutput(self.norm(x_1td[0]), taps_tf, new_kv)
 
-    def logits(self, hidden_xd, dtype=jnp.float32):
-        """The lm head's logits, as `dtype` (None: the compute dtype, as the head makes them).
-
-        Decoding asks for the compute dtype: `filtered_logprobs` computes in float32 from any
-        input, and a float32 copy made here would be written out in full ([tokens, V]) whenever
-        XLA cannot fuse the cast into what reads it.
-        """
+    def logits(self, hidden_xd):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = head.attend(hidden_xd)
-        return logits if dtype is None else logits.astype(dtype)
+        return head.attend(hidden_xd).astype(jnp.float32)
