@@ -165,7 +165,10 @@ class DSparkDrafter(nnx.Module):
         keys_bk[:, k] is the key of draft slot k of each request (unused by greedy rows);
         `sampling` is one config for all rows or per-row settings [B].
         """
-        base_bkv = self.base_logits(h_bkd)
+        # The lm head over the block positions in the scan's order ([K, B, V]): its [B, K, V]
+        # output swapped for the scan would be a transposed float32 copy of every draft
+        # logit (272 MB a round at 64 slots, gamma 7 and Qwen3's vocabulary).
+        base_kbv = self.base_logits(jnp.swapaxes(h_bkd, 0, 1))
         b = anchor_b.shape[0]
         rows_b = (
             RowSampling.from_config(sampling, (b,))
@@ -186,7 +189,7 @@ class DSparkDrafter(nnx.Module):
             token_b = sample_from_logprobs(keys_b, logprobs_bv, rows_b.greedy)
             return (token_b, state), (token_b, logits_bv, logprobs_bv)
 
-        xs = (jnp.swapaxes(base_bkv, 0, 1), jnp.swapaxes(h_bkd, 0, 1), jnp.swapaxes(keys_bk, 0, 1))
+        xs = (base_kbv, jnp.swapaxes(h_bkd, 0, 1), jnp.swapaxes(keys_bk, 0, 1))
         _, (tokens_kb, logits_kbv, logprobs_kbv) = jax.lax.scan(
             body, (anchor_b.astype(jnp.int32), state0), xs
         )
