@@ -152,14 +152,14 @@ def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array) -> jax.Array:
 
 
 def _row_cutoffs(
-    scaled_xv: jax.Array,
+    values_xv: jax.Array,
     top_k_x: jax.Array,
     top_p_x: jax.Array,
     temperature_x: jax.Array | None = None,
 ) -> jax.Array:
-    """The smallest kept value of each row [X, 1] of `scaled_xv` [X, V] under its top-k then top-p
+    """The smallest kept value of each row [X, 1] of `values_xv` [X, V] under its top-k then top-p
     filters (top_k 0 or >= V and top_p 1 switch them off; such a row gets -inf). With
-    `temperature_x`, `scaled_xv` holds the logits, each row to be divided by its temperature
+    `temperature_x`, the values are logits, each row divided by its temperature first
     (`_scaled`).
 
     Both filters keep every token tied with the last kept value. Top-p is measured on the
@@ -172,17 +172,18 @@ def _row_cutoffs(
     and sum runs along its own row, so a row's cutoff does not depend on the other rows of the
     block; each search runs only when some row of the block uses its filter.
 
-    Each halving reads the logits as they came (bf16 from a bf16 model) and computes a value's
-    key and probability again from them: on a GPU a pass over [512, V] float32 keys and
-    probabilities read 4x the bytes of one over the bf16 logits, and 32 passes are most of what
-    filtering costs there, where the arithmetic redone is cheap beside the memory traffic.
+    Each halving reads the values as they came (the lm head's logits) and computes a value's
+    key and probability again from them: on a GPU a top-p pass over [512, V] int32 keys and
+    float32 probabilities read twice the bytes of one over the float32 logits, and 32 passes are
+    most of what filtering costs there, where the arithmetic redone is cheap beside the memory
+    traffic.
     """
-    vocab = scaled_xv.shape[-1]
+    vocab = values_xv.shape[-1]
 
     def values():
         if temperature_x is None:
-            return scaled_xv.astype(jnp.float32)
-        return _scaled(scaled_xv, temperature_x)
+            return values_xv.astype(jnp.float32)
+        return _scaled(values_xv, temperature_x)
 
     keys_xv = _ordered_keys(values())
     lo_x1 = jnp.min(keys_xv, axis=-1, keepdims=True)
@@ -257,11 +258,11 @@ def _filter_cutoffs(logits_xv: jax.Array, rows: RowSampling) -> jax.Array:
     top-k then top-p filters (`_row_cutoffs`); -inf for a row that does not filter, greedy rows
     included (their output is the argmax whatever the cutoff).
 
-    The logits go into the search's conditional as they come (bf16 from a bf16 model) and are
-    scaled inside it: an operand of a conditional is a buffer of its own, so passing the scaled
-    float32 rows would have them written out in full every round ([512, V] float32 at Qwen3's
-    vocabulary: 311 MB, then read again by every pass of the softmax) even when no row filters,
-    where outside a conditional XLA fuses the scaling into the passes that read it.
+    The logits go into the search's conditional as they come (the lm head's output, already in
+    memory) and are scaled inside it: an operand of a conditional is a buffer of its own, so
+    passing the scaled rows would have them written out in full every round ([512, V] float32
+    at Qwen3's vocabulary: 311 MB, then read again by every pass of the softmax) even when no
+    row filters, where outside a conditional XLA fuses the scaling into the passes that read it.
 
     The search costs what the filtering rows need, not the whole batch: the n rows that filter are
     gathered, in order, into the smallest block of `_row_blocks` that holds them (3 rows of 512
