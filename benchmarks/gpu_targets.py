@@ -82,6 +82,20 @@ def _decode_shapes(result: dict) -> str | None:
     return f"config {config}, the aim is at {AIM_CONFIG}"
 
 
+def _round_floor(row: dict) -> str:
+    """What the bytes alone allow a round against a step: a round reads the drafter's weights
+    and context on top of the target's, so it cannot cost less than their ratio however well
+    both run ('' when the row predates the byte counts)."""
+    if not row.get("spec_round_bytes") or not row.get("target_step_bytes"):
+        return ""
+    bound = row["spec_round_bytes"] / row["target_step_bytes"]
+    text = f"; the bytes alone make a round {bound:.2f}x a step"
+    if row.get("floor_ms"):
+        round_floor_ms = row["floor_ms"] * bound
+        text += f", this round runs at {round_floor_ms / row['spec_ms']:.0%} of its own floor"
+    return text
+
+
 def decode_targets(result: dict | None) -> list[dict]:
     source = "decode_speed.json"
     rows = {r["batch"]: r for r in (result or {}).get("rows", [])}
@@ -110,7 +124,7 @@ def decode_targets(result: dict | None) -> list[dict]:
         "<= 1.25",
         ratio <= 1.25,
         f"round {one['spec_ms']:.3f} ms vs step {one['plain_ms']:.3f} ms, gamma "
-        f"{result['gamma']} ({where})",
+        f"{result['gamma']}{_round_floor(one)} ({where})",
         source,
     )
     shapes = _decode_shapes(result)

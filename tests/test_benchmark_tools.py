@@ -366,6 +366,23 @@ def test_gpu_targets_does_not_judge_results_at_other_shapes(tmp_path):
     assert gpu_targets.targets(tmp_path)[1]["met"] is False
 
 
+def test_gpu_targets_says_what_the_bytes_alone_allow_a_round():
+    """The round/step aim's detail names the ratio the bytes read fix (drafter weights and
+    context on top of the target's) and how near the round runs to its own floor."""
+    row = {"batch": 1, "plain_ms": 1.25, "spec_ms": 1.55, "floor_ms": 1.0,
+           "round_over_step": 1.24, "target_step_bytes": 100, "spec_round_bytes": 124}  # fmt: skip
+    decode = {"device": "H200", "dtype": "bfloat16", "context": 128, "gamma": 7,
+              "config": "qwen3-4b", "rows": [row]}  # fmt: skip
+    floor, round_row = gpu_targets.decode_targets(decode)
+    assert floor["value"] == pytest.approx(0.8) and floor["met"] is True
+    assert round_row["met"] is True
+    assert "the bytes alone make a round 1.24x a step" in round_row["detail"]
+    assert "this round runs at 80% of its own floor" in round_row["detail"]  # 1.24 / 1.55
+    # A result without the byte counts keeps the plain detail.
+    older = {**decode, "rows": [{k: v for k, v in row.items() if "bytes" not in k}]}
+    assert "bytes alone" not in gpu_targets.decode_targets(older)[1]["detail"]
+
+
 def test_mesh_memory_names_the_configs_it_takes_and_its_exit_status():
     done = _script("mesh_memory.py", "--config", "tiny-vanilla-target")
     _one_line_error(done, "--config", "qwen3-8b")
