@@ -136,3 +136,31 @@ def test_the_layer_program_compiles_to_the_layers_written_out(monkeypatch):
     total_shared, total_inline = sum(shared.values()), sum(inline.values())
     assert abs(total_shared - total_inline) <= 0.01 * total_inline, (total_shared, total_inline)
     assert abs(shared["fusion"] - inline["fusion"]) <= 0.01 * inline["fusion"], shared["fusion"]
+
+
+def _dots_by_rhs(text: str) -> collections.Counter:
+    """dot_general ops of a lowered program by their right operand's type."""
+    return collections.Counter(
+        re.findall(r"stablehlo\.dot_general .*?: \(tensor<[^>]*>, (tensor<[^>]*>)\)", text)
+    )
+
+
+def test_a_gpu_decode_step_projects_query_key_value_in_one_gemm():
+    """For a GPU the paged forward computes q, k and v as one GEMM over the three kernels side
+    by side (`Attention.query_key_value`); apart, XLA's GPU compiler makes one token's small K
+    and V projections a multiply written to memory and reduced back. Lowered for this
+    machine's backend, the three projections stay apart, as before."""
+    target, _ = load_pair("vanilla")
+    cfg = target.cfg
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q_width, kv_width = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    one_token = dataclasses.replace(CFG, num_slots=1, token_buckets=(1,))
+    dtype = {"float32": "f32", "bfloat16": "bf16"}[cfg.dtype]
+    fused = f"tensor<{d}x{q_width + 2 * kv_width}x{dtype}>"
+    alone = f"tensor<{d}x{kv_width}x{dtype}>"
+    for_gpu = Engine(target, None, one_token).lower(platforms=("cuda",))
+    gpu = _dots_by_rhs(for_gpu["decode_chunk"].as_text())
+    for_here = Engine(target, None, dataclasses.replace(one_token, attention_impl=None)).lower()
+    here = _dots_by_rhs(for_here["decode_chunk"].as_text())
+    assert gpu[fused] > 0 and gpu[alone] == 0, gpu
+    assert here[fused] == 0 and here[alone] > 0, here

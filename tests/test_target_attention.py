@@ -10,6 +10,7 @@ cuDNN, so its version check is stood in for (lowering reads only the version num
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -123,3 +124,43 @@ def test_xla_path_matches_dense_attention_under_a_causal_mask(dtype):
     np.testing.assert_allclose(
         np.asarray(causal, np.float32), np.asarray(dense, np.float32), rtol=tol, atol=tol
     )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_query_key_value_is_the_three_projections(dtype):
+    """`Attention.query_key_value(fused=True)` (one GEMM over the kernels side by side, for a
+    GPU) computes what query() and key_value() do apart: the same products, one matrix."""
+    cfg = dataclasses.replace(CFG, dtype=dtype, num_attention_heads=8, num_key_value_heads=2)
+    attn = layers.Attention(cfg, rngs=nnx.Rngs(3), param_dtype=dtype)
+    x = jax.random.normal(jax.random.key(1), (2, 5, cfg.hidden_size), dtype)
+    positions = jnp.broadcast_to(jnp.arange(7, 12), (2, 5))
+    apart = attn.query_key_value(x, positions, fused=False)
+    fused = attn.query_key_value(x, positions, fused=True)
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    for one, other, name in zip(apart, fused, "qkv", strict=True):
+        assert one.shape == other.shape and one.dtype == other.dtype, name
+        np.testing.assert_allclose(
+            np.asarray(other, np.float32),
+            np.asarray(one, np.float32),
+            rtol=tol,
+            atol=tol,
+            err_msg=name,
+        )
+
+
+def test_fused_query_key_value_only_for_a_gpu_and_unsplit_heads(monkeypatch):
+    """`qwen3.fuse_qkv`: on a GPU backend, unless a mesh splits the heads over `tensor` (the
+    side-by-side kernel is not a layout of the three kernels' head shards)."""
+    from dspark_jax import sharding
+    from dspark_jax.models import paged, qwen3
+
+    cache = paged.new_cache(CFG, num_slots=1, max_len=32, dtype="float32")
+    assert not qwen3.fuse_qkv(cache)  # this machine: CPU
+    monkeypatch.setattr(qwen3, "target_backend", lambda: "gpu")
+    assert qwen3.fuse_qkv(cache)
+    one = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+    assert qwen3.fuse_qkv(cache.replace(mesh=one))
+    data = sharding.make_mesh(sharding.MeshConfig(2, 1, 1), jax.devices()[:2])
+    assert qwen3.fuse_qkv(cache.replace(mesh=data))  # slots split, heads whole
+    heads = sharding.make_mesh(sharding.MeshConfig(1, 1, 2), jax.devices()[:2])
+    assert not qwen3.fuse_qkv(cache.replace(mesh=heads))

@@ -234,6 +234,34 @@ class Attention(nnx.Module):
         v = self.v_proj(x_bsd).reshape(b, s, self.num_kv_heads, self.head_dim)
         return self.rope(k, positions_bs), v
 
+    def query_key_value(self, x_btd, positions_bt, *, fused: bool):
+        """`query` and `key_value` of the same tokens: (q, k, v).
+
+        `fused`: the three projections as one GEMM over their kernels side by side, for a GPU.
+        Apart, XLA's GPU compiler turns a projection of one token whose kernel is small (K and
+        V of Qwen3-4B: 2560 x 1024) into an elementwise multiply and a reduction, and in a
+        decode step it writes the multiply's [in, out] product to memory and reads it back:
+        twice the kernel's bytes more than a GEMM reads, and two kernels more, in every layer
+        of a batch-1 step. Side by side, the kernels are one operand of one GEMM (XLA reads
+        each in place: no concatenated copy), whatever the token count. Only where each
+        device holds every head's columns: on a mesh that splits heads, the side-by-side
+        kernel would be another layout than the three kernels' shards.
+        """
+        if not fused:
+            return (self.query(x_btd, positions_bt), *self.key_value(x_btd, positions_bt))
+        b, t, _ = x_btd.shape
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if any(p.bias is not None for p in projections):
+            raise ValueError("a fused query/key/value projection takes kernels without biases")
+        kernel = jnp.concatenate([p.kernel[...].astype(x_btd.dtype) for p in projections], 1)
+        qkv = jnp.einsum("...i,io->...o", x_btd, kernel)
+        q_width = self.num_heads * self.head_dim
+        q, k, v = jnp.split(qkv, [q_width, q_width + self.num_kv_heads * self.head_dim], -1)
+        q = self.q_norm(q.reshape(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        return self.rope(q, positions_bt), self.rope(k, positions_bt), v
+
     def output(self, o_bthd):
         b, t = o_bthd.shape[:2]
         return self.o_proj(o_bthd.reshape(b, t, self.num_heads * self.head_dim))

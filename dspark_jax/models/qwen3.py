@@ -10,7 +10,14 @@ from flax import nnx
 
 from dspark_jax.config import Qwen3Config
 from dspark_jax.models import paged
-from dspark_jax.models.layers import MLP, Attention, Embed, RMSNorm, causal_attention
+from dspark_jax.models.layers import (
+    MLP,
+    Attention,
+    Embed,
+    RMSNorm,
+    causal_attention,
+    target_backend,
+)
 from dspark_jax.models.paged import PagedCache, TokenBatch, new_cache
 
 
@@ -41,14 +48,20 @@ class DecoderLayer(nnx.Module):
         target); returns (x, this layer's new (k [T, KV, D], v)) for the caller to write."""
         positions_1t = batch.pos_t[None]
         h = self.input_layernorm(x_1td)
-        q = self.self_attn.query(h, positions_1t)
-        k, v = self.self_attn.key_value(h, positions_1t)
+        q, k, v = self.self_attn.query_key_value(h, positions_1t, fused=fuse_qkv(cache))
         new_kv = (k[0], v[0])
         scale = self.self_attn.scale
         o = paged.attend(cache, layer_pages, q[0], batch, scale=scale, causal=causal, new_kv=new_kv)
         x_1td = x_1td + self.self_attn.output(o[None])
         x_1td = x_1td + self.mlp(self.post_attention_layernorm(x_1td))
         return x_1td, new_kv
+
+
+def fuse_qkv(cache: PagedCache) -> bool:
+    """Whether a paged forward computes its layers' query, key and value projections as one
+    GEMM (`Attention.query_key_value`): for a GPU, where no mesh splits the heads."""
+    split = cache.mesh is not None and cache.mesh.shape.get("tensor", 1) > 1
+    return target_backend() == "gpu" and not split
 
 
 def _layer_program(method: str, **options):
