@@ -650,3 +650,34 @@ def test_new_kv_mode_matches_the_reference(impl, window, causal):
     np.testing.assert_allclose(out, contiguous_reference(case, causal), rtol=0,
                                atol=f32_tolerance(case))
     assert_padding_zero(case, out)
+
+
+# One new token per sequence or none (plain decoding), some sequences seeing only that token.
+ONE_TOKEN_SEQS = [(5, 1), (1, 1), (0, 0), (9, 1), (3, 0), (12, 1), (4, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("impl", ["dense", "jax", "pallas_gpu"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_new_token_per_sequence_matches_the_reference(impl, causal):
+    """max_q_len 1 (the engine's plain rounds): each token's new part is its own key alone,
+    computed without the windowed or flash path; the result is still attention over the keys
+    in place, and equals what the general path (max_q_len None) computes."""
+    case = make_case(12, groups=4, page_size=4, seqs=ONE_TOKEN_SEQS)
+    layout = case.layout(impl, interpret=impl == "pallas_gpu" and GPU_INTERPRET)
+    pages = fill(case, layout)
+    args = (jnp.asarray(case.q_thd), pages, layout, *case.args())
+    one = _attend(*args, scale=SCALE, causal=causal, new_kv=_new_kv(case), max_q_len=1)
+    general = _attend(*args, scale=SCALE, causal=causal, new_kv=_new_kv(case))
+    one = np.asarray(one, np.float32)
+    np.testing.assert_allclose(one, contiguous_reference(case, causal), rtol=0,
+                               atol=f32_tolerance(case))
+    np.testing.assert_allclose(one, np.asarray(general, np.float32), rtol=0,
+                               atol=f32_tolerance(case))
+    assert_padding_zero(case, one)
+    if impl == "pallas_gpu":  # the paged kernel alone: no flash kernel for the new tokens
+        kernels = [
+            str(_attend.trace(*args, scale=SCALE, causal=causal, new_kv=_new_kv(case),
+                              max_q_len=q).jaxpr).count("pallas_call")
+            for q in (1, None)
+        ]  # fmt: skip
+        assert kernels[0] == 1 and kernels[1] == 2, kernels

@@ -436,7 +436,9 @@ def _prefix_and_new(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale,
         o_pre, lse_pre = _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, pre, scale)
     num_tokens = q_thd.shape[0]
     windowed = max_q_len is not None and 3 * max_q_len < num_tokens
-    if layout.impl == "pallas_gpu" and not windowed:
+    if max_q_len == 1:
+        o_new, lse_new = _own_token_attention(q_thd, k_thd, v_thd, rag, scale)
+    elif layout.impl == "pallas_gpu" and not windowed:
         o_new, lse_new = _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal,
                                               interpret=layout.interpret)
     else:
@@ -472,6 +474,24 @@ def _normalised(acc_xd, m_x, l_x):
     seen = l_x > 0
     l_safe = jnp.where(seen, l_x, 1.0)
     return acc_xd / l_safe[..., None], jnp.where(seen, m_x + jnp.log(l_safe), -jnp.inf)
+
+
+def _own_token_attention(q_thd, k_thd, v_thd, rag, scale):
+    """The new tokens' part where no sequence has more than one (plain decoding): a token's
+    only new key is its own, causal or not, so its softmax over them is that one key's -- the
+    output is its value, the log-sum-exp its score (out float32, lse; zeros and -inf for
+    padding). What `_local_attention` and the GPU's flash kernel compute for such tokens,
+    without their blocks and padding: a few kernels less in every layer of a decode step."""
+    num_tokens, num_heads, head_dim = q_thd.shape
+    kv_heads = k_thd.shape[1]
+    groups = num_heads // kv_heads
+    q_tkgd = q_thd.reshape(num_tokens, kv_heads, groups, head_dim)
+    s_tkg = jnp.einsum("tkgd,tkd->tkg", q_tkgd, k_thd, preferred_element_type=jnp.float32)
+    valid_t = rag.valid_t
+    lse_th = jnp.where(valid_t[:, None], (s_tkg * scale).reshape(num_tokens, num_heads), -jnp.inf)
+    # Query head h reads KV head h // groups (the grouping of the reshape above).
+    out_thd = jnp.repeat(v_thd.astype(jnp.float32), groups, axis=1)
+    return jnp.where(valid_t[:, None, None], out_thd, 0.0), lse_th
 
 
 def _local_attention(q_thd, k_thd, v_thd, rag, scale, causal, window: int):
