@@ -24,10 +24,10 @@ are rolled back to --context between chunks). Reported:
   one per CPU core (--compile-workers), before any timing: programs, wall seconds, and compile
   seconds summed over threads; the timed chunks must compile nothing.
 
-With --profile DIR, one more plain and one more speculative chunk at --profile-batch run under
-the XLA profiler (benchmarks/xla_profile.py): device busy time against wall time, time by op kind
-and the most expensive ops, printed after the table and kept in the JSON; the traces stay in DIR
-for Perfetto or TensorBoard.
+With --profile DIR, one more plain and one more speculative chunk at each --profile-batch (a
+comma-separated list) run under the XLA profiler (benchmarks/xla_profile.py): device busy time
+against wall time, time by op kind and the most expensive ops, printed after the table and
+kept in the JSON; the traces stay in DIR for Perfetto or TensorBoard.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from provenance import (
     output_file,
     positive_float,
     positive_int,
+    positive_ints,
     read_json,
     run_main,
     write_json,
@@ -345,7 +346,7 @@ def run(args: argparse.Namespace) -> dict:
             row[f"{mode}_ms"] = seconds * 1e3
             row[f"{mode}_tokens_per_round"] = tokens
             row[f"{mode}_compiles_while_timing"] = late
-            if args.profile and batch == args.profile_batch:
+            if args.profile and batch in args.profile_batch:
                 row[f"{mode}_profile"] = profile_chunk(
                     engine, context, args.temperature, Path(args.profile) / f"{mode}-b{batch}"
                 )
@@ -443,20 +444,23 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         metavar="DIR",
-        help="also capture an XLA profile of one plain and one speculative chunk at "
+        help="also capture an XLA profile of one plain and one speculative chunk at each "
         "--profile-batch into DIR/<mode>-b<batch> and tabulate where its time goes",
     )
     parser.add_argument(
-        "--profile-batch", type=positive_int, help="(default: the first batch size)"
+        "--profile-batch",
+        type=positive_ints,
+        help="batch sizes to profile, comma-separated (default: the first batch size)",
     )
     parser.add_argument("--json", default="decode_speed.json", help="output JSON path")
     args = parser.parse_args()
     if min(args.batch_sizes) < 1 or args.rounds < 1 or args.repeats < 1:
         parser.error("--batch-sizes, --rounds and --repeats must be >= 1")
     if args.profile_batch is None:
-        args.profile_batch = args.batch_sizes[0]
-    elif args.profile and args.profile_batch not in args.batch_sizes:
-        parser.error(f"--profile-batch {args.profile_batch} is not among --batch-sizes")
+        args.profile_batch = (args.batch_sizes[0],)
+    elif args.profile and set(args.profile_batch) - set(args.batch_sizes):
+        missing = ", ".join(map(str, sorted(set(args.profile_batch) - set(args.batch_sizes))))
+        parser.error(f"--profile-batch {missing}: not among --batch-sizes")
     # Read and checked before anything is built: a bad file fails now, not after the models.
     if args.bandwidth_json:
         bandwidth_from_json(args.bandwidth_json)

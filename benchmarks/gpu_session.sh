@@ -62,6 +62,8 @@ else
   train=(--target qwen3-4b --drafter dspark-qwen3-4b --dtype bfloat16 --batch 4 --microbatches 4
          --seq-len 4096 --anchors 512 --chunk 64 --steps 5 --warmup 1)
 fi
+# decode_speed profiles a chunk at the aims' batch (1) and at a batch of several slots.
+profile_batches=1,8
 # The serving-load benchmark runs one concurrency level per stage: the aim's level (the first
 # of $levels) among the aims' stages, the others after the remaining tables.
 bench_stages="bandwidth decode_speed train_throughput throughput_c${levels%% *} cost_model"
@@ -160,7 +162,7 @@ want bandwidth &&
 # shellcheck disable=SC2086  # the size's word lists split on purpose
 want decode_speed &&
   stage decode_speed python3 benchmarks/decode_speed.py --config "$size" --batch-sizes $batches \
-    --bandwidth-json "$out/bandwidth.json" --profile "$out/profile" --profile-batch 8 \
+    --bandwidth-json "$out/bandwidth.json" --profile "$out/profile" --profile-batch "$profile_batches" \
     --json "$out/decode_speed.json"
 want train_throughput &&
   stage train_throughput python3 benchmarks/train_throughput.py "${train[@]}" \

@@ -310,6 +310,8 @@ def test_library_errors_and_bad_numbers_are_one_line_errors(tmp_path):
         ("decode_speed.py", ["--context", "0"], "--context"),  # was: silently the default
         ("decode_speed.py", ["--context", "-5"], "--context"),
         ("decode_speed.py", ["--temperature", "-1"], "--temperature"),
+        ("decode_speed.py", ["--profile", "p", "--batch-sizes", "1", "8", "--profile-batch", "1,4"],
+         "--profile-batch 4: not among --batch-sizes"),
         ("cost_model.py", ["--repeats", "0"], "--repeats"),
         ("cost_model.py", ["--max-lens", "32"], "--max-lens 32"),
         ("attention_paths.py", ["--repeats", "0"], "--repeats"),
@@ -786,3 +788,55 @@ def test_a_verification_compiled_for_an_h100_writes_its_logits_once(tmp_path):
     assert {loop["rows"] for loop in report["loops"]} >= {8, 64, 512}
     for loop in report["loops"]:
         assert loop["carried"] == f"f32[{loop['rows']},151936]", loop
+
+
+# A decode program's shape in miniature (written by hand, in XLA's text format): the rounds
+# loop's body launches a fusion and a copy, and a conditional whose larger branch is one layer
+# (its attention kernel, a GEMM, and an inner loop of 4 trips launching one fusion each), the
+# smaller branch one fusion.
+_ROUND_HLO = (Path(__file__).parent / "data" / "round_kernels_decode.hlo.txt").read_text()
+
+
+def test_round_kernels_counts_what_one_round_launches():
+    import round_kernels
+
+    result = round_kernels.analyse(_ROUND_HLO)
+    # Largest branch: fusion + the predicate's compare + copy + (attention + GEMM + 4 inner
+    # trips x (fusion + the test's compare)), and the rounds loop's test: 3 + 2 + 8 + 1 = 14.
+    assert result["kernels_per_round"] == 14
+    assert result["by_kind"] == {"other fusion": 5, "unfused compare": 6, "copy": 1,
+                                 "Triton (attention)": 1, "GEMM fusion": 1}  # fmt: skip
+    assert result["in_inner_loops"] == 8
+    assert result["conditionals_per_round"] == 1 and result["inner_loop_trips_per_round"] == 4
+    # Smallest branch: fusion + compare + copy + the small branch's fusion + the rounds test.
+    assert result["kernels_per_round_least"] == 5
+    assert result["inner_loop_trips_per_round_least"] == 0
+    # One layer (one attention kernel): its attention, its GEMM and the loop body's 4 fusions
+    # (the loop's test carries no layer op_name).
+    assert result["target_layers"] == 1 and result["kernels_per_layer"] == 6
+    assert round_kernels.analyse(_ROUND_HLO, layers=2)["kernels_per_layer"] == 3
+    report = round_kernels.format_report(result, "x.txt")
+    assert "14 kernels a round" in report and "8 of them in inner loops" in report
+
+
+def test_round_kernels_reads_a_compiled_decode_program_and_refuses_other_text(tmp_path):
+    """On a program XLA compiled (here for this CPU: no attention kernels, so the layers are
+    given) and, as a script, a clear error for a file that is not one."""
+    import round_kernels
+    from fixture_models import load_pair
+
+    from dspark_jax.decoding.engine import Engine, EngineConfig
+
+    target, _ = load_pair("vanilla")
+    cfg = EngineConfig(num_slots=2, max_model_len=64, prefill_chunk=16, prefill_buckets=(16,),
+                       token_buckets=(2,))  # fmt: skip
+    text = Engine(target, None, cfg).lower()["decode_chunk"].compile().as_text()
+    layers = target.cfg.num_hidden_layers
+    result = round_kernels.analyse(text, layers=layers)
+    assert result["kernels_per_round"] >= result["kernels_per_round_least"] > 0
+    assert result["target_layers"] == layers and result["kernels_per_layer"] > 1
+    assert result["one_layer"]
+    not_hlo = tmp_path / "notes.txt"
+    not_hlo.write_text("hello\n")
+    _one_line_error(_script("round_kernels.py", str(not_hlo)), "no ENTRY computation")
+    _one_line_error(_script("round_kernels.py", str(tmp_path / "none.txt")), "none.txt")
