@@ -180,6 +180,14 @@ def bytes_read_per_step(model, lookup_only: tuple[str, ...], tied: bool = False)
     return total
 
 
+def draft_step_bytes(drafter) -> int:
+    """Parameter bytes each draft step after the first reads again: the Markov head's
+    transition (its W2 over the vocabulary, its gate), applied once per block position since
+    each position's bias depends on the token sampled before it (W1 is a lookup)."""
+    head = getattr(drafter, "markov_head", None)
+    return 0 if head is None else bytes_read_per_step(head, ("markov_w1",))
+
+
 def kv_bytes_per_position(cfg) -> int:
     """Bytes of keys and values one cached position holds across all layers of `cfg`."""
     return (
@@ -281,6 +289,7 @@ def run(args: argparse.Namespace) -> dict:
         target, LOOKUP_ONLY["target"], tied=target_cfg.tie_word_embeddings
     )
     drafter_weights = bytes_read_per_step(drafter, LOOKUP_ONLY["drafter"])
+    step_weights = draft_step_bytes(drafter)
     result = {
         "benchmark": "decode_speed",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -301,6 +310,7 @@ def run(args: argparse.Namespace) -> dict:
         "bandwidth_gbs": bandwidth,
         "target_weight_bytes": target_weights,
         "drafter_weight_bytes": drafter_weights,
+        "draft_step_bytes": step_weights,
         "rows": [],
     }
     rows = result["rows"]
@@ -353,7 +363,9 @@ def run(args: argparse.Namespace) -> dict:
         kv = batch * context * kv_bytes_per_position(target_cfg)
         draft_kv = batch * context * kv_bytes_per_position(drafter_cfg.model)
         row["target_step_bytes"] = target_weights + kv
-        row["spec_round_bytes"] = target_weights + kv + drafter_weights + draft_kv
+        # The drafter's weights once, its Markov transition again at every later position.
+        redrawn = (gamma - 1) * step_weights
+        row["spec_round_bytes"] = target_weights + kv + drafter_weights + redrawn + draft_kv
         row["floor_ms"] = row["target_step_bytes"] / (bandwidth * 1e9) * 1e3 if bandwidth else None
         row["plain_tokens_per_s"] = batch / (row["plain_ms"] / 1e3)
         row["round_over_step"] = row["spec_ms"] / row["plain_ms"]

@@ -840,3 +840,32 @@ def test_round_kernels_reads_a_compiled_decode_program_and_refuses_other_text(tm
     not_hlo.write_text("hello\n")
     _one_line_error(_script("round_kernels.py", str(not_hlo)), "no ENTRY computation")
     _one_line_error(_script("round_kernels.py", str(tmp_path / "none.txt")), "none.txt")
+
+
+def test_a_round_reads_the_markov_transition_once_per_draft_position():
+    """decode_speed's round floor counts the drafter's weights once and its Markov head's
+    transition (W2 over the vocabulary, and a gate where it has one; W1 is a lookup) again at
+    every later block position, each of which depends on the token drawn before it. A DFlash
+    drafter (no Markov head) reads nothing per position."""
+    import decode_speed
+    from flax import nnx
+
+    from dspark_jax import configs
+    from dspark_jax.models.drafter import DSparkDrafter
+
+    for name in ("tiny-vanilla-dspark", "tiny-gated-dspark", "dflash-qwen3-4b"):
+        cfg = configs.get(name)
+        drafter = nnx.eval_shape(lambda cfg=cfg: DSparkDrafter(cfg, rngs=nnx.Rngs(0)))
+        head = drafter.markov_head
+        if head is None:
+            assert decode_speed.draft_step_bytes(drafter) == 0, name
+            continue
+        w2 = jax.tree.leaves(nnx.state(head.markov_w2))[0]
+        itemsize = w2.dtype.itemsize
+        expected = sum(
+            leaf.size * itemsize
+            for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(head))[0]
+            if "markov_w1" not in str(path)
+        )
+        assert expected >= w2.size * itemsize
+        assert decode_speed.draft_step_bytes(drafter) == expected, name
