@@ -321,15 +321,35 @@ def filtered_logprobs(logits_xv: jax.Array, cfg: SamplingConfig | RowSampling) -
     row does; every row gets bitwise the same result whichever other rows filter, so a row's
     output never depends on its neighbours' settings.
     """
+    return logprobs_and_argmax(logits_xv, cfg)[0]
+
+
+def logprobs_and_argmax(
+    logits_xv: jax.Array, cfg: SamplingConfig | RowSampling
+) -> tuple[jax.Array, jax.Array]:
+    """(`filtered_logprobs`, each row's first argmax of the logits [...], int32).
+
+    One pass over the vocabulary finds the argmax and, with it, the softmax's maximum: x / T
+    rounds monotonically in x and no filter drops the top logit, so the largest kept scaled
+    logit is the argmax's own -- bitwise what `jax.nn.log_softmax` would reduce for. On a GPU
+    each reduction over a vocabulary-long row is a kernel or two of its own (one row splits
+    across blocks, then a second kernel combines them), launched at every draft position of a
+    round: sharing it saves two such passes, and `sample_from_logprobs` given the argmax saves
+    the third (a greedy row's log-probabilities are one-hot at it).
+    """
     rows = as_rows(cfg, logits_xv.shape[:-1])
     greedy_x = rows.greedy
     scaled_xv = _scaled(logits_xv, _temperatures(rows))
     vocab = logits_xv.shape[-1]
     cutoff_x1 = _filter_cutoffs(logits_xv, rows)
-    logp_xv = jax.nn.log_softmax(jnp.where(scaled_xv >= cutoff_x1, scaled_xv, -jnp.inf), axis=-1)
-    best_x = jnp.argmax(logits_xv, axis=-1)
+    best_x = jnp.argmax(logits_xv, axis=-1).astype(jnp.int32)
+    top_x1 = jax.lax.stop_gradient(jnp.take_along_axis(scaled_xv, best_x[..., None], axis=-1))
+    # log_softmax's own steps (shift by the maximum, log of the sum of exps) on the kept values.
+    shifted_xv = jnp.where(scaled_xv >= cutoff_x1, scaled_xv, -jnp.inf) - top_x1
+    logp_xv = shifted_xv - jnp.log(jnp.sum(jnp.exp(shifted_xv), axis=-1, keepdims=True))
     onehot_xv = jnp.arange(vocab) == best_x[..., None]
-    return jnp.where(greedy_x[..., None], jnp.where(onehot_xv, 0.0, -jnp.inf), logp_xv)
+    logp_xv = jnp.where(greedy_x[..., None], jnp.where(onehot_xv, 0.0, -jnp.inf), logp_xv)
+    return logp_xv, best_x
 
 
 def categorical(keys_b: jax.Array, logprobs_bv: jax.Array) -> jax.Array:
@@ -339,14 +359,21 @@ def categorical(keys_b: jax.Array, logprobs_bv: jax.Array) -> jax.Array:
 
 
 def sample_from_logprobs(
-    keys_b: jax.Array, logprobs_bv: jax.Array, greedy_b: jax.Array
+    keys_b: jax.Array,
+    logprobs_bv: jax.Array,
+    greedy_b: jax.Array,
+    argmax_b: jax.Array | None = None,
 ) -> jax.Array:
     """Tokens [B] from `filtered_logprobs` rows: argmax for greedy rows, a draw for the others.
 
     A greedy row's log-probabilities are one-hot, so a draw would return its argmax too; when
-    every row is greedy no random numbers are generated at all.
+    every row is greedy no random numbers are generated at all. `argmax_b`, where the caller has
+    it (`logprobs_and_argmax`), is each row's argmax of its logits, which a greedy row's one-hot
+    log-probabilities peak at: it saves reducing them again.
     """
-    argmax_b = jnp.argmax(logprobs_bv, axis=-1).astype(jnp.int32)
+    if argmax_b is None:
+        argmax_b = jnp.argmax(logprobs_bv, axis=-1)
+    argmax_b = argmax_b.astype(jnp.int32)
     return jax.lax.cond(
         jnp.all(greedy_b),
         lambda: argmax_b,

@@ -444,3 +444,72 @@ def test_cutoffs_follow_the_temperature_and_take_16_bit_logits():
         jax.jit(filtered_logprobs)(logits, settings),
         jax.jit(filtered_logprobs)(logits.astype(jnp.float32), settings),
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_softmax_takes_its_maximum_from_the_argmax(dtype):
+    """`logprobs_and_argmax` reads the softmax's maximum off the argmax instead of reducing the
+    kept values again: bitwise `jax.nn.log_softmax` of the kept scaled logits, with ties, large
+    and tiny temperatures, filters and greedy rows in one batch; its argmax is numpy's first
+    argmax, and sampling given it draws what sampling without it draws."""
+    from dspark_jax.sampling import (
+        RowSampling,
+        _filter_cutoffs,
+        logprobs_and_argmax,
+        sample_from_logprobs,
+    )
+
+    rng = np.random.default_rng(5)
+    rows, vocab = 48, 3000
+    logits = rng.normal(scale=4.0, size=(rows, vocab))
+    logits[::3] = np.round(logits[::3])  # many ties at the top
+    logits[1::7, :50] = -np.inf
+    logits = jnp.asarray(logits, dtype)
+    settings = RowSampling(
+        temperature=jnp.asarray(rng.choice([0.0, 0.05, 0.7, 1.0, 3.3], size=rows), jnp.float32),
+        top_k=jnp.asarray(rng.choice([0, 1, 5, 100], size=rows), jnp.int32),
+        top_p=jnp.asarray(rng.choice([1.0, 0.9, 0.3], size=rows), jnp.float32),
+    )
+
+    def reference(logits, settings):
+        scaled = logits.astype(jnp.float32) / jnp.where(
+            settings.greedy, 1.0, settings.temperature
+        )[:, None]
+        kept = jnp.where(scaled >= _filter_cutoffs(logits, settings), scaled, -jnp.inf)
+        return jax.nn.log_softmax(kept, axis=-1)
+
+    logp, best = jax.jit(logprobs_and_argmax)(logits, settings)
+    logp, greedy = np.asarray(logp), np.asarray(settings.greedy)
+    assert greedy.any() and not greedy.all()
+    want = np.asarray(jax.jit(reference)(logits, settings))
+    np.testing.assert_array_equal(logp[~greedy], want[~greedy])
+    first = np.argmax(np.asarray(logits.astype(jnp.float32)), axis=-1)
+    np.testing.assert_array_equal(best, first)
+    assert best.dtype == jnp.int32
+    np.testing.assert_array_equal(logp[greedy] == 0.0, np.arange(vocab) == first[greedy, None])
+    np.testing.assert_array_equal(logp, jax.jit(filtered_logprobs)(logits, settings))
+
+    keys = request_keys(3, jnp.arange(rows))
+    draw = jax.jit(sample_from_logprobs)
+    given = np.asarray(draw(keys, jnp.asarray(logp), settings.greedy, best))
+    np.testing.assert_array_equal(given, draw(keys, jnp.asarray(logp), settings.greedy))
+    np.testing.assert_array_equal(given[greedy], first[greedy])
+
+
+def test_one_pass_over_the_vocabulary_gives_argmax_and_softmax_maximum():
+    """Outside the filters' search, the log-probabilities and the argmax reduce each row of
+    [rows, V] twice: the argmax (which carries the maximum) and the softmax's sum. On a GPU
+    each such reduction of a vocabulary-long row is one or two kernels at every draft
+    position; the maximum reduced on its own again would add them back."""
+    from dspark_jax.sampling import RowSampling, logprobs_and_argmax
+
+    rows, vocab = 4, BLOCK_VOCAB
+    settings = RowSampling.from_config(SamplingConfig(0.7, 50, 0.9), (rows,))
+    jaxpr = jax.make_jaxpr(logprobs_and_argmax)(jnp.zeros((rows, vocab)), settings).jaxpr
+    reductions = [
+        e.primitive.name
+        for e in jaxpr.eqns  # the top level: the filters' search is inside its own conditional
+        if e.primitive.name.startswith(("reduce", "argmax", "argmin"))
+        and e.invars[0].aval.shape[-1:] == (vocab,)
+    ]
+    assert sorted(reductions) == ["argmax", "reduce_sum"], reductions

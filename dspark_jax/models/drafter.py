@@ -24,7 +24,7 @@ from dspark_jax.models.qwen3 import DecoderLayer, paged_layers
 from dspark_jax.sampling import (
     RowSampling,
     SamplingConfig,
-    filtered_logprobs,
+    logprobs_and_argmax,
     sample_from_logprobs,
 )
 
@@ -185,8 +185,8 @@ class DSparkDrafter(nnx.Module):
             if head is not None:
                 bias_bv, state = head.step(head.embed_prev(prev_b, self.dtype), h_bd, state)
                 logits_bv = base_bv + bias_bv
-            logprobs_bv = filtered_logprobs(logits_bv, rows_b)
-            token_b = sample_from_logprobs(keys_b, logprobs_bv, rows_b.greedy)
+            logprobs_bv, best_b = logprobs_and_argmax(logits_bv, rows_b)
+            token_b = sample_from_logprobs(keys_b, logprobs_bv, rows_b.greedy, best_b)
             return (token_b, state), (token_b, logits_bv, logprobs_bv)
 
         xs = (base_kbv, jnp.swapaxes(h_bkd, 0, 1), jnp.swapaxes(keys_bk, 0, 1))
