@@ -171,3 +171,28 @@ def test_the_sampling_scan_takes_its_logits_without_a_transposed_copy():
     # What it returns is swapped back to [B, K, V] (two transposes of [K, B, V]), which XLA
     # fuses into the verifier's gathers; the [B, K, V] logits are never swapped the other way.
     assert (3, 7, vocab) not in moved and moved, moved
+
+
+def test_a_draft_position_looks_up_the_previous_token_with_one_gather():
+    """Inside the sampling scan the Markov head's lookup of the token drawn before is a gather
+    and nothing else: jnp.take's default mode wraps negative ids and fills out-of-range rows with
+    NaN (a compare, a select and a clamp around the gather, each a kernel on a GPU at every draft
+    position). Sampled ids are in range, and an id past the table reads its last row."""
+    from jax.extend.core import ClosedJaxpr
+
+    model = _drafter("vanilla")
+    keys_bk = jax.random.split(jax.random.key(0), 14).reshape(2, 7)
+    jaxpr = jax.make_jaxpr(lambda h: model.sample_block(h, jnp.zeros(2, jnp.int32), keys_bk,
+                                                        SamplingConfig()))(jnp.zeros((2, 7, 96)))
+    (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    body = scan.params["jaxpr"]
+    body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+    takes = [e.params["jaxpr"].jaxpr for e in body.eqns
+             if e.primitive.name in ("jit", "pjit") and e.params["name"] == "_take"]  # fmt: skip
+    assert len(takes) == 1, [e.primitive.name for e in body.eqns]
+    ops = [e.primitive.name for e in takes[0].eqns]
+    assert ops == ["broadcast_in_dim", "gather"], ops
+    assert takes[0].eqns[-1].params["mode"] == jax.lax.GatherScatterMode.CLIP
+    table = model.markov_head.markov_w1
+    np.testing.assert_array_equal(table(jnp.array([10**6]), jnp.float32),
+                                  table.embedding[...][-1:])  # fmt: skip

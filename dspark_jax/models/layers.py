@@ -82,7 +82,11 @@ class Embed(nnx.Module):
         self.embedding = nnx.Param(_normal(rngs, (vocab, dim), param_dtype), logical_axes=axes)
 
     def __call__(self, ids, dtype):
-        return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)
+        # Ids are in range (the engine checks prompts; sampled ids are). "clip" is the gather
+        # alone: the default mode wraps negative ids and fills out-of-range rows with NaN, which
+        # on a GPU adds three scalar kernels to every lookup -- at every draft position, for the
+        # Markov head's embedding of the token drawn before.
+        return jnp.take(self.embedding[...], ids, axis=0, mode="clip").astype(dtype)
 
     def attend(self, h):
         return jnp.einsum(
