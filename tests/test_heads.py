@@ -196,3 +196,49 @@ def test_a_draft_position_looks_up_the_previous_token_with_one_gather():
     table = model.markov_head.markov_w1
     np.testing.assert_array_equal(table(jnp.array([10**6]), jnp.float32),
                                   table.embedding[...][-1:])  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_the_written_out_positions_sample_what_the_loop_samples(kind):
+    """`sample_block(unroll=True)` (a GPU's default) draws bitwise the tokens, logits,
+    log-probabilities and confidences of the loop over positions, greedy, temperature and
+    filtering rows in one batch; the loop is the CPU's default and a GPU's is written out."""
+    from dspark_jax.decoding.engine import absent_gpu_target
+    from dspark_jax.sampling import RowSampling
+
+    model = _drafter(kind)
+    rng = np.random.default_rng(3)
+    rows = 6
+    h_bkd = jnp.asarray(rng.normal(size=(rows, 7, 96)), jnp.float32)
+    anchor_b = jnp.asarray(rng.integers(0, 200, rows), jnp.int32)
+    keys_bk = jax.random.split(jax.random.key(4), rows * 7).reshape(rows, 7)
+    settings = RowSampling(
+        temperature=jnp.array([0.0, 1.0, 0.7, 1.3, 0.0, 1.0], jnp.float32),
+        top_k=jnp.array([0, 0, 20, 0, 5, 3], jnp.int32),
+        top_p=jnp.array([1.0, 1.0, 1.0, 0.8, 0.9, 0.95], jnp.float32),
+    )
+    graphdef, state = nnx.split(model)
+
+    def draw(unroll):
+        def run(state, h_bkd):
+            return nnx.merge(graphdef, state).sample_block(h_bkd, anchor_b, keys_bk, settings,
+                                                           unroll)  # fmt: skip
+
+        return jax.jit(run)(state, h_bkd)
+
+    looped, written = draw(False), draw(True)
+    for name in ("tokens_bk", "logits_bkv", "logprobs_bkv", "conf_logits_bk"):
+        np.testing.assert_array_equal(getattr(written, name), getattr(looped, name), err_msg=name)
+    assert len(set(np.asarray(looped.tokens_bk).ravel().tolist())) > 3
+
+    def unrolled(platform_gpu):
+        trace = jax.make_jaxpr(lambda h: model.sample_block(h, anchor_b, keys_bk, settings))
+        if platform_gpu:
+            with absent_gpu_target(("cuda",), "NVIDIA H100"):
+                jaxpr = trace(h_bkd)
+        else:
+            jaxpr = trace(h_bkd)
+        (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        return scan.params["unroll"]
+
+    assert unrolled(False) == 1 and unrolled(True) == 7

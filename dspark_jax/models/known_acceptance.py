@@ -71,9 +71,14 @@ class KnownAcceptanceDrafter(DSparkDrafter):
         self.concentration = float(concentration)
 
     def sample_block(
-        self, h_bkd, anchor_b, keys_bk, sampling: SamplingConfig | RowSampling
+        self,
+        h_bkd,
+        anchor_b,
+        keys_bk,
+        sampling: SamplingConfig | RowSampling,
+        unroll: bool | None = None,
     ) -> DraftBlock:
-        real = super().sample_block(h_bkd, anchor_b, keys_bk, sampling)
+        real = super().sample_block(h_bkd, anchor_b, keys_bk, sampling, unroll)
         a_k = jnp.asarray(self.acceptance, jnp.float32)
         c = self.concentration
         flat_keys = keys_bk.reshape(-1)
