@@ -344,6 +344,17 @@ class _Ragged:
     limit_t: jax.Array  # the token sees keys at positions < limit_t (0: none)
 
 
+def searchsorted_steps(sorted_n: jax.Array, values_t: jax.Array) -> jax.Array:
+    """int32 [T]: for each value, how many entries of the ascending `sorted_n` are <= it
+    (`jnp.searchsorted(..., side="right")`), by a binary search written out as its log2(N)
+    steps. JAX's default runs the steps as a while loop: on a GPU each trip is a few kernels
+    and a predicate the host reads back (3 loops of 7 trips in a speculative round at 64
+    slots); written out, XLA fuses the steps into the kernels that use the result."""
+    return jnp.searchsorted(sorted_n, values_t, side="right", method="scan_unrolled").astype(
+        jnp.int32
+    )
+
+
 def _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal) -> _Ragged:
     n = seq_slot_n.shape[0]
     num_seqs = jnp.clip(jnp.asarray(num_seqs, jnp.int32).reshape(()), 0, n)
@@ -354,8 +365,9 @@ def _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal) -
     kv_len_n = jnp.where(live_n, kv_lens_n.astype(jnp.int32), 0)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     # A binary search, not a [T, N] comparison: with constant offsets (the drafter's block) XLA
-    # would fold that comparison at compile time, minutes for 4096 slots.
-    seq_t = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+    # would fold that comparison at compile time, minutes for 4096 slots. Its steps written out
+    # (`searchsorted_steps`), not a loop.
+    seq_t = searchsorted_steps(cu[1:], t)
     valid_t = t < cu[num_seqs]
     seq_t = jnp.minimum(seq_t, n - 1)
     offset_t = t - cu[seq_t]
@@ -679,9 +691,7 @@ def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
         m_fkq, l_fkq, acc_fkqd = carry
         w = i * num_folds + jnp.arange(num_folds, dtype=jnp.int32)
         valid_w = w < num_items
-        fold_w = jnp.minimum(
-            jnp.searchsorted(cu_w[1:], w, side="right").astype(jnp.int32), num_folds - 1
-        )
+        fold_w = jnp.minimum(searchsorted_steps(cu_w[1:], w), num_folds - 1)
         chunk_w = jnp.where(valid_w, w - cu_w[fold_w], 0)
         logical_wc = jnp.minimum(
             chunk_w[:, None] * chunk_pages + jnp.arange(chunk_pages)[None, :], pages_per_slot - 1

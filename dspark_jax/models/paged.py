@@ -64,7 +64,7 @@ class TokenBatch:
         num_slots = start_s.shape[0]
         cu_n1 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count_s)]).astype(jnp.int32)
         tok_t = jnp.arange(width, dtype=jnp.int32)
-        slot_t = jnp.clip(jnp.searchsorted(cu_n1, tok_t, side="right") - 1, 0, num_slots - 1)
+        slot_t = jnp.clip(attention.searchsorted_steps(cu_n1, tok_t) - 1, 0, num_slots - 1)
         valid_t = tok_t < cu_n1[-1]
         pos_t = start_s[slot_t] + tok_t - cu_n1[slot_t]
         return cls(
