@@ -392,7 +392,8 @@ def sample_tokens(
     if isinstance(cfg, SamplingConfig) and cfg.greedy:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     rows = as_rows(cfg, logits_bv.shape[:-1])
-    return sample_from_logprobs(keys_b, filtered_logprobs(logits_bv, rows), rows.greedy)
+    logprobs_bv, argmax_b = logprobs_and_argmax(logits_bv, rows)
+    return sample_from_logprobs(keys_b, logprobs_bv, rows.greedy, argmax_b)
 
 
 def request_keys(seed: int | jax.Array, request_ids_b: jax.Array) -> jax.Array:

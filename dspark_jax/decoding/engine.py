@@ -70,9 +70,8 @@ from dspark_jax.sampling import (
     RowSampling,
     SamplingConfig,
     filtered_logprobs,
-    logprobs_and_argmax,
     position_keys,
-    sample_from_logprobs,
+    sample_tokens,
 )
 from dspark_jax.sharding import check_model_split, logical_sharding, state_shardings
 
@@ -1146,10 +1145,9 @@ def _prefill(
     final_n = in_call_n & (last_row_n >= 0)
     hidden_nd = hidden_td[jnp.maximum(last_row_n, 0)]
     slot_rows = state.sampling_s.take(seq_slot_n)
-    logp_nv, best_n = logprobs_and_argmax(target.logits(hidden_nd), slot_rows)
     prompt_len_n = host["prompt_len_n"]
     first_keys = position_keys(state.keys_s[seq_slot_n], prompt_len_n, STREAM_RESIDUAL)
-    first_n = sample_from_logprobs(first_keys, logp_nv, slot_rows.greedy, best_n)
+    first_n = sample_tokens(first_keys, target.logits(hidden_nd), slot_rows)
     stopped_n = _is_stop(first_n, state.stop_sk[seq_slot_n])
     finished_n = stopped_n | (state.max_new_s[seq_slot_n] <= 1)
     final_slot_n = jnp.where(final_n, seq_slot_n, num_slots)
@@ -1380,9 +1378,8 @@ def _plain_round(
             fwd = target.paged_forward(state.anchor_s[batch.slot_t], batch, target_cache)
             row_s = jnp.clip(batch.cu_q_lens_n1[:-1], 0, width - 1)
             logits_sv = target.logits(fwd.hidden[row_s])
-            logp_sv, best_s = logprobs_and_argmax(logits_sv, state.sampling_s)
             keys_s = position_keys(state.keys_s, start_s + 1, STREAM_RESIDUAL)
-            next_s = sample_from_logprobs(keys_s, logp_sv, state.sampling_s.greedy, best_s)
+            next_s = sample_tokens(keys_s, logits_sv, state.sampling_s)
             return paged.pad_kv(fwd.kv, top), next_s
 
         return run
