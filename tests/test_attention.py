@@ -394,7 +394,7 @@ def test_pallas_gpu_partials_merge_splits_and_blocks():
     table = rng.permutation(num_pages)[:table_pages].astype(np.int32)
     acc, total, peak = jax.jit(
         functools.partial(attn._gpu_paged_partials, interpret=GPU_INTERPRET)
-    )(q, k_pages, v_pages, table, np.int32(length))
+    )(q, np.stack([k_pages, v_pages]), table, np.int32(length))
     out, lse = attn._normalised(acc, peak, total)
     keys = k_pages[:, table].reshape(kv_heads, -1, head_dim)[:, :length]
     values = v_pages[:, table].reshape(kv_heads, -1, head_dim)[:, :length]
@@ -482,7 +482,7 @@ def test_write_kv_drops_invalid_tokens_and_leaves_other_slots_alone(impl):
     # No page other than the two written ones changed anywhere in the pool.
     untouched_pages = [p for p in range(10) if p not in (7, 5)]
     for a, b in zip(before.arrays, after.arrays, strict=True):
-        page_axis = 1 if layout.split_kv else 0
+        page_axis = 2 if layout.stacked_kv else 0
         np.testing.assert_array_equal(np.take(np.asarray(a), untouched_pages, axis=page_axis),
                                       np.take(np.asarray(b), untouched_pages, axis=page_axis))
 

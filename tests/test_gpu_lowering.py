@@ -77,8 +77,7 @@ def test_paged_kernel_lowers_for_any_table_length(table_pages, page_size, dtype)
     kv_heads, queries, head_dim, num_pages = 2, 5, 128, 300
     args = (
         jax.ShapeDtypeStruct((kv_heads, queries, head_dim), dtype),
-        jax.ShapeDtypeStruct((kv_heads, num_pages, page_size, head_dim), dtype),
-        jax.ShapeDtypeStruct((kv_heads, num_pages, page_size, head_dim), dtype),
+        jax.ShapeDtypeStruct((2, kv_heads, num_pages, page_size, head_dim), dtype),
         jax.ShapeDtypeStruct((table_pages,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
@@ -164,3 +163,22 @@ def test_a_gpu_decode_step_projects_query_key_value_in_one_gemm():
     here = _dots_by_rhs(for_here["decode_chunk"].as_text())
     assert gpu[fused] > 0 and gpu[alone] == 0, gpu
     assert here[fused] == 0 and here[alone] > 0, here
+
+
+def test_a_gpu_decode_round_writes_keys_and_values_with_one_scatter_a_layer():
+    """The Triton kernel's pool holds K and V stacked on a leading axis of 2 (`Pages`), so a
+    round stores a layer's new keys and values with one scatter, not one for K and one for V
+    (each a kernel on a GPU, 88 a round at Qwen3-4B's shapes): the speculative engine's decode
+    program scatters into its pools once per target and drafter layer."""
+    target, drafter = load_pair("vanilla")
+    engine = Engine(target, drafter, CFG)
+    text = engine.lower(platforms=("cuda",))["decode_chunk"].as_text()
+    scattered = collections.Counter(
+        re.findall(r'"stablehlo\.scatter"\(.*?\) -> (tensor<[^>]*>)', text, re.S)
+    )
+    cfg = target.cfg
+    pool = (f"tensor<2x{cfg.num_key_value_heads}x{engine.target_layout.num_pages}x"
+            f"{CFG.page_size}x{cfg.head_dim}xf32>")
+    assert engine.draft_layout == engine.target_layout  # the fixtures' drafter: the same shapes
+    layers = cfg.num_hidden_layers + drafter.cfg.model.num_hidden_layers
+    assert scattered[pool] == layers, scattered

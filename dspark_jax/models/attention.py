@@ -158,8 +158,9 @@ class PagedLayout:
         return jnp.float32 if self.value_dtype is not None else dtype
 
     @property
-    def split_kv(self) -> bool:
-        """True when K and V live in two arrays (the GPU kernel's layout)."""
+    def stacked_kv(self) -> bool:
+        """True when K and V are stacked on a leading axis of length 2 (the GPU kernel's
+        layout) rather than interleaved along the heads."""
         return self.impl == "pallas_gpu"
 
 
@@ -171,7 +172,9 @@ class Pages:
     - "dense", "jax", "pallas_tpu": one array [num_pages, page_size, 2 * num_kv_heads, hd], the
       key of KV head h at head index 2h and its value at 2h + 1 (the ragged TPU kernel's
       layout; hd is head_dim, padded to a multiple of 128 for "pallas_tpu").
-    - "pallas_gpu": two arrays (K, V), each [num_kv_heads, num_pages, page_size, head_dim].
+    - "pallas_gpu": one array [2, num_kv_heads, num_pages, page_size, head_dim], K at index 0
+      of the leading axis and V at 1: the Triton kernel reads each half as its own operand (two
+      block specs over the one buffer), and a step writes both with one scatter, not two.
     """
 
     arrays: tuple[jax.Array, ...]
@@ -274,9 +277,9 @@ def cpu_gathers_through_float32(dtype_name: str) -> bool:
 def init_pages(layout: PagedLayout, dtype) -> Pages:
     """A zeroed page pool for one layer (stored in `layout.pool_dtype(dtype)`)."""
     dtype = layout.pool_dtype(dtype)
-    if layout.split_kv:
-        shape = (layout.num_kv_heads, layout.num_pages, layout.page_size, layout.head_dim)
-        return Pages((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+    if layout.stacked_kv:
+        shape = (2, layout.num_kv_heads, layout.num_pages, layout.page_size, layout.head_dim)
+        return Pages((jnp.zeros(shape, dtype),))
     shape = (layout.num_pages, layout.page_size, 2 * layout.num_kv_heads, layout.physical_head_dim)
     return Pages((jnp.zeros(shape, dtype),))
 
@@ -315,15 +318,15 @@ def write_kv(pages: Pages, layout: PagedLayout, k_thd, v_thd, page_table_sp, slo
     slot_t = jnp.clip(slot_t, 0, page_table_sp.shape[0] - 1)
     page_t = jnp.where(ok_t, page_table_sp[slot_t, logical_t], layout.num_pages)
     offset_t = pos_t % page_size
-    if layout.split_kv:
-        k_pages, v_pages = pages.arrays
-        k_ktd = _stored(jnp.swapaxes(k_thd, 0, 1), layout, k_pages.dtype)
-        v_ktd = _stored(jnp.swapaxes(v_thd, 0, 1), layout, v_pages.dtype)
-        return Pages((
-            k_pages.at[:, page_t, offset_t].set(k_ktd, mode="drop"),
-            v_pages.at[:, page_t, offset_t].set(v_ktd, mode="drop"),
-        ))
     (kv_pages,) = pages.arrays
+    if layout.stacked_kv:
+        # K and V side by side as a select, not a concatenate: XLA fuses an elementwise update
+        # into its neighbours, while a concatenate became a kernel of its own per layer.
+        half_2111 = jnp.arange(2).reshape(2, 1, 1, 1)
+        kv_2ktd = jnp.where(half_2111 == 0, jnp.swapaxes(k_thd, 0, 1)[None],
+                            jnp.swapaxes(v_thd, 0, 1)[None])
+        kv_2ktd = _stored(kv_2ktd, layout, kv_pages.dtype)
+        return Pages((kv_pages.at[:, :, page_t, offset_t].set(kv_2ktd, mode="drop"),))
     kv_thd = _stored(_interleave_kv(k_thd, v_thd, layout.physical_head_dim), layout, kv_pages.dtype)
     return Pages((kv_pages.at[page_t, offset_t].set(kv_thd, mode="drop"),))
 
@@ -829,23 +832,25 @@ def _gpu_paged_blocking(
     return k_splits, blocks_per_split * pages_per_block, pages_per_block
 
 
-def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: bool):
-    """One fold against its slot's pages: unnormalised output and softmax residuals.
+def _gpu_paged_partials(q_kqd, kv_pages, table_p, length, *, interpret: bool):
+    """One fold against its slot's pages (`kv_pages` [2, KV, pages, page_size, D], K then V):
+    unnormalised output and softmax residuals.
 
     Runs the kernel body of `ops.gpu.paged_attention` under our own pallas_call: the same grid
     (KV heads, head blocks, splits of the page table) and block specs as the shipped wrapper,
-    but returning each split's running max m and sum l, combined here in float32.
+    but returning each split's running max m and sum l, combined here in float32. The kernel's
+    K and V operands are the one pool passed twice, each block spec picking its half.
     """
     plgpu, _, gpu_paged = _gpu_modules()
     from jax.experimental import pallas as pl
 
     kv_heads, queries, head_dim = q_kqd.shape
-    _, num_pages, page_size, _ = k_pages.shape
+    _, _, num_pages, page_size, _ = kv_pages.shape
     block_h = min(64, max(16, pl.next_power_of_2(queries)))
     padded = -(-queries // block_h) * block_h
     q_kqd = jnp.pad(q_kqd, ((0, 0), (0, padded - queries), (0, 0)))
     k_splits, pages_per_split, pages_per_block = _gpu_paged_blocking(
-        table_p.shape[0], page_size, head_dim, k_pages.dtype.itemsize
+        table_p.shape[0], page_size, head_dim, kv_pages.dtype.itemsize
     )
     table_p = jnp.pad(table_p, (0, k_splits * pages_per_split - table_p.shape[0]))
     kernel = functools.partial(
@@ -855,15 +860,19 @@ def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: 
         mask_value=MASK_VALUE,
         attn_logits_soft_cap=None,
     )
-    pages_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, i, k: (h, 0, 0, 0))
+
+    def pages_spec(half: int):
+        return pl.BlockSpec((None, None, num_pages, page_size, head_dim),
+                            lambda h, i, k: (half, h, 0, 0, 0))
+
     o_skqd, l_skq, m_skq = pl.pallas_call(
         kernel,
         grid=(kv_heads, padded // block_h, k_splits),
         in_specs=[
             pl.BlockSpec((None, block_h, head_dim), lambda h, i, k: (h, i, 0)),
-            pages_spec,
+            pages_spec(0),
             None,
-            pages_spec,
+            pages_spec(1),
             None,
             pl.BlockSpec((None, pages_per_split), lambda h, i, k: (k, 0)),
             pl.BlockSpec((1,), lambda h, i, k: (0,)),
@@ -881,7 +890,7 @@ def _gpu_paged_partials(q_kqd, k_pages, v_pages, table_p, length, *, interpret: 
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=8 if head_dim > 64 else 4, num_stages=2),
         name="dspark_paged_attention_partials",
-    )(q_kqd, k_pages, None, v_pages, None, table_p.reshape(k_splits, pages_per_split),
+    )(q_kqd, kv_pages, None, kv_pages, None, table_p.reshape(k_splits, pages_per_split),
       length.reshape(1))
     m_kq = jnp.max(m_skq, axis=0)
     correction_skq = jnp.exp(m_skq - m_kq[None])
@@ -934,18 +943,18 @@ def _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal, *, interpret: 
 def _pallas_gpu_prefix(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
     """Every query against all rag.kv_len keys of its sequence by the paged kernel (queries
     folded so a sequence's pages are read once per fold): (out float32, lse)."""
-    k_pages, v_pages = pages.arrays
+    (kv_pages,) = pages.arrays
     num_tokens, num_heads, _ = q_thd.shape
     kv_heads = layout.num_kv_heads
     folds = _folds(rag, num_tokens, layout.queries_per_fold)
-    q_scaled = (q_thd.astype(jnp.float32) * scale).astype(k_pages.dtype)
+    q_scaled = (q_thd.astype(jnp.float32) * scale).astype(kv_pages.dtype)
     q_fkqd = _fold_queries(q_scaled, folds, kv_heads)
     capacity = page_table_sp.shape[1] * layout.page_size
     length_f = jnp.where(folds.valid_f, jnp.clip(rag.kv_len_n[folds.seq_f], 0, capacity), 0)
     table_fp = page_table_sp[seq_slot_n[folds.seq_f]]
     partials = functools.partial(_gpu_paged_partials, interpret=layout.interpret)
-    o_fkqd, l_fkq, m_fkq = jax.vmap(partials, in_axes=(0, None, None, 0, 0))(
-        q_fkqd, k_pages, v_pages, table_fp, length_f
+    o_fkqd, l_fkq, m_fkq = jax.vmap(partials, in_axes=(0, None, 0, 0))(
+        q_fkqd, kv_pages, table_fp, length_f
     )
     groups = num_heads // kv_heads
     o_thd = _unfold(o_fkqd, folds, groups)
@@ -957,16 +966,16 @@ def _pallas_gpu_prefix(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, sca
 
 def _new_kv_from_pages(pages, layout, page_table_sp, seq_slot_n, rag):
     """The new tokens' keys and values read back from their pages (for callers that wrote
-    them first)."""
-    k_pages, v_pages = pages.arrays
+    them first): one gather of both halves of the pool."""
+    (kv_pages,) = pages.arrays
     page_size = layout.page_size
     pages_per_slot = page_table_sp.shape[1]
     slot_t = seq_slot_n[rag.seq_t]
     pos_t = jnp.clip(rag.pos_t, 0, pages_per_slot * page_size - 1)
     page_t = page_table_sp[slot_t, pos_t // page_size]
     offset_t = pos_t % page_size
-    return (jnp.swapaxes(k_pages[:, page_t, offset_t], 0, 1),
-            jnp.swapaxes(v_pages[:, page_t, offset_t], 0, 1))
+    kv_tk2d = jnp.transpose(kv_pages[:, :, page_t, offset_t], (2, 1, 0, 3))
+    return kv_tk2d[:, :, 0], kv_tk2d[:, :, 1]
 
 
 def _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal):
@@ -982,16 +991,15 @@ def _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, cau
 def gather_slot_kv(pages: Pages, layout: PagedLayout, page_table_sp):
     """Every slot's keys and values as contiguous [slots, pages_per_slot * page_size, KV, D]
     arrays (for tests and debugging: its cost follows the page table, not the keys in use)."""
-    if layout.split_kv:
-        k_pages, v_pages = pages.arrays
+    (kv_pages,) = pages.arrays
+    if layout.stacked_kv:
 
         def contiguous(x_knpd):
             x_skppd = x_knpd[:, page_table_sp]
             kv, s, p, ps, d = x_skppd.shape
             return jnp.transpose(x_skppd, (1, 2, 3, 0, 4)).reshape(s, p * ps, kv, d)
 
-        return contiguous(k_pages), contiguous(v_pages)
-    (kv_pages,) = pages.arrays
+        return contiguous(kv_pages[0]), contiguous(kv_pages[1])
     x_sppxd = _values(kv_pages[page_table_sp], layout)
     s, p, ps = x_sppxd.shape[:3]
     x_ssxd = x_sppxd.reshape(s, p * ps, *x_sppxd.shape[3:])

@@ -120,8 +120,8 @@ def write(cache: PagedCache, kv: tuple, batch: TokenBatch, after=None) -> PagedC
 
 def pages_logical_axes(layout: PagedLayout) -> tuple[str | None, ...]:
     """Logical axes of one layer's page arrays (`attention.Pages`), for the sharding rules."""
-    if layout.split_kv:
-        return ("kv_heads", "pages", None, None)
+    if layout.stacked_kv:
+        return (None, "kv_heads", "pages", None, None)
     # K and V of head h sit at 2h and 2h + 1: a split into whole heads keeps each pair together.
     return ("pages", None, "kv_heads", None)
 
