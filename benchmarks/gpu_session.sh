@@ -91,8 +91,9 @@ if [ -d .whl ]; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# The package itself, installed editable from this checkout with the machine's own setuptools
-# (no network, no dependencies pulled): the top-level configs/ folder is dspark_jax.configs only
+# The package itself, installed editable from this checkout with the setuptools first on the
+# path (the one among the wheels when they came, else the machine's; no network, no
+# dependencies pulled): the top-level configs/ folder is dspark_jax.configs only
 # through pyproject's package-dir mapping, so a bare checkout on PYTHONPATH cannot import it.
 if ! python3 -c "import dspark_jax.configs" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . ||

@@ -19,6 +19,10 @@ for pkg in grain fastapi starlette uvicorn pydantic annotated-types \
            typing-inspection tensorboardX openai distro jiter sniffio array-record dm-tree; do
   fetch "$pkg"
 done
+# The editable install of this checkout builds with whatever setuptools it finds first on the
+# path; one older than 70.1 cannot build a wheel without the `wheel` package, which a Python
+# 3.12 image need not have. A recent setuptools comes along (on PYTHONPATH from /tmp/site).
+fetch setuptools
 # pydantic needs one exact pydantic-core: the one its metadata names, not the newest.
 core=$(unzip -p .whl/pydantic-[0-9]*.whl '*/METADATA' |
        sed -n 's/^Requires-Dist: pydantic-core==\([^ ;]*\).*/\1/p')
