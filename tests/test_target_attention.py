@@ -148,6 +148,36 @@ def test_fused_query_key_value_is_the_three_projections(dtype):
         )
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_query_key_value_normalises_q_and_k_heads_as_their_own_norms_do(dtype):
+    """The fused path takes every q and k head's RMS in one reduction: bit for bit what q_norm
+    and k_norm give applied apart to the same GEMM's q and k columns (different weights, so a
+    swapped norm would show)."""
+    cfg = dataclasses.replace(CFG, dtype=dtype, num_attention_heads=8, num_key_value_heads=2)
+    attn = layers.Attention(cfg, rngs=nnx.Rngs(3), param_dtype=dtype)
+    rng = np.random.default_rng(5)
+    attn.q_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, cfg.head_dim), dtype)
+    attn.k_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, cfg.head_dim), dtype)
+    x = jax.random.normal(jax.random.key(1), (2, 5, cfg.hidden_size), dtype)
+    positions = jnp.broadcast_to(jnp.arange(7, 12), (2, 5))
+    hd, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def apart_norms(x, positions):
+        kernel = jnp.concatenate(
+            [p.kernel[...] for p in (attn.q_proj, attn.k_proj, attn.v_proj)], 1
+        )
+        qkv = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
+        q, k, v = jnp.split(qkv, [heads * hd, (heads + kv_heads) * hd], -1)
+        q = attn.q_norm(q.reshape(2, 5, heads, hd))
+        k = attn.k_norm(k.reshape(2, 5, kv_heads, hd))
+        return attn.rope(q, positions), attn.rope(k, positions), v.reshape(2, 5, kv_heads, hd)
+
+    fused = jax.jit(lambda x, p: attn.query_key_value(x, p, fused=True))(x, positions)
+    for one, other, name in zip(jax.jit(apart_norms)(x, positions), fused, "qkv", strict=True):
+        np.testing.assert_array_equal(np.asarray(other, np.float32), np.asarray(one, np.float32),
+                                      err_msg=name)
+
+
 def test_fused_query_key_value_only_for_a_gpu_and_unsplit_heads(monkeypatch):
     """`qwen3.fuse_qkv`: on a GPU backend, unless a mesh splits the heads over `tensor` (the
     side-by-side kernel is not a layout of the three kernels' head shards)."""
