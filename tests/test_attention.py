@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.models import attention as attn
+from dspark_jax.models import paged
 from dspark_jax.models.layers import attention as contiguous_attention
 
 SCALE = 0.3
@@ -485,6 +486,39 @@ def test_write_kv_drops_invalid_tokens_and_leaves_other_slots_alone(impl):
         page_axis = 2 if layout.stacked_kv else 0
         np.testing.assert_array_equal(np.take(np.asarray(a), untouched_pages, axis=page_axis),
                                       np.take(np.asarray(b), untouched_pages, axis=page_axis))
+
+
+def _primitives(jaxpr) -> set[str]:
+    """The primitives of a jaxpr's equations and of its sub-jaxprs'."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    names |= _primitives(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    names |= _primitives(sub)
+    return names
+
+
+def test_stacked_keys_and_values_are_a_select_and_pad_along_tokens():
+    """`paged.stack_kv`: K at 0 and V at 1 bit for bit, built by a select (a concatenate would
+    be a GPU kernel of its own in every layer); `pad_kv` pads the token axis with zeros."""
+    rng = np.random.default_rng(2)
+    k = jnp.asarray(rng.standard_normal((5, 2, 16)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((5, 2, 16)), jnp.bfloat16)
+    kv = paged.stack_kv(k, v)
+    assert kv.shape == (2, 5, 2, 16) and kv.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(kv[0], np.float32), np.asarray(k, np.float32))
+    np.testing.assert_array_equal(np.asarray(kv[1], np.float32), np.asarray(v, np.float32))
+    prims = _primitives(jax.make_jaxpr(paged.stack_kv)(k, v).jaxpr)
+    assert "select_n" in prims and "concatenate" not in prims, prims
+    (padded,) = paged.pad_kv((kv,), 8)
+    assert padded.shape == (2, 8, 2, 16)
+    np.testing.assert_array_equal(np.asarray(padded[:, :5], np.float32),
+                                  np.asarray(kv, np.float32))
+    assert not np.asarray(padded[:, 5:], np.float32).any()
 
 
 @pytest.mark.parametrize(

@@ -94,10 +94,10 @@ class DSparkDrafter(nnx.Module):
         return new_cache(self.cfg.model, num_slots, max_len, self.dtype, page_size, impl)
 
     def packed_context_kv(self, features_tf, batch: TokenBatch) -> tuple:
-        """Every layer's context (k, v) [T, KV, D] of packed target features at their
-        positions, to be written into the context cache (`paged.write`)."""
+        """Every layer's context keys and values, stacked [2, T, KV, D], of packed target
+        features at their positions, to be written into the context cache (`paged.write`)."""
         kv = self.context_kv(features_tf[None], batch.pos_t[None])
-        return tuple((k[0], v[0]) for k, v in kv)
+        return tuple(paged.stack_kv(k[0], v[0]) for k, v in kv)
 
     def append_context(self, cache: PagedCache, features_tf, batch: TokenBatch) -> PagedCache:
         """Writes the context K/V of packed target features at their slots and positions."""

@@ -85,16 +85,24 @@ class TokenBatch:
         )
 
 
+def stack_kv(k_thd: jax.Array, v_thd: jax.Array) -> jax.Array:
+    """A layer's new keys and values [T, KV, D] as one array [2, T, KV, D] (K at 0, V at 1).
+
+    One array, so that a forward hands each layer's keys and values out as one buffer: XLA
+    makes a kernel per array a token-bucket branch returns, and computes both halves in one
+    (a select over the leading axis, not a concatenate, which it keeps as a kernel apart)."""
+    half = jnp.arange(2).reshape(2, 1, 1, 1)
+    return jnp.where(half == 0, k_thd[None], v_thd[None])
+
+
 def pad_kv(kv: tuple, width: int) -> tuple:
-    """Every layer's (k, v) [T, ...] zero-padded to `width` tokens."""
-    return jax.tree.map(
-        lambda a: jnp.pad(a, ((0, width - a.shape[0]),) + ((0, 0),) * (a.ndim - 1)), kv
-    )
+    """Every layer's stacked keys and values [2, T, KV, D] zero-padded to `width` tokens."""
+    return tuple(jnp.pad(a, ((0, 0), (0, width - a.shape[1]), (0, 0), (0, 0))) for a in kv)
 
 
 def write(cache: PagedCache, kv: tuple, batch: TokenBatch, after=None) -> PagedCache:
-    """`cache` with every layer's (k, v) [T, KV, D] stored at the batch's valid tokens' slots and
-    positions (padding tokens write nothing).
+    """`cache` with every layer's keys and values ([2, T, KV, D], `stack_kv`) stored at the
+    batch's valid tokens' slots and positions (padding tokens write nothing).
 
     `after`: values computed from reads of the same pages (e.g. the forward's hidden states). The
     write is ordered after them: otherwise XLA may schedule it before a read of the old pages and
@@ -106,14 +114,14 @@ def write(cache: PagedCache, kv: tuple, batch: TokenBatch, after=None) -> PagedC
         attention.write_kv(
             layer_pages,
             cache.layout,
-            k_thd,
-            v_thd,
+            kv_2thd[0],
+            kv_2thd[1],
             cache.page_table_sp,
             batch.slot_t,
             batch.pos_t,
             batch.valid_t,
         )
-        for layer_pages, (k_thd, v_thd) in zip(cache.pages, kv, strict=True)
+        for layer_pages, kv_2thd in zip(cache.pages, kv, strict=True)
     )
     return cache.replace(pages=pages)
 

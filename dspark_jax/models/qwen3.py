@@ -45,13 +45,15 @@ class DecoderLayer(nnx.Module):
     def paged(self, x_1td, batch: TokenBatch, cache: PagedCache, layer_pages, causal: bool = True):
         """The layer over a packed batch: every token attends to its sequence's keys in
         `layer_pages` before its new tokens, and to the new tokens themselves (causally for the
-        target); returns (x, this layer's new (k [T, KV, D], v)) for the caller to write."""
+        target); returns (x, this layer's new keys and values stacked [2, T, KV, D]) for the
+        caller to write."""
         positions_1t = batch.pos_t[None]
         h = self.input_layernorm(x_1td)
         q, k, v = self.self_attn.query_key_value(h, positions_1t, fused=fuse_qkv(cache))
-        new_kv = (k[0], v[0])
+        new_kv = paged.stack_kv(k[0], v[0])
         scale = self.self_attn.scale
-        o = paged.attend(cache, layer_pages, q[0], batch, scale=scale, causal=causal, new_kv=new_kv)
+        o = paged.attend(cache, layer_pages, q[0], batch, scale=scale, causal=causal,
+                         new_kv=(new_kv[0], new_kv[1]))
         x_1td = x_1td + self.self_attn.output(o[None])
         x_1td = x_1td + self.mlp(self.post_attention_layernorm(x_1td))
         return x_1td, new_kv
