@@ -304,6 +304,18 @@ def _interleave_kv(k_thd, v_thd, head_dim_out: int):
     return jnp.pad(kv_thd, ((0, 0), (0, 0), (0, head_dim_out - d)))
 
 
+def stack_kv(k_thd: jax.Array, v_thd: jax.Array) -> jax.Array:
+    """Keys and values [T, KV, D] as one array [2, T, KV, D] (K at 0, V at 1).
+
+    A select over the leading axis, not a concatenate: XLA fuses the select into the kernels
+    around it (both halves computed by one kernel, or the stacking inside the pool's update),
+    while it kept each concatenate as a kernel of its own in every layer. One array is also
+    one buffer a forward's token-bucket branch hands out per layer, where two were a kernel
+    each."""
+    half = jnp.arange(2).reshape(2, 1, 1, 1)
+    return jnp.where(half == 0, k_thd[None], v_thd[None])
+
+
 def write_kv(pages: Pages, layout: PagedLayout, k_thd, v_thd, page_table_sp, slot_t, pos_t,
              valid_t) -> Pages:
     """Stores token t's key/value at position pos_t of slot slot_t.
@@ -320,12 +332,7 @@ def write_kv(pages: Pages, layout: PagedLayout, k_thd, v_thd, page_table_sp, slo
     offset_t = pos_t % page_size
     (kv_pages,) = pages.arrays
     if layout.stacked_kv:
-        # K and V side by side as a select, not a concatenate: XLA fuses an elementwise update
-        # into its neighbours, while a concatenate became a kernel of its own per layer.
-        half_2111 = jnp.arange(2).reshape(2, 1, 1, 1)
-        kv_2ktd = jnp.where(half_2111 == 0, jnp.swapaxes(k_thd, 0, 1)[None],
-                            jnp.swapaxes(v_thd, 0, 1)[None])
-        kv_2ktd = _stored(kv_2ktd, layout, kv_pages.dtype)
+        kv_2ktd = _stored(jnp.swapaxes(stack_kv(k_thd, v_thd), 1, 2), layout, kv_pages.dtype)
         return Pages((kv_pages.at[:, :, page_t, offset_t].set(kv_2ktd, mode="drop"),))
     kv_thd = _stored(_interleave_kv(k_thd, v_thd, layout.physical_head_dim), layout, kv_pages.dtype)
     return Pages((kv_pages.at[page_t, offset_t].set(kv_thd, mode="drop"),))

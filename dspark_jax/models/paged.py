@@ -85,14 +85,8 @@ class TokenBatch:
         )
 
 
-def stack_kv(k_thd: jax.Array, v_thd: jax.Array) -> jax.Array:
-    """A layer's new keys and values [T, KV, D] as one array [2, T, KV, D] (K at 0, V at 1).
-
-    One array, so that a forward hands each layer's keys and values out as one buffer: XLA
-    makes a kernel per array a token-bucket branch returns, and computes both halves in one
-    (a select over the leading axis, not a concatenate, which it keeps as a kernel apart)."""
-    half = jnp.arange(2).reshape(2, 1, 1, 1)
-    return jnp.where(half == 0, k_thd[None], v_thd[None])
+# A layer's new keys and values as the one array a forward hands out (see its docstring).
+stack_kv = attention.stack_kv
 
 
 def pad_kv(kv: tuple, width: int) -> tuple:
