@@ -123,6 +123,19 @@ def test_mesh_generates_the_single_device_tokens(pair, single_device, shape):
     assert whole / shape[2] <= engine.state_bytes < whole / shape[2] * 1.1
 
 
+def test_kernel_path_on_a_mesh_splits_the_stacked_pool_by_kv_head(pair, single_device):
+    """The GPU kernels' pool (K and V stacked on a leading axis, `attention.Pages`) on a tensor
+    mesh: split by KV head behind the stacking axis, each device's kernel (Pallas interpret
+    mode here) over its own heads, the tokens those of one device on the pure-JAX path."""
+    cfg = dataclasses.replace(CFG, attention_impl="pallas_gpu", attention_interpret=True)
+    mesh = _mesh(1, 1, 2)
+    engine = Engine(*pair, cfg, mesh=mesh)
+    assert engine.state_shardings.target_pages[0].arrays[0].spec == P(None, "tensor", None,
+                                                                       None, None)
+    results, _ = generate(engine, _requests())
+    assert [r.tokens for r in results] == single_device[0]
+
+
 def _generate_command(tmp_path, name, *flags):
     """(tokens per answer, mesh in the JSON settings) of one `dspark-jax generate` run."""
     out = tmp_path / f"{name}.json"
