@@ -68,7 +68,7 @@ def build(impl, *, slots, q_len, kv_len, capacity, page_size, kv_heads, groups, 
     k = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
     pages = jax.jit(attn.write_kv, static_argnums=1)(
-        attn.init_pages(layout, dtype), layout, k, v, table, slot_t, pos_t,
+        attn.init_pages(layout, dtype), layout, attn.stack_kv(k, v), table, slot_t, pos_t,
         jnp.ones((tokens,), bool))
     q = jnp.asarray(rng.standard_normal((slots * q_len, kv_heads * groups, head_dim)), dtype)
     meta = (

@@ -126,7 +126,8 @@ def fill(case: Case, layout: attn.PagedLayout, dtype=jnp.float32) -> attn.Pages:
     v_thd[-3:] = 1e4
     pages = attn.init_pages(layout, dtype)
     write = jax.jit(attn.write_kv, static_argnames="layout")
-    return write(pages, layout=layout, k_thd=jnp.asarray(k_thd), v_thd=jnp.asarray(v_thd),
+    kv_2thd = attn.stack_kv(jnp.asarray(k_thd), jnp.asarray(v_thd))
+    return write(pages, layout=layout, kv_2thd=kv_2thd,
                  page_table_sp=jnp.asarray(case.page_table_sp), slot_t=jnp.asarray(slot_t),
                  pos_t=jnp.asarray(pos_t), valid_t=jnp.asarray(valid_t))
 
@@ -470,7 +471,7 @@ def test_write_kv_drops_invalid_tokens_and_leaves_other_slots_alone(impl):
     pos_t = jnp.array([5, 0, 2, 3, pages_per_slot * page_size], jnp.int32)
     valid_t = jnp.array([True, False, True, False, True])  # the last is past the page table
     after = jax.jit(attn.write_kv, static_argnames="layout")(
-        before, layout, k_thd, v_thd, table, slot_t, pos_t, valid_t)
+        before, layout, attn.stack_kv(k_thd, v_thd), table, slot_t, pos_t, valid_t)
     k_old, v_old = attn.gather_slot_kv(before, layout, table)
     k_new, v_new = attn.gather_slot_kv(after, layout, table)
     expect_k, expect_v = np.array(k_old), np.array(v_old)

@@ -316,9 +316,10 @@ def stack_kv(k_thd: jax.Array, v_thd: jax.Array) -> jax.Array:
     return jnp.where(half == 0, k_thd[None], v_thd[None])
 
 
-def write_kv(pages: Pages, layout: PagedLayout, k_thd, v_thd, page_table_sp, slot_t, pos_t,
+def write_kv(pages: Pages, layout: PagedLayout, kv_2thd, page_table_sp, slot_t, pos_t,
              valid_t) -> Pages:
-    """Stores token t's key/value at position pos_t of slot slot_t.
+    """Stores token t's key and value (`kv_2thd` [2, T, KV, D], `stack_kv`) at position pos_t
+    of slot slot_t.
 
     Invalid tokens, and positions outside the slot's page table, are scattered to the
     out-of-range page `num_pages` with mode="drop": they write nothing, never a real page.
@@ -332,9 +333,10 @@ def write_kv(pages: Pages, layout: PagedLayout, k_thd, v_thd, page_table_sp, slo
     offset_t = pos_t % page_size
     (kv_pages,) = pages.arrays
     if layout.stacked_kv:
-        kv_2ktd = _stored(jnp.swapaxes(stack_kv(k_thd, v_thd), 1, 2), layout, kv_pages.dtype)
+        kv_2ktd = _stored(jnp.swapaxes(kv_2thd, 1, 2), layout, kv_pages.dtype)
         return Pages((kv_pages.at[:, :, page_t, offset_t].set(kv_2ktd, mode="drop"),))
-    kv_thd = _stored(_interleave_kv(k_thd, v_thd, layout.physical_head_dim), layout, kv_pages.dtype)
+    kv_thd = _interleave_kv(kv_2thd[0], kv_2thd[1], layout.physical_head_dim)
+    kv_thd = _stored(kv_thd, layout, kv_pages.dtype)
     return Pages((kv_pages.at[page_t, offset_t].set(kv_thd, mode="drop"),))
 
 

@@ -108,8 +108,7 @@ def write(cache: PagedCache, kv: tuple, batch: TokenBatch, after=None) -> PagedC
         attention.write_kv(
             layer_pages,
             cache.layout,
-            kv_2thd[0],
-            kv_2thd[1],
+            kv_2thd,
             cache.page_table_sp,
             batch.slot_t,
             batch.pos_t,
