@@ -409,7 +409,7 @@ def test_pallas_gpu_partials_merge_splits_and_blocks():
 
 def test_pallas_tpu_pages_pad_head_dim_to_lanes():
     layout = attn.PagedLayout(8, 4, 2, 64, "pallas_tpu")
-    (kv_pages,) = attn.init_pages(layout, jnp.bfloat16).arrays
+    kv_pages = attn.init_pages(layout, jnp.bfloat16).kv
     assert kv_pages.shape == (8, 4, 4, 128)
     assert attn.PagedLayout(8, 4, 2, 128, "pallas_tpu").physical_head_dim == 128
 
@@ -463,8 +463,8 @@ def test_write_kv_drops_invalid_tokens_and_leaves_other_slots_alone(impl):
     layout = attn.PagedLayout(10, page_size, 2, 16, impl)
     table = jnp.array([[3, 7, 0], [5, 1, 0]], jnp.int32)  # slot 0 owns 3,7; slot 1 owns 5,1
     rng = np.random.default_rng(0)
-    before = attn.Pages(tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype)
-                              for a in attn.init_pages(layout, jnp.float32).arrays))
+    pool = attn.init_pages(layout, jnp.float32).kv
+    before = attn.Pages(jnp.asarray(rng.standard_normal(pool.shape), pool.dtype))
     k_thd = jnp.asarray(rng.standard_normal((5, 2, 16)), jnp.float32)
     v_thd = jnp.asarray(rng.standard_normal((5, 2, 16)), jnp.float32)
     slot_t = jnp.array([0, 0, 1, 1, 0], jnp.int32)
@@ -483,10 +483,9 @@ def test_write_kv_drops_invalid_tokens_and_leaves_other_slots_alone(impl):
     np.testing.assert_array_equal(np.asarray(v_new)[:, :8], expect_v[:, :8])
     # No page other than the two written ones changed anywhere in the pool.
     untouched_pages = [p for p in range(10) if p not in (7, 5)]
-    for a, b in zip(before.arrays, after.arrays, strict=True):
-        page_axis = 2 if layout.stacked_kv else 0
-        np.testing.assert_array_equal(np.take(np.asarray(a), untouched_pages, axis=page_axis),
-                                      np.take(np.asarray(b), untouched_pages, axis=page_axis))
+    page_axis = 2 if layout.stacked_kv else 0
+    np.testing.assert_array_equal(np.take(np.asarray(before.kv), untouched_pages, axis=page_axis),
+                                  np.take(np.asarray(after.kv), untouched_pages, axis=page_axis))
 
 
 def _primitives(jaxpr) -> set[str]:

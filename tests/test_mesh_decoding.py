@@ -115,7 +115,7 @@ def test_mesh_generates_the_single_device_tokens(pair, single_device, shape):
     assert programs == single_programs
     # the page pools really are split by KV head, the slot rows by data
     engine = Engine(*pair, CFG, mesh=mesh)
-    pool_spec = engine.state_shardings.target_pages[0].arrays[0].spec
+    pool_spec = engine.state_shardings.target_pages[0].kv.spec
     assert pool_spec == P(None, None, "tensor", None)
     assert engine.state_shardings.lengths_s.spec == P("data" if shape[0] > 1 else None)
     # the memory check counts one device's shard: the pools dominate, split tensor ways
@@ -130,8 +130,7 @@ def test_kernel_path_on_a_mesh_splits_the_stacked_pool_by_kv_head(pair, single_d
     cfg = dataclasses.replace(CFG, attention_impl="pallas_gpu", attention_interpret=True)
     mesh = _mesh(1, 1, 2)
     engine = Engine(*pair, cfg, mesh=mesh)
-    assert engine.state_shardings.target_pages[0].arrays[0].spec == P(None, "tensor", None,
-                                                                       None, None)
+    assert engine.state_shardings.target_pages[0].kv.spec == P(None, "tensor", None, None, None)
     results, _ = generate(engine, _requests())
     assert [r.tokens for r in results] == single_device[0]
 
@@ -252,15 +251,10 @@ def test_sharded_decode_holds_no_copy_of_the_page_pools(pair):
     long_cfg = dataclasses.replace(CFG, max_model_len=4096)
     engine = Engine(*pair, long_cfg, mesh=_mesh(1, 1, 2))
     state = jax.eval_shape(engine._init, engine.target_params, engine.drafter_params)
-    layer_shard_bytes = sum(
-        int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
-        for x, sh in zip(
-            state.target_pages[0].arrays,
-            engine.state_shardings.target_pages[0].arrays,
-            strict=True,
-        )
-    )
-    assert state.target_pages[0].arrays[0].dtype == np.float32
+    pool = state.target_pages[0].kv
+    pool_sharding = engine.state_shardings.target_pages[0].kv
+    layer_shard_bytes = int(np.prod(pool_sharding.shard_shape(pool.shape))) * pool.dtype.itemsize
+    assert pool.dtype == np.float32
     stats = engine.lower()["decode_chunk"].compile().memory_analysis()
     # 2 target + 1 drafter layers of pools; a single copy of one layer's shard would break this.
     assert stats.temp_size_in_bytes < layer_shard_bytes / 2

@@ -167,21 +167,22 @@ class PagedLayout:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pages:
-    """One layer's K/V pages in the physical layout of its `PagedLayout.impl`.
+    """One layer's K/V pages (`kv`, one array) in the physical layout of its
+    `PagedLayout.impl`:
 
-    - "dense", "jax", "pallas_tpu": one array [num_pages, page_size, 2 * num_kv_heads, hd], the
+    - "dense", "jax", "pallas_tpu": [num_pages, page_size, 2 * num_kv_heads, hd], the
       key of KV head h at head index 2h and its value at 2h + 1 (the ragged TPU kernel's
       layout; hd is head_dim, padded to a multiple of 128 for "pallas_tpu").
-    - "pallas_gpu": one array [2, num_kv_heads, num_pages, page_size, head_dim], K at index 0
+    - "pallas_gpu": [2, num_kv_heads, num_pages, page_size, head_dim], K at index 0
       of the leading axis and V at 1: the Triton kernel reads each half as its own operand (two
       block specs over the one buffer), and a step writes both with one scatter, not two.
     """
 
-    arrays: tuple[jax.Array, ...]
+    kv: jax.Array
 
     @property
     def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in self.arrays)
+        return self.kv.size * self.kv.dtype.itemsize
 
 
 def default_impl(backend: str | None = None) -> str:
@@ -279,9 +280,9 @@ def init_pages(layout: PagedLayout, dtype) -> Pages:
     dtype = layout.pool_dtype(dtype)
     if layout.stacked_kv:
         shape = (2, layout.num_kv_heads, layout.num_pages, layout.page_size, layout.head_dim)
-        return Pages((jnp.zeros(shape, dtype),))
+        return Pages(jnp.zeros(shape, dtype))
     shape = (layout.num_pages, layout.page_size, 2 * layout.num_kv_heads, layout.physical_head_dim)
-    return Pages((jnp.zeros(shape, dtype),))
+    return Pages(jnp.zeros(shape, dtype))
 
 
 def _stored(x, layout: PagedLayout, pool_dtype):
@@ -331,13 +332,13 @@ def write_kv(pages: Pages, layout: PagedLayout, kv_2thd, page_table_sp, slot_t, 
     slot_t = jnp.clip(slot_t, 0, page_table_sp.shape[0] - 1)
     page_t = jnp.where(ok_t, page_table_sp[slot_t, logical_t], layout.num_pages)
     offset_t = pos_t % page_size
-    (kv_pages,) = pages.arrays
+    kv_pages = pages.kv
     if layout.stacked_kv:
         kv_2ktd = _stored(jnp.swapaxes(kv_2thd, 1, 2), layout, kv_pages.dtype)
-        return Pages((kv_pages.at[:, :, page_t, offset_t].set(kv_2ktd, mode="drop"),))
+        return Pages(kv_pages.at[:, :, page_t, offset_t].set(kv_2ktd, mode="drop"))
     kv_thd = _interleave_kv(kv_2thd[0], kv_2thd[1], layout.physical_head_dim)
     kv_thd = _stored(kv_thd, layout, kv_pages.dtype)
-    return Pages((kv_pages.at[page_t, offset_t].set(kv_thd, mode="drop"),))
+    return Pages(kv_pages.at[page_t, offset_t].set(kv_thd, mode="drop"))
 
 
 @jax.tree_util.register_dataclass
@@ -633,7 +634,7 @@ def _unfold(x_fkrg, folds: _Folds, num_groups: int):
 def _dense_keys(pages, layout, page_table_sp, seq_slot_n, rag):
     """Every token's slot's whole page table gathered: K, V [T, S, KV, D] and the mask [T, S]
     of the keys the token sees (S = pages_per_slot * page_size)."""
-    (kv_pages,) = pages.arrays
+    kv_pages = pages.kv
     kv_tpsxd = _values(kv_pages[page_table_sp[seq_slot_n[rag.seq_t]]], layout)
     t, pps, page_size = kv_tpsxd.shape[:3]
     kv_tsxd = kv_tpsxd.reshape(t, pps * page_size, *kv_tpsxd.shape[3:])
@@ -684,7 +685,7 @@ def _chunked(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
     folds times the longest context (one long sequence among short ones no longer makes every
     fold walk its length), and never more steps than that longest context needs.
     """
-    (kv_pages,) = pages.arrays
+    kv_pages = pages.kv
     num_tokens, num_heads, head_dim = q_thd.shape
     kv_heads = layout.num_kv_heads
     groups = num_heads // kv_heads
@@ -765,7 +766,7 @@ def _tpu_kernel(layout: PagedLayout, num_tokens: int, pages_per_slot: int):
 def _pallas_tpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, causal,
                 kernel=None):
     """`kernel` defaults to the shipped ragged kernel; tests pass its shipped reference."""
-    (kv_pages,) = pages.arrays
+    kv_pages = pages.kv
     num_tokens, num_heads, head_dim = q_thd.shape
     pages_per_slot = page_table_sp.shape[1]
     capacity = pages_per_slot * layout.page_size
@@ -952,7 +953,7 @@ def _new_token_attention(q_thd, k_thd, v_thd, rag, scale, causal, *, interpret: 
 def _pallas_gpu_prefix(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale):
     """Every query against all rag.kv_len keys of its sequence by the paged kernel (queries
     folded so a sequence's pages are read once per fold): (out float32, lse)."""
-    (kv_pages,) = pages.arrays
+    kv_pages = pages.kv
     num_tokens, num_heads, _ = q_thd.shape
     kv_heads = layout.num_kv_heads
     folds = _folds(rag, num_tokens, layout.queries_per_fold)
@@ -976,7 +977,7 @@ def _pallas_gpu_prefix(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, sca
 def _new_kv_from_pages(pages, layout, page_table_sp, seq_slot_n, rag):
     """The new tokens' keys and values read back from their pages (for callers that wrote
     them first): one gather of both halves of the pool."""
-    (kv_pages,) = pages.arrays
+    kv_pages = pages.kv
     page_size = layout.page_size
     pages_per_slot = page_table_sp.shape[1]
     slot_t = seq_slot_n[rag.seq_t]
@@ -1000,7 +1001,7 @@ def _pallas_gpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, cau
 def gather_slot_kv(pages: Pages, layout: PagedLayout, page_table_sp):
     """Every slot's keys and values as contiguous [slots, pages_per_slot * page_size, KV, D]
     arrays (for tests and debugging: its cost follows the page table, not the keys in use)."""
-    (kv_pages,) = pages.arrays
+    kv_pages = pages.kv
     if layout.stacked_kv:
 
         def contiguous(x_knpd):
