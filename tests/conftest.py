@@ -24,7 +24,10 @@ _OWN_CACHE = None
 if "DSPARK_JAX_COMPILATION_CACHE" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="dspark-jax-test-xla-")
     os.environ["DSPARK_JAX_COMPILATION_CACHE"] = _OWN_CACHE
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DSPARK_JAX_COMPILATION_CACHE"])
+# DSPARK_JAX_COMPILATION_CACHE=off (the commands' way to turn the cache off) turns it off here
+# too, rather than naming a folder "off".
+if os.environ["DSPARK_JAX_COMPILATION_CACHE"].lower() not in ("0", "off", "false", "no"):
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DSPARK_JAX_COMPILATION_CACHE"])
 
 
 def pytest_unconfigure(config):

@@ -717,38 +717,29 @@ def test_one_new_token_per_sequence_matches_the_reference(impl, causal):
         assert kernels[0] == 1 and kernels[1] == 2, kernels
 
 
-def _primitives(jaxpr) -> set[str]:
-    """Names of every primitive in `jaxpr` and the programs inside it."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    names |= _primitives(inner)
-    return names
-
-
-def test_token_to_sequence_search_is_written_out_not_a_loop():
+@pytest.mark.parametrize("unrolled", [True, False])
+def test_token_to_sequence_search(unrolled):
     """Which sequence a packed token belongs to: numpy's searchsorted (side "right") for sorted
     offsets with repeats (empty sequences) and values past the end, by a binary search whose
-    steps are written out. As a while loop each step is a trip whose predicate a GPU's host reads
-    back: 21 of them in a speculative round at 64 slots before."""
+    steps are written out (a GPU target: as a while loop each step is a trip whose predicate
+    its host reads back, 21 of them in a speculative round at 64 slots before) or a loop (CPU:
+    written out, XLA:CPU runs the steps again for every element of each consumer)."""
     from dspark_jax.models.paged import TokenBatch
 
     rng = np.random.default_rng(2)
-    search = jax.jit(attn.searchsorted_steps)
+    search = jax.jit(functools.partial(attn.searchsorted_steps, unrolled=unrolled))
     for n in (1, 2, 7, 64, 65, 513):
         cu = np.cumsum(rng.integers(0, 4, n)).astype(np.int32)
         values = np.arange(-1, int(cu[-1]) + 3, dtype=np.int32)
         np.testing.assert_array_equal(search(cu, values), np.searchsorted(cu, values, "right"))
     cu, values = jnp.zeros(64, jnp.int32), jnp.arange(512, dtype=jnp.int32)
-    assert "while" not in _primitives(jax.make_jaxpr(attn.searchsorted_steps)(cu, values).jaxpr)
+    loops = "stablehlo.while" in search.lower(cu, values).as_text()
+    assert loops == (not unrolled)
+    # The default: written out for a GPU, the loop on any other backend (CPU here).
+    default = jax.jit(attn.searchsorted_steps).lower(cu, values).as_text()
+    assert ("stablehlo.while" in default) == (jax.default_backend() != "gpu")
     count_s = jnp.array([3, 0, 1, 8, 0, 2], jnp.int32)
     start_s = jnp.array([5, 9, 0, 2, 4, 7], jnp.int32)
     batch = TokenBatch.per_slot(start_s, count_s, 16)
     np.testing.assert_array_equal(batch.slot_t[:14], [0] * 3 + [2] + [3] * 8 + [5] * 2)
     np.testing.assert_array_equal(batch.pos_t[:14], [5, 6, 7, 0, *range(2, 10), 7, 8])
-    jaxpr = jax.make_jaxpr(lambda s, c: TokenBatch.per_slot(s, c, 16))(start_s, count_s).jaxpr
-    assert "while" not in _primitives(jaxpr)

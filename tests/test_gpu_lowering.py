@@ -87,6 +87,31 @@ def test_paged_kernel_lowers_for_any_table_length(table_pages, page_size, dtype)
     assert set(_custom_calls(lowered)) == {TRITON}
 
 
+def _has_loop(fn, *args) -> bool:
+    return "stablehlo.while" in jax.jit(fn).lower(*args).as_text()
+
+
+def test_token_search_is_written_out_for_a_gpu_and_a_loop_here():
+    """Which sequence a packed token belongs to (`attention.searchsorted_steps`, behind every
+    packed batch's slot of each token): its binary search written out for a GPU target, where
+    a while loop's trips are kernels and a predicate the host reads back, and a loop on a CPU,
+    where XLA would run the written-out steps again for each element of every consumer."""
+    from dspark_jax.models.paged import TokenBatch
+
+    sorted_n, values_t = jnp.zeros(64, jnp.int32), jnp.arange(512, dtype=jnp.int32)
+    count_s, start_s = jnp.arange(6, dtype=jnp.int32), jnp.zeros(6, jnp.int32)
+
+    def per_slot(start_s, count_s):
+        return TokenBatch.per_slot(start_s, count_s, 16).slot_t
+
+    here = jax.default_backend() != "gpu"
+    assert _has_loop(attn.searchsorted_steps, sorted_n, values_t) == here
+    assert _has_loop(per_slot, start_s, count_s) == here
+    with absent_gpu_target(("cuda",), "NVIDIA H100"):
+        assert not _has_loop(attn.searchsorted_steps, sorted_n, values_t)
+        assert not _has_loop(per_slot, start_s, count_s)
+
+
 def test_layers_lower_once_whatever_the_depth():
     """Every layer is a call of one jitted layer program (`qwen3.paged_layers`), so a deeper
     target adds calls, not layer bodies: the decode program of a target three times as deep

@@ -72,7 +72,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.layers import MASK_VALUE, attention
+from dspark_jax.models.layers import MASK_VALUE, attention, target_backend
 
 IMPLS = ("dense", "jax", "pallas_tpu", "pallas_gpu")
 ATTENTION_ENV = "DSPARK_JAX_ATTENTION"
@@ -357,15 +357,23 @@ class _Ragged:
     limit_t: jax.Array  # the token sees keys at positions < limit_t (0: none)
 
 
-def searchsorted_steps(sorted_n: jax.Array, values_t: jax.Array) -> jax.Array:
+def searchsorted_steps(sorted_n: jax.Array, values_t: jax.Array, *,
+                       unrolled: bool | None = None) -> jax.Array:
     """int32 [T]: for each value, how many entries of the ascending `sorted_n` are <= it
-    (`jnp.searchsorted(..., side="right")`), by a binary search written out as its log2(N)
-    steps. JAX's default runs the steps as a while loop: on a GPU each trip is a few kernels
-    and a predicate the host reads back (3 loops of 7 trips in a speculative round at 64
-    slots); written out, XLA fuses the steps into the kernels that use the result."""
-    return jnp.searchsorted(sorted_n, values_t, side="right", method="scan_unrolled").astype(
-        jnp.int32
-    )
+    (`jnp.searchsorted(..., side="right")`), by a binary search of log2(N) steps.
+
+    `unrolled` (None: for a GPU target, `layers.target_backend()`) writes the steps out. As a
+    while loop, on a GPU each trip is a few kernels and a predicate the host reads back (3
+    loops of 7 trips in a speculative round at 64 slots); written out, XLA fuses the steps into
+    the kernels that use the result. Elsewhere the loop stays: XLA:CPU fuses written-out steps
+    into every consumer and runs them again for each of its elements -- the search of a token's
+    sequence once per key of the local attention's [blocks, heads, window, 3 window] scores:
+    two fifths of a CPU prefill packing 512 prompts (the fixture models). The loop's result is
+    an array the consumers read."""
+    if unrolled is None:
+        unrolled = target_backend() == "gpu"
+    method = "scan_unrolled" if unrolled else "scan"
+    return jnp.searchsorted(sorted_n, values_t, side="right", method=method).astype(jnp.int32)
 
 
 def _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal) -> _Ragged:
@@ -379,7 +387,7 @@ def _ragged(num_tokens, seq_slot_n, cu_q_lens_n1, kv_lens_n, num_seqs, causal) -
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     # A binary search, not a [T, N] comparison: with constant offsets (the drafter's block) XLA
     # would fold that comparison at compile time, minutes for 4096 slots. Its steps written out
-    # (`searchsorted_steps`), not a loop.
+    # for a GPU, a loop elsewhere (`searchsorted_steps`).
     seq_t = searchsorted_steps(cu[1:], t)
     valid_t = t < cu[num_seqs]
     seq_t = jnp.minimum(seq_t, n - 1)
