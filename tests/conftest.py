@@ -4,6 +4,8 @@ import tempfile
 
 import pytest
 
+from dspark_jax.cli import compilation_cache_off
+
 # Tests run on CPU; eight host devices let sharding tests build real meshes on one machine.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -25,8 +27,9 @@ if "DSPARK_JAX_COMPILATION_CACHE" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="dspark-jax-test-xla-")
     os.environ["DSPARK_JAX_COMPILATION_CACHE"] = _OWN_CACHE
 # DSPARK_JAX_COMPILATION_CACHE=off (the commands' way to turn the cache off) turns it off here
-# too, rather than naming a folder "off".
-if os.environ["DSPARK_JAX_COMPILATION_CACHE"].lower() not in ("0", "off", "false", "no"):
+# too, rather than naming a folder "off". (dspark_jax.cli does not import JAX, which must read
+# JAX_COMPILATION_CACHE_DIR when it is first imported.)
+if not compilation_cache_off(os.environ["DSPARK_JAX_COMPILATION_CACHE"]):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DSPARK_JAX_COMPILATION_CACHE"])
 
 

@@ -59,13 +59,19 @@ CACHE_ENV = "DSPARK_JAX_COMPILATION_CACHE"
 ENDS_AT_ONCE = frozenset({"convert", "export", "generate", "eval", "calibrate", "profile"})
 
 
+def compilation_cache_off(setting: str) -> bool:
+    """Whether a DSPARK_JAX_COMPILATION_CACHE value turns the cache off (rather than naming
+    its folder)."""
+    return setting.lower() in ("0", "off", "false", "no")
+
+
 def use_compilation_cache() -> None:
     """Keeps compiled programs across runs (JAX's persistent cache), so that running a command
     again does not compile again. DSPARK_JAX_COMPILATION_CACHE=off disables it, a path moves it
     (default ~/.cache/dspark-jax/xla); a cache directory set through JAX's own configuration
     wins."""
     setting = os.environ.get(CACHE_ENV, "")
-    if setting.lower() in ("0", "off", "false", "no"):
+    if compilation_cache_off(setting):
         return
     import jax
 
