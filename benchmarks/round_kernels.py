@@ -12,7 +12,8 @@ them) and reports:
   runs on the device (fusions, custom calls such as the Triton attention and cuBLAS, copies,
   unfused ops), each conditional at its largest branch and each inner loop (body and test) at
   its known trip count: an upper bound, since the sampling filters' searches run only when a
-  row filters; and the same with every conditional at its smallest branch;
+  row filters; and the same with every conditional at its smallest branch (the token-bucket
+  conditional at its smallest bucket: a single bucket's second branch never runs);
 - conditionals and inner-loop trips a round takes: on a GPU each decides on the host what
   runs next, which reads a predicate back from the device unless XLA puts it in a CUDA graph;
 - per target layer: the launches inside the round's largest conditional (the token-bucket
@@ -168,7 +169,11 @@ def _branch(computations: dict[str, list[Op]], op: Op, pick=max) -> tuple[str, C
         *op.called("false_computation"),
     ]
     counted = {b: count(computations, b, pick) for b in branches}
-    name = pick(counted, key=lambda b: counted[b].total)
+    # The target's forward runs every round: a token-bucket conditional is counted at a branch
+    # that runs it. (A single bucket's conditional pairs the forward with a branch that never
+    # runs and only fills the outputs' shapes with zeros.)
+    forward = [b for b in branches if counted[b].layer_kernels]
+    name = pick(forward or branches, key=lambda b: counted[b].total)
     return name, counted[name]
 
 

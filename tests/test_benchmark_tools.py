@@ -791,9 +791,9 @@ def test_a_verification_compiled_for_an_h100_writes_its_logits_once(tmp_path):
 
 
 # A decode program's shape in miniature (written by hand, in XLA's text format): the rounds
-# loop's body launches a fusion and a copy, and a conditional whose larger branch is one layer
-# (its attention kernel, a GEMM, and an inner loop of 4 trips launching one fusion each), the
-# smaller branch one fusion.
+# loop's body launches a fusion and a copy, and a token-bucket conditional whose larger branch
+# is one layer (its attention kernel, a GEMM, and an inner loop of 4 trips launching one fusion
+# each), the smaller branch a smaller bucket's layer of one fusion.
 _ROUND_HLO = (Path(__file__).parent / "data" / "round_kernels_decode.hlo.txt").read_text()
 
 
@@ -817,6 +817,11 @@ def test_round_kernels_counts_what_one_round_launches():
     assert round_kernels.analyse(_ROUND_HLO, layers=2)["kernels_per_layer"] == 3
     report = round_kernels.format_report(result, "x.txt")
     assert "14 kernels a round" in report and "8 of them in inner loops" in report
+    # A single bucket's conditional: its other branch runs no layer (it only fills the outputs'
+    # shapes, and never runs), so the smallest-branch count is the forward's.
+    single = round_kernels.analyse(_ROUND_HLO.replace("cond/jit(decoder_layer)/mul", "cond/mul"))
+    assert single["kernels_per_round_least"] == 14
+    assert single["inner_loop_trips_per_round_least"] == 4
 
 
 def test_round_kernels_reads_a_compiled_decode_program_and_refuses_other_text(tmp_path):
@@ -835,6 +840,9 @@ def test_round_kernels_reads_a_compiled_decode_program_and_refuses_other_text(tm
     result = round_kernels.analyse(text, layers=layers)
     assert result["kernels_per_round"] >= result["kernels_per_round_least"] > 0
     assert result["target_layers"] == layers and result["kernels_per_layer"] > 1
+    # One bucket: the forward's conditional pairs it with a branch that never runs (zeros of
+    # its outputs), and the smallest-branch count is still that of a round running the forward.
+    assert result["kernels_per_round_least"] > result["kernels_per_layer"] * layers
     assert result["one_layer"]
     not_hlo = tmp_path / "notes.txt"
     not_hlo.write_text("hello\n")

@@ -131,6 +131,37 @@ def test_layers_lower_once_whatever_the_depth():
     assert layer_calls == [buckets * depth, buckets * 3 * depth], (layer_calls, buckets)
 
 
+def test_a_single_bucket_program_holds_the_forward_once():
+    """The target's forward sits in a conditional even where there is one token bucket (see
+    `engine._switch_on_tokens`); its other branch, which never runs, fills the outputs with
+    zeros instead of holding the forward again. A program of one bucket lowers half the layer
+    calls and matmuls of the same engine's with two, and each prefill program (one bucket by
+    construction) one call per layer. (With the forward in both branches, compiled for an H100
+    at Qwen3-4B shapes, a plain 1-slot decode chunk took 16.2 s and a 256-token prefill 17.2 s
+    rather than 9.5 and 9.5 s: docs/benchmarks.md.)"""
+    target, _ = load_pair("vanilla")
+    depth = target.cfg.num_hidden_layers
+
+    def lowered(buckets):
+        cfg = dataclasses.replace(CFG, attention_impl=None, token_buckets=buckets)
+        return {k: v.as_text() for k, v in Engine(target, None, cfg).lower().items()}
+
+    one, two = lowered((4,)), lowered((2, 4))
+    # Still in a conditional: reads of the pools outside one would make XLA copy them.
+    assert "stablehlo.case" in one["decode_chunk"]
+
+    def calls(text):
+        return len(re.findall(r"call @decoder_layer(_\d+)?\b", text))
+
+    def dots(text):
+        return text.count("stablehlo.dot_general")
+
+    assert calls(one["decode_chunk"]) == depth and calls(two["decode_chunk"]) == 2 * depth
+    assert 2 * dots(one["decode_chunk"]) == dots(two["decode_chunk"]) > 0
+    for width in (16, 32):
+        assert calls(one[f"prefill_{width}"]) == depth, width
+
+
 def _compiled_opcodes(engine: Engine) -> collections.Counter:
     text = engine.lower()["decode_chunk"].compile().as_text()
     return collections.Counter(

@@ -1252,10 +1252,16 @@ def _switch_on_tokens(buckets: tuple[int, ...], total, make_branch, operands=Non
     The forward inside reads the page pools and the caller writes them after: a conditional
     around the reads lets XLA update the pools in place, where the same reads in straight-line
     code (their inner `while` loops carrying the pools) make it copy every pool each step. So
-    even a single bucket goes through a conditional, whose second branch never runs."""
+    even a single bucket goes through a conditional, whose second branch never runs: it returns
+    zeros of the outputs' shapes rather than the forward again, which XLA would compile twice."""
     branches = [make_branch(w) for w in buckets]
     if len(branches) == 1:
-        return jax.lax.cond(total >= 0, branches[0], branches[0], operands)
+        shapes = jax.eval_shape(branches[0], operands)
+
+        def never(_):
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        return jax.lax.cond(total >= 0, branches[0], never, operands)
     index = jnp.minimum(jnp.sum(jnp.asarray(buckets) < total), len(buckets) - 1)
     return jax.lax.switch(index, branches, operands)
 
