@@ -26,7 +26,11 @@ from dspark_jax.errors import UserError
 # The GPUs' published figures (NVIDIA's H100 and H200 SXM datasheets: SMs, clocks, memory and
 # bandwidth, L2) and CUDA's per-SM limits for compute capability 9.0, which XLA reads to choose
 # fusions, tile sizes and launch dimensions. CUDA 12.8 and cuDNN 9.8 name the toolkit the
-# programs are compiled for (the GPU machine's own may differ; that changes no layout).
+# programs are compiled for (the GPU machine's own may differ; that changes no layout). The
+# device's driver, runtime and toolkit versions are what a GPU reports to XLA: without them XLA
+# takes the driver for older than CUDA 12.3 and keeps every conditional out of the CUDA graphs
+# it builds (its command buffers), where on a real GPU a conditional whose branches hold only
+# kernels runs inside the graph, without the host reading its predicate back.
 _HOPPER = """
 gpu_device_info {{
   threads_per_block_limit: 1024
@@ -47,6 +51,9 @@ gpu_device_info {{
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
   cuda_compute_capability {{ major: 9 minor: 0 }}
+  driver_version: "12.8.0"
+  runtime_version: "12.8.0"
+  compile_time_toolkit_version: "12.8.0"
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 8 }}

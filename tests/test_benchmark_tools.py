@@ -877,3 +877,61 @@ def test_a_round_reads_the_markov_transition_once_per_draft_position():
         )
         assert expected >= w2.size * itemsize
         assert decode_speed.draft_step_bytes(drafter) == expected, name
+
+
+# A decode program's thunks in miniature, in the layout XLA dumps them
+# (*.thunk_sequence_after_thunk_passes.txt): a graph, then the rounds loop, whose body is a
+# graph and a host-side conditional (its "condition:" label unindented, as XLA writes it); that
+# conditional's larger branch holds a graph and a loop (a search's halvings, once host-side),
+# its other branch a copy; the last conditional sits inside a graph, decided on the device.
+_THUNKS = """\
+000: kCommandBuffer [source       | next=008 (1)]
+    001: kCopy         [source       | next=002 (1)] kCopy
+008: kWhile         [prev=000 (1) | sink        ]
+condition:
+    009: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source       | next=781 (1)]
+        010: kCustomKernel [source        | next=025 (15)] input_reduce_fusion_163
+    781: kConditional   [prev=000 (1) | next=000 (1)]
+      false_branch:
+        000: kCommandBuffer [source       | next=711 (1)]
+            030: kCustomKernel [source       | next=038 (8) ] input_reduce_fusion_159
+        700: kWhile        [prev=699 (1) | next=709 (1)]
+condition:
+            701: kCustomKernel [source | sink] loop_compare_fusion
+          body:
+            000: kCommandBuffer [source | sink]
+                702: kCustomKernel [source | sink] input_reduce_fusion_1
+      true_branch:
+        710: kCopy [source | sink] kCopy
+    000: kCommandBuffer [prev=781 (1) | sink        ]
+        743: kConditional  [prev=738 (1) | sink        ]
+          false_branch:
+            No thunks.              true_branch:
+            744: kCustomKernel [source | sink] loop_select_fusion
+"""
+
+
+def test_host_syncs_counts_the_control_flow_left_to_the_host(tmp_path):
+    import host_syncs
+
+    counts = host_syncs.report(host_syncs.parse(_THUNKS))
+    # Everywhere: the rounds loop and the search's loop; one conditional (the one in a graph
+    # does not count); the graphs launched from the host: the first, and in the round its
+    # first, the branch's, the search loop's body's and its last.
+    assert counts["whole"] == {"conditionals": 1, "loops": 2, "graphs": 5}
+    assert counts["round"] == {"conditionals": 1, "loops": 1, "graphs": 4}
+    # The fewest: the conditional's copy branch, so no search loop and no graph in it.
+    assert counts["round_fewest"] == {"conditionals": 1, "loops": 0, "graphs": 2}
+    assert counts["whole_fewest"] == {"conditionals": 1, "loops": 1, "graphs": 3}
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / f"module_0001.jit_decode{host_syncs.SUFFIX}").write_text(_THUNKS)
+    out = tmp_path / "syncs.json"
+    done = _script("host_syncs.py", str(dump), "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(out.read_text())["round"] == counts["round"]
+    assert "one round, fewest" in done.stdout
+    _one_line_error(_script("host_syncs.py", str(tmp_path)), "thunk_sequence_after_thunk_passes")
