@@ -11,7 +11,10 @@ compiles that side alone -- the lm head over the packed tokens (float32 logits, 
 - every [rows, V] array the round writes, every round (greedy and temperature-only rounds
   included) or only inside a conditional, and at most how much of them is read back;
 - for each halving loop of the top-k / top-p cutoff search (`sampling._row_cutoffs`, one per
-  block of 8, 64 or all rows), the [rows, V] bytes each pass carries and reads, times its passes.
+  block of 8, 64 or all rows), the [rows, V] bytes each pass carries and reads, times its passes
+  (on the CPU; for a GPU the search is written out, no loop);
+- the reductions over [rows, V] arrays outside loops, by rows, and the bytes of [rows, V]
+  operands they read: for a GPU, where the search's 32 halvings per filter are among them.
 
 By default it compiles for an H100 without one (benchmarks/deviceless.py; needs
 `pip install "jax[cuda12]"`, no GPU); `--platform here` compiles for this machine's backend.
@@ -66,10 +69,19 @@ class Loop:
 
 
 @dataclass
+class Reductions:
+    rows: int  # the rows they reduce (their output's first dimension)
+    count: int  # reduction kernels (XLA's input fusions) reading [*, V] arrays, outside loops
+    mb_each: float  # the most [*, V] bytes one of them reads (a gathering one: all it gathers from)
+    mb: float  # all of them together
+
+
+@dataclass
 class Traffic:
     writes: list[Write]
     read_back_mb: float  # of the arrays written, by the passes outside the search's loops
     loops: list[Loop]
+    reductions: list[Reductions]
 
 
 def analyse(hlo: str, vocab: int) -> Traffic:
@@ -84,6 +96,12 @@ def analyse(hlo: str, vocab: int) -> Traffic:
         branches.update(b.strip().lstrip("%") for b in group.split(","))
     for key in ("true_computation", "false_computation"):
         branches.update(re.findall(key + r"=%?([\w.\-]+)", hlo))
+    params = {}  # computation -> its parameters' shapes (its header's text)
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head and " = " not in line:
+            params[head.group(1)] = line[line.find("(") : line.rfind("->")]
+    reductions: dict[int, list[int]] = {}  # rows -> bytes each reduction reads
     bodies = {}  # while body computation -> (carried shape text, trip count)
     written: dict[str, int] = {}
     writes, loops, read_back = [], [], 0
@@ -104,13 +122,21 @@ def analyse(hlo: str, vocab: int) -> Traffic:
             continue
         if op not in ("fusion", "custom-call", "dot", "reduce", "sort", "copy"):
             continue
+        kind = _KIND.search(rest)
+        if op == "fusion" and kind and kind.group(1) == "kInput" and current not in bodies:
+            called = re.search(r"calls=%?([\w.\-]+)", rest).group(1)
+            read = vocab_bytes(params.get(called, ""), vocab)
+            out = _ARRAY.findall(shape)
+            if read and out and out[0][1]:
+                # The rows it reduces: its output's first dimension (an operand may be a
+                # larger array it gathers rows of, counted whole).
+                reductions.setdefault(int(out[0][1].split(",")[0]), []).append(read)
         if current not in bodies:
             for operand in operands.split(","):
                 read_back += written.get(operand.strip().lstrip("%"), 0)
         size = vocab_bytes(shape, vocab)
         if size and current not in bodies:
             written[name] = size
-            kind = _KIND.search(rest)
             label = kind.group(1) if op == "fusion" and kind else op
             writes.append(Write(label, shape, size / 1e6, current in branches))
     for shape, trips in bodies.values():
@@ -120,7 +146,9 @@ def analyse(hlo: str, vocab: int) -> Traffic:
             rows = int(_ARRAY.findall(arrays[0])[0][1].split(",")[0])
             loops.append(Loop(rows, trips, " ".join(arrays), carried / 1e6, carried * trips / 1e6))
     loops.sort(key=lambda loop: (loop.rows, loop.mb))
-    return Traffic(writes, read_back / 1e6, loops)
+    reduced = [Reductions(rows, len(b), max(b) / 1e6, sum(b) / 1e6)
+               for rows, b in sorted(reductions.items())]
+    return Traffic(writes, read_back / 1e6, loops, reduced)
 
 
 def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device):
@@ -193,7 +221,14 @@ def main() -> int:
         jnp.dtype(args.dtype),
         device,
     )
-    traffic = analyse(fn.lower(*shapes).compile().as_text(), args.vocab)
+    # Traced as for a GPU when compiling for one (`absent_gpu_target`): the library makes some
+    # choices for the backend it traces for (the cutoff search written out, for one).
+    from dspark_jax.decoding.engine import absent_gpu_target
+
+    platforms = ("cuda",) if args.platform in GPUS else None
+    with absent_gpu_target(platforms, device.device_kind):
+        lowered = fn.trace(*shapes).lower(lowering_platforms=platforms)
+    traffic = analyse(lowered.compile().as_text(), args.vocab)
     rows = args.slots * (args.gamma + 1)
     print(f"{device.device_kind}, {rows} verified rows x V {args.vocab}, {args.dtype} lm head "
           f"(float32 logits), commit {git_commit()}")
@@ -211,6 +246,13 @@ def main() -> int:
     for loop in traffic.loops:
         print(f"  block {loop.rows:4d}: {loop.passes} passes x {loop.mb_per_pass:7.1f} MB "
               f"({loop.carried}) = {loop.mb:8.1f} MB")
+    if not traffic.loops:
+        print("  none (written out: its halvings are among the reductions below)")
+    print("reductions of [rows, V] outside loops (kernels; the [*, V] operands' bytes, whole even "
+          "where a few rows are gathered):")
+    for r in traffic.reductions:
+        print(f"  rows {r.rows:4d}: {r.count:4d} reductions, at most {r.mb_each:7.1f} MB each, "
+              f"{r.mb:8.1f} MB in all")
     if args.json:
         write_json(args.json, {
             "device": device.device_kind, "commit": git_commit(), "rows": rows,

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.errors import UserError, as_integer
+from dspark_jax.models.layers import target_backend
 
 STREAM_DRAFT = 0
 STREAM_ACCEPT = 1
@@ -138,17 +139,49 @@ def _key_values(keys: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.where(keys < 0, ~(keys ^ _SIGN), keys), jnp.float32)
 
 
-def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array) -> jax.Array:
-    """Per row, the smallest int32 key t in [lo, hi] where `holds(t)` [..., 1] is true, for a
-    predicate that is false below some key and true from it on, and true at `hi`: 32 halvings."""
+def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array, unroll: bool | None = None
+                  ) -> jax.Array:
+    """Per row, the smallest int32 key t in [lo, hi] where `holds(t, step_x1)` [..., 1] is
+    true, for a predicate that is false below some key and true from it on, and true at `hi`:
+    32 halvings.
 
-    def halve(_, bounds):
+    `unroll` (None: for a GPU, `layers.target_backend()`) writes the halvings out. On a GPU a
+    loop's every trip ends with the host reading its predicate back before it launches the
+    next (XLA's CUDA graphs hold conditionals but not loops, by default): a row that filters
+    cost 32 round trips to the host per filter at every place a round samples, and a loop
+    anywhere inside the round's conditionals (the token buckets, the filters' switch) kept
+    those conditionals out of the graph too, a round trip each in every round whether or not
+    a row filters. Written out, the halvings are 32 reductions in the graph. On the CPU the
+    loop stays: written out it costs compile time and saves nothing. The same halvings either
+    way, so the same cutoffs.
+
+    `step_x1` is None in the loop. Written out, it is a per-row boolean, false wherever the
+    caller's values matter (lo > hi: the bounds never cross where the predicate holds at
+    `hi`; in a row where it does not -- a filter the row does not use, whose result is
+    discarded -- they can, and from then on `hi` no longer moves, whatever the predicate
+    says), but not known to XLA: `holds` makes what it computes from the values depend on it
+    (`_row_cutoffs`: the divisor NaN where it is true), so that each step's expression is its
+    own. XLA eliminates common subexpressions before it fuses: 32 identical steps' keys and
+    probabilities of the values would become [rows, V] arrays written once and read by every
+    step (at 64 slots 0.6 GB of temporaries, each step reading 8 bytes a value instead of the
+    logits' 4). An optimisation barrier does not stop that: XLA's GPU pipeline removes
+    barriers before it eliminates common subexpressions.
+    """
+    if unroll is None:
+        unroll = target_backend() == "gpu"
+
+    def halve(bounds):
         lo, hi = bounds
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-        ok = holds(mid)
+        ok = holds(mid, lo > hi if unroll else None)
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-    return jax.lax.fori_loop(0, 32, halve, (lo_x1, hi_x1))[1]
+    bounds = (lo_x1, hi_x1)
+    if not unroll:
+        return jax.lax.fori_loop(0, 32, lambda _, b: halve(b), bounds)[1]
+    for _ in range(32):
+        bounds = halve(bounds)
+    return bounds[1]
 
 
 def _row_cutoffs(
@@ -180,10 +213,18 @@ def _row_cutoffs(
     """
     vocab = values_xv.shape[-1]
 
-    def values():
-        if temperature_x is None:
+    def values(step_x1=None):
+        """The float32 values (logits / temperature); given a search step's `step_x1` (see
+        `_smallest_key`), divided by a divisor that is NaN where it is true: bitwise the same
+        values, as an expression of that step's own."""
+        if temperature_x is None and step_x1 is None:
             return values_xv.astype(jnp.float32)
-        return _scaled(values_xv, temperature_x)
+        divisor_x1 = jnp.ones((values_xv.shape[0], 1), jnp.float32)
+        if temperature_x is not None:
+            divisor_x1 = temperature_x[:, None].astype(jnp.float32)
+        if step_x1 is not None:
+            divisor_x1 = jnp.where(step_x1, jnp.nan, divisor_x1)
+        return values_xv.astype(jnp.float32) / divisor_x1
 
     keys_xv = _ordered_keys(values())
     lo_x1 = jnp.min(keys_xv, axis=-1, keepdims=True)
@@ -196,10 +237,11 @@ def _row_cutoffs(
 
     def kth_value():
         # The k-th largest value: the smallest t with fewer than k values above it.
-        def above(t_x1):
-            return jnp.sum(_ordered_keys(values()) > t_x1, axis=-1, keepdims=True) < k_x1
+        def above(t_x1, step_x1):
+            return jnp.sum(_ordered_keys(values(step_x1)) > t_x1, axis=-1, keepdims=True) < k_x1
 
-        return jnp.where(use_k_x1, _key_values(_smallest_key(above, lo_x1, hi_x1)), -jnp.inf)
+        kth_key_x1 = _smallest_key(above, lo_x1, hi_x1)
+        return jnp.where(use_k_x1, _key_values(kth_key_x1), -jnp.inf)
 
     kth_x1 = jax.lax.cond(jnp.any(use_k_x1), kth_value, lambda: off_x1)
 
@@ -208,16 +250,17 @@ def _row_cutoffs(
         in_k_xv = scaled >= kth_x1
         log_norm_x1 = jax.nn.logsumexp(jnp.where(in_k_xv, scaled, -jnp.inf), -1, keepdims=True)
 
-        def below(t_x1):
+        def below(t_x1, step_x1):
             # mass strictly above t, below top_p
-            x_xv = values()
+            x_xv = values(step_x1)
             prob_xv = jnp.where(x_xv >= kth_x1, jnp.exp(x_xv - log_norm_x1), 0.0)
             mass_x1 = jnp.sum(
                 jnp.where(_ordered_keys(x_xv) > t_x1, prob_xv, 0.0), axis=-1, keepdims=True
             )
             return mass_x1 < p_x1
 
-        return jnp.where(use_p_x1, _key_values(_smallest_key(below, lo_x1, hi_x1)), -jnp.inf)
+        cut_key_x1 = _smallest_key(below, lo_x1, hi_x1)
+        return jnp.where(use_p_x1, _key_values(cut_key_x1), -jnp.inf)
 
     p_cut_x1 = jax.lax.cond(jnp.any(use_p_x1), p_cut, lambda: off_x1)
     return jnp.maximum(kth_x1, p_cut_x1)

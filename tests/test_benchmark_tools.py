@@ -774,9 +774,11 @@ def test_vocab_traffic_reads_the_arrays_a_round_moves_over_the_vocabulary(tmp_pa
 def test_a_verification_compiled_for_an_h100_writes_its_logits_once(tmp_path):
     """XLA's GPU compiler, 512 verified rows at Qwen3's vocabulary: the lm head's float32
     logits are the only [512, V] array a round writes (a copy divided by the temperature was
-    written too before 2026-11-28: an operand of the cutoff search's conditional), and every
-    halving pass of the search reads those logits alone (top-p passes read int32 keys and
-    float32 probabilities, twice the bytes, before)."""
+    written too before 2026-11-28: an operand of the cutoff search's conditional). The search
+    is written out for a GPU (no loop: 2026-11-29), each block's halvings reductions of their
+    own, and each of them reads the logits alone: no [rows, V] keys or probabilities written
+    once for all of them (XLA merged the written-out steps into such arrays until each step's
+    values became an expression of its own), at most one [rows, V] mask beside them."""
     out = tmp_path / "traffic.json"
     done = _script("vocab_traffic.py", "--hidden", "256", "--json", str(out), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -785,9 +787,18 @@ def test_a_verification_compiled_for_an_h100_writes_its_logits_once(tmp_path):
     assert [s for s in every if s.startswith(("f32[512,", "s32[512,", "bf16[512,"))] == [
         "f32[512,151936]{1,0}"
     ], every
-    assert {loop["rows"] for loop in report["loops"]} >= {8, 64, 512}
-    for loop in report["loops"]:
-        assert loop["carried"] == f"f32[{loop['rows']},151936]", loop
+    assert report["loops"] == []
+    reductions = {r["rows"]: r for r in report["reductions"]}
+    assert set(reductions) >= {8, 64, 512}, reductions
+    for rows in (8, 64, 512):
+        # Two filters' 32 halvings, the row's bounds and the top-p normaliser.
+        assert reductions[rows]["count"] >= 2 * 32, reductions[rows]
+    # The whole batch's steps read the float32 logits (311 MB), one of them a mask beside.
+    assert reductions[512]["mb_each"] <= (512 * 151936 * (4 + 1)) / 1e6, reductions[512]
+    written_in_branches = [w["shape"] for w in report["writes"] if w["branch"]]
+    assert not [w for w in written_in_branches if w.startswith(("s32[512,", "f32[512,"))], (
+        written_in_branches
+    )
 
 
 # A decode program's shape in miniature (written by hand, in XLA's text format): the rounds

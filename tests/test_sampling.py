@@ -421,6 +421,47 @@ def test_logits_enter_the_cutoff_search_as_they_come():
         assert all(a.dtype == jnp.bfloat16 for a in large), (eqn.primitive.name, large)
 
 
+@pytest.mark.parametrize("vocab", [151, 4096])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_search_written_out_for_a_gpu_finds_the_loops_cutoffs(vocab, dtype, monkeypatch):
+    """For a GPU the cutoff search's 32 halvings are written out (no loop, whose every trip
+    would be a round trip to the host) and each step reads the values afresh; here, on the
+    CPU, that program gives bitwise the loop's cutoffs: ties, -inf, a row of one value tied
+    throughout and one of a single finite value, top-k of 0, 1, V - 1, V and more, top-p down
+    to 1e-6, with and without temperatures."""
+    from dspark_jax import sampling
+
+    rng = np.random.default_rng(vocab)
+    rows = 48
+    x = rng.normal(scale=3.0, size=(rows, vocab)).astype(np.float32)
+    x[:, ::7] = np.round(x[:, ::7])  # ties
+    x[rng.random((rows, vocab)) < 0.05] = -np.inf
+    x[0] = 1.0
+    x[1] = -np.inf
+    x[1, 3] = 2.0
+    top_k = rng.choice([0, 1, 2, 5, 50, vocab - 1, vocab, vocab + 5], size=rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.999999, 0.95, 0.5, 0.3, 1e-6], size=rows).astype(np.float32)
+    temperature = rng.choice([0.3, 1.0, 1.7], size=rows).astype(np.float32)
+    args = (jnp.asarray(x, dtype), jnp.asarray(top_k), jnp.asarray(top_p))
+
+    def cutoffs():  # a new function for each trace: JAX would reuse a function's first trace
+        return lambda *args: sampling._row_cutoffs(*args)
+
+    def loops(*args):
+        ops = _ops(jax.make_jaxpr(cutoffs())(*args).jaxpr)
+        return [e.primitive.name for e in ops if e.primitive.name in ("scan", "while")]
+
+    for extra in ((), (jnp.asarray(temperature),)):
+        looped = jax.jit(cutoffs())(*args, *extra)
+        assert loops(*args, *extra) == ["scan", "scan"]  # top-k's and top-p's
+        with monkeypatch.context() as patch:
+            patch.setattr(sampling, "target_backend", lambda: "gpu")
+            assert loops(*args, *extra) == []
+            written_out = jax.jit(cutoffs())(*args, *extra)
+        np.testing.assert_array_equal(written_out, looped)
+        assert 0 < np.isfinite(np.asarray(looped)).sum() < rows  # most rows filter, not all
+
+
 def test_cutoffs_follow_the_temperature_and_take_16_bit_logits():
     """Scaling inside the search gives bitwise the cutoffs of logits scaled beforehand, and bf16
     logits the cutoffs of the same values in float32."""
