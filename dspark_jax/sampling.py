@@ -164,8 +164,9 @@ def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array, unroll: bool | None
     own. XLA eliminates common subexpressions before it fuses: 32 identical steps' keys and
     probabilities of the values would become [rows, V] arrays written once and read by every
     step (at 64 slots 0.6 GB of temporaries, each step reading 8 bytes a value instead of the
-    logits' 4). An optimisation barrier does not stop that: XLA's GPU pipeline removes
-    barriers before it eliminates common subexpressions.
+    logits' 4). Passing the values through an optimisation barrier at each step did not stop
+    that (tried on a variant of this search compiled for an H200: the keys and probabilities
+    were still written out as [rows, V] arrays).
     """
     if unroll is None:
         unroll = target_backend() == "gpu"
