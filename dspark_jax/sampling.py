@@ -218,14 +218,13 @@ def _row_cutoffs(
         """The float32 values (logits / temperature); given a search step's `step_x1` (see
         `_smallest_key`), divided by a divisor that is NaN where it is true: bitwise the same
         values, as an expression of that step's own."""
-        if temperature_x is None and step_x1 is None:
-            return values_xv.astype(jnp.float32)
-        divisor_x1 = jnp.ones((values_xv.shape[0], 1), jnp.float32)
-        if temperature_x is not None:
-            divisor_x1 = temperature_x[:, None].astype(jnp.float32)
+        divisor_x = temperature_x
         if step_x1 is not None:
-            divisor_x1 = jnp.where(step_x1, jnp.nan, divisor_x1)
-        return values_xv.astype(jnp.float32) / divisor_x1
+            one_x = jnp.ones(values_xv.shape[:1], jnp.float32)
+            divisor_x = jnp.where(step_x1[:, 0], jnp.nan, one_x if divisor_x is None else divisor_x)
+        if divisor_x is None:
+            return values_xv.astype(jnp.float32)
+        return _scaled(values_xv, divisor_x)
 
     keys_xv = _ordered_keys(values())
     lo_x1 = jnp.min(keys_xv, axis=-1, keepdims=True)

@@ -459,7 +459,7 @@ def test_the_search_written_out_for_a_gpu_finds_the_loops_cutoffs(vocab, dtype, 
             assert loops(*args, *extra) == []
             written_out = jax.jit(cutoffs())(*args, *extra)
         np.testing.assert_array_equal(written_out, looped)
-        assert 0 < np.isfinite(np.asarray(looped)).sum() < rows  # most rows filter, not all
+        assert 0 < np.isfinite(np.asarray(looped)).sum() < rows  # some rows filter, not all
 
 
 def test_cutoffs_follow_the_temperature_and_take_16_bit_logits():
