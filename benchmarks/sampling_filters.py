@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from provenance import Parser, git_commit, output_file, positive_int, run_main, write_json
 
+from dspark_jax.models.layers import compiler_options
 from dspark_jax.sampling import RowSampling, filtered_logprobs
 
 # (label, temperature, top_k, top_p, rows using them): None = every row; the other rows sample at
@@ -73,7 +74,9 @@ def main() -> None:
     if args.json:
         output_file(args.json, "--json")
     logits = jax.random.normal(jax.random.key(0), (args.rows, args.vocab), jnp.float32) * 3
-    filt = jax.jit(filtered_logprobs)
+    # Compiled as the engine compiles its programs: on an NVIDIA GPU the cutoff search's loops
+    # run inside the CUDA graph (layers.compiler_options).
+    filt = jax.jit(filtered_logprobs, compiler_options=compiler_options(jax.devices()[0]))
     sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
     mixes = [mix for mix in MIXES if mix[-1] is None or mix[-1] < args.rows]
     calls = [(filt, logits, rows_for(mix, args.rows)) for mix in mixes] + [(sort, logits)]

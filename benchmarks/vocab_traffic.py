@@ -181,7 +181,9 @@ def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device)
         shape((slots, gamma + 1), jnp.int32), shape((slots,), jnp.int32),
         shape((slots, 2), jnp.uint32), shape((slots,), jnp.int32), shape((slots, 4), jnp.int32),
     )
-    return jax.jit(round_), args
+    from dspark_jax.models.layers import compiler_options
+
+    return jax.jit(round_, compiler_options=compiler_options(device)), args
 
 
 def main() -> int:
@@ -222,7 +224,7 @@ def main() -> int:
         device,
     )
     # Traced as for a GPU when compiling for one (`absent_gpu_target`): the library makes some
-    # choices for the backend it traces for (the cutoff search written out, for one).
+    # choices for the backend it traces for (whether the cutoff search is a loop, for one).
     from dspark_jax.decoding.engine import absent_gpu_target
 
     platforms = ("cuda",) if args.platform in GPUS else None

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.errors import UserError, as_integer
-from dspark_jax.models.layers import target_backend
+from dspark_jax.models.layers import graph_loops, target_backend
 
 STREAM_DRAFT = 0
 STREAM_ACCEPT = 1
@@ -145,15 +145,16 @@ def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array, unroll: bool | None
     true, for a predicate that is false below some key and true from it on, and true at `hi`:
     32 halvings.
 
-    `unroll` (None: for a GPU, `layers.target_backend()`) writes the halvings out. On a GPU a
-    loop's every trip ends with the host reading its predicate back before it launches the
-    next (XLA's CUDA graphs hold conditionals but not loops, by default): a row that filters
+    `unroll` (None: for a GPU whose programs do not take loops into their CUDA graphs,
+    `layers.graph_loops`) writes the halvings out. There a loop's every trip would end with
+    the host reading its predicate back before it launches the next: a row that filters would
     cost 32 round trips to the host per filter at every place a round samples, and a loop
-    anywhere inside the round's conditionals (the token buckets, the filters' switch) kept
-    those conditionals out of the graph too, a round trip each in every round whether or not
-    a row filters. Written out, the halvings are 32 reductions in the graph. On the CPU the
-    loop stays: written out it costs compile time and saves nothing. The same halvings either
-    way, so the same cutoffs.
+    anywhere inside the round's conditionals (the token buckets, the filters' switch) would
+    keep those conditionals out of the graph too, a round trip each in every round whether or
+    not a row filters. Written out, the halvings are 32 reductions in the graph, at twice the
+    compile time of a speculative program. Where loops are recorded into the graph (an NVIDIA
+    GPU by default, `layers.compiler_options`, which the engine's programs are compiled with)
+    and on the CPU, the loop stays. The same halvings either way, so the same cutoffs.
 
     `step_x1` is None in the loop. Written out, it is a per-row boolean, false wherever the
     caller's values matter (lo > hi: the bounds never cross where the predicate holds at
@@ -169,7 +170,7 @@ def _smallest_key(holds, lo_x1: jax.Array, hi_x1: jax.Array, unroll: bool | None
     were still written out as [rows, V] arrays).
     """
     if unroll is None:
-        unroll = target_backend() == "gpu"
+        unroll = target_backend() == "gpu" and not graph_loops()
 
     def halve(bounds):
         lo, hi = bounds

@@ -771,34 +771,43 @@ def test_vocab_traffic_reads_the_arrays_a_round_moves_over_the_vocabulary(tmp_pa
     importlib.util.find_spec("jax_cuda12_plugin") is None,
     reason='compiling for a GPU without one needs pip install "jax[cuda12]"',
 )
-def test_a_verification_compiled_for_an_h100_writes_its_logits_once(tmp_path):
+def test_a_verification_compiled_for_an_h100_writes_its_logits_once(tmp_path, monkeypatch):
     """XLA's GPU compiler, 512 verified rows at Qwen3's vocabulary: the lm head's float32
     logits are the only [512, V] array a round writes (a copy divided by the temperature was
     written too before 2026-11-28: an operand of the cutoff search's conditional). The search
-    is written out for a GPU (no loop: 2026-11-29), each block's halvings reductions of their
-    own, and each of them reads the logits alone: no [rows, V] keys or probabilities written
-    once for all of them (XLA merged the written-out steps into such arrays until each step's
-    values became an expression of its own), at most one [rows, V] mask beside them."""
-    out = tmp_path / "traffic.json"
-    done = _script("vocab_traffic.py", "--hidden", "256", "--json", str(out), timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads(out.read_text())
-    every = [w["shape"] for w in report["writes"] if not w["branch"]]
-    assert [s for s in every if s.startswith(("f32[512,", "s32[512,", "bf16[512,"))] == [
-        "f32[512,151936]{1,0}"
-    ], every
-    assert report["loops"] == []
-    reductions = {r["rows"]: r for r in report["reductions"]}
-    assert set(reductions) >= {8, 64, 512}, reductions
-    for rows in (8, 64, 512):
-        # Two filters' 32 halvings, the row's bounds and the top-p normaliser.
-        assert reductions[rows]["count"] >= 2 * 32, reductions[rows]
-    # The whole batch's steps read the float32 logits (311 MB), one of them a mask beside.
-    assert reductions[512]["mb_each"] <= (512 * 151936 * (4 + 1)) / 1e6, reductions[512]
-    written_in_branches = [w["shape"] for w in report["writes"] if w["branch"]]
-    assert not [w for w in written_in_branches if w.startswith(("s32[512,", "f32[512,"))], (
-        written_in_branches
-    )
+    is a loop of 32 halvings per filter and block of filtering rows (recorded into the CUDA
+    graph), each reading the logits alone; where loops stay out of the graphs
+    (DSPARK_JAX_GRAPH_LOOPS=0) it is written out, each block's halvings reductions of their
+    own, and each of them reads the logits alone too: no [rows, V] keys or probabilities
+    written once for all of them (XLA merged the written-out steps into such arrays until each
+    step's values became an expression of its own), at most one [rows, V] mask beside them."""
+    written = {}
+    for loops in ("1", "0"):
+        monkeypatch.setenv("DSPARK_JAX_GRAPH_LOOPS", loops)
+        out = tmp_path / f"traffic_{loops}.json"
+        done = _script("vocab_traffic.py", "--hidden", "256", "--json", str(out), timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        report = json.loads(out.read_text())
+        every = [w["shape"] for w in report["writes"] if not w["branch"]]
+        assert [s for s in every if s.startswith(("f32[512,", "s32[512,", "bf16[512,"))] == [
+            "f32[512,151936]{1,0}"
+        ], every
+        written[loops] = [w["shape"] for w in report["writes"] if w["branch"]]
+        if loops == "1":
+            searches = sorted((x["rows"], x["passes"], x["carried"]) for x in report["loops"])
+            assert searches == [(rows, 32, f"f32[{rows},151936]") for rows in (8, 8, 64, 64)] + [
+                (512, 32, "f32[512,151936]")] * 2, report["loops"]  # fmt: skip
+            continue
+        assert report["loops"] == []
+        reductions = {r["rows"]: r for r in report["reductions"]}
+        assert set(reductions) >= {8, 64, 512}, reductions
+        for rows in (8, 64, 512):
+            # Two filters' 32 halvings, the row's bounds and the top-p normaliser.
+            assert reductions[rows]["count"] >= 2 * 32, reductions[rows]
+        # The whole batch's steps read the float32 logits (311 MB), one of them a mask beside.
+        assert reductions[512]["mb_each"] <= (512 * 151936 * (4 + 1)) / 1e6, reductions[512]
+    for shapes in written.values():
+        assert not [w for w in shapes if w.startswith(("s32[512,", "f32[512,"))], shapes
 
 
 # A decode program's shape in miniature (written by hand, in XLA's text format): the rounds
@@ -946,3 +955,31 @@ def test_host_syncs_counts_the_control_flow_left_to_the_host(tmp_path):
     assert json.loads(out.read_text())["round"] == counts["round"]
     assert "one round, fewest" in done.stdout
     _one_line_error(_script("host_syncs.py", str(tmp_path)), "thunk_sequence_after_thunk_passes")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason='compiling for a GPU without one needs pip install "jax[cuda12]"',
+)
+@pytest.mark.parametrize("graph_loops", ["1", "0"])
+def test_a_decode_chunk_compiled_for_an_h200_is_one_cuda_graph(tmp_path, monkeypatch, graph_loops):
+    """XLA's GPU compiler, the speculative engine at 1 slot (Qwen3-4B shapes, a CUDA 12.8
+    driver described): nothing in a decode chunk is decided on the host. By default its loops
+    (the rounds, the sampling filters' searches) and conditionals are recorded into one CUDA
+    graph; with DSPARK_JAX_GRAPH_LOOPS=0 XLA's defaults keep loops out of graphs, and the
+    engine's only loop is the rounds loop, the searches written out. About a minute."""
+    import host_syncs
+
+    monkeypatch.setenv("DSPARK_JAX_GRAPH_LOOPS", graph_loops)
+    dump = tmp_path / "dump"
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=NONE")
+    done = _script("lowering_time.py", "--platform", "h200", "--compile", "--slots", "1",
+                   "--programs", "decode_chunk", timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (path,) = dump.glob(f"*jit_decode{host_syncs.SUFFIX}")
+    counts = host_syncs.report(host_syncs.parse(path.read_text()))
+    if graph_loops == "1":
+        assert counts["whole"] == {"conditionals": 0, "loops": 0, "graphs": 1}, counts
+    else:  # the rounds loop's test, and its body one graph
+        assert counts["whole"] == {"conditionals": 0, "loops": 1, "graphs": 2}, counts
+        assert counts["round"] == {"conditionals": 0, "loops": 0, "graphs": 1}, counts

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ from flax import nnx
 
 from dspark_jax.decoding.engine import Engine, EngineConfig, absent_gpu_target
 from dspark_jax.models import attention as attn
-from dspark_jax.models import qwen3
+from dspark_jax.models import layers, qwen3
+from dspark_jax.models.layers import GRAPH_LOOPS_ENV
 from dspark_jax.models.qwen3 import Qwen3
 
 CFG = EngineConfig(
@@ -57,17 +59,54 @@ def test_engine_programs_lower_for_cuda_with_the_triton_kernels(speculative, pag
         # Nothing leaves the device inside a program: no Python callbacks, no host transfers.
         assert not [c for c in calls if "callback" in c], (name, calls)
         assert not re.search(r"stablehlo\.(send|recv|infeed|outfeed)\b", text), name
-        # No loop but the decode program's rounds: on a GPU each trip of a loop is a round trip
-        # to the host, and a loop inside a conditional keeps that conditional out of XLA's CUDA
-        # graphs too (benchmarks/host_syncs.py; the sampling filters' searches were loops).
-        loops = text.count("stablehlo.while")
-        assert loops == (name == "decode_chunk"), (name, loops)
         if name.startswith(("decode", "prefill")):
             # Attention is the Triton kernels (one call per layer and part), not a fallback.
             assert calls and set(calls) == {TRITON}, (name, sorted(set(calls)))
         if name != "init":
             # The slot state is donated: every leaf's buffer is reused for its output.
             assert text.count("tf.aliasing_output") == state_leaves, name
+
+
+def test_where_loops_stay_out_of_cuda_graphs_a_program_holds_only_the_rounds_loop(monkeypatch):
+    """With DSPARK_JAX_GRAPH_LOOPS=0 XLA's CUDA graphs take no loop: each trip of one is then a
+    round trip to the host, and a loop inside a conditional keeps that conditional out of the
+    graphs too (benchmarks/host_syncs.py). Lowered for a GPU, no program holds a loop but the
+    decode program's rounds: the sampling filters' searches are written out."""
+    monkeypatch.setenv(GRAPH_LOOPS_ENV, "0")
+    target, drafter = load_pair("vanilla")
+    for speculative in (False, True):
+        engine = Engine(target, drafter if speculative else None, CFG)
+        for name, program in engine.lower(platforms=("cuda",)).items():
+            loops = program.as_text().count("stablehlo.while")
+            assert loops == (name == "decode_chunk"), (speculative, name, loops)
+
+
+def test_an_nvidia_gpus_programs_take_loops_into_cuda_graphs(monkeypatch):
+    """The engine compiles its programs for an NVIDIA GPU with loops and conditionals recorded
+    into CUDA graphs (the driver decides them: a decode chunk is one launch); XLA's defaults
+    elsewhere, and where DSPARK_JAX_GRAPH_LOOPS=0. Lowered for such a GPU, the sampling filters'
+    searches stay loops (written out, they doubled a speculative program's compile time)."""
+
+    def device(platform, kind):
+        return types.SimpleNamespace(platform=platform, device_kind=kind)
+
+    h200 = device("gpu", "NVIDIA H200")
+    options = layers.compiler_options(h200)
+    kinds = options["xla_gpu_enable_command_buffer"].split(",")
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS", "CUDNN", "CUSTOM_CALL"} <= set(kinds)
+    assert layers.compiler_options(device("gpu", "AMD Instinct MI300X")) is None
+    assert layers.compiler_options(device("cpu", "cpu")) is None
+    assert layers.compiler_options(device("tpu", "TPU v5 lite")) is None
+    target, drafter = load_pair("vanilla")
+    engine = Engine(target, drafter, CFG)
+    assert engine.compiler_options is None  # this CPU
+    decode = engine.lower(platforms=("cuda",))["decode_chunk"]
+    assert decode.as_text().count("stablehlo.while") > 1
+    monkeypatch.setenv(GRAPH_LOOPS_ENV, "0")
+    assert layers.compiler_options(h200) is None
+    monkeypatch.setenv(GRAPH_LOOPS_ENV, "yes")
+    with pytest.raises(ValueError, match="DSPARK_JAX_GRAPH_LOOPS='yes'"):
+        layers.compiler_options(h200)
 
 
 @pytest.mark.parametrize(

@@ -424,11 +424,12 @@ def test_logits_enter_the_cutoff_search_as_they_come():
 @pytest.mark.parametrize("vocab", [151, 4096])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_search_written_out_for_a_gpu_finds_the_loops_cutoffs(vocab, dtype, monkeypatch):
-    """For a GPU the cutoff search's 32 halvings are written out (no loop, whose every trip
-    would be a round trip to the host) and each step reads the values afresh; here, on the
-    CPU, that program gives bitwise the loop's cutoffs: ties, -inf, a row of one value tied
-    throughout and one of a single finite value, top-k of 0, 1, V - 1, V and more, top-p down
-    to 1e-6, with and without temperatures."""
+    """For a GPU whose CUDA graphs take no loops (DSPARK_JAX_GRAPH_LOOPS=0) the cutoff search's
+    32 halvings are written out (no loop, whose every trip would be a round trip to the host)
+    and each step reads the values afresh; here, on the CPU, that program gives bitwise the
+    loop's cutoffs: ties, -inf, a row of one value tied throughout and one of a single finite
+    value, top-k of 0, 1, V - 1, V and more, top-p down to 1e-6, with and without
+    temperatures. Where the graphs take loops, the loop stays."""
     from dspark_jax import sampling
 
     rng = np.random.default_rng(vocab)
@@ -456,6 +457,9 @@ def test_the_search_written_out_for_a_gpu_finds_the_loops_cutoffs(vocab, dtype, 
         assert loops(*args, *extra) == ["scan", "scan"]  # top-k's and top-p's
         with monkeypatch.context() as patch:
             patch.setattr(sampling, "target_backend", lambda: "gpu")
+            patch.setattr(sampling, "graph_loops", lambda: True)
+            assert loops(*args, *extra) == ["scan", "scan"]
+            patch.setattr(sampling, "graph_loops", lambda: False)
             assert loops(*args, *extra) == []
             written_out = jax.jit(cutoffs())(*args, *extra)
         np.testing.assert_array_equal(written_out, looped)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,6 +60,7 @@ from dspark_jax.decoding.verify import verify_packed
 from dspark_jax.errors import UserError, as_integer
 from dspark_jax.models import attention, paged
 from dspark_jax.models.drafter import DSparkDrafter
+from dspark_jax.models.layers import compiler_options
 from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.sampling import (
@@ -612,10 +614,14 @@ class Engine:
         self.compile_only = any(map(is_compile_only, local))
         if not self.compile_only:
             _check_memory(self.state_bytes, cfg, local)
-        self._init = jax.jit(init, out_shardings=state_sh)
-        self._prefill = jax.jit(prefill, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
-        self._decode = jax.jit(decode, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
-        self._release = jax.jit(release, donate_argnums=(0,), out_shardings=state_sh)
+        # On an NVIDIA GPU, loops and conditionals go into XLA's CUDA graphs: a decode chunk
+        # is one launch, its rounds, buckets and filters decided on the device (graph_loops).
+        self.compiler_options = compiler_options(local[0])
+        jit = functools.partial(jax.jit, compiler_options=self.compiler_options)
+        self._init = jit(init, out_shardings=state_sh)
+        self._prefill = jit(prefill, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
+        self._decode = jit(decode, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
+        self._release = jit(release, donate_argnums=(0,), out_shardings=state_sh)
         # decode_chunk's flag, on the device once (a host bool would be an implicit transfer
         # per chunk, which jax.transfer_guard could not tell from a leak): replicated on a mesh,
         # uncommitted on the default device otherwise.

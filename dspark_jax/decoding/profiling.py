@@ -179,7 +179,8 @@ def _verify_seconds(
 
         return jax.lax.fori_loop(0, steps, body, (pages, jnp.float32(0)))
 
-    run = jax.jit(run, donate_argnums=(1,))
+    # Compiled as the engine's programs are: on a GPU the steps loop runs inside the CUDA graph.
+    run = jax.jit(run, donate_argnums=(1,), compiler_options=engine.compiler_options)
     box = {"pages": state.target_pages}
 
     def once():

@@ -8,6 +8,7 @@ Linear weights are [out, in]; conversion transposes).
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import jax
@@ -178,6 +179,47 @@ def target_backend() -> str:
     if device is None:
         return jax.default_backend()
     return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+
+
+# Set to 0, XLA's own choice of what goes into CUDA graphs: loops run on the host (see
+# `graph_loops`), and the sampling filters' search is written out instead.
+GRAPH_LOOPS_ENV = "DSPARK_JAX_GRAPH_LOOPS"
+# What XLA:GPU records into CUDA graphs (its command buffers): its defaults (kernels, cuBLAS,
+# cuBLASLt, custom calls, cuDNN, dynamic-slice fusions) with conditionals and while loops.
+_GRAPH_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
+
+
+def graph_loops(device=None) -> bool:
+    """Whether the programs compiled for `device` (None: the target being traced for, as in
+    `target_backend`) run their loops inside CUDA graphs: on an NVIDIA GPU, unless
+    DSPARK_JAX_GRAPH_LOOPS=0.
+
+    XLA:GPU leaves while loops out of its CUDA graphs by default: each trip then ends with the
+    host reading the loop's predicate back before it launches the next, the GPU idle meanwhile,
+    and a conditional with a loop anywhere inside it stays on the host too. With loops recorded
+    (`compiler_options`), the device decides both, and a decode chunk -- its rounds loop, the
+    token-bucket conditionals, the sampling filters' searches -- is one graph launch. Loops in
+    graphs need the driver's conditional graph nodes (CUDA 12.3 or later; with an older
+    driver XLA keeps loops and conditionals on the host, and DSPARK_JAX_GRAPH_LOOPS=0, which
+    writes the sampling filters' searches out, leaves fewer of them there)."""
+    setting = os.environ.get(GRAPH_LOOPS_ENV, "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{GRAPH_LOOPS_ENV}={setting!r}: expected 0 (off) or 1 (on, the default)")
+    if setting == "0":
+        return False
+    if device is None:
+        device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+        if device is None:
+            device = jax.local_devices()[0]
+    return device.platform in ("gpu", "cuda") and device.device_kind.startswith("NVIDIA")
+
+
+def compiler_options(device) -> dict[str, str] | None:
+    """XLA options for a program that runs on `device` (`jax.jit(..., compiler_options=)`):
+    loops and conditionals recorded into CUDA graphs where `graph_loops(device)`, else none."""
+    if not graph_loops(device):
+        return None
+    return {"xla_gpu_enable_command_buffer": _GRAPH_COMMANDS}
 
 
 def causal_attention_impl(dtype, backend: str | None = None) -> str:
