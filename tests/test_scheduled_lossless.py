@@ -78,6 +78,11 @@ SEQ_CFG = EngineConfig(
 SPS_SEQ = 1.0 / (2 * SLOTS + np.arange(SLOTS * 8 + 1))
 
 
+# Slow (1.5 minutes): the whole-sequence test below runs in the default set. Which lengths a
+# round verifies is a function of the drafts' confidences alone, so the verifier keeps the
+# target's law under any such rule; this test checks Algorithm 1's lengths, the one below the
+# asynchronous scheduler's, each with at least five different lengths verified.
+@pytest.mark.slow
 def test_algorithm_1_first_tokens_match_target():
     target, drafter = _models()
     engine = Engine(target, drafter, CFG, policies.PrefixSchedulePolicy(SPS_4096))
