@@ -87,6 +87,8 @@ def test_an_nvidia_gpus_programs_take_loops_into_cuda_graphs(monkeypatch):
     elsewhere, and where DSPARK_JAX_GRAPH_LOOPS=0. Lowered for such a GPU, the sampling filters'
     searches stay loops (written out, they doubled a speculative program's compile time)."""
 
+    monkeypatch.delenv(GRAPH_LOOPS_ENV, raising=False)
+
     def device(platform, kind):
         return types.SimpleNamespace(platform=platform, device_kind=kind)
 
