@@ -171,11 +171,17 @@ def attention(q_bthd, k_bshd, v_bshd, mask_bts, scale: float):
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+def _abstract_target():
+    """The device an abstract mesh context names (a GPU or TPU compiled for without one), or
+    None outside such a context."""
+    return getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+
+
 def target_backend() -> str:
     """The backend a program being traced is for: the platform of the device an abstract mesh
     context names (`jax.sharding.use_abstract_mesh`: how a GPU that is not here is compiled
     for, see `decoding.engine.absent_gpu_target`), else JAX's default backend."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    device = _abstract_target()
     if device is None:
         return jax.default_backend()
     return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
@@ -208,9 +214,7 @@ def graph_loops(device=None) -> bool:
     if setting == "0":
         return False
     if device is None:
-        device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-        if device is None:
-            device = jax.local_devices()[0]
+        device = _abstract_target() or jax.local_devices()[0]
     return device.platform in ("gpu", "cuda") and device.device_kind.startswith("NVIDIA")
 
 
