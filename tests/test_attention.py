@@ -606,6 +606,23 @@ def test_default_impl_by_backend():
     assert attn.default_impl() == backend
 
 
+def test_a_jax_without_the_triton_kernels_defaults_to_pure_jax_on_a_gpu(monkeypatch):
+    """JAX 0.11 deprecates its Pallas Triton backend: where the kernels cannot be imported, the
+    GPU default is the pure-JAX path, with a warning naming the import that failed, rather than
+    an engine that fails to trace. Asking for the kernels by name still reaches the import."""
+    monkeypatch.delenv("DSPARK_JAX_ATTENTION", raising=False)
+
+    def removed():
+        raise ImportError("No module named 'jax.experimental.pallas.triton'")
+
+    monkeypatch.setattr(attn, "_gpu_modules", removed)
+    with pytest.warns(RuntimeWarning, match=r"no Pallas Triton attention kernels .*pallas\.triton"):
+        assert attn.default_impl("gpu") == "jax"
+    assert attn.default_impl("tpu") == "pallas_tpu"
+    monkeypatch.setenv("DSPARK_JAX_ATTENTION", "pallas_gpu")
+    assert attn.default_impl("gpu") == "pallas_gpu"
+
+
 class _FakeGpu:
     platform = "gpu"
 

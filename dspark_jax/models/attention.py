@@ -215,6 +215,16 @@ def default_impl(backend: str | None = None) -> str:
     if backend == "tpu":
         return "pallas_tpu"
     if backend in ("gpu", "cuda", "rocm"):
+        try:
+            _gpu_modules()
+        except ImportError as e:  # a JAX that no longer ships the Triton kernels
+            warnings.warn(
+                f"this JAX ({jax.__version__}) has no Pallas Triton attention kernels ({e}), so "
+                "attention runs as pure JAX",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return "jax"
         return "pallas_gpu"
     return "jax"
 
@@ -806,7 +816,8 @@ def _pallas_tpu(q_thd, pages, layout, page_table_sp, seq_slot_n, rag, scale, cau
 
 
 def _gpu_modules():
-    """The shipped Triton kernels; JAX >= 0.11.1 warns on import that they are deprecated."""
+    """The shipped Triton kernels; JAX >= 0.11.1 warns on import that they are deprecated (the
+    default path falls back to pure JAX on a JAX that no longer has them: `default_impl`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas import triton as plgpu
