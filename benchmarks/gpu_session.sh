@@ -10,7 +10,8 @@
 #   SIZE=tiny JAX_PLATFORMS=cpu STAGES=bench bash benchmarks/gpu_session.sh   # smoke run on CPU
 #
 # STAGES names "tests" (both test stages), "bench" (every benchmark stage) or single stages;
-# they run in one fixed order, that of what the project's aims need: tests_core (the kernels,
+# they run in one fixed order, that of what the project's aims need: preflight (with either
+# group: does the engine decode here as configured, else which fallback), tests_core (the kernels,
 # the engine's exact traces, parity, the verifier, the train step), bandwidth and decode_speed
 # (HBM floor, round/step), train_throughput (MFU), throughput_c64 (the scheduler at
 # concurrency 64), then tests_rest (the other GPU tests), the other tables, throughput (the
@@ -72,12 +73,15 @@ for c in ${levels#* }; do bench_stages+=" throughput_c$c"; done
 bench_stages+=" switch_cost sampling throughput targets"
 test_stages="tests_core tests_rest"
 for name in $stages; do
-  if [[ " tests bench $test_stages $bench_stages " != *" $name "* ]]; then
-    echo "STAGES: no stage named $name (tests, bench, $test_stages, $bench_stages)"; exit 2
+  if [[ " tests bench preflight $test_stages $bench_stages " != *" $name "* ]]; then
+    echo "STAGES: no stage named $name (tests, bench, preflight, $test_stages, $bench_stages)"
+    exit 2
   fi
 done
 want() {
   [[ " $stages " == *" $1 "* ]] && return 0
+  # The preflight comes with the tests and with the benchmarks alike.
+  if [ "$1" = preflight ]; then [[ " $stages " == *" tests "* || " $stages " == *" bench "* ]]; return; fi
   if [[ $1 == tests_* ]]; then [[ " $stages " == *" tests "* ]]; else [[ " $stages " == *" bench "* ]]; fi
 }
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
@@ -141,6 +145,20 @@ export DSPARK_JAX_COMMIT=$commit  # benchmarks/provenance.py reads it where git 
 echo "== $(date -u +%FT%TZ) commit $commit, stages: $stages"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+
+# First, well under a minute where the defaults work: does the engine decode here as configured (Triton attention, loops
+# inside CUDA graphs)? If not, the first documented fallback that does (DSPARK_JAX_GRAPH_LOOPS=0,
+# DSPARK_JAX_ATTENTION=jax, both) holds for every stage after it, so one failing path costs the
+# session that path's verdict, not every test and table (benchmarks/gpu_preflight.py).
+if want preflight; then
+  stage preflight python3 benchmarks/gpu_preflight.py --timeout 90 --env "$out/preflight.env" \
+    --json "$out/preflight.json"
+  if [ -s "$out/preflight.env" ]; then
+    # shellcheck disable=SC1091
+    . "$out/preflight.env"
+    echo "(from here on: $(tr '\n' ' ' < "$out/preflight.env"))"
+  fi
+fi
 
 # The tests that exercise the engine, the kernels and the training step on the GPU: the first
 # part (Pallas kernels natively against the dense reference, the engine's exact greedy traces,

@@ -42,6 +42,7 @@ SESSION_FILES = (
     "attention_paths.json",
     "sps.json",
     "switch_cost.json",
+    "preflight.json",
 )
 # train_throughput.py's MODEL_FLOPS_VERSION whose MFU is judged (that script imports jax; this
 # one does not, so the number is repeated here and a test keeps the two equal).
@@ -214,6 +215,27 @@ def targets(folder: Path) -> list[dict]:
     return [{"name": n, **r} for n, r in zip(names, rows, strict=True)]
 
 
+def preflight_note(folder: Path) -> str | None:
+    """What the session's preflight (gpu_preflight.py) left its stages running with, when that
+    was not the engine's defaults: the numbers then measure a fallback, and the note says so."""
+    report = _load(folder, "preflight.json")
+    if report is None or report.get("chosen") == {}:
+        return None
+    failed = "; ".join(
+        f"{' '.join(f'{k}={v}' for k, v in t['env'].items()) or 'as given'} "
+        f"(status {t['returncode']})"
+        for t in report["tried"]
+        if not t["ok"]
+    )
+    if report.get("chosen") is None:
+        return f"No setting decoded in the preflight ({failed}): every number here ran as given."
+    chosen = " ".join(f"{k}={v}" for k, v in report["chosen"].items())
+    return (
+        f"Measured with {chosen}: the settings as given did not decode here ({failed}; "
+        "preflight.json has their errors)."
+    )
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| target | measured | aim | status | from |", "|---|---:|---|---|---|"]
     for r in rows:
@@ -234,6 +256,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = targets(args.folder)
     print(markdown(rows))
+    note = preflight_note(args.folder)
+    if note:
+        print(f"\n{note}")
     if args.json:
         write_json(args.json, rows)
 

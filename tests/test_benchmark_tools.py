@@ -159,6 +159,27 @@ def test_gpu_session_runs_named_stages_and_ends_with_their_summary(tmp_path):
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def test_preflight_falls_back_to_the_first_setting_that_decodes(tmp_path):
+    """gpu_preflight.py decodes on the embedded pair in a child process per setting: here the
+    settings as given cannot (an unreadable DSPARK_JAX_GRAPH_LOOPS), the first fallback
+    (DSPARK_JAX_GRAPH_LOOPS=0) decodes, so it is what the session is told to export, the
+    status is 1, and the JSON keeps the failing setting's error. About 20 s."""
+    env_file, report = tmp_path / "preflight.env", tmp_path / "preflight.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_preflight.py"), "--env", str(env_file),
+         "--json", str(report)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "DSPARK_JAX_GRAPH_LOOPS": "yes"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert env_file.read_text() == "export DSPARK_JAX_GRAPH_LOOPS=0\n"
+    tried = json.loads(report.read_text())["tried"]
+    assert [t["ok"] for t in tried] == [False, True]
+    assert "DSPARK_JAX_GRAPH_LOOPS='yes'" in tried[0]["error"]
+    assert len(tried[1]["seen"]["greedy_tokens"]) == 24
+    assert "the session goes on with DSPARK_JAX_GRAPH_LOOPS=0" in done.stdout
+
+
 def _script(name: str, *args: str, cwd=None, timeout: int = 120) -> subprocess.CompletedProcess:
     """A benchmark script run with bad arguments: it must fail fast, in one line."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -333,6 +354,31 @@ def test_attention_kernel_paths_are_refused_off_their_backend():
     with pytest.raises(attention_paths.UserError, match=f"--impls {other}: runs on"):
         attention_paths.check_backend(["dense", other])
     attention_paths.check_backend(["dense", "jax"])
+
+
+def test_gpu_targets_says_when_the_session_ran_on_a_fallback(tmp_path):
+    """A preflight that had to fall back is stated under the aims' table (the numbers measure
+    the fallback); one whose defaults decoded adds nothing, and a folder holding only the
+    preflight's report is a session's folder."""
+    failed = {"env": {}, "ok": False, "returncode": -6, "seconds": 9.0, "seen": None,
+              "error": "Check failed"}  # fmt: skip
+    fallback = {"env": {"DSPARK_JAX_GRAPH_LOOPS": "0"}, "ok": True, "returncode": 0,
+                "seconds": 20.0, "seen": {}, "error": None}  # fmt: skip
+    report = {"commit": "abc1234", "given": {}, "chosen": {"DSPARK_JAX_GRAPH_LOOPS": "0"},
+              "tried": [failed, fallback]}  # fmt: skip
+    (tmp_path / "preflight.json").write_text(json.dumps(report))
+    note = gpu_targets.preflight_note(tmp_path)
+    assert note.startswith("Measured with DSPARK_JAX_GRAPH_LOOPS=0: the settings as given")
+    assert "as given (status -6)" in note
+    done = _script("gpu_targets.py", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert note in done.stdout
+    report.update(chosen=None, tried=[failed, {**fallback, "ok": False, "returncode": 1}])
+    (tmp_path / "preflight.json").write_text(json.dumps(report))
+    assert "No setting decoded" in gpu_targets.preflight_note(tmp_path)
+    report.update(chosen={}, tried=[{**failed, "ok": True, "returncode": 0}])
+    (tmp_path / "preflight.json").write_text(json.dumps(report))
+    assert gpu_targets.preflight_note(tmp_path) is None
 
 
 def test_gpu_targets_refuses_a_folder_that_is_not_a_session_results_folder(tmp_path):
