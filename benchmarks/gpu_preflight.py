@@ -6,11 +6,13 @@ Should either fail there (a crash aborts the process, a hang never returns), eve
 benchmark after it would fail the same way, and the session would show nothing else. So this
 decodes a few chunks on the embedded pair in a child process -- greedy rows and top-p rows
 (whose cutoff search is a loop inside the round), two calls, so each compiled program runs more
-than once -- first with the settings as given, then, only if that fails, with the documented
-fallbacks one at a time (DSPARK_JAX_GRAPH_LOOPS=0, DSPARK_JAX_ATTENTION=jax, both). The first
-setting that decodes is written to --env as `export` lines for the session to source; the
-status is 0 when the settings as given decode, 1 when only a fallback did (the session goes on
-with it, and the failure is the finding), and 1 when none did.
+than once (whether the greedy rows repeat is reported, not required) -- first with the settings
+as given, then, only if that fails, with the documented fallbacks one at a time
+(DSPARK_JAX_GRAPH_LOOPS=0, DSPARK_JAX_ATTENTION=jax, both). It checks that a setting runs, not
+that its tokens are right: the engine's tests judge that. The first setting that decodes is
+written to --env as `export` lines for the session to source; the status is 0 when the settings
+as given decode, 1 when only a fallback did (the session goes on with it, and the failure is the
+finding), and 1 when none did.
 
     python benchmarks/gpu_preflight.py --env preflight.env --json preflight.json
 """
@@ -54,14 +56,13 @@ def decode_once() -> dict:
         for r in results:
             if len(r.tokens) != 24:
                 raise RuntimeError(f"a request ended after {len(r.tokens)} of 24 tokens")
-    # Greedy rows are the same in both calls (the sampled ones too, at their fixed seeds, but a
-    # GPU's reductions need not be bitwise repeatable, so only greedy is held to it).
-    for i in (0, 2):
-        if runs[0][i].tokens != runs[1][i].tokens:
-            raise RuntimeError(f"greedy request {i} decoded differently the second time")
+    # Whether the greedy rows came out the same both times is reported, not required: this
+    # checks that the settings run, and a difference (which the engine's tests would then
+    # show) is no reason to measure a fallback instead.
     return {
         "device": jax.devices()[0].device_kind,
         "greedy_tokens": runs[0][0].tokens,
+        "greedy_repeated": all(runs[0][i].tokens == runs[1][i].tokens for i in (0, 2)),
         "tau": [round(r.tau, 3) for r in runs[0]],
     }
 
