@@ -254,6 +254,54 @@ def test_generate_refuses_an_sps_table_of_another_slot_count(tmp_path, capsys):
     assert "dspark-jax profile --max-num-seqs 1" in err[-1]
 
 
+def test_sps_table_auto_profiles_the_engine_the_command_builds(monkeypatch, capsys):
+    """`speculative_parts` with `--sps-table auto` times rounds of an engine of the command's
+    own config (slots, buckets) on its models and mesh, at half its positions of context (at
+    most 1024), progress on stderr; the scheduler takes that table. (profile_engine itself is
+    stubbed here: the slow test below runs it through generate.)"""
+    from dspark_jax.decoding import profiling
+    from dspark_jax.decoding.engine import EngineConfig
+
+    models = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
+    cfg = EngineConfig(num_slots=3, max_model_len=640, token_buckets=(8, 24))
+    table = policies.SpsProfile((8, 24), np.array([200.0, 210.0]), {"num_slots": 3})
+    seen = {}
+
+    def profile_engine(target, drafter, cfg_, **kwargs):
+        seen.update(target=target, drafter=drafter, cfg=cfg_, **kwargs)
+        kwargs["log"]("    24 tokens: ...")
+        return table
+
+    monkeypatch.setattr(profiling, "profile_engine", profile_engine)
+    parser = argparse.ArgumentParser()
+    cli_args.add_policy_arguments(parser)
+    args = parser.parse_args(["--policy", "scheduler", "--sps-table", "auto"])
+    policy, sts = cli_args.speculative_parts(args, models, cfg, 0.7)
+    assert policy.sps is table and sts is None
+    assert seen["target"] is models.target and seen["drafter"] is models.drafter
+    assert seen["cfg"] is cfg and seen["mesh"] is models.mesh
+    assert (seen["mode"], seen["temperature"], seen["context_len"]) == ("round", 0.7, 320)
+    err = capsys.readouterr().err
+    assert "--sps-table auto: profiling rounds of 3 slots at context 320" in err
+    assert "24 tokens: ..." in err and "--max-num-seqs 3 --out FILE" in err
+    assert "not monotonic" in err  # 24 tokens measured faster than 8
+
+
+@pytest.mark.slow
+def test_generate_profiles_its_own_engine_with_sps_table_auto(capsys):
+    """`--sps-table auto` end to end: the scheduler's table is measured on the engine generate
+    builds (one prompt: one slot), its progress on stderr, and the run decodes with it. About
+    40 s (two compiles)."""
+    argv = ["generate", "--policy", "scheduler", "--sps-table", "auto", "--prompt", "hi",
+            "--max-new-tokens", "8", "--temperature", "0"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "--sps-table auto: profiling rounds of 1 slot at context" in err
+    assert "--sps-table auto: profiled in" in err and "--max-num-seqs 1 --out FILE" in err
+    assert "tokens:" in err  # a line per token bucket
+    assert out.strip()
+
+
 def test_the_sps_slot_advice_is_what_the_command_can_do(tmp_path, capsys):
     """generate and eval run no more slots than they have prompts: "run 2 slots" was no advice
     for one prompt, whatever --max-num-seqs says; fewer slots take --max-num-seqs alone."""

@@ -147,7 +147,8 @@ def _policy_args(*argv: str):
     [
         (["--policy", "threshold"], "--policy threshold needs --threshold"),
         (["--policy", "cumulative-threshold"], "needs --threshold"),
-        (["--policy", "scheduler"], "--policy scheduler needs --sps-table"),
+        (["--policy", "scheduler"], "--policy scheduler needs --sps-table: a table from "
+         "dspark-jax profile, or auto"),  # fmt: skip
         (["--policy", "async-scheduler"], "needs --sps-table"),
         (["--sts", "sts.json"], "--policy fixed reads none"),
         (
@@ -174,6 +175,25 @@ def test_policy_flags_are_named(argv, fragment):
     with pytest.raises(PolicyError, match=fragment):
         build_policy(_policy_args(*argv), 7)
     assert build_policy(_policy_args("--policy", "threshold", "--threshold", "0.5"), 7)
+
+
+def test_sps_table_auto_takes_the_table_the_caller_profiles():
+    """`--sps-table auto` builds the scheduler on what the caller's `profile` measures (the
+    engine the command builds, so no slot or model check applies); a caller with no engine to
+    profile (a benchmark's table-only policy) refuses it in one line."""
+    import numpy as np
+
+    from dspark_jax.cli.args import build_policy
+    from dspark_jax.decoding.policies import PolicyError, PrefixSchedulePolicy, SpsProfile
+
+    table = SpsProfile((8, 16, 32), np.array([300.0, 250.0, 200.0]), {"num_slots": 4})
+    args = _policy_args("--policy", "scheduler", "--sps-table", "auto")
+    calls = []
+    policy = build_policy(args, 7, num_slots=4, profile=lambda: calls.append(1) or table)
+    assert isinstance(policy, PrefixSchedulePolicy) and calls == [1]
+    assert policy.sps is table
+    with pytest.raises(PolicyError, match="--sps-table auto profiles the engine a command builds"):
+        build_policy(args, 7, num_slots=4)
 
 
 def test_eval_says_why_when_speculation_loses():

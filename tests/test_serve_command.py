@@ -324,6 +324,14 @@ def _health(url: str) -> int | None:
         return None
 
 
+def test_sps_table_auto_is_not_a_file_to_look_for():
+    # `--sps-table auto` profiles the served engine at start-up: the check that a given table
+    # exists passes it by (the next check, on the models, is what refuses this command line).
+    argv = ["--policy", "scheduler", "--sps-table", "auto", "--draft", "somewhere"]
+    with pytest.raises(UserError, match="a drafter needs its target"):
+        command.run(_args("--port", "0", *argv))
+
+
 def test_an_sps_table_of_another_slot_count_is_refused(tmp_path):
     # A table's step times describe one batch size: serve checks it against --max-num-seqs, as
     # generate and eval do, before anything compiles.

@@ -53,6 +53,8 @@ USER_ERRORS = (UserError, OSError)
 # Commands that compile programs, and so gain from the persistent compilation cache.
 COMPILING = frozenset({"generate", "eval", "calibrate", "profile", "train", "serve"})
 CACHE_ENV = "DSPARK_JAX_COMPILATION_CACHE"
+# --sps-table's value that profiles the engine a command builds instead of reading a table.
+SPS_AUTO = "auto"
 # Commands whose outputs are renamed into place (atomic_output_dir, atomic_file), so an
 # interrupt leaves nothing to finish and the process may end at once. train (an Orbax writer may
 # still be saving a checkpoint) and serve (which drains requests itself) end the usual way.

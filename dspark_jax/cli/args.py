@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from dspark_jax.calibration.sts import StsArtifact
+from dspark_jax.cli import SPS_AUTO
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import (
@@ -395,20 +396,21 @@ def build_engine(
     """The speculative engine (policy and STS from the command line) or the plain one."""
     if not speculative or models.drafter is None:
         return models.engine(cfg, speculative=False)
-    policy, sts = speculative_parts(args, models, cfg.num_slots, args.temperature)
+    policy, sts = speculative_parts(args, models, cfg, args.temperature)
     return models.engine(cfg, policy=policy, sts=sts)
 
 
 def speculative_parts(
     args: argparse.Namespace,
     models: DecodingModels,
-    num_slots: int,
+    cfg: EngineConfig,
     temperature: float | None,
     slots_advice: Callable[[int, int], str] | None = None,
 ) -> tuple[Policy, StsArtifact | None]:
-    """The policy and STS artifact the command line names for `models` (which have a drafter),
-    checked against the drafter, the engine's `num_slots` and the sampling `temperature` (None:
-    an engine serving many temperatures, which applies the artifact per request).
+    """The policy and STS artifact the command line names for `models` (which have a drafter)
+    and an engine built with `cfg`, checked against the drafter, the engine's slots and the
+    sampling `temperature` (None: an engine serving many temperatures, which applies the
+    artifact per request). `--sps-table auto` profiles that engine's rounds here.
     `slots_advice`: see `build_policy`."""
     sts = load_sts(args)
     if sts is not None:
@@ -416,13 +418,58 @@ def speculative_parts(
     policy = build_policy(
         args,
         models.gamma,
-        num_slots=num_slots,
+        num_slots=cfg.num_slots,
         target_cfg=models.target.cfg,
         drafter_cfg=models.drafter.cfg,
         slots_advice=slots_advice,
         mesh=models.mesh,
+        profile=lambda: profile_at_start(models, cfg, temperature or 0.0),
     )
     return policy, sts
+
+
+# The context the start-up profile times each verified token against (the profile command's
+# default), at most half the engine's positions.
+_AUTO_CONTEXT = 1024
+
+
+def profile_at_start(models: DecodingModels, cfg: EngineConfig, temperature: float) -> SpsProfile:
+    """The SPS table of `--sps-table auto`: whole rounds of an engine with `cfg`'s slots and
+    token buckets on `models` (their mesh), timed as `dspark-jax profile` times them, progress
+    on stderr (stdout may carry a command's output)."""
+    import time
+
+    from dspark_jax.cli.profile import non_monotonic_warning
+    from dspark_jax.decoding.profiling import profile_engine
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    context = max(1, min(_AUTO_CONTEXT, cfg.max_model_len // 2))
+    say(
+        f"--sps-table auto: profiling rounds of {cfg.num_slots} slot"
+        f"{'' if cfg.num_slots == 1 else 's'} at context {context} for the scheduler"
+    )
+    start = time.perf_counter()
+    sps = profile_engine(
+        models.target,
+        models.drafter,
+        cfg,
+        mode="round",
+        temperature=temperature,
+        context_len=context,
+        log=lambda line: say(f"  {line}"),
+        mesh=models.mesh,
+        config="--sps-table auto",
+    )
+    say(
+        f"--sps-table auto: profiled in {time.perf_counter() - start:.0f} s (`dspark-jax profile "
+        f"--max-num-seqs {cfg.num_slots} --out FILE` saves a table to pass instead)"
+    )
+    warning = non_monotonic_warning(sps.buckets, sps.sps)
+    if warning:
+        say(warning)
+    return sps
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -441,7 +488,11 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="confidence threshold of the (cumulative-)threshold policies",
     )
-    group.add_argument("--sps-table", help="SPS table JSON from dspark-jax profile (schedulers)")
+    group.add_argument(
+        "--sps-table",
+        help="SPS table JSON from dspark-jax profile, or 'auto': profile this engine's rounds "
+        "before the run (schedulers)",
+    )
     group.add_argument("--sts", help="STS artifact JSON from dspark-jax calibrate")
 
 
@@ -479,7 +530,8 @@ def check_policy_arguments(args: argparse.Namespace) -> None:
         raise PolicyError(f"--policy {args.policy} needs --threshold (a confidence in (0, 1))")
     if args.policy in _SCHEDULERS and not args.sps_table:
         raise PolicyError(
-            f"--policy {args.policy} needs --sps-table (measure one with dspark-jax profile)"
+            f"--policy {args.policy} needs --sps-table: a table from dspark-jax profile, or "
+            f"{SPS_AUTO} (profile this engine before the run)"
         )
     if getattr(args, "sts", None) and args.policy == "fixed":
         raise PolicyError(
@@ -506,8 +558,12 @@ def build_policy(
     drafter_cfg: DrafterConfig | None = None,
     slots_advice: Callable[[int, int], str] | None = None,
     mesh=UNCHECKED,
+    profile: Callable[[], SpsProfile] | None = None,
 ) -> Policy:
     """The policy named by --policy for a drafter with `block_size` drafts per block.
+
+    `--sps-table auto` takes its table from `profile()` (the engine's own rounds, so nothing
+    to check it against); where the caller has no engine to profile (None), it is refused.
 
     An --sps-table is checked against the engine's `num_slots` and the models' architecture
     (`target_cfg`, `drafter_cfg`) when they are given: its step times describe one batch of
@@ -515,8 +571,16 @@ def build_policy(
     words the fix of a slot mismatch for the command (default: generate's and eval's,
     `offline_slots_advice`)."""
     check_policy_arguments(args)
-    sps = SpsProfile.load(args.sps_table) if args.sps_table else None
-    if sps is not None:
+    sps = None
+    if args.sps_table == SPS_AUTO:
+        if profile is None:
+            raise PolicyError(
+                f"--sps-table {SPS_AUTO} profiles the engine a command builds; here give a "
+                "table from dspark-jax profile"
+            )
+        sps = profile()
+    elif args.sps_table:
+        sps = SpsProfile.load(args.sps_table)
         advice = slots_advice or offline_slots_advice(args)
         check_sps_table(args.sps_table, sps, num_slots, target_cfg, drafter_cfg, advice, mesh)
     gamma = block_size if args.gamma is None else args.gamma

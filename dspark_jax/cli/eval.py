@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from dspark_jax.cli import SPS_AUTO
 from dspark_jax.errors import UserError
 
 JSON_NAME = "eval.json"
@@ -94,7 +95,7 @@ def _inputs(args: argparse.Namespace, files: list[Path]) -> list[Path]:
     if args.datasets_dir:
         inputs.append(Path(args.datasets_dir))
     for given in (args.sts, args.sps_table):
-        if given:
+        if given and given != SPS_AUTO:
             inputs.append(Path(given))
     for model in (args.target or EMBEDDED_TARGET, args.draft or EMBEDDED_DRAFT):
         path = Path(model).expanduser()

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from dspark_jax.cli import SPS_AUTO
 from dspark_jax.errors import UserError
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -160,7 +161,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise UserError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
-    for flag, path in (("--sps-table", args.sps_table), ("--sts", args.sts)):
+    sps_table = None if args.sps_table == SPS_AUTO else args.sps_table
+    for flag, path in (("--sps-table", sps_table), ("--sts", args.sts)):
         if path is not None and not Path(path).is_file():
             raise UserError(f"{flag} {path}: no such file")
     if args.draft is not None and args.no_draft:
@@ -253,7 +255,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         )
     policy = sts = None
     if models.drafter is not None:
-        policy, sts = speculative_parts(args, models, cfg.num_slots, None, served_slots_advice)
+        policy, sts = speculative_parts(args, models, cfg, None, served_slots_advice)
     engine = models.engine(cfg, policy=policy, sts=sts)
     kv_bytes = engine.state_bytes
     model = ServedModel.of_engine(
