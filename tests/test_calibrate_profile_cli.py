@@ -286,20 +286,37 @@ def test_sps_table_auto_profiles_the_engine_the_command_builds(monkeypatch, caps
     assert "24 tokens: ..." in err and "--max-num-seqs 3 --out FILE" in err
     assert "not monotonic" in err  # 24 tokens measured faster than 8
 
+    # What the run records (generate --json, eval.json): the table measured, beside "auto".
+    from types import SimpleNamespace
+
+    from dspark_jax.cli.run_settings import decoding_settings
+    from dspark_jax.sampling import SamplingConfig
+
+    run = SimpleNamespace(**vars(args), dtype=None, seed=0, max_new_tokens=8, thinking=False,
+                          max_num_seqs=3)  # fmt: skip
+    settings = decoding_settings(run, models, cfg, SamplingConfig(temperature=0.7), policy)
+    assert settings["sps_table"] == "auto"
+    assert settings["sps_profiled"] == {"buckets": [8, 24], "sps": [200.0, 210.0]}
+    run.sps_table = "sps.json"  # a table given as a file is recorded by its path alone
+    assert decoding_settings(run, models, cfg, SamplingConfig(), policy)["sps_profiled"] is None
+
 
 @pytest.mark.slow
-def test_generate_profiles_its_own_engine_with_sps_table_auto(capsys):
+def test_generate_profiles_its_own_engine_with_sps_table_auto(tmp_path, capsys):
     """`--sps-table auto` end to end: the scheduler's table is measured on the engine generate
     builds (one prompt: one slot), its progress on stderr, and the run decodes with it. About
     40 s (two compiles)."""
     argv = ["generate", "--policy", "scheduler", "--sps-table", "auto", "--prompt", "hi",
-            "--max-new-tokens", "8", "--temperature", "0"]  # fmt: skip
+            "--max-new-tokens", "8", "--temperature", "0",
+            "--json", str(tmp_path / "g.json")]  # fmt: skip
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert "--sps-table auto: profiling rounds of 1 slot at context" in err
     assert "--sps-table auto: profiled in" in err and "--max-num-seqs 1 --out FILE" in err
     assert "tokens:" in err  # a line per token bucket
     assert out.strip()
+    profiled = json.loads((tmp_path / "g.json").read_text())["settings"]["sps_profiled"]
+    assert len(profiled["buckets"]) == len(profiled["sps"]) > 0 and min(profiled["sps"]) > 0
 
 
 def test_the_sps_slot_advice_is_what_the_command_can_do(tmp_path, capsys):

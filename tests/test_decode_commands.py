@@ -151,6 +151,7 @@ def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     assert _options("eval") - datasets_options <= set(settings)
     assert settings["policy"] == "fixed" and settings["gamma"] is None
     assert settings["threshold"] is None and settings["sps_table"] is None
+    assert settings["sps_profiled"] is None
     assert settings["sts"] is None and settings["dtype"] is None
     assert settings["target_dtype"] == settings["draft_dtype"] == "float32"
     assert settings["no_plain"] is False and settings["limit"] == 2

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     written = [out / JSON_NAME, out / PLOT_NAME] + ([records_path] if records_path else [])
     settings = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        **decoding_settings(args, models, cfg, sampling),
+        **decoding_settings(args, models, cfg, sampling, spec.policy),
         "compile_s": compile_s,
         "limit": args.limit,
         "no_plain": args.no_plain,

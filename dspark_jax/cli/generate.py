@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     stats = acceptance_stats(results, engine.gamma) if engine.gamma else None
     print("\n".join(generation_summary(results, timing, stats, compile_s)), file=sys.stderr)
     if args.json:
-        _write_json(args, sampling, cfg, models, records, timing, stats, compile_s)
+        _write_json(args, sampling, cfg, models, records, timing, stats, compile_s, engine.policy)
     return 0
 
 
@@ -218,11 +218,11 @@ def _result_json(result) -> dict:
     }
 
 
-def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s) -> None:
+def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s, policy) -> None:
     from dspark_jax.cli.run_settings import decoding_settings
 
     out = {
-        "settings": decoding_settings(args, models, cfg, sampling),
+        "settings": decoding_settings(args, models, cfg, sampling, policy),
         "timing": {
             "compile_s": compile_s,
             "prefill_s": timing.prefill_s,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dspark_jax.checkpoints.converted import DecodingModels
     from dspark_jax.decoding.engine import EngineConfig
+    from dspark_jax.decoding.policies import Policy
     from dspark_jax.sampling import SamplingConfig
 
 
@@ -22,9 +23,18 @@ def decoding_settings(
     models: DecodingModels,
     cfg: EngineConfig,
     sampling: SamplingConfig,
+    policy: Policy | None = None,
 ) -> dict[str, Any]:
-    """Device, models, verification policy, sampling and engine of a decoding run."""
-    from dspark_jax.decoding.policies import device_description
+    """Device, models, verification policy, sampling and engine of a decoding run. `policy`:
+    the engine's, whose SPS table is recorded when `--sps-table auto` measured it in the run
+    (`sps_profiled`; null otherwise: a table given as a file is recorded by its path)."""
+    from dspark_jax.cli import SPS_AUTO
+    from dspark_jax.decoding.policies import SpsProfile, device_description
+
+    profiled = None
+    table = getattr(policy, "sps", None)
+    if args.sps_table == SPS_AUTO and isinstance(table, SpsProfile):
+        profiled = {"buckets": list(table.buckets), "sps": [float(v) for v in table.sps]}
 
     drafter = models.drafter
     return {
@@ -44,6 +54,8 @@ def decoding_settings(
         "gamma": args.gamma,
         "threshold": args.threshold,
         "sps_table": args.sps_table,
+        # the steps/s per token bucket that --sps-table auto measured
+        "sps_profiled": profiled,
         "sts": args.sts,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
