@@ -28,6 +28,8 @@ import time
 
 from provenance import Parser, git_commit, output_file, positive_float, run_main, write_json
 
+from dspark_jax.cli.paths import atomic_file
+
 GRAPH_LOOPS = "DSPARK_JAX_GRAPH_LOOPS"
 ATTENTION = "DSPARK_JAX_ATTENTION"
 # Tried in this order after the settings as given: the loops first (the newer path), then the
@@ -137,7 +139,8 @@ def main() -> int:
             break
         print("  " + "\n  ".join(result["error"].splitlines()[-15:]))
     lines = [f"export {k}={v}" for k, v in (chosen or {}).items()]
-    env_file.write_text("".join(line + "\n" for line in lines))
+    with atomic_file(env_file) as tmp:
+        tmp.write_text("".join(line + "\n" for line in lines))
     if chosen is None:
         print("no setting decodes here: the session goes on as given, and its tests will show why")
     elif chosen:

@@ -146,10 +146,11 @@ echo "== $(date -u +%FT%TZ) commit $commit, stages: $stages"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
-# First, well under a minute where the defaults work: does the engine decode here as configured (Triton attention, loops
-# inside CUDA graphs)? If not, the first documented fallback that does (DSPARK_JAX_GRAPH_LOOPS=0,
-# DSPARK_JAX_ATTENTION=jax, both) holds for every stage after it, so one failing path costs the
-# session that path's verdict, not every test and table (benchmarks/gpu_preflight.py).
+# First, well under a minute where the defaults work: does the engine decode here as configured
+# (Triton attention, loops inside CUDA graphs)? If not, the first documented fallback that does
+# (DSPARK_JAX_GRAPH_LOOPS=0, DSPARK_JAX_ATTENTION=jax, both) holds for every stage after it, so
+# one failing path costs the session that path's verdict, not every test and table
+# (benchmarks/gpu_preflight.py).
 if want preflight; then
   stage preflight python3 benchmarks/gpu_preflight.py --timeout 90 --env "$out/preflight.env" \
     --json "$out/preflight.json"

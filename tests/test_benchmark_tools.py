@@ -180,6 +180,25 @@ def test_preflight_falls_back_to_the_first_setting_that_decodes(tmp_path):
     assert "the session goes on with DSPARK_JAX_GRAPH_LOOPS=0" in done.stdout
 
 
+def test_preflight_counts_a_setting_that_does_not_answer_as_failed(tmp_path):
+    """A child that has not decoded within --timeout (a hang on a GPU; here a second is too
+    short to load the models) is killed and counts as failed, its output so far kept; when no
+    setting answers, nothing is exported and the session goes on as given."""
+    env_file, report = tmp_path / "preflight.env", tmp_path / "preflight.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_preflight.py"), "--timeout", "1",
+         "--env", str(env_file), "--json", str(report)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert env_file.read_text() == ""
+    result = json.loads(report.read_text())
+    assert result["chosen"] is None and len(result["tried"]) == 4
+    assert all(t["returncode"] is None and t["error"].startswith("no answer after 1 s")
+               for t in result["tried"])  # fmt: skip
+    assert "no setting decodes here" in done.stdout
+
+
 def _script(name: str, *args: str, cwd=None, timeout: int = 120) -> subprocess.CompletedProcess:
     """A benchmark script run with bad arguments: it must fail fast, in one line."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
