@@ -123,7 +123,7 @@ class EngineConfig:
     prefill_seqs: int = 4
     prefill_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
-    max_stop_tokens: int = 8
+    max_stop_tokens: int = 16
     attention_impl: str | None = None
     attention_interpret: bool = False
 

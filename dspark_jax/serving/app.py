@@ -372,6 +372,13 @@ def _validation_message(error: ValidationError, body: bytes) -> tuple[str, str |
         loc = _body_path(data, e["loc"])
         param = param or (loc or None)
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "json_invalid" and data is not None and "escape" in msg:
+            # Python's json module took it, pydantic's strict parser did not: a string escapes
+            # half of a UTF-16 surrogate pair (json.dumps writes "\ud800" for a lone surrogate).
+            msg = (
+                f"{msg}: a string in the body escapes an unpaired UTF-16 surrogate "
+                "(\\ud800-\\udfff without its partner), which is no Unicode text"
+            )
         part = f"{loc}: {msg}" if loc else msg
         if part not in parts:
             parts.append(part)
