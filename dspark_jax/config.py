@@ -129,6 +129,37 @@ SHAPE_FIELDS = (
 _POSITIVE_SIZES = (*SHAPE_FIELDS, "max_position_embeddings")
 
 
+def _refuse_unsupported_qwen3(d: dict[str, Any]) -> None:
+    """Refuses the Qwen3 variants transformers would run and this port computes otherwise: an
+    activation other than SiLU, and sliding-window attention (the port attends over the whole
+    context). Both appear in released Qwen3 files only at their inert defaults."""
+    act = d.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):  # transformers maps both names to SiLU
+        raise ConfigError(f"hidden_act {act!r} is not supported: Qwen3 models here use silu")
+    layer_types = d.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise ConfigError(f"config.json: layer_types must be a list, got {layer_types!r}")
+    other = sorted({str(k) for k in layer_types or ()} - {"full_attention", "sliding_attention"})
+    if other:
+        raise ConfigError(f"layer_types {other} are not supported (full_attention only)")
+    use_window = d.get("use_sliding_window") and d.get("sliding_window") is not None
+    window = _int(d, "sliding_window") if use_window else None
+    if window is None or window >= _int(d, "max_position_embeddings", 40_960):
+        return  # transformers' rule: no window without use_sliding_window; none shorter
+    layers = _int(d, "num_hidden_layers")
+    if layer_types is None:  # as transformers fills it in: layers from max_window_layers on
+        first = _int(d, "max_window_layers", 28)
+        sliding = [i for i in range(layers) if i >= first]
+    else:
+        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    if sliding:
+        raise ConfigError(
+            f"sliding-window attention (use_sliding_window with sliding_window {window}, in "
+            f"layers {sliding[0]}..{sliding[-1]}) is not supported: this port attends over the "
+            "whole context"
+        )
+
+
 def _int(d: dict[str, Any], key: str, default: int | None = None) -> int:
     """`d[key]` (or `default` when absent or null) as an int; refuses strings, booleans and
     fractions, which int() would parse, truncate or reject with a traceback."""
@@ -215,6 +246,7 @@ class Qwen3Config:
         ]
         if missing:
             raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
+        _refuse_unsupported_qwen3(d)
         heads = _int(d, "num_attention_heads")
         eos = d.get("eos_token_id")
         dtype = str(d.get("dtype") or d.get("torch_dtype") or "bfloat16")

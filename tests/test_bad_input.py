@@ -42,6 +42,7 @@ from dspark_jax.checkpoints.safetensors_io import (
     save_safetensors,
 )
 from dspark_jax.cli import main
+from dspark_jax.config import ConfigError, Qwen3Config
 from dspark_jax.conversations import ConversationError, read_turns
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, QueueFullError, Request
@@ -658,3 +659,68 @@ def test_ctrl_c_swallowed_by_a_library_still_stops_the_commit(tmp_path, monkeypa
     rc, lines = _run(["convert", "--draft", str(TINY_DRAFT), "--out", f"{tmp_path}/c"], capsys)
     assert (rc, lines) == (130, ["dspark-jax convert: interrupted"])
     assert list(tmp_path.iterdir()) == []
+
+
+def _tiny_target_config() -> dict:
+    return json.loads((Path(TINY_TARGET) / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        # transformers fills layer_types from max_window_layers: layers 1.. slide
+        (
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "max_window_layers": 1,
+                "layer_types": None,
+            },
+            "sliding-window attention (use_sliding_window with sliding_window 4, in layers 1..3)",
+        ),
+        (
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "layer_types": ["full_attention", "sliding_attention"] * 2,
+            },
+            "in layers 1..3",
+        ),
+        ({"layer_types": ["linear_attention"] * 4}, "layer_types ['linear_attention']"),
+    ],
+)
+def test_qwen3_variants_this_port_would_compute_differently_are_refused(
+    change, fragment, tmp_path, capsys
+):
+    """transformers runs these with GELU or a sliding window; this port has neither, so it
+    must refuse them rather than decode other tokens than the model's."""
+    config = {**_tiny_target_config(), **change}
+    with pytest.raises(ConfigError) as refused:
+        Qwen3Config.from_hf(config)
+    assert fragment in str(refused.value)
+    folder = tmp_path / "variant"
+    shutil.copytree(TINY_TARGET, folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    rc, lines = _run(["convert", "--target", str(folder), "--out", str(tmp_path / "c")], capsys)
+    assert rc != 0 and len(lines) == 1 and fragment in lines[0], lines
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"hidden_act": "swish"},  # transformers' other name for SiLU
+        {"hidden_act": None},
+        # transformers: no window without use_sliding_window, whatever layer_types say
+        {"use_sliding_window": False, "sliding_window": 4, "max_window_layers": 0},
+        {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 4},
+        {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+        # a window as long as the positions never slides (Qwen3's released files: 36 of 36)
+        {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0},
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 4},
+    ],
+)
+def test_qwen3_settings_that_change_nothing_are_accepted(change):
+    reference = Qwen3Config.from_hf(_tiny_target_config())
+    assert Qwen3Config.from_hf({**_tiny_target_config(), **change}) == reference
