@@ -333,6 +333,30 @@ def test_incomplete_newer_step_folders_are_passed_over(
     assert result.resumed_from == 3 and result.final_step == 4
 
 
+def test_an_incomplete_folder_at_a_step_the_resumed_run_saves_is_set_aside(
+    config_file, stopped_at_3, tmp_path, caplog
+):
+    """Resumed from step 3 past an incomplete `4/` (an empty folder, one with only its run
+    record), the run saves step 4 again: the folder passed over is renamed `4.incomplete`
+    (`4.incomplete-2` beside an older one), not deleted, and the run ends instead of failing
+    at step 4 with Orbax's "Checkpoint for step 4 already exists" after training to it."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped_at_3, run)
+    checkpoints = run / "checkpoints"
+    shutil.copytree(checkpoints / "3" / "meta", checkpoints / "4" / "meta")
+    (checkpoints / "4.incomplete").mkdir()  # set aside by an earlier resume
+    config = load_train_config(str(config_file))
+    with caplog.at_level(logging.WARNING, logger="dspark_jax.training.checkpointing"):
+        result = train(config, run, progress=False, export=False)
+    assert result.resumed_from == 3 and result.final_step == 6
+    aside = checkpoints / "4.incomplete-2"
+    assert sorted(p.name for p in aside.iterdir()) == ["meta"]
+    assert f"moved the incomplete folder passed over at the start (no state, data) aside to " \
+        f"{aside}" in caplog.text
+    assert TrainCheckpointer(checkpoints, 2).all_steps() == [4, 6]
+    assert TrainCheckpointer(checkpoints, 2).latest_step() == 6
+
+
 def _truncate_largest_array_file(step_dir):
     largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
                   key=lambda p: p.stat().st_size)

@@ -34,6 +34,7 @@ from typing import Any
 import grain
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from dspark_jax.checkpoints.orbax_reads import finished_reads
 from dspark_jax.errors import UserError
@@ -255,6 +256,8 @@ class TrainCheckpointer:
     ) -> None:
         """Starts saving `state` at its step (the iterator position is captured now)."""
         step = int(jax.device_get(state.step))
+        if step in self._manager.all_steps():
+            self._set_aside(step)
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -266,6 +269,32 @@ class TrainCheckpointer:
             ),
             force=True,
         )
+
+    def _set_aside(self, step: int) -> None:
+        """Renames the incomplete folder of `step`, passed over when the run resumed from an
+        earlier step, to `<step>.incomplete` so the run can save that step again; nothing is
+        deleted. Every process decides from the steps its manager listed at start (the same
+        list on each), process 0 renames, and all list the steps again after a barrier."""
+        step_dir = self.directory / str(step)
+        missing = missing_items(step_dir)  # all of them once process 0 has renamed it
+        if not missing:  # a complete step is never overwritten (every process sees it so)
+            raise TrainCheckpointError(f"{step_dir} exists already; it cannot be saved again")
+        if jax.process_index() == 0:
+            aside = step_dir.with_name(f"{step}.incomplete")
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = step_dir.with_name(f"{step}.incomplete-{n}")
+            step_dir.rename(aside)
+            logger.warning(
+                "saving step %d: moved the incomplete folder passed over at the start (no %s) "
+                "aside to %s",
+                step,
+                ", ".join(missing),
+                aside,
+            )
+        multihost_utils.sync_global_devices(f"dspark-jax: step {step} set aside")
+        self._manager.reload()
 
     def restore(
         self,
