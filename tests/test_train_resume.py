@@ -16,6 +16,8 @@ import sys
 import textwrap
 import time
 
+import jax
+import jax.numpy as jnp
 import pytest
 from train_helpers import (
     ABORTED_TRAIN_CHILD,
@@ -474,3 +476,38 @@ def test_ctrl_c_before_the_first_step_has_finished_aborts_at_once(
     else:
         assert sorted(p.name for p in run.iterdir()) == before
         assert TrainCheckpointer(run / "checkpoints", 2).all_steps() == [2, 3]
+
+
+def test_nan_weights_are_neither_exported_resumed_nor_used_to_init(tmp_path, monkeypatch):
+    """A run whose parameters are NaN (diverged, as here from NaN initial weights, or damaged
+    bytes in a checkpoint) saves its checkpoints as any run does, but its end-of-run export
+    refuses to write the drafter, and resuming it or starting a run --init-from it is refused
+    in one line before a step is trained on NaN."""
+    from dspark_jax.checkpoints.safetensors_io import CheckpointError
+    from dspark_jax.training import trainer
+
+    data = write_conversations(tmp_path / "train.jsonl", range(40), answer_spread=60)
+    config_file = write_train_config(
+        tmp_path / "nan_config.py", name="nan-test", data=(str(data),), num_steps=2, save_every=2
+    )
+    init = trainer.init_train_state
+
+    def nan_init(params, *args, **kwargs):
+        return init(jax.tree.map(lambda x: x * jnp.nan, params), *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "init_train_state", nan_init)
+    run = tmp_path / "diverged"
+    with pytest.raises(CheckpointError, match=f"the drafter trained in {run}: parameters hold NaN"):
+        train(load_train_config(str(config_file)), run, progress=False)
+    assert not (run / "drafter").exists()
+    assert TrainCheckpointer(run / "checkpoints", 2).all_steps() == [2]
+    monkeypatch.setattr(trainer, "init_train_state", init)
+
+    longer = dataclasses.replace(load_train_config(str(config_file)), num_steps=4)
+    with pytest.raises(CheckpointError, match="resuming would only carry them on"):
+        train(longer, run, progress=False, export=False)
+    assert TrainCheckpointer(run / "checkpoints", 2).all_steps() == [2]
+    from_nan = dataclasses.replace(longer, init_drafter=str(run))
+    with pytest.raises(CheckpointError, match=r"--init-from: the drafter of step 2 of .*NaN"):
+        train(from_nan, tmp_path / "from-nan", progress=False, export=False)
+    assert not (tmp_path / "from-nan").exists()

@@ -44,10 +44,23 @@ def _summaries(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(finite), jnp.stack(checksums)
 
 
-def check_parameters(model: nnx.Module, what: str) -> str:
+def check_parameters(
+    model: nnx.Module,
+    what: str,
+    instead: str = "decoding from it would not follow the model",
+) -> str:
     """Raises CheckpointError naming `what` (e.g. "the drafter at PATH") and the parameters that
-    hold NaN or infinity; returns the checksum digest of the parameters (hex)."""
-    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]
+    hold NaN or infinity, then `instead` (what to do, or what it would cost); returns the
+    checksum digest of the parameters (hex)."""
+    return check_tree(nnx.to_pure_dict(nnx.state(model)), what, instead)
+
+
+def check_tree(
+    params, what: str, instead: str = "decoding from it would not follow the model"
+) -> str:
+    """`check_parameters` of a pytree of arrays (a train state's parameters, which may be
+    sharded over the devices of several processes: each process calls it)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     names = [".".join(key_path_names(path)) for path, _ in leaves]
     arrays = [leaf for _, leaf in leaves]
     finite_l, checksum_l = jax.device_get(_summaries(arrays))
@@ -56,7 +69,7 @@ def check_parameters(model: nnx.Module, what: str) -> str:
         shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
         raise CheckpointError(
             f"{what}: parameters hold NaN or infinite values ({shown}); the checkpoint is "
-            "damaged or diverged in training, and decoding from it would not follow the model"
+            f"damaged or diverged in training, and {instead}"
         )
     digest = hashlib.sha256()
     for name, array, checksum in zip(names, arrays, checksum_l, strict=True):

@@ -51,7 +51,7 @@ from jax.experimental.multihost_utils import process_allgather
 from tqdm.auto import tqdm
 
 from dspark_jax.checkpoints.converted import load_drafter, load_target, write_drafter_torch
-from dspark_jax.checkpoints.integrity import check_parameters
+from dspark_jax.checkpoints.integrity import check_parameters, check_tree
 from dspark_jax.config import ConfigError, DrafterConfig
 from dspark_jax.configs.recipes import TrainRecipe
 from dspark_jax.conversations import TURNS_AS
@@ -811,10 +811,23 @@ def _train(
     init_checkpoint = None if config.init_drafter is None else find_checkpoint(config.init_drafter)
     if init_checkpoint is not None and resumed_from is None:
         restored = restore_state(*init_checkpoint, _abstract(state, state_shardings(state, mesh)))
+        init_dir, init_step = init_checkpoint
+        check_tree(
+            nnx.to_pure_dict(restored.params),
+            f"--init-from: the drafter of step {init_step} of {init_dir}",
+            "training from it would only carry them on: start from an earlier step",
+        )
         state = state._replace(params=restored.params)
     if resumed_from is not None:
         abstract = _abstract(state, state_shardings(state, mesh))
         state, _ = checkpointer.restore(abstract, iterator, record)
+        # A run that diverged, or damaged bytes, would go on training on NaN and save it again.
+        check_tree(
+            nnx.to_pure_dict(state.params),
+            f"the drafter of step {resumed_from} of {checkpointer.directory}",
+            "resuming would only carry them on: delete that step folder to resume from the "
+            "one before it, or start again in a new output folder",
+        )
         logger.info("resumed from step %d", resumed_from)
         if saved_total != total_steps:
             before, after = _schedule_change(recipe, resumed_from, saved_total, total_steps)
@@ -1154,4 +1167,12 @@ def export_trained_drafter(
     )
     if out is None:
         return None
-    return write_drafter_torch(nnx.merge(graphdef, state), None, out, overwrite=True)
+    drafter = nnx.merge(graphdef, state)
+    # A run that diverged ends with NaN weights; they are not written as its drafter.
+    check_parameters(
+        drafter,
+        f"the drafter trained in {out.parent}",
+        "it is not exported: resume from, or --init-from, an earlier step with a lower "
+        "learning rate",
+    )
+    return write_drafter_torch(drafter, None, out, overwrite=True)
