@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,16 +39,45 @@ def abstract_model(cfg, param_dtype: str) -> nnx.Module:
 
 
 def save_params(model: nnx.Module, params_dir: Path) -> None:
-    """Writes the model's parameters to `params_dir` (which must not exist yet)."""
+    """Writes the model's parameters to `params_dir` (which must not exist yet).
+
+    A write the system refuses (a full disk, a quota) is an OSError naming the folder, once:
+    the writes Orbax abandons when the first one fails end with it (`finished_reads` serves
+    writes alike), and Orbax's own log of the failure from each of its threads is left out."""
     ckpt = ocp.StandardCheckpointer()
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(_not_failed_write_log)
     try:
-        ckpt.save(params_dir.resolve(), nnx.to_pure_dict(nnx.state(model)))
+        with finished_reads():
+            try:
+                ckpt.save(params_dir.resolve(), nnx.to_pure_dict(nnx.state(model)))
+            finally:
+                # Orbax writes in a background thread: an interrupted save must not return
+                # (and let the caller delete the folder) while that thread still writes into it.
+                with interrupts.deferred():
+                    ckpt.wait_until_finished()
+                    ckpt.close()
+    except Exception as e:
+        code = _OS_ERROR_CODE.search(str(e))
+        if code is None:
+            raise
+        errno = int(code.group(1))
+        why = f"cannot write the parameters: {os.strerror(errno)}"
+        raise OSError(errno, why, str(params_dir)) from None
     finally:
-        # Orbax writes in a background thread: an interrupted save must not return (and let the
-        # caller delete the folder) while that thread still writes into it.
-        with interrupts.deferred():
-            ckpt.wait_until_finished()
-            ckpt.close()
+        absl_logger.removeFilter(_not_failed_write_log)
+
+
+# TensorStore's errors carry the system's errno in this form.
+_OS_ERROR_CODE = re.compile(r"\[os_error_code='(\d+)'\]")
+
+
+def _not_failed_write_log(record: logging.LogRecord) -> bool:
+    # Orbax logs a failed write from each background thread before raising it in the caller.
+    if record.levelno < logging.ERROR:
+        return True
+    error = record.exc_info[1] if record.exc_info else None
+    return _OS_ERROR_CODE.search(f"{record.getMessage()} {error}") is None
 
 
 def _not_metadata_warning(record: logging.LogRecord) -> bool:

@@ -291,6 +291,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _inside(filename, folder: Path) -> bool:
+    """Whether an error's `filename` lies in `folder` (or is it)."""
+    if filename is None:
+        return False
+    try:
+        return Path(os.fsdecode(filename)).absolute().is_relative_to(folder.absolute())
+    except (TypeError, ValueError):
+        return False
+
+
 def remove_stale_siblings(path: Path) -> list[Path]:
     """Removes the hidden working folders `.NAME.tmp-*` (and `.NAME.old-*` once NAME exists
     again) that earlier runs killed mid-write left beside `path`; returns what was removed.
@@ -362,9 +372,12 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
                     if old is not None:
                         os.replace(old, path)
                     raise
-        except BaseException:
+        except BaseException as e:
             with guard.holding():
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno and _inside(e.filename, tmp):
+                # Named by the folder asked for, not the hidden working folder just removed.
+                raise OSError(e.errno, e.strerror, str(path)) from e
             raise
         if old is not None:
             with guard.holding():
