@@ -47,7 +47,7 @@ from dspark_jax.conversations import ConversationError, read_turns
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, QueueFullError, Request
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
-from dspark_jax.embedded import EMBEDDED_TARGET, TINY_DRAFT, TINY_TARGET
+from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, TINY_DRAFT, TINY_TARGET
 
 
 @pytest.fixture(scope="module")
@@ -726,27 +726,39 @@ def test_qwen3_settings_that_change_nothing_are_accepted(change):
     assert Qwen3Config.from_hf({**_tiny_target_config(), **change}) == reference
 
 
-def test_a_full_disk_during_convert_is_one_line_naming_the_output(tmp_path):
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (
+            f"convert --target {EMBEDDED_TARGET} --out {{disk}}/c",
+            "convert: error: [Errno 28] cannot write the parameters: No space left on device: "
+            "'{disk}/c'",
+        ),
+        (
+            f"export --draft {EMBEDDED_DRAFT} --target {EMBEDDED_TARGET} --out {{disk}}/x",
+            "export: error: [Errno 28] No space left on device: '{disk}/x'",
+        ),
+    ],
+    ids=["convert", "export"],
+)
+def test_a_full_disk_is_one_line_naming_the_output(command, message, tmp_path):
     """Orbax writes each array from a background thread; on a full file system every one of them
-    failed at once, and the command printed hundreds of lines (each thread's log and traceback,
-    the abandoned writes' "Event loop is closed") instead of one error naming --out. Run in a
-    child under a 200 kB tmpfs mounted in a private mount namespace (`unshare -rm`, which needs
-    no root where user namespaces are allowed)."""
+    failed at once, and convert printed hundreds of lines (each thread's log and traceback, the
+    abandoned writes' "Event loop is closed") instead of one error naming --out; export's
+    error named no folder. Run in a child under a 200 kB tmpfs mounted in a private mount
+    namespace (`unshare -rm`, which needs no root where user namespaces are allowed)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    command = (
+    shell = (
         f"mount -t tmpfs -o size=200k none {disk} && exec {sys.executable} -m dspark_jax.cli "
-        f"convert --target {EMBEDDED_TARGET} --out {disk}/c"
+        + command.format(disk=disk)
     )
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"no private mount namespace here: {probe.stderr.decode().strip()}")
     done = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, timeout=300
+        ["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, timeout=300
     )
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, done.stderr[-3000:]
-    assert lines == [
-        f"dspark-jax convert: error: [Errno 28] cannot write the parameters: No space left on "
-        f"device: '{disk}/c'"
-    ], done.stderr[-3000:]
+    assert lines == ["dspark-jax " + message.format(disk=disk)], done.stderr[-3000:]

@@ -10,6 +10,7 @@ it). Tensors are read one at a time, so 8B/14B targets never have to fit in host
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -291,10 +292,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _inside(filename, folder: Path) -> bool:
-    """Whether an error's `filename` lies in `folder` (or is it)."""
+# Errors of a write that name no file (a full disk under `file.write`).
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+def _inside(filename, folder: Path, code: int) -> bool:
+    """Whether an error's `filename` lies in `folder` (or is it), or names no file while its
+    `code` is that of a failed write."""
     if filename is None:
-        return False
+        return code in _WRITE_ERRNOS
     try:
         return Path(os.fsdecode(filename)).absolute().is_relative_to(folder.absolute())
     except (TypeError, ValueError):
@@ -375,7 +381,7 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
         except BaseException as e:
             with guard.holding():
                 shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError) and e.errno and _inside(e.filename, tmp):
+            if isinstance(e, OSError) and e.errno and _inside(e.filename, tmp, e.errno):
                 # Named by the folder asked for, not the hidden working folder just removed.
                 raise OSError(e.errno, e.strerror, str(path)) from e
             raise
