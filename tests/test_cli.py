@@ -172,6 +172,39 @@ def test_ctrl_c_after_the_output_is_written_changes_nothing(tmp_path):
     assert done.stdout == f"wrote {tmp_path / 'x'} (reference layout)\n"
 
 
+_TRAIN_INTERRUPTED = _AS_IN_A_TERMINAL + """
+import atexit, os, signal, sys
+atexit.register(lambda: print("teardown ran", file=sys.stderr, flush=True))
+SIG, OUT = getattr(signal, sys.argv[1]), sys.argv[2]
+from dspark_jax.training import trainer
+make_train_step = trainer.make_train_step
+def interrupted(*args, **kwargs):  # the signal comes as the first step is built
+    os.kill(os.getpid(), SIG)
+    return make_train_step(*args, **kwargs)
+trainer.make_train_step = interrupted
+from dspark_jax.cli import main
+sys.argv = ["dspark-jax", "train", "--config", "tiny-dspark", "--output", OUT,
+            "--steps", "2", "--no-progress", "--no-export"]
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("sig, said", [("SIGINT", "interrupted"), ("SIGTERM", "terminated")])
+def test_interrupted_train_ends_without_interpreter_teardown(sig, said, tmp_path):
+    """train, stopped while it set up (XLA compiling on its threads), crashed in the
+    interpreter's teardown (SIGSEGV) in one try of five; once its own handling is done (nothing
+    trained: what it set up removed) the process ends at once, so no exit handler runs."""
+    run = tmp_path / "run"
+    env = {**os.environ, "DSPARK_JAX_COMPILATION_CACHE": "off"}
+    argv = [sys.executable, "-c", _TRAIN_INTERRUPTED, sig, str(run)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    code = 128 + getattr(signal, sig)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == f"dspark-jax train: {said}", done.stderr[-3000:]
+    assert "teardown ran" not in done.stderr
+    assert not run.exists()
+
+
 def test_unknown_option_is_blamed_on_its_command(capsys):
     """The message and the help it points at are the subcommand's, not the top level's."""
     assert cli.main(["generate", "--bogus"]) == 2

@@ -7,7 +7,8 @@ Ctrl-C is reported as `dspark-jax COMMAND: interrupted` with status 130. As the 
 (`main()` with no arguments) main owns the process and ends it there and then: leaving the
 interpreter the usual way while XLA still compiles on its threads can crash in teardown
 (SIGSEGV). That is safe because the commands in `ENDS_AT_ONCE` write their outputs atomically,
-so by the time the interrupt reaches main nothing is half written. A command that finished ends
+so by the time the interrupt reaches main nothing is half written, and train has finished its
+own handling of the interrupt (`INTERRUPT_ENDS_AT_ONCE`). A command that finished ends
 the process the same way, with its status: nothing is left to save, and a Ctrl-C in the
 teardown it skips would otherwise end it by the signal or with a traceback from JAX.
 """
@@ -59,6 +60,11 @@ SPS_AUTO = "auto"
 # interrupt leaves nothing to finish and the process may end at once. train (an Orbax writer may
 # still be saving a checkpoint) and serve (which drains requests itself) end the usual way.
 ENDS_AT_ONCE = frozenset({"convert", "export", "generate", "eval", "calibrate", "profile"})
+# Commands that may also end at once once an interrupt reaches main: train's own handling has
+# by then saved its checkpoint (or abandoned it at a second Ctrl-C, leaving a temporary folder
+# that the next run passes over), closed its logs and removed what a run stopped before its
+# first step had set up, while XLA may still compile on its threads (the teardown crash).
+INTERRUPT_ENDS_AT_ONCE = ENDS_AT_ONCE | {"train"}
 
 
 def compilation_cache_off(setting: str) -> bool:
@@ -192,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = selected if selected in COMMANDS else None
     prog = "dspark-jax" if name is None else f"dspark-jax {name}"
     ends_at_once = own_process and name in ENDS_AT_ONCE
+    started = False  # whether the command itself runs (its imports and arguments done)
     try:
         # Parsing imports the command's module, and with it JAX: a Ctrl-C can come this early.
         with _swallowed_interrupts_delivered():
@@ -202,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             module = importlib.import_module(COMMANDS[args.command][0])
             if args.command in COMPILING:
                 use_compilation_cache()
+            started = True
             status = module.run(args)
     except USER_ERRORS as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
@@ -222,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if interrupted is not None:
         said = "terminated" if interrupted == signal.SIGTERM else "interrupted"
         print(f"{prog}: {said}", file=sys.stderr)
-        if ends_at_once:
+        # Stopped in its imports, no command has anything to finish (serve too).
+        if own_process and (name in INTERRUPT_ENDS_AT_ONCE or not started):
             _end_process(128 + interrupted)
         return 128 + interrupted
     if ends_at_once:
