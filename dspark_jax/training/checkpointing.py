@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,13 @@ def _newest_complete(directory: Path, steps) -> int | None:
 
 def _damaged(directory: Path, step: int, what: str, error: Exception) -> TrainCheckpointError:
     """The refusal of a step whose `what` cannot be read (`error`: why), saying what to do."""
-    lines = str(error).strip().splitlines() or [type(error).__name__]
+    # Orbax wraps a failed array read in an Exception whose text ends in the repr of a bound
+    # pybind11 method ("See full TensorStore details: <bound method ...>"); TensorStore's own
+    # error, its cause, says what is wrong. The file it names lies in the step folder named below.
+    while "TensorStore details" in str(error) and isinstance(error.__cause__, Exception):
+        error = error.__cause__
+    lines = re.sub(r' in OCDBT database at local file "[^"]*"', "", str(error)).strip().splitlines()
+    lines = lines or [type(error).__name__]
     cause = lines[0] if len(lines[0]) <= 200 else lines[0][:200] + "..."
     earlier = [
         p.name
