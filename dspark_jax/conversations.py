@@ -38,7 +38,9 @@ def parse_line(line: str | bytes) -> Any:
     """The JSON value of one line."""
     try:
         return json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise ConversationError(f"not UTF-8 text ({e.reason})") from None
+    except json.JSONDecodeError as e:
         raise ConversationError(f"malformed JSON ({e})") from None
 
 

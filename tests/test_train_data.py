@@ -223,6 +223,11 @@ def test_malformed_lines_name_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "mixed.jsonl", [good, *cases, good])
     source = JsonlConversationSource([path], skip_bad_records=True)
     assert len(source) == 2 and source.num_skipped == len(cases)
+    # said as generate and eval say it for a prompts file
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(f"{good}\n{good}\n".encode() + '{"text": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.jsonl:3: not UTF-8 text \(invalid"):
+        JsonlConversationSource([str(latin1)])
     assert source[1]["where"].endswith("mixed.jsonl:10")
     config = DataConfig(paths=(path,), seq_len=32, batch_size=2, skip_bad_records=True)
     assert next(make_iterator(config, BYTES))["tokens"].shape == (2, 32)
