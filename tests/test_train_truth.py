@@ -432,6 +432,27 @@ def test_export_of_a_diverged_checkpoint_is_refused(base_run, tmp_path, capsys, 
     assert not out.exists()
 
 
+def test_export_whose_recorded_target_moved_says_to_name_it(
+    base_run, tmp_path, capsys, monkeypatch
+):
+    """The target a run recorded has moved: export said only "PATH: no such folder"."""
+    base, _ = base_run
+    read = trainer.checkpoint_drafter_config
+
+    def moved(directory, step):
+        cfg, meta = read(directory, step)
+        return cfg, {**meta, "target": str(tmp_path / "moved-away")}
+
+    monkeypatch.setattr(trainer, "checkpoint_drafter_config", moved)
+    out = tmp_path / "x"
+    assert main(["export", "--draft", str(base), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'moved-away'}: no such folder" in err
+    assert "if it has moved, name its folder (--target)" in err
+    assert not out.exists()
+    assert main(["export", "--draft", str(base), "--target", TINY_TARGET, "--out", str(out)]) == 0
+
+
 def _starts_where_base_ended(files, base_run, source, out):
     """A run started from `source` begins where the base run ended: its first evaluation equals
     the base run's last (same held-out batches and anchors)."""

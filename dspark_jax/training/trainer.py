@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 
 from dspark_jax.checkpoints.converted import load_drafter, load_target, write_drafter_torch
 from dspark_jax.checkpoints.integrity import check_parameters, check_tree
+from dspark_jax.checkpoints.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DrafterConfig
 from dspark_jax.configs.recipes import TrainRecipe
 from dspark_jax.conversations import TURNS_AS
@@ -1055,13 +1056,22 @@ def drafter_from_checkpoint(
         raise TrainCheckpointError(f"{path}: not a training checkpoint, run or checkpoints folder")
     directory, step = found
     cfg, meta = checkpoint_drafter_config(directory, step)
+    recorded = target is None
     target = target or meta.get("target")
     if target is None:
         raise TrainCheckpointError(
             f"{directory}/{step} does not record its target; name it (--target)"
         )
     dtype = meta["recipe"]["dtype"]
-    _, target_model, _ = load_target(target, progress=False)
+    try:
+        _, target_model, _ = load_target(target, progress=False)
+    except CheckpointError as e:
+        if not recorded or Path(target).expanduser().exists():
+            raise
+        raise TrainCheckpointError(
+            f"{e}; it is the target {directory}/{step} records: if it has moved, name its "
+            "folder (--target)"
+        ) from e
     graphdef, params, frozen = split_drafter(
         new_drafter(cfg.with_dtype(dtype), target_model, seed=0)
     )
