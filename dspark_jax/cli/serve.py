@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     models.add_argument(
         "--served-model-name",
-        help="the model id clients send and /v1/models lists (default: the target folder name)",
+        help="the model id clients send and /v1/models lists (default: the target folder name; "
+        "dspark-jax-default for the embedded pair)",
     )
     add_mesh_argument(models)
     add_policy_arguments(parser)

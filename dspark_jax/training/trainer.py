@@ -54,7 +54,6 @@ from dspark_jax.checkpoints.converted import load_drafter, load_target, write_dr
 from dspark_jax.checkpoints.integrity import check_parameters, check_tree
 from dspark_jax.checkpoints.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DrafterConfig
-from dspark_jax.configs.recipes import TrainRecipe
 from dspark_jax.conversations import TURNS_AS
 from dspark_jax.errors import Terminated
 from dspark_jax.models.drafter import DSparkDrafter
@@ -86,6 +85,7 @@ from dspark_jax.training.data import (
     resolve_pad_id,
 )
 from dspark_jax.training.loss import LossWeights
+from dspark_jax.training.recipe import TrainRecipe
 from dspark_jax.training.step import (
     FrozenParams,
     Models,
