@@ -5,7 +5,7 @@
 #   MODEL=ckpt/qwen3-8b bash serve/serve_tpu.sh
 #
 # A model whose parameters take more than 75% of one chip (Qwen3-8B on v5e's 16 GB) is split
-# over every chip of the host on the mesh's tensor axis; MESH=data,fsdp,tensor chooses another
+# on the mesh's tensor axis over as many of the host's chips as its head counts divide; MESH=data,fsdp,tensor chooses another
 # mesh (docs/engine.md, "On a mesh").
 set -euo pipefail
 

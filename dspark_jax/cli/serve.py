@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "busier (default 8)",
     )
     engine.add_argument(
-        "--prefill-chunk", type=int, default=256, help="most prompt tokens per prefill call"
+        "--prefill-chunk", type=int, default=256, help="most prompt tokens per prefill call (256)"
     )
     engine.add_argument(
         "--prefill-buckets",
@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    http.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    http.add_argument(
+        "--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)"
+    )
     http.add_argument(
         "--max-waiting",
         type=int,
