@@ -291,3 +291,42 @@ def test_a_run_without_speculative_rounds_writes_valid_json(capsys, tmp_path):
     stats = acceptance_stats([], 7)
     body = json.dumps(stats.to_json(), allow_nan=False)
     assert json.loads(body)["conditional_acceptance"] == [None] * 7
+
+
+def test_the_plain_replay_answers_turn_by_turn_like_the_run(monkeypatch):
+    """eval's baseline replays the run's prompts with the run's dependencies: a conversation's
+    next turn joins only when its previous one is answered. Sent all at once, a 4-turn and a
+    1-turn conversation let plain decoding batch all five turns in its first step, where the
+    speculative run had two at most, and the speedup measured concurrency (0.52 against 1.00
+    at one slot, found by hand)."""
+    from dspark_jax.decoding import evaluate
+    from dspark_jax.decoding.batching import LoopTiming, Request
+
+    class StepBatcher:
+        """Answers, at each step, every request waiting at its start."""
+
+        def __init__(self, engine, max_waiting, timed):
+            self.waiting, self.steps, self.timing = [], [], LoopTiming()
+
+        def submit(self, request, on_event):
+            self.waiting.append((request, on_event))
+
+        def run_until_idle(self):
+            while self.waiting:
+                step, self.waiting = self.waiting, []
+                self.steps.append([request.seed for request, _ in step])
+                for _, on_event in step:
+                    on_event("done", None)
+
+    made = []
+    monkeypatch.setattr(
+        evaluate, "Batcher", lambda *a, **k: made.append(StepBatcher(*a, **k)) or made[-1]
+    )
+    turns = [
+        evaluate.Turn(c, t, Request([1], 4, seed=10 * c + t), None, "")
+        for c, n in ((0, 4), (1, 1))
+        for t in range(n)
+    ]
+    run = evaluate.ConversationRun(turns=turns, timing=LoopTiming(), skipped=[])
+    assert evaluate.replay(None, run) is made[0].timing
+    assert made[0].steps == [[0, 10], [1], [2], [3]]

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dspark_jax.decoding.batching import Batcher, LoopTiming, Request, Result, generate
+from dspark_jax.decoding.batching import Batcher, LoopTiming, Request, Result
 from dspark_jax.decoding.engine import Engine, EngineError
 from dspark_jax.decoding.stats import AcceptanceStats, acceptance_stats
 from dspark_jax.sampling import GREEDY, SamplingConfig
@@ -181,10 +181,40 @@ def unfit_conversations(
 
 
 def replay(engine: Engine, run: ConversationRun, progress: bool = False) -> LoopTiming:
-    """Times `engine` on the prompts of `run` with the same lengths, settings and seeds;
-    `progress` shows a bar ("plain") of the turns replayed."""
-    requests = [t.request for t in run.turns]
-    return generate(engine, requests, progress=progress, progress_label="plain")[1]
+    """Times `engine` on the prompts of `run` with the same lengths, settings and seeds, and the
+    same dependencies: a conversation's turn i+1 joins the batch only once the replay has
+    answered its turn i, as in `run`, where that answer was part of its prompt. (Sent all at
+    once, a multi-turn dataset let the baseline batch turns the run could not yet have had,
+    and the speedup measured the difference in concurrency.) `progress` shows a bar ("plain")
+    of the turns replayed."""
+    conversations: dict[int, list[Turn]] = {}
+    for t in sorted(run.turns, key=lambda t: (t.conversation, t.turn)):
+        conversations.setdefault(t.conversation, []).append(t)
+    batcher = Batcher(engine, max_waiting=max(len(conversations), 1), timed=True)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(run.turns), unit="turn", desc="plain")
+
+    def send(turns: list[Turn], i: int) -> None:
+        def on_event(kind: str, payload) -> None:
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                if bar is not None:
+                    bar.update(1)
+                if i + 1 < len(turns):
+                    send(turns, i + 1)
+
+        batcher.submit(turns[i].request, on_event)
+
+    for turns in conversations.values():
+        send(turns, 0)
+    batcher.run_until_idle()
+    if bar is not None:
+        bar.close()
+    return batcher.timing
 
 
 # -- per-dataset report ------------------------------------------------------------------------
