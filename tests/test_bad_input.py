@@ -156,6 +156,11 @@ CLI_CASES = [
     ("generate --json {plain_file}/out.json --max-new-tokens 4", "--json"),
     ("generate --json /proc/dspark-out.json --max-new-tokens 4", "cannot write there"),
     ("generate --json {tmp} --max-new-tokens 4", "is a folder"),
+    ("generate --prompts-file {notalist} --json {notalist}", "is the --prompts-file file"),
+    (
+        "generate --policy threshold --threshold 0.5 --sts {npy} --json {npy}",
+        "is the --sts file: the results would replace the STS artifact read from it",
+    ),
     ("eval --out {plain_file}/results {notalist}", "--out"),
     ("eval --limit 0 {notalist}", "--limit must be >= 1"),
     ("eval {two_turns} --out {here} --overwrite", "overlaps the input"),

@@ -81,6 +81,7 @@ class _Stream:
 def run(args: argparse.Namespace) -> int:
     import time
 
+    from dspark_jax.cli import SPS_AUTO
     from dspark_jax.cli.args import (
         build_engine,
         check_kv_pages,
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         request_positions,
         sampling_from_args,
     )
-    from dspark_jax.cli.paths import check_output_file
+    from dspark_jax.cli.paths import check_not_same_file, check_output_file
     from dspark_jax.cli.report import generation_summary, print_answer
     from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.batching import Request, generate
@@ -104,6 +105,15 @@ def run(args: argparse.Namespace) -> int:
     check_sizes(args)
     check_policy_arguments(args)
     if args.json:
+        inputs = {
+            "--prompts-file": (args.prompts_file, "prompts"),
+            "--sts": (args.sts, "STS artifact"),
+            "--sps-table": (args.sps_table, "SPS table"),
+        }
+        for option, (path, what) in inputs.items():
+            if path and path != SPS_AUTO:
+                consequence = f"the results would replace the {what} read from it"
+                check_not_same_file(args.json, "--json", path, option, consequence)
         check_output_file(args.json, "--json")
     sampling = sampling_from_args(args)
     id_prompts = [_parse_ids(t) for t in args.token_ids]
