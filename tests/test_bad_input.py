@@ -208,6 +208,7 @@ CLI_CASES = [
     ("convert --draft {draft} --out /proc/dspark/c", "cannot write there"),
     ("convert --draft ckpt-typo/../draft --out {tmp}/c", "no such folder"),
     ("convert --target {draft} --out {tmp}/c", "looks like a drafter checkpoint"),
+    ("generate --target {target} --draft {target}", "drafter (--draft; calibrate's --drafter)"),
     ("generate --target {target}", "came without --draft, so the drafter is the embedded"),
     ("export --draft {draft} --out {plain_file}/x", "--out"),
     ("export --draft {tmp}/nothing --out {tmp}/x", "no such folder"),

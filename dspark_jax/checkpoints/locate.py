@@ -168,7 +168,7 @@ def check_part_config(raw: dict[str, Any], part_dir: Path, part: str) -> None:
         raise CheckpointError(
             f"{part_dir} looks like a target (a Qwen3 config.json without block_size or "
             "target_layer_ids), not a drafter: give it as the target (--target) and a DSpark "
-            "or DFlash drafter as --draft"
+            "or DFlash drafter as the drafter (--draft; calibrate's --drafter)"
         )
 
 
