@@ -1,6 +1,7 @@
 """`dspark-jax calibrate` and `dspark-jax profile` end to end, and the shared policy options."""
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -57,8 +58,12 @@ def test_calibrate_one_file_and_two_files(tmp_path, capsys):
         held = artifact.metrics["holdout"]
         assert np.mean(held["ece_after"]) < 0.5 * np.mean(held["ece_before"])
         assert plot.stat().st_size > 0
-        with pytest.raises(StsArtifactMismatchError):
+        # A loaded artifact's refusals name its file.
+        with pytest.raises(StsArtifactMismatchError, match=f"the STS artifact {out} was calibra"):
             artifact.check("0" * 64, 0.7)
+        with pytest.raises(StsArtifactMismatchError, match=f"{out} was calibrated at sampling"):
+            artifact.check(fingerprint, 1.0)
+        assert artifact == dataclasses.replace(artifact, source=None)  # not part of its identity
 
 
 def test_calibrate_refuses_records_of_another_block_size(tmp_path, capsys):

@@ -396,6 +396,8 @@ class StsArtifact:
     sampling_temperature: float
     n_records: int
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The file it was loaded from, named by its refusals (not saved; not part of its identity).
+    source: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         temps = tuple(float(t) for t in self.temperatures)
@@ -436,19 +438,20 @@ class StsArtifact:
     ) -> None:
         """Refuses the artifact for another drafter, sampling temperature or block size (None:
         not checked; an engine serving many temperatures applies it per request instead)."""
+        named = "the STS artifact" if self.source is None else f"the STS artifact {self.source}"
         if self.drafter_fingerprint != drafter_fingerprint:
             raise StsArtifactMismatchError(
-                f"the STS artifact was calibrated for drafter {self.drafter_fingerprint!r}, not "
+                f"{named} was calibrated for drafter {self.drafter_fingerprint!r}, not "
                 f"for this drafter {drafter_fingerprint!r}; run dspark-jax calibrate for it"
             )
         if block_size is not None and self.gamma != block_size:
             raise StsArtifactMismatchError(
-                f"the STS artifact has {self.gamma} temperatures but the drafter's block size is "
+                f"{named} has {self.gamma} temperatures but the drafter's block size is "
                 f"{block_size}"
             )
         if sampling_temperature is not None and not self.applies_to(sampling_temperature):
             raise StsArtifactMismatchError(
-                f"the STS artifact was calibrated at sampling temperature "
+                f"{named} was calibrated at sampling temperature "
                 f"{self.sampling_temperature}, but decoding samples at {sampling_temperature}; "
                 "calibrate at this temperature"
             )
@@ -499,6 +502,7 @@ class StsArtifact:
             sampling_temperature=body["sampling_temperature"],
             n_records=body["n_records"],
             metrics=body["metrics"],
+            source=str(path),
         )
 
 

@@ -527,7 +527,7 @@ def check_policy_arguments(args: argparse.Namespace) -> None:
             )
         return
     if args.policy in _THRESHOLD_POLICIES and args.threshold is None:
-        raise PolicyError(f"--policy {args.policy} needs --threshold (a confidence in (0, 1))")
+        raise PolicyError(f"--policy {args.policy} needs --threshold (a confidence in [0, 1])")
     if args.policy in _SCHEDULERS and not args.sps_table:
         raise PolicyError(
             f"--policy {args.policy} needs --sps-table: a table from dspark-jax profile, or "
@@ -545,7 +545,8 @@ def check_policy_arguments(args: argparse.Namespace) -> None:
             flag = f"--{name.replace('_', '-')}"
             raise PolicyError(
                 f"{flag} is read by --policy {' and '.join(readers)} only; --policy "
-                f"{args.policy} would ignore it: drop {flag} or choose one of those policies"
+                f"{args.policy} would ignore it: drop {flag} or choose "
+                + ("that policy" if len(readers) == 1 else "one of those policies")
             )
 
 

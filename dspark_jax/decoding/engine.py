@@ -239,7 +239,8 @@ def _check_memory(state_bytes: int, cfg: EngineConfig, devices: Sequence[jax.Dev
         per = " per device" if num_devices > 1 and where != HOST_MEMORY else ""
         raise EngineError(
             f"the KV pool and slot state need {format_bytes(need)}{per} ({cfg.pool_pages} "
-            f"pages of {cfg.page_size} tokens, {cfg.num_slots} slots, max_model_len "
+            f"pages of {cfg.page_size} tokens, {cfg.num_slots} slot"
+            f"{'s' if cfg.num_slots != 1 else ''}, max_model_len "
             f"{cfg.max_model_len}) but {where} has {format_bytes(max(free, 0))} free: lower "
             "--kv-pages, --max-model-len, --max-new-tokens or --max-num-seqs (profile: "
             "--context-len)"
