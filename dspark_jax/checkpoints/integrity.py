@@ -44,20 +44,18 @@ def _summaries(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(finite), jnp.stack(checksums)
 
 
-def check_parameters(
-    model: nnx.Module,
-    what: str,
-    instead: str = "decoding from it would not follow the model",
-) -> str:
+# What a refusal says non-finite weights would cost, unless its caller says what to do instead.
+_DECODING = "decoding from it would not follow the model"
+
+
+def check_parameters(model: nnx.Module, what: str, instead: str = _DECODING) -> str:
     """Raises CheckpointError naming `what` (e.g. "the drafter at PATH") and the parameters that
     hold NaN or infinity, then `instead` (what to do, or what it would cost); returns the
     checksum digest of the parameters (hex)."""
     return check_tree(nnx.to_pure_dict(nnx.state(model)), what, instead)
 
 
-def check_tree(
-    params, what: str, instead: str = "decoding from it would not follow the model"
-) -> str:
+def check_tree(params, what: str, instead: str = _DECODING) -> str:
     """`check_parameters` of a pytree of arrays (a train state's parameters, which may be
     sharded over the devices of several processes: each process calls it)."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]

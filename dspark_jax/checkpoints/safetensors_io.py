@@ -296,13 +296,15 @@ def _pid_alive(pid: int) -> bool:
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
 
 
-def _inside(filename, folder: Path, code: int) -> bool:
-    """Whether an error's `filename` lies in `folder` (or is it), or names no file while its
-    `code` is that of a failed write."""
-    if filename is None:
-        return code in _WRITE_ERRNOS
+def _failed_writing_into(error: OSError, folder: Path) -> bool:
+    """Whether `error` is about a path in `folder` (or `folder` itself), or names no path while
+    its errno is that of a failed write."""
+    if not error.errno:
+        return False
+    if error.filename is None:
+        return error.errno in _WRITE_ERRNOS
     try:
-        return Path(os.fsdecode(filename)).absolute().is_relative_to(folder.absolute())
+        return Path(os.fsdecode(error.filename)).absolute().is_relative_to(folder.absolute())
     except (TypeError, ValueError):
         return False
 
@@ -381,7 +383,7 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
         except BaseException as e:
             with guard.holding():
                 shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError) and e.errno and _inside(e.filename, tmp, e.errno):
+            if isinstance(e, OSError) and _failed_writing_into(e, tmp):
                 # Named by the folder asked for, not the hidden working folder just removed.
                 raise OSError(e.errno, e.strerror, str(path)) from e
             raise
