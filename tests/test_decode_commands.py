@@ -297,8 +297,7 @@ def test_the_plain_replay_answers_turn_by_turn_like_the_run(monkeypatch):
     """eval's baseline replays the run's prompts with the run's dependencies: a conversation's
     next turn joins only when its previous one is answered. Sent all at once, a 4-turn and a
     1-turn conversation let plain decoding batch all five turns in its first step, where the
-    speculative run had two at most, and the speedup measured concurrency (0.52 against 1.00
-    at one slot, found by hand)."""
+    speculative run had two at most, and the speedup measured concurrency."""
     from dspark_jax.decoding import evaluate
     from dspark_jax.decoding.batching import LoopTiming, Request
 
