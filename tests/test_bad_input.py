@@ -448,6 +448,40 @@ def test_a_burst_into_free_slots_is_not_refused_as_a_full_queue(tiny_pair):
     assert batcher.num_waiting == 6
 
 
+def test_free_slots_do_not_discount_the_queue_while_kv_pages_are_short(tiny_pair):
+    """Free slots take nobody while the head of the queue waits for KV pages: a 4-slot server
+    with room for one request's pages and `--max-waiting 2` took 1 running + 5 waiting (its
+    three idle slots counted as takers) and said "2 requests are already waiting"."""
+    engine = Engine(
+        tiny_pair.target, None, EngineConfig(num_slots=4, max_model_len=64, num_pages=4)
+    )
+    assert engine.pages_needed(2, 40) > engine.cfg.pool_pages // 2  # one such request at a time
+    batcher = Batcher(engine, max_waiting=2)
+
+    def submit():
+        return batcher.submit(Request([1, 2], 40), lambda kind, payload: None)
+
+    running = submit()
+    batcher._drain_inbox()
+    batcher._admit()  # the loop's admission, without dispatching device work
+    assert running.slot is not None and len(batcher.free_slots) == 3
+    queued = [submit(), submit()]
+    batcher._drain_inbox()
+    batcher._admit()  # the head finds three free slots and too few pages
+    assert all(h.slot is None for h in queued) and batcher.num_waiting == 2
+    with pytest.raises(
+        QueueFullError, match=r"^2 requests are already waiting for a slot and KV pages \(limit 2\)"
+    ):
+        submit()
+    # Pages back (the running request ends): the head is admitted and the queue has room again.
+    batcher.cancel(running)
+    batcher._drain_inbox()
+    batcher._admit()
+    assert queued[0].slot is not None and batcher.num_waiting == 1
+    submit()
+    assert batcher.num_waiting == 2
+
+
 def test_conversation_errors_count_from_one_like_the_answer_labels():
     """Answers print as [1], [2] ... turn 1, turn 2; an error about one names it the same way."""
     from dspark_jax.decoding.evaluate import answer_conversations

@@ -184,8 +184,9 @@ class LoopTiming:
 class Batcher:
     """Continuous batching over an `Engine`; see the module docstring.
 
-    `max_waiting` bounds the queue: the requests submitted beyond the free slots (`submit`
-    raises QueueFullError past it). `timed` makes every device call wait for its result and
+    `max_waiting` bounds the queue: the requests submitted beyond the free slots, or all of
+    them while the KV pool is short of pages for the first in line (`submit` raises
+    QueueFullError past it). `timed` makes every device call wait for its result and
     books its time in `timing` (offline measurement; the server runs untimed so the device
     never waits for the host). `policy_index`: for an engine built with a `PolicySwitch`, the
     member that chooses the verified lengths (else the first).
@@ -220,6 +221,9 @@ class Batcher:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted (inbox + waiting)
+        # Set by the loop when the head of the queue found free slots but too few free KV pages:
+        # until pages come back, free slots take nobody, so they discount nothing in `submit`.
+        self._short_of_pages = False
         # Dispatched device calls not yet read, oldest first: ("prefill", out, handles) and
         # ("decode", out, owners). A call leaves this queue only once its results are on the
         # host, so an interrupt while waiting for them (Ctrl-C) loses nothing: the next step
@@ -256,10 +260,13 @@ class Batcher:
         with self._lock:
             # A request that a free slot will take at the next step waits for nothing, however
             # many arrived since the last step: only those beyond the free slots are queued.
-            waiting = self._queued - len(self.free_slots)
+            # While the KV pool is what is short, free slots take nobody and every one waits.
+            takers = 0 if self._short_of_pages else len(self.free_slots)
+            waiting = self._queued - takers
             if waiting >= self.max_waiting:
                 raise QueueFullError(
-                    f"{waiting} requests are already waiting for a slot "
+                    f"{waiting} requests are already waiting for a slot"
+                    f"{' and KV pages' if self._short_of_pages else ''} "
                     f"(limit {self.max_waiting})"
                 )
             self._queued += 1
@@ -366,6 +373,7 @@ class Batcher:
         self._finish(handle, "abort")
 
     def _admit(self) -> None:
+        short = False
         while self.waiting and self.free_slots:
             handle = self.waiting[0]
             r = handle.request
@@ -373,7 +381,8 @@ class Batcher:
                 self.engine.pages_needed(len(r.prompt_ids), r.max_new_tokens)
             )
             if pages is None:
-                return  # first come, first served: later requests wait behind it
+                short = True  # first come, first served: later requests wait behind it
+                break
             self.waiting.popleft()
             with self._lock:
                 self._queued -= 1
@@ -381,6 +390,8 @@ class Batcher:
             handle.pages = pages
             self.owners[handle.slot] = handle
             self.prefilling.append(handle)
+        with self._lock:
+            self._short_of_pages = short
 
     def _dispatch_prefill(self):
         cfg = self.engine.cfg
