@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import signal
 import subprocess
 import time
@@ -85,7 +86,7 @@ def test_bad_settings_are_refused_before_serving(argv, fragment):
         command.run(_args("--port", "0", *argv))
 
 
-def _start(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
+def _start(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(
         serve_command(
@@ -94,6 +95,7 @@ def _start(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
     line = proc.stdout.readline()
     assert "serving tiny-vanilla" in line, (line, (tmp_path / "serve.log").read_text())
@@ -182,7 +184,9 @@ def _note_first(events, first_token: list):
 
 
 def test_serve_openai_client_and_sigterm_drain(tmp_path):
-    proc, url = _start(tmp_path, f"--max-model-len={MAX_MODEL_LEN}")
+    # JAX logs each compilation: the compile counter must count as many, loading's included (it
+    # started listening only with the metrics, after the models had loaded: 8 of 16).
+    proc, url = _start(tmp_path, f"--max-model-len={MAX_MODEL_LEN}", env={"JAX_LOG_COMPILES": "1"})
     try:
         statuses = []
 
@@ -195,6 +199,9 @@ def test_serve_openai_client_and_sigterm_drain(tmp_path):
 
         assert wait_until(healthy, 600, interval=0.2), (tmp_path / "serve.log").read_text()
         assert statuses[0] == 503  # warming up: listening, not yet compiled
+        logged = (tmp_path / "serve.log").read_text().count("Finished XLA compilation of")
+        assert logged > 0
+        assert metrics(url)["dspark:jax_compilations_total"] == logged
 
         # A second server on the same port: one line, no traceback, before loading anything.
         port = url.rsplit(":", 1)[1]

@@ -223,8 +223,12 @@ def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.decoding.engine import EngineConfig, block_positions, format_bytes
     from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
     from dspark_jax.serving.http_server import HttpServer, build_app_server
+    from dspark_jax.serving.metrics import watch_compilations
     from dspark_jax.sharding import describe_mesh
 
+    # dspark:jax_compilations_total counts the process's compilations from here on, loading's
+    # included, not only those after the metrics exist.
+    watch_compilations()
     _configure_logging(args.log_level)
     target, draft, name = _model_paths(args)
     mesh = decoding_mesh_for(args, target, draft)
