@@ -19,6 +19,9 @@ from dspark_jax.decoding.engine import (
     default_compile_workers,
     warm_up_all,
 )
+from dspark_jax.errors import UserError
+from dspark_jax.models.attention import ATTENTION_ENV
+from dspark_jax.models.layers import GRAPH_LOOPS_ENV
 from dspark_jax.sampling import SamplingConfig
 
 # The reference counts its 96 tokens after the first one, then keeps the first 96 overall.
@@ -542,6 +545,23 @@ def test_cpu_16_bit_pools_are_stored_in_float32_with_the_same_results(monkeypatc
     state = jax.eval_shape(models.engine(cfg).init_state)
     pool_elements = sum(x.size for x in jax.tree.leaves((state.target_pages, state.draft_pages)))
     assert state_bytes - old_bytes == 2 * pool_elements
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the Triton path is this backend's")
+def test_environment_switches_are_refused_as_the_users_error(monkeypatch):
+    """A nonsense DSPARK_JAX_GRAPH_LOOPS, or the Triton attention asked for off a GPU, is one
+    line of the user's error, not a traceback (a ValueError from deep in tracing before)."""
+    target, _ = load_pair("vanilla")
+    cfg = EngineConfig(num_slots=1, max_model_len=64)
+    monkeypatch.setenv(GRAPH_LOOPS_ENV, "maybe")
+    with pytest.raises(UserError, match=r"^DSPARK_JAX_GRAPH_LOOPS='maybe': expected 0 \(off\)"):
+        Engine(target, None, cfg)
+    monkeypatch.delenv(GRAPH_LOOPS_ENV)
+    monkeypatch.setenv(ATTENTION_ENV, "pallas_gpu")
+    with pytest.raises(EngineError, match=r"^the pallas_gpu attention is a Triton kernel .* cpu"):
+        Engine(target, None, cfg)
+    # Interpreted (the CPU tests of the kernel), it is still taken.
+    assert Engine(target, None, dataclasses.replace(cfg, attention_interpret=True)).target_layout
 
 
 def test_compile_workers_come_from_the_environment(monkeypatch):

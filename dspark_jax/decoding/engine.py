@@ -537,6 +537,15 @@ class Engine:
         platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
         try:  # a page size or head dim the attention path cannot take is the user's to change
             impl = cfg.attention_impl or attention.default_impl()
+            if impl == "pallas_gpu" and platform not in ("gpu", "cuda") and not (
+                cfg.attention_interpret
+            ):
+                raise ValueError(
+                    f"the pallas_gpu attention is a Triton kernel for NVIDIA GPUs and this "
+                    f"engine runs on {platform}: choose another path (unset "
+                    f"{attention.ATTENTION_ENV} for this backend's own, or 'jax', which runs "
+                    "everywhere)"
+                )
             self.target_layout = attention.PagedLayout(
                 cfg.pool_pages,
                 cfg.page_size,

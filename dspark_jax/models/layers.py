@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import Qwen3Config, RopeConfig
+from dspark_jax.errors import UserError
 
 # Large negative instead of -inf: a fully masked row (padding) must stay finite, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -210,7 +211,7 @@ def graph_loops(device=None) -> bool:
     writes the sampling filters' searches out, leaves fewer of them there)."""
     setting = os.environ.get(GRAPH_LOOPS_ENV, "").strip()
     if setting not in ("", "0", "1"):
-        raise ValueError(f"{GRAPH_LOOPS_ENV}={setting!r}: expected 0 (off) or 1 (on, the default)")
+        raise UserError(f"{GRAPH_LOOPS_ENV}={setting!r}: expected 0 (off) or 1 (on, the default)")
     if setting == "0":
         return False
     if device is None:
