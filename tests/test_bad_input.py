@@ -107,7 +107,11 @@ CLI_CASES = [
     ("generate --max-new-tokens 0", "--max-new-tokens must be >= 1"),
     ("generate --max-new-tokens 6000", "lower --max-new-tokens"),
     ("generate --max-new-tokens 1000000000", "max_position_embeddings"),
-    ("generate --max-model-len 64 --max-new-tokens 100", "--max-model-len is 64"),
+    (
+        "generate --max-model-len 64 --max-new-tokens 100",
+        "--max-model-len is 64: lower --max-new-tokens, shorten the prompt or raise "
+        "--max-model-len",
+    ),
     ("generate --max-model-len 100000 --max-new-tokens 4", "max_position_embeddings 4096"),
     ("generate --kv-pages 100000000 --max-new-tokens 4", "lower --kv-pages"),
     (

@@ -230,7 +230,7 @@ def test_eval_where_every_turn_is_skipped_is_refused_before_compiling(
     err = capsys.readouterr().err
     assert "every turn would be skipped, so nothing would be measured" in err
     assert "chat conversation 1 turn 1: a prompt of" in err and "max_model_len is 24" in err
-    assert "raise --max-model-len" in err
+    assert "lower --max-new-tokens, use shorter prompts or raise --max-model-len" in err
     assert not out.exists()
 
 

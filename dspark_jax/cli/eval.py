@@ -124,8 +124,11 @@ def _check_something_fits(args: argparse.Namespace, datasets: dict, engine, toke
             return
         reasons.append(f"{name} {unfit[0]}")
     count = sum(len(c) for c in datasets.values())
+    # A prompt longer than the context fits with no --max-new-tokens: name every way out.
     fix = "lower --max-new-tokens" + (
-        " or raise --max-model-len" if args.max_model_len is not None else ""
+        ", use shorter prompts or raise --max-model-len"
+        if args.max_model_len is not None
+        else " or use shorter prompts"
     )
     raise UserError(
         f"every turn would be skipped, so nothing would be measured: the first turn of each of "

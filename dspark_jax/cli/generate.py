@@ -143,8 +143,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"the longest prompt with --max-new-tokens {args.max_new_tokens} needs "
             f"{max(positions)} positions (prompt, new tokens and {models.gamma + 1} for "
-            f"verification); {bound} is {cfg.max_model_len}: lower --max-new-tokens or shorten "
-            "the prompt"
+            f"verification); {bound} is {cfg.max_model_len}: lower --max-new-tokens"
+            + (
+                ", shorten the prompt or raise --max-model-len"
+                if args.max_model_len is not None
+                else " or shorten the prompt"
+            )
         )
     check_kv_pages(args, cfg, positions)
     engine = build_engine(models, args, cfg)
