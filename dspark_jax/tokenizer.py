@@ -129,7 +129,9 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
         _drop_torch_advice()
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return without_length_limit(
+            AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        )
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         config = read_config_json(model_dir)
         eos = config.get("eos_token_id")
@@ -139,6 +141,19 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
         f"no tokenizer in {model_dir!r}: expected one of {', '.join(_HF_TOKENIZER_FILES)}, or a "
         "config.json of a byte model (vocab_size 288, eos_token_id 256)"
     )
+
+
+_NO_LIMIT = int(1e30)  # transformers' own "no maximum" (VERY_LARGE_INTEGER)
+
+
+def without_length_limit(tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` with its `model_max_length` lifted (in place): every command measures a
+    prompt against the engine's context and refuses one that cannot fit in one line; a Hugging
+    Face tokenizer's own limit would only log "Token indices sequence length is longer than the
+    specified maximum ... will result in indexing errors" ahead of that line, which misleads."""
+    if getattr(tokenizer, "model_max_length", None) is not None:
+        tokenizer.model_max_length = _NO_LIMIT
+    return tokenizer
 
 
 def copy_tokenizer_bundle(src: Path, dst: Path) -> list[str]:

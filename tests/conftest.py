@@ -57,3 +57,17 @@ def compile_cache(tmp_path_factory):
     yield cache
     for name, value in saved.items():
         jax.config.update(name, value)
+
+
+@pytest.fixture
+def transformers_log(caplog):
+    """`caplog`, seeing transformers' records too: its library logger does not propagate to the
+    root logger caplog listens on, so without this an assertion that transformers logged
+    nothing cannot fail."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    try:
+        yield caplog
+    finally:
+        hf_logging.disable_propagation()

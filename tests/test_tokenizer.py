@@ -163,3 +163,18 @@ def test_no_pytorch_advice_before_a_commands_output():
     assert done.returncode == 0, done.stderr
     assert "PyTorch was not found" not in done.stderr
     assert "another warning stays" in done.stderr
+
+
+def test_a_prompt_longer_than_the_context_is_refused_in_one_line():
+    """transformers' own limit (model_max_length 4096 in the embedded target's tokenizer) logged
+    "Token indices sequence length is longer than the specified maximum ... will result in
+    indexing errors" before the command's one-line refusal; every command measures prompts
+    against the engine's context itself, so load_tokenizer lifts that limit."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "dspark_jax.cli", "generate", "--prompt", "word " * 6000]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "shorten the prompt" in lines[0], lines

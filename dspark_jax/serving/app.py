@@ -54,7 +54,7 @@ from dspark_jax.serving import protocol as api
 from dspark_jax.serving.metrics import ServingMetrics
 from dspark_jax.serving.runtime import EngineRunner, ServiceUnavailable
 from dspark_jax.serving.text_stream import StopStrings, TextStream
-from dspark_jax.tokenizer import encode_chat
+from dspark_jax.tokenizer import encode_chat, without_length_limit
 
 log = logging.getLogger(__name__)
 
@@ -402,9 +402,6 @@ def _body_path(data: Any, loc: tuple[str | int, ...]) -> str:
     return ".".join(path)
 
 
-_NO_LIMIT = int(1e30)  # transformers' own "no maximum" (VERY_LARGE_INTEGER)
-
-
 def _param_of(req: api.GenerationRequest, field: str | None) -> str | None:
     """The body parameter that carried the engine `Request` field an EngineError names."""
     if field == "prompt_ids":
@@ -433,11 +430,9 @@ class OpenAIServer:
         self.draining = False
         self.created = int(time.time())
         metrics.ready.set_function(lambda: float(self.status == "ok"))
-        # Prompts are measured against max_model_len here (a 400 for one that cannot fit); a
-        # Hugging Face tokenizer's own limit would only log "Token indices sequence length is
-        # longer than the specified maximum" ahead of it.
-        if getattr(model.tokenizer, "model_max_length", None) is not None:
-            model.tokenizer.model_max_length = _NO_LIMIT
+        # Prompts are measured against max_model_len here (a 400 for one that cannot fit), also
+        # with a tokenizer that did not come from `load_tokenizer`.
+        without_length_limit(model.tokenizer)
 
     # -- life cycle ------------------------------------------------------------------------------
     def drain(self, deadline_s: float | None = None) -> None:
