@@ -86,6 +86,12 @@ def test_notebook_is_valid_cleared_and_honest(path):
             assert "needs-network" in _tags(cell), cell.source[:80]
         if "needs-gpu" in _tags(cell):
             assert 'jax.default_backend() != "gpu"' in cell.source
+    # A rate printed from a cell that builds its engine must not include compiling: that cell
+    # warms the engine up first (quickstart's section (e) printed tokens/s of the compile).
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "tokens_per_s" in cell.source and "Engine(" in cell.source:
+            built = cell.source.index("Engine(")
+            assert "warm_up()" in cell.source[built:], cell.source[:80]
     # The install cell comes first, with empty Colab form fields and no placeholder URL.
     install = _install_cell(nb).source
     assert 'REPO_URL = ""  # @param {type:"string"}' in install
