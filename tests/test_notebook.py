@@ -233,6 +233,43 @@ def test_install_cell_outside_a_checkout_keeps_an_installed_package(path, tmp_pa
     assert "pip install" not in out
 
 
+@pytest.mark.parametrize(
+    ("field", "gpu", "installs"),
+    [
+        ('REPO_URL = "https://example.org/dspark-jax.git"', True,
+         "dspark-jax[gpu] @ git+https://example.org/dspark-jax.git"),
+        ('REPO_URL = "https://example.org/dspark-jax.git"', False,
+         "dspark-jax @ git+https://example.org/dspark-jax.git"),
+        ('WHEEL = "dspark_jax-1-py3-none-any.whl"', True,
+         "dspark-jax[gpu] @ file://{cwd}/dspark_jax-1-py3-none-any.whl"),
+    ],
+    ids=["git-gpu", "git-cpu", "wheel-gpu"],
+)
+def test_install_cell_brings_jax_cuda_on_a_gpu_runtime(field, gpu, installs, tmp_path, monkeypatch):
+    """On a GPU runtime (nvidia-smi on the PATH) the install asks for the `gpu` extra: were pip
+    to raise Colab's JAX to the package's floor without the CUDA plugin, JAX would run on the
+    CPU and every GPU cell would say it needs a GPU runtime. pip itself is not run here."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if gpu:
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    (tmp_path / "dspark_jax-1-py3-none-any.whl").write_bytes(b"")
+    install = _install_cell(_read(NOTEBOOK_DIR / "quickstart.ipynb"))
+    record_pip = (
+        "import subprocess\n"
+        "subprocess.run = lambda argv, **kw: print('RAN', ' | '.join(map(str, argv)))"
+    )
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(record_pip), install])
+    empty = field.split("=")[0] + '= ""'
+    _set_parameters(nb, {empty: field})
+    ran = _execute(nb, tmp_path, timeout=120)
+    out = _stdout(ran.cells[1])
+    pip = f"RAN {sys.executable} | -m | pip | install | -q | "
+    assert pip + installs.format(cwd=tmp_path) in out, out
+
+
 # Run in the fresh virtualenv by the test below: the driver is the only thing there besides the
 # Jupyter packages, so everything the notebook imports comes from its own install cell.
 FRESH_DRIVER = """
