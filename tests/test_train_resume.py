@@ -229,6 +229,17 @@ def test_resume_with_other_micro_batching_and_settings(
         train(dataclasses.replace(config, seq_lens=None), tmp_path, progress=False)
     with pytest.raises(TrainCheckpointError, match=r"float32, this run loads .* bfloat16"):
         train(dataclasses.replace(config, target_dtype="bfloat16"), tmp_path, progress=False)
+    # Written by two processes (each saved its own data position): not damage, and not to be
+    # deleted, as the failed restore of the missing position files said before.
+    meta = tmp_path / "checkpoints" / "3" / "meta" / "metadata"
+    record = json.loads(meta.read_text())
+    assert record["processes"] == 1
+    meta.write_text(json.dumps({**record, "processes": 2}))
+    with pytest.raises(
+        TrainCheckpointError, match=r"3 was written by 2 process\(es\).* this run has 1: resume it"
+    ):
+        train(config, tmp_path, progress=False)
+    meta.write_text(json.dumps(record))
     monkeypatch.setattr(trainer, "_setup_models", original_setup)
     # 4 rows over data x fsdp = 2 devices, one per device: 2 micro-batches instead of 1.
     other = dataclasses.replace(config, mesh=MeshConfig(1, 2, 4), per_device_batch_size=1)

@@ -56,7 +56,9 @@ class TrainCheckpointError(UserError):
 # records of earlier versions hold none).
 # Compared by the trainer itself (with messages naming the setting), or not at all:
 # num_microbatches splits a step's batch without changing its loss, gradient or data.
-NOT_COMPARED = ("total_steps", "data", "num_microbatches", "seq_lens", "target_dtype")
+NOT_COMPARED = (
+    "total_steps", "data", "num_microbatches", "seq_lens", "target_dtype", "processes"
+)
 
 
 class _ReadOnlyNotice(logging.Filter):

@@ -628,12 +628,22 @@ def _check_resumable(checkpointer: TrainCheckpointer, step: int, record: dict[st
 
 
 def _check_same_settings(where: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """Refuses a resume with other length buckets or another target dtype (settings that a
-    checkpoint written by an earlier version does not record are not checked)."""
+    """Refuses a resume with another number of processes, other length buckets or another target
+    dtype (settings that a checkpoint written by an earlier version does not record are not
+    checked)."""
     fix = (
         "resume with the original setting, or start a new run in another output folder (from "
         "this checkpoint's weights with --init-from)"
     )
+    if "processes" in saved and saved["processes"] != now["processes"]:
+        # Not damage: without this, the restore failed on the missing position files and the
+        # refusal advised deleting the step (and then every earlier one).
+        raise TrainCheckpointError(
+            f"{where} was written by {saved['processes']} process(es), each saving its own "
+            f"data position, and this run has {now['processes']}: resume it with "
+            f"{saved['processes']} process(es) (any mesh), or start a new run in another output "
+            "folder (from this checkpoint's weights with --init-from)"
+        )
     if "seq_lens" in saved and saved["seq_lens"] != now["seq_lens"]:
         raise TrainCheckpointError(
             f"{where} was trained with the length buckets seq_lens "
@@ -788,6 +798,8 @@ def _train(
     checkpointer = TrainCheckpointer(output_dir / "checkpoints", config.keep_checkpoints)
     interrupts.checkpoints = checkpointer.directory
     record = config.run_record(total_steps, num_microbatches, data.identity())
+    # Each process saves and restores its own data position: a step resumes only with as many.
+    record["processes"] = jax.process_count()
     resumed_from = checkpointer.latest_step()
     if resumed_from is not None:
         saved_total = _check_resumable(checkpointer, resumed_from, record)
