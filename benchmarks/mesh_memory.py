@@ -14,10 +14,11 @@ a laptop:
 needs libtpu, `pip install "jax[tpu]"`, but no TPU) with the Pallas TPU attention: the numbers a
 TPU would see. `--gpu h100` (or h200) does the same for one GPU with the Triton attention
 (benchmarks/deviceless.py; `pip install "jax[cuda12]"`, no GPU), mesh 1x1x1. Without either
-the programs compile for XLA:CPU with the plain-JAX attention, whose temporaries overstate an
-accelerator's: XLA:CPU gathers from a bf16 array through a float32 copy of the whole array, so
-each page pool that attention reads gets a float32 twin (twice the pool), hoisted out of the
-attention loop -- the CPU rows bound the memory from above, they do not size a chip.
+the programs compile for XLA:CPU with the plain-JAX attention, whose memory overstates an
+accelerator's: where XLA:CPU would gather a 16-bit pool through a float32 copy of the whole pool
+(jax 0.10), the engine stores the pools in float32 there (twice a chip's pool bytes; the header
+says so), and the CPU temporaries are larger -- the CPU rows bound the memory from above, they
+do not size a chip.
 
 Columns per program: arguments (parameters + slot state + inputs), outputs, aliased (outputs
 written into donated arguments: counted once), temporaries, and their total
@@ -206,6 +207,10 @@ def _measure(args) -> int:
         f"{cfg.pool_pages} pages of {cfg.page_size}; commit {git_commit()}, "
         f"{datetime.date.today()}, {platform.node()}; {platform_name}"
     )
+    wide = engine.target_layout.value_dtype
+    pool_dtype = args.dtype if wide is None else "float32"
+    if wide is not None:
+        print(f"(page pools stored as float32 holding {wide} values on {jax.default_backend()})")
     print("per device:")
     for name, size in parts.items():
         print(f"  {name:<26}{size / gib:8.2f} GiB")
@@ -232,6 +237,7 @@ def _measure(args) -> int:
                 machine=platform.node(),
                 platform=platform_name,
                 settings={k: v for k, v in vars(args).items() if k != "json"},
+                pool_dtype=pool_dtype,
                 parts=parts,
                 rows=rows,
                 peak_bytes=peak,

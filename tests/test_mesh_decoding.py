@@ -452,6 +452,28 @@ def test_a_decoding_mesh_may_use_fewer_devices_than_are_present(capsys):
     assert "decoding on mesh data 1 x fsdp 1 x tensor 2 (2 of 8 devices)" in capsys.readouterr().err
 
 
+def test_an_engine_of_shapes_alone_is_compiled_for_never_run(monkeypatch):
+    """Models built with `nnx.eval_shape` (benchmarks/mesh_memory.py's CPU rows, lowering-time
+    measurements) allocate nothing: their slot state is not weighed against free host memory
+    (mesh_memory's default Qwen3-8B layout was refused on a 24 GB machine since CPU pools became
+    float32), and running them is refused by name."""
+
+    def weighed(devices):
+        raise AssertionError("the slot state of shapes alone was weighed against free memory")
+
+    monkeypatch.setattr(engine_module, "memory_budget", weighed)
+    abstract = nnx.eval_shape(_random_pair)
+    for mesh in (None, _mesh(1, 1, 2)):
+        engine = Engine(*abstract, CFG, mesh=mesh)
+        assert engine.compile_only
+        assert "decode_chunk" in engine.lower()
+        with pytest.raises(EngineError, match=r"parameters are shapes alone \(nnx.eval_shape\)"):
+            engine.init_state()
+    # Real parameters are weighed as before.
+    with pytest.raises(AssertionError, match="shapes alone was weighed"):
+        Engine(*_random_pair(), CFG)
+
+
 def test_a_mesh_of_stand_in_devices_is_compiled_for_never_run(monkeypatch):
     """A mesh of a topology's stand-in devices (`jax.experimental.topologies`: a GPU or TPU
     compiled for without one, benchmarks/deviceless.py) holds nothing: the engine neither weighs

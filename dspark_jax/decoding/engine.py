@@ -620,8 +620,14 @@ class Engine:
         # Unplaced arrays go to the default device, the first local one.
         local = jax.local_devices()[:1] if mesh is None else mesh.local_devices
         # A mesh of a topology's stand-in devices (`jax.experimental.topologies`: a TPU or GPU
-        # compiled for without one) holds nothing: its programs are lowered and compiled only.
-        self.compile_only = any(map(is_compile_only, local))
+        # compiled for without one) holds nothing, and parameters of shapes alone
+        # (`nnx.eval_shape`: a memory or lowering-time measurement) cannot run: either way the
+        # programs are lowered and compiled only, and nothing is weighed against free memory.
+        shapes_only = any(
+            isinstance(x, jax.ShapeDtypeStruct)
+            for x in jax.tree.leaves((self.target_params, self.drafter_params))
+        )
+        self.compile_only = shapes_only or any(map(is_compile_only, local))
         if not self.compile_only:
             _check_memory(self.state_bytes, cfg, local)
         # On an NVIDIA GPU, loops and conditionals go into XLA's CUDA graphs: a decode chunk
@@ -684,8 +690,8 @@ class Engine:
         if self.compile_only:
             raise EngineError(
                 "this engine's mesh stands in for devices that are not there (a "
-                "jax.experimental.topologies topology): its programs can be lowered and "
-                "compiled (`lower`), not run"
+                "jax.experimental.topologies topology), or its parameters are shapes alone "
+                "(nnx.eval_shape): its programs can be lowered and compiled (`lower`), not run"
             )
         return self._init(self.target_params, self.drafter_params)
 
@@ -918,7 +924,7 @@ class Engine:
         for is not this process' backend -- `platforms` names one, or the mesh is a GPU's
         stand-ins (its device kind then) -- the Triton kernels' lowering is told which GPU."""
         device = None if self.mesh is None else self.mesh.devices.flat[0]
-        if self.compile_only and device.platform == "gpu":
+        if self.compile_only and device is not None and device.platform == "gpu":
             return absent_gpu_target(("cuda",), device.device_kind)
         return absent_gpu_target(platforms, gpu_kind)
 
