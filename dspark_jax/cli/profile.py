@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     target, drafter, description, mesh = _build_models(args)
     print(
         f"profiling {args.mode} steps of {description}, {target.dtype}, {args.max_num_seqs} "
-        f"slots, context {args.context_len}, on {describe_mesh(mesh)}",
+        f"slot{'s' if args.max_num_seqs != 1 else ''}, context {args.context_len}, on "
+        f"{describe_mesh(mesh)}",
         flush=True,
     )
     cfg = EngineConfig(num_slots=args.max_num_seqs, token_buckets=args.buckets)

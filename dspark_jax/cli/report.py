@@ -411,7 +411,8 @@ def plot_profile(profile: SpsProfile, path: str | Path) -> None:
     meta = profile.meta
     where = f"{meta.get('device', '?')}, {str(meta.get('date', ''))[:10]}"
     slots = meta.get("num_slots", "?")
-    fig.suptitle(f"{meta.get('mode', '')} SPS, {slots} slots, {where}", fontsize=10)
+    slots = f"{slots} slot{'' if slots == 1 else 's'}"
+    fig.suptitle(f"{meta.get('mode', '')} SPS, {slots}, {where}", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

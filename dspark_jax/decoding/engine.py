@@ -785,7 +785,8 @@ class Engine:
         need = self.positions_needed(prompt_len, max_new_tokens)
         if need > self.cfg.max_model_len:
             raise EngineError(
-                f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens (and "
+                f"a prompt of {prompt_len} tokens plus {max_new_tokens} new "
+                f"token{'s' if max_new_tokens != 1 else ''} (and "
                 f"{self.gamma + 1} verification positions) needs {need} positions; the engine's "
                 f"max_model_len is {self.cfg.max_model_len}",
                 "max_new_tokens",
