@@ -353,6 +353,14 @@ def decoding_mesh(
         sizes = (config.data, config.fsdp, config.tensor)
         if -1 not in sizes and math.prod(sizes) < len(devices):
             devices = devices[: math.prod(sizes)]
+        if -1 not in sizes and math.prod(sizes) > len(devices):
+            # Not training's advice (-1 to take them all): decoding may use fewer.
+            raise ShardingError(
+                f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} has {math.prod(sizes)} "
+                f"devices but {len(devices)} are present: give sizes that multiply to at most "
+                f"{len(devices)} (e.g. --mesh 1,1,{len(devices)}), or -1 for one axis to take "
+                "the rest"
+            )
         return make_mesh(config, devices)
     local = list(devices if devices is not None else jax.local_devices())
     limit = device_memory_bytes(local[0])

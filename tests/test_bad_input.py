@@ -144,6 +144,8 @@ CLI_CASES = [
     ("generate --max-new-tokens many", "invalid int value"),
     ("generate --bogus", "unrecognized arguments: --bogus (see dspark-jax generate --help)"),
     ("generate --mesh 0,1,1", "argument --mesh: mesh axis sizes must be positive or -1"),
+    # Decoding may use fewer devices than there are (8 here): not training's "-1" advice alone.
+    ("generate --mesh 1,1,16 --max-new-tokens 4", "give sizes that multiply to at most 8"),
     (
         "generate --token-ids 1,2,3 --mesh=-1,1,2 --max-num-seqs 3",
         "--max-num-seqs 3 must be a multiple of data x fsdp = 4 on mesh 4,1,2",

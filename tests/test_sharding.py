@@ -41,6 +41,17 @@ def test_mesh_config_shapes():
         MeshConfig(0, 1, 1)
 
 
+def test_a_batch_the_mesh_cannot_split_names_the_way_out():
+    from dspark_jax.config import ConfigError
+    from dspark_jax.configs.train_tiny import TRAIN_CONFIGS
+
+    config = TRAIN_CONFIGS["tiny-dspark"]
+    batch = config.recipe.global_batch_size
+    with pytest.raises(ConfigError, match=r"devices: give a --mesh whose data x fsdp divides it"):
+        config.num_microbatches(batch + 1)
+    assert config.num_microbatches(batch) == 1
+
+
 def test_make_mesh_uses_the_devices_given():
     assert jax.device_count() == 8, "tests/conftest.py should give 8 CPU devices"
     mesh = make_mesh(MeshConfig(2, 2, 2))

@@ -194,7 +194,9 @@ class TrainConfig:
         if global_batch % batch_parallel_devices:
             raise ConfigError(
                 f"global_batch_size {global_batch} cannot be split over data x fsdp = "
-                f"{batch_parallel_devices} devices"
+                f"{batch_parallel_devices} devices: give a --mesh whose data x fsdp divides "
+                f"it, or a config whose recipe.global_batch_size is a multiple of "
+                f"{batch_parallel_devices}"
             )
         if self.per_device_batch_size is None:
             return 1
