@@ -210,6 +210,22 @@ def test_eval_says_why_when_speculation_loses():
     assert "0.30x at tau 2.50" in note and "\n" not in note
 
 
+def test_a_scheduler_that_verified_nothing_says_why():
+    """Under an SPS table where no verification pays (a 1-slot CPU table), the scheduler decodes
+    plainly: tau 1.000 and 0.00 drafts per round, which read like a broken drafter."""
+    from types import SimpleNamespace
+
+    from dspark_jax.cli.report import scheduler_note
+
+    none, some = SimpleNamespace(mean_verified=0.0), SimpleNamespace(mean_verified=2.5)
+    note = scheduler_note("scheduler", "sps.json", none)
+    assert note.startswith("note: the scheduler verified no drafts: under SPS table sps.json")
+    assert "the table profiled here" in scheduler_note("async-scheduler", "auto", none)
+    assert scheduler_note("scheduler", "sps.json", some) is None
+    assert scheduler_note("fixed", None, none) is None  # gamma 0 asked for it
+    assert scheduler_note("scheduler", "sps.json", None) is None  # no drafter
+
+
 def test_profile_warns_on_a_non_monotonic_sps_table():
     from dspark_jax.cli.profile import non_monotonic_warning
 

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         sampling_from_args,
     )
     from dspark_jax.cli.paths import check_not_same_file, check_output_file
-    from dspark_jax.cli.report import generation_summary, print_answer
+    from dspark_jax.cli.report import generation_summary, print_answer, scheduler_note
     from dspark_jax.conversations import read_turns
     from dspark_jax.decoding.batching import Request, generate
     from dspark_jax.decoding.evaluate import answer_conversations
@@ -215,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
         print(flush=True)
     stats = acceptance_stats(results, engine.gamma) if engine.gamma else None
     print("\n".join(generation_summary(results, timing, stats, compile_s)), file=sys.stderr)
+    note = scheduler_note(args.policy, args.sps_table, stats)
+    if note:
+        print(note, file=sys.stderr)
     if args.json:
         _write_json(args, sampling, cfg, models, records, timing, stats, compile_s, engine.policy)
     return 0

@@ -16,6 +16,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dspark_jax.calibration import metrics
+from dspark_jax.cli import SPS_AUTO
 
 if TYPE_CHECKING:
     from dspark_jax.decoding.batching import LoopTiming, Result
@@ -76,6 +77,20 @@ def generation_summary(
 
 
 # -- eval --------------------------------------------------------------------------------------
+def scheduler_note(policy: str, sps_table: str | None, stats) -> str | None:
+    """A note when a scheduling policy verified no drafts at all: correct under its SPS table
+    (no verification worth its cost at this slot count), but it reads like a broken drafter
+    (tau 1.000) unless said."""
+    if policy not in ("scheduler", "async-scheduler") or not stats or stats.mean_verified != 0:
+        return None
+    table = "the table profiled here" if sps_table == SPS_AUTO else f"SPS table {sps_table}"
+    return (
+        f"note: the {policy} verified no drafts: under {table} no verification is worth its "
+        "cost at this slot count, so this run decoded plainly; profile the device you decode on "
+        "with the --max-num-seqs you run"
+    )
+
+
 def speedup_note(reports: Sequence[DatasetReport]) -> str | None:
     """One line when speculation lost somewhere (speedup < 1): where, and the usual reason."""
     slower = [r for r in reports if r.speedup is not None and r.speedup < 1]
