@@ -270,6 +270,15 @@ def test_output_checks_leave_nothing_behind(command, bad_files, tmp_path, capsys
     assert not (tmp_path / "new").exists()
 
 
+def test_one_half_of_a_converted_pair_names_the_other(converted, capsys):
+    """A converted folder holds both models: given as --draft alone (or --target alone), the
+    refusal of the embedded other half names the folder for the missing flag."""
+    rc, lines = _run(["generate", "--draft", str(converted), "--max-new-tokens", "4"], capsys)
+    assert rc == 2 and f"give --target {converted} (the target it records)" in lines[0], lines
+    rc, lines = _run(["generate", "--target", str(converted), "--max-new-tokens", "4"], capsys)
+    assert rc == 2 and f"give --draft {converted} or --no-draft" in lines[0], lines
+
+
 # -- 1. a converted folder decodes like the safetensors it came from ---------------------------
 def _leaf_properties(model) -> list[tuple]:
     return [

@@ -432,6 +432,16 @@ def test_export_of_a_diverged_checkpoint_is_refused(base_run, tmp_path, capsys, 
     assert not out.exists()
 
 
+def test_a_run_given_as_draft_without_target_names_the_target_it_records(base_run, capsys):
+    """`generate --draft RUN` decodes on the embedded target, which a tiny run's drafter does
+    not fit: the refusal names the target the run's checkpoints record."""
+    base, _ = base_run
+    assert main(["generate", "--draft", str(base), "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert f"give --target {Path(TINY_TARGET).resolve()} (the target it records)" in err
+
+
 def test_export_whose_recorded_target_moved_says_to_name_it(
     base_run, tmp_path, capsys, monkeypatch
 ):

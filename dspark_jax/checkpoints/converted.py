@@ -470,8 +470,13 @@ def write_drafter(
 
 def recorded_target(part_dir: Path) -> str | None:
     """The target stored beside a converted drafter (its converted folder), if any."""
+    return converted_beside(part_dir, TARGET)
+
+
+def converted_beside(part_dir: Path, part: str) -> str | None:
+    """The converted folder holding `part_dir` when it also holds `part` (DRAFT or TARGET)."""
     root = part_dir.parent
-    if (root / MANIFEST).is_file() and TARGET in read_manifest(root / MANIFEST).get(
+    if (root / MANIFEST).is_file() and part in read_manifest(root / MANIFEST).get(
         "converted", []
     ):
         return str(root)

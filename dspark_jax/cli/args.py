@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from dspark_jax.calibration.sts import StsArtifact
+from dspark_jax.checkpoints.locate import DRAFT, TARGET
 from dspark_jax.cli import SPS_AUTO
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
@@ -372,7 +373,8 @@ def _check_embedded_part_fits(args: argparse.Namespace, target, draft) -> None:
         drafter_cfg.check_target(target_cfg)
     except ConfigError as e:
         if args.draft is None:
-            instead = "--draft (its own drafter)"
+            beside = _converted_beside(args.target, DRAFT)
+            instead = f"--draft {beside}" if beside else "--draft (its own drafter)"
             if hasattr(args, "no_draft"):  # eval has no --no-draft
                 instead += " or --no-draft"
             raise ConfigError(
@@ -380,11 +382,44 @@ def _check_embedded_part_fits(args: argparse.Namespace, target, draft) -> None:
                 f"{EMBEDDED_NAME} one, made for the embedded target, and it does not fit this "
                 f"one ({e}): give {instead}"
             ) from None
+        recorded = _recorded_target_of(args.draft)
         raise ConfigError(
             f"--draft {args.draft} came without --target, so the target is the embedded "
             f"{EMBEDDED_NAME} one, and this drafter was not made for it ({e}): give --target "
-            "(the model the drafter was trained for)"
+            + (
+                f"{recorded} (the target it records)"
+                if recorded
+                else "(the model the drafter was trained for)"
+            )
         ) from None
+
+
+def _converted_beside(path: str, part: str) -> str | None:
+    """The converted folder holding model `path` and also `part` (its other half), if any."""
+    from dspark_jax.checkpoints.converted import converted_beside
+    from dspark_jax.checkpoints.locate import locate
+
+    other = DRAFT if part == TARGET else TARGET
+    try:
+        return converted_beside(locate(path, other)[0], part)
+    except (UserError, OSError):
+        return None
+
+
+def _recorded_target_of(draft: str) -> str | None:
+    """The target a drafter records, for advice: the one converted beside it, or the one its
+    training run's checkpoints name; None when neither can be read."""
+    from dspark_jax.training.checkpointing import find_checkpoint
+    from dspark_jax.training.trainer import checkpoint_drafter_config
+
+    beside = _converted_beside(draft, TARGET)
+    if beside is not None:
+        return beside
+    try:
+        found = find_checkpoint(draft)
+        return None if found is None else checkpoint_drafter_config(*found)[1].get("target")
+    except (UserError, OSError):
+        return None
 
 
 def build_engine(
