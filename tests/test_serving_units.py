@@ -321,6 +321,27 @@ def test_health_during_warm_up_is_a_503_with_retry_after(monkeypatch):
         server.shutdown(30)
 
 
+def test_the_drain_notice_says_what_ctrl_c_does_here():
+    """uvicorn's "Waiting for connections to close. (CTRL+C to force quit)": here a second
+    Ctrl-C ends the running requests and only a third quits (`_Uvicorn.handle_exit`)."""
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        HttpServer(_chat_server(ByteTokenizer()), sock, log_level="critical")
+    finally:
+        sock.close()
+    record = logging.LogRecord(
+        "uvicorn.error", logging.INFO, __file__, 1,
+        "Waiting for connections to close. (CTRL+C to force quit)", (), None,
+    )
+    assert logging.getLogger("uvicorn.error").filter(record)
+    message = record.getMessage()
+    assert "force quit" not in message
+    assert "Ctrl+C again ends them at once, a third Ctrl+C quits" in message
+    other = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "Shutting down", (), None)
+    assert logging.getLogger("uvicorn.error").filter(other)
+    assert other.getMessage() == "Shutting down"
+
+
 @pytest.mark.parametrize("stopped_during_warm_up", [False, True])
 def test_ready_is_logged_only_when_the_server_becomes_ready(
     monkeypatch, caplog, stopped_during_warm_up

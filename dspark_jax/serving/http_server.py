@@ -181,6 +181,27 @@ def _protocol(read_timeout_s: float, metrics: ServingMetrics) -> type[H11Protoco
     return type("HeadDeadlineProtocol", (_HeadDeadline,), attributes)
 
 
+class _DrainWording(logging.Filter):
+    """uvicorn says "Waiting for connections to close. (CTRL+C to force quit)" when the drain
+    starts; here a second Ctrl-C ends the running requests (each with whole tokens and a proper
+    end) and only a third forces the exit (`_Uvicorn.handle_exit`), so say that instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Waiting for connections to close."):
+            record.msg = (
+                "Waiting for running requests to finish (at most --drain-timeout); Ctrl+C "
+                "again ends them at once, a third Ctrl+C quits"
+            )
+            record.args = ()
+        return True
+
+
+def _reword_drain_notice() -> None:
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _DrainWording) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(_DrainWording())
+
+
 class _Uvicorn(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_drain, on_abort):
         super().__init__(config)
@@ -236,6 +257,7 @@ class HttpServer:
         self._server = _Uvicorn(
             config, lambda: app_server.request_drain(drain_timeout_s), app_server.request_abort
         )
+        _reword_drain_notice()
         self._thread: threading.Thread | None = None
 
     @property
