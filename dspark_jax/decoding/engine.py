@@ -535,17 +535,14 @@ class Engine:
         # XLA:CPU gathers and scatters 16-bit pools through a float32 copy of the whole pool
         # every step; there the pools store float32 holding the 16-bit values (same results).
         platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+        # Parameters of shapes alone (`nnx.eval_shape`: a memory or lowering-time measurement)
+        # cannot run: such an engine is lowered and compiled only (`compile_only` below).
+        shapes_only = any(
+            isinstance(x, jax.ShapeDtypeStruct)
+            for x in jax.tree.leaves((nnx.state(target), nnx.state(drafter) if drafter else None))
+        )
         try:  # a page size or head dim the attention path cannot take is the user's to change
             impl = cfg.attention_impl or attention.default_impl()
-            if impl == "pallas_gpu" and platform not in ("gpu", "cuda") and not (
-                cfg.attention_interpret
-            ):
-                raise ValueError(
-                    f"the pallas_gpu attention is a Triton kernel for NVIDIA GPUs and this "
-                    f"engine runs on {platform}: choose another path (unset "
-                    f"{attention.ATTENTION_ENV} for this backend's own, or 'jax', which runs "
-                    "everywhere)"
-                )
             self.target_layout = attention.PagedLayout(
                 cfg.pool_pages,
                 cfg.page_size,
@@ -568,6 +565,20 @@ class Engine:
                     value_dtype=attention.pool_value_dtype(impl, drafter.dtype, platform),
                 )
             )
+            # After the layouts, whose shape checks hold wherever the kernel would run; an
+            # engine of shapes alone may be lowered for a GPU from here (`lower(platforms=)`).
+            if (
+                impl == "pallas_gpu"
+                and platform not in ("gpu", "cuda")
+                and not cfg.attention_interpret
+                and not shapes_only
+            ):
+                raise ValueError(
+                    f"the pallas_gpu attention is a Triton kernel for NVIDIA GPUs and this "
+                    f"engine runs on {platform}: choose another path (unset "
+                    f"{attention.ATTENTION_ENV} for this backend's own, or 'jax', which runs "
+                    "everywhere)"
+                )
         except ValueError as err:
             raise EngineError(str(err)) from err
         self._target_graph, self.target_params = nnx.split(target)
@@ -620,13 +631,9 @@ class Engine:
         # Unplaced arrays go to the default device, the first local one.
         local = jax.local_devices()[:1] if mesh is None else mesh.local_devices
         # A mesh of a topology's stand-in devices (`jax.experimental.topologies`: a TPU or GPU
-        # compiled for without one) holds nothing, and parameters of shapes alone
-        # (`nnx.eval_shape`: a memory or lowering-time measurement) cannot run: either way the
-        # programs are lowered and compiled only, and nothing is weighed against free memory.
-        shapes_only = any(
-            isinstance(x, jax.ShapeDtypeStruct)
-            for x in jax.tree.leaves((self.target_params, self.drafter_params))
-        )
+        # compiled for without one) holds nothing, and parameters of shapes alone cannot run:
+        # either way the programs are lowered and compiled only, and nothing is weighed
+        # against free memory.
         self.compile_only = shapes_only or any(map(is_compile_only, local))
         if not self.compile_only:
             _check_memory(self.state_bytes, cfg, local)
