@@ -386,10 +386,24 @@ def drafter_loss_sums(
     return loss_sums(params)
 
 
+_EMBEDDING = "['embed_tokens']['embedding']"
+
+
 def target_features(
     models: Models, target_state: nnx.State, tokens_bl: jax.Array, mesh: Mesh | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """(final normed hidden states, tapped features) of the frozen target, without gradient."""
+    if mesh is not None:
+        # The lookup's rows come out split along the embedding (fsdp) and must end split along
+        # the batch (data x fsdp): XLA's partitioner cannot move fsdp between those dimensions on
+        # some meshes (2 x 2 x 2) and replicated the whole [batch, length, hidden] lookup to do
+        # it ("Involuntary full rematerialization"). Gathering the table along the embedding
+        # first, as FSDP does for every weight it uses, leaves a lookup it splits by batch.
+        def gathered(path, x):
+            name = jax.tree_util.keystr(path)
+            return constrain(x, ("vocab", None), mesh) if name.startswith(_EMBEDDING) else x
+
+        target_state = jax.tree_util.tree_map_with_path(gathered, target_state)
     target = nnx.merge(models.target, target_state)
     out = target(tokens_bl, tap_layer_ids=models.drafter_cfg.target_layer_ids)
     hidden = constrain(out.hidden, ("batch", "length", None), mesh)
