@@ -55,6 +55,10 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("markov", None),
+    # The confidence head's input, [hidden; Markov rank]: its kernel is one column, and split
+    # along fsdp it split the Markov part's gradient on its way into the (batch-split) table
+    # lookup, which XLA could do only by replicating it.
+    ("head_in", None),
     ("head_dim", None),
     ("norm", None),
     ("scalar", None),

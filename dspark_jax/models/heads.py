@@ -84,7 +84,7 @@ class ConfidenceHead(nnx.Module):
         self.proj = Linear(
             hidden + markov_rank,
             1,
-            axes=("embed", "scalar"),
+            axes=("head_in", "scalar"),
             use_bias=True,
             rngs=rngs,
             param_dtype=param_dtype,
