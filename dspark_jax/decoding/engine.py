@@ -535,12 +535,6 @@ class Engine:
         # XLA:CPU gathers and scatters 16-bit pools through a float32 copy of the whole pool
         # every step; there the pools store float32 holding the 16-bit values (same results).
         platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
-        # Parameters of shapes alone (`nnx.eval_shape`: a memory or lowering-time measurement)
-        # cannot run: such an engine is lowered and compiled only (`compile_only` below).
-        shapes_only = any(
-            isinstance(x, jax.ShapeDtypeStruct)
-            for x in jax.tree.leaves((nnx.state(target), nnx.state(drafter) if drafter else None))
-        )
         try:  # a page size or head dim the attention path cannot take is the user's to change
             impl = cfg.attention_impl or attention.default_impl()
             self.target_layout = attention.PagedLayout(
@@ -565,22 +559,16 @@ class Engine:
                     value_dtype=attention.pool_value_dtype(impl, drafter.dtype, platform),
                 )
             )
-            # After the layouts, whose shape checks hold wherever the kernel would run; an
-            # engine of shapes alone may be lowered for a GPU from here (`lower(platforms=)`).
-            if (
-                impl == "pallas_gpu"
-                and platform not in ("gpu", "cuda")
-                and not cfg.attention_interpret
-                and not shapes_only
-            ):
-                raise ValueError(
-                    f"the pallas_gpu attention is a Triton kernel for NVIDIA GPUs and this "
-                    f"engine runs on {platform}: choose another path (unset "
-                    f"{attention.ATTENTION_ENV} for this backend's own, or 'jax', which runs "
-                    "everywhere)"
-                )
         except ValueError as err:
             raise EngineError(str(err)) from err
+        # The Triton kernel off a GPU can be lowered for one (`lower(platforms=("cuda",))`),
+        # not run here: running is refused by name (`_check_runnable`), not by Pallas mid-trace.
+        self._off_gpu_triton = (
+            impl == "pallas_gpu"
+            and platform not in ("gpu", "cuda")
+            and not cfg.attention_interpret
+            and not any(map(is_compile_only, mesh.devices.flat if mesh is not None else ()))
+        )
         self._target_graph, self.target_params = nnx.split(target)
         self._drafter_graph, self.drafter_params = (
             nnx.split(drafter) if drafter is not None else (None, None)
@@ -631,9 +619,13 @@ class Engine:
         # Unplaced arrays go to the default device, the first local one.
         local = jax.local_devices()[:1] if mesh is None else mesh.local_devices
         # A mesh of a topology's stand-in devices (`jax.experimental.topologies`: a TPU or GPU
-        # compiled for without one) holds nothing, and parameters of shapes alone cannot run:
-        # either way the programs are lowered and compiled only, and nothing is weighed
-        # against free memory.
+        # compiled for without one) holds nothing, and parameters of shapes alone
+        # (`nnx.eval_shape`: a memory or lowering-time measurement) cannot run: either way the
+        # programs are lowered and compiled only, and nothing is weighed against free memory.
+        shapes_only = any(
+            isinstance(x, jax.ShapeDtypeStruct)
+            for x in jax.tree.leaves((self.target_params, self.drafter_params))
+        )
         self.compile_only = shapes_only or any(map(is_compile_only, local))
         if not self.compile_only:
             _check_memory(self.state_bytes, cfg, local)
@@ -693,13 +685,27 @@ class Engine:
             policy_carry=self.policy.init_carry(s, max(self.gamma, 1)),
         )
 
-    def init_state(self) -> SlotState:
+    def _check_runnable(self) -> None:
+        """Refuses, by name, to run an engine that can only be lowered (and compiled)."""
         if self.compile_only:
             raise EngineError(
                 "this engine's mesh stands in for devices that are not there (a "
                 "jax.experimental.topologies topology), or its parameters are shapes alone "
                 "(nnx.eval_shape): its programs can be lowered and compiled (`lower`), not run"
             )
+        if self._off_gpu_triton:
+            platform = jax.devices()[0].platform if self.mesh is None else (
+                self.mesh.devices.flat[0].platform
+            )
+            raise EngineError(
+                f"the pallas_gpu attention is a Triton kernel for NVIDIA GPUs and this engine "
+                f"runs on {platform}: it can be lowered for a GPU (`lower(platforms=...)`), not "
+                f"run here; choose another path (unset {attention.ATTENTION_ENV} for this "
+                "backend's own, or 'jax', which runs everywhere)"
+            )
+
+    def init_state(self) -> SlotState:
+        self._check_runnable()
         return self._init(self.target_params, self.drafter_params)
 
     def select_policy(self, state: SlotState, index: int) -> SlotState:
@@ -966,6 +972,7 @@ class Engine:
         without the GIL). jit keeps what they compiled, so the scratch run that follows
         compiles nothing: at real shapes warm-up takes about as long as its largest program,
         not the sum of all. `warm_up_all` does the same for several engines at once."""
+        self._check_runnable()
         compile_concurrently(list(self.lower().values()), workers)
         self._scratch_run()
 
@@ -1036,6 +1043,8 @@ def warm_up_all(
     """`Engine.warm_up` of every engine, their programs all compiled at once: benchmarks that
     build an engine per batch size or policy wait for the largest program, not for each.
     `extra`: other lowered programs to compile on the same threads (a profiler's own)."""
+    for engine in engines:
+        engine._check_runnable()
     compile_concurrently([*extra, *(p for e in engines for p in e.lower().values())], workers)
     for engine in engines:
         engine._scratch_run()
