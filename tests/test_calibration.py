@@ -1,6 +1,7 @@
 """Calibration metrics and Sequential Temperature Scaling."""
 
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -267,3 +268,28 @@ def test_artifact_round_trip_and_mismatch(tmp_path):
         loaded.check("sha256:other", 0.7)
     with pytest.raises(ValueError, match="sampling temperature 0.7"):
         loaded.check("sha256:abc", 1.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "refusal"),
+    [
+        ("temperatures", 5, "temperatures must be a list of numbers, got 5"),
+        ("temperatures", "abcdefg", "temperatures must be a list of numbers, got 'abcdefg'"),
+        ("temperatures", ["a"] * 7, "temperatures must be a list of numbers"),
+        ("sampling_temperature", None, "sampling_temperature must be finite and >= 0, got None"),
+        ("sampling_temperature", "1", "got '1'"),
+        ("drafter_fingerprint", 5, "drafter_fingerprint must be a non-empty string, got 5"),
+        ("n_records", "many", "n_records must be an integer >= 0, got 'many'"),
+        ("metrics", 3, "metrics must be a dict, got 3"),
+    ],
+)
+def test_a_hand_edited_sts_artifact_is_refused_by_name(field, value, refusal, tmp_path):
+    """An artifact is a file users edit: a bad field raised a raw TypeError or ValueError (a
+    traceback from the commands), or was taken (a numeric fingerprint, n_records 'many')."""
+    path = tmp_path / "sts.json"
+    sts.StsArtifact((1.0,) * 7, "sha256:test", 1.0, n_records=3).save(path)
+    body = json.loads(path.read_text())
+    body[field] = value
+    path.write_text(json.dumps(body))
+    with pytest.raises(sts.CalibrationInputError, match=f"^{path}: .*{refusal}"):
+        sts.StsArtifact.load(path)

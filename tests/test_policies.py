@@ -372,3 +372,42 @@ def test_engine_requires_confidences_for_confidence_policies(toy):
     with pytest.raises(EngineError, match="confidence head"):
         Engine(target, bare, TOY_CFG, policy=policies.ThresholdPolicy(0.5))
     Engine(target, bare, TOY_CFG, policy=policies.FixedPolicy(1))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "refusal"),
+    [
+        ("buckets", ["a"], "buckets must be strictly increasing positive integers"),
+        ("buckets", 5, "buckets must be strictly increasing positive integers, got 5"),
+        ("buckets", None, "got None"),
+        ("buckets", [8.7], r"got \[8\.7\]"),  # was truncated to 8
+        ("sps", ["x"], r"sps must be numbers, got \['x'\]"),
+        ("num_slots", "2", "num_slots must be an integer >= 1, got '2'"),
+    ],
+)
+def test_a_hand_edited_sps_table_is_refused_by_name(field, value, refusal, tmp_path):
+    """A table is a file users edit: a bad field raised a raw TypeError or ValueError (a
+    traceback from the commands), and a string num_slots read 'profiled for 2 slots, but the
+    engine has 2'."""
+    path = tmp_path / "sps.json"
+    policies.SpsProfile((8, 16), [10.0, 9.0], {"num_slots": 2}).save(path)
+    body = json.loads(path.read_text())
+    body[field] = value
+    path.write_text(json.dumps(body))
+    with pytest.raises(policies.SpsProfileError, match=f"^{path}: .*{refusal}"):
+        policies.SpsProfile.load(path)
+
+
+def test_sps_metadata_cannot_shadow_the_table_and_numpy_values_are_saved(tmp_path):
+    """`meta` is spread into the file beside the table: a "buckets" key was dropped on the round
+    trip and a "format" one made a file `load` refused; numpy scalars failed `save`."""
+    for key in ("format", "buckets", "sps"):
+        with pytest.raises(policies.SpsProfileError, match=f"table's own fields \\['{key}'\\]"):
+            policies.SpsProfile((8,), [1.0], {key: 1})
+    path = tmp_path / "sps.json"
+    table = policies.SpsProfile((8,), [1.0], {"num_slots": np.int64(2), "spread": np.float32(0.5)})
+    table.save(path)
+    assert policies.SpsProfile.load(path).meta == {"num_slots": 2, "spread": 0.5}
+    with pytest.raises(policies.SpsProfileError, match="meta must be JSON data"):
+        policies.SpsProfile((8,), [1.0], {"when": object()}).save(tmp_path / "other.json")
+    assert not (tmp_path / "other.json").exists()

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration import metrics
-from dspark_jax.errors import UserError
+from dspark_jax.errors import UserError, as_integer
 
 ARTIFACT_FORMAT = "dspark-jax/sts/v1"
 _ARTIFACT_FIELDS = (
@@ -400,18 +400,35 @@ class StsArtifact:
     source: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        # An artifact comes from a file a user may have edited: each field is checked by name.
+        if not isinstance(self.temperatures, Sequence) or isinstance(self.temperatures, str):
+            raise CalibrationInputError(
+                f"temperatures must be a list of numbers, got {self.temperatures!r}"
+            )
+        if not all(_is_number(t) for t in self.temperatures):
+            raise CalibrationInputError(
+                f"temperatures must be a list of numbers, got {list(self.temperatures)!r}"
+            )
         temps = tuple(float(t) for t in self.temperatures)
         if not temps:
             raise CalibrationInputError("an STS artifact needs at least one temperature")
         _check_temps(np.asarray(temps), len(temps))
-        if not self.drafter_fingerprint:
-            raise CalibrationInputError("drafter_fingerprint must be a non-empty string")
-        if not (math.isfinite(self.sampling_temperature) and self.sampling_temperature >= 0):
+        if not isinstance(self.drafter_fingerprint, str) or not self.drafter_fingerprint:
             raise CalibrationInputError(
-                f"sampling_temperature must be finite and >= 0, got {self.sampling_temperature}"
+                f"drafter_fingerprint must be a non-empty string, got {self.drafter_fingerprint!r}"
             )
+        t = self.sampling_temperature
+        if not (_is_number(t) and math.isfinite(t) and t >= 0):
+            raise CalibrationInputError(f"sampling_temperature must be finite and >= 0, got {t!r}")
+        if as_integer(self.n_records) is None or self.n_records < 0:
+            raise CalibrationInputError(
+                f"n_records must be an integer >= 0, got {self.n_records!r}"
+            )
+        if not isinstance(self.metrics, dict):
+            raise CalibrationInputError(f"metrics must be a dict, got {self.metrics!r}")
         object.__setattr__(self, "temperatures", temps)
-        object.__setattr__(self, "sampling_temperature", float(self.sampling_temperature))
+        object.__setattr__(self, "sampling_temperature", float(t))
+        object.__setattr__(self, "n_records", int(self.n_records))
 
     @property
     def gamma(self) -> int:
@@ -492,18 +509,32 @@ class StsArtifact:
         missing = sorted(set(_ARTIFACT_FIELDS) - set(body))
         if missing:
             raise CalibrationInputError(f"{path}: lacks {missing}")
+        if not isinstance(body["temperatures"], list):
+            raise CalibrationInputError(
+                f"{path}: temperatures must be a list of numbers, got {body['temperatures']!r}"
+            )
         if body["gamma"] != len(body["temperatures"]):
             raise CalibrationInputError(
                 f"{path}: gamma {body['gamma']} but {len(body['temperatures'])} temperatures"
             )
-        return cls(
-            temperatures=tuple(body["temperatures"]),
-            drafter_fingerprint=body["drafter_fingerprint"],
-            sampling_temperature=body["sampling_temperature"],
-            n_records=body["n_records"],
-            metrics=body["metrics"],
-            source=str(path),
-        )
+        try:
+            return cls(
+                temperatures=body["temperatures"],
+                drafter_fingerprint=body["drafter_fingerprint"],
+                sampling_temperature=body["sampling_temperature"],
+                n_records=body["n_records"],
+                metrics=body["metrics"],
+                source=str(path),
+            )
+        except CalibrationInputError as e:
+            raise CalibrationInputError(f"{path}: {e}") from None
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (a numpy one included); not a bool, a string or None."""
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool
+    )
 
 
 def split_by_block(

@@ -36,7 +36,7 @@ from numpy.typing import ArrayLike
 
 from dspark_jax.config import SHAPE_FIELDS
 from dspark_jax.decoding import scheduler
-from dspark_jax.errors import UserError
+from dspark_jax.errors import UserError, as_integer
 from dspark_jax.sharding import mesh_sizes
 
 if TYPE_CHECKING:
@@ -129,6 +129,13 @@ class ThresholdPolicy:
 
 
 # -- SPS profiles --------------------------------------------------------------------------------
+def _numpy_json(value: Any) -> Any:
+    """numpy scalars and arrays in a table's metadata as the JSON numbers and lists they hold."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON data")
+
+
 class SpsProfileError(UserError):
     """A malformed SPS profile (file or arrays)."""
 
@@ -146,14 +153,37 @@ class SpsProfile:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        buckets = tuple(int(w) for w in self.buckets)
-        sps = np.asarray(self.sps, dtype=np.float64)
-        if not buckets or min(buckets) < 1 or list(buckets) != sorted(set(buckets)):
-            raise SpsProfileError(f"buckets must be strictly increasing positive ints: {buckets}")
+        # A table comes from a file a user may have edited: every part is checked here, so a
+        # bad one is refused by name rather than by a TypeError deep in the scheduler.
+        try:
+            buckets = tuple(as_integer(w) for w in self.buckets)
+        except TypeError:
+            buckets = (None,)
+        if (
+            not buckets
+            or None in buckets
+            or min(buckets) < 1
+            or list(buckets) != sorted(set(buckets))
+        ):
+            raise SpsProfileError(
+                f"buckets must be strictly increasing positive integers, got {self.buckets!r}"
+            )
+        try:
+            sps = np.asarray(self.sps, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise SpsProfileError(f"sps must be numbers, got {self.sps!r}") from None
         if sps.shape != (len(buckets),):
             raise SpsProfileError(f"sps must be [buckets] = ({len(buckets)},), got {sps.shape}")
         if not np.all(np.isfinite(sps) & (sps > 0)):
             raise SpsProfileError("sps must be finite and positive")
+        if not isinstance(self.meta, dict):
+            raise SpsProfileError(f"meta must be a dict, got {self.meta!r}")
+        reserved = sorted({"format", "buckets", "sps"} & set(self.meta))
+        if reserved:
+            raise SpsProfileError(f"meta may not hold the table's own fields {reserved}")
+        slots = self.meta.get("num_slots")
+        if slots is not None and (as_integer(slots) is None or slots < 1):
+            raise SpsProfileError(f"num_slots must be an integer >= 1, got {slots!r}")
         object.__setattr__(self, "buckets", buckets)
         object.__setattr__(self, "sps", sps)
 
@@ -175,8 +205,14 @@ class SpsProfile:
         }
 
     def save(self, path: str | Path) -> None:
+        try:  # before the file is opened: a table that cannot be written leaves none behind
+            text = json.dumps(self.to_json(), indent=2, allow_nan=False, default=_numpy_json)
+        except (TypeError, ValueError) as e:
+            raise SpsProfileError(
+                f"meta must be JSON data (numbers, text, lists, dicts): {e}"
+            ) from None
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        Path(path).write_text(text + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> SpsProfile:
@@ -196,7 +232,10 @@ class SpsProfile:
         if missing:
             raise SpsProfileError(f"{path}: lacks {sorted(missing)}")
         meta = {k: v for k, v in body.items() if k not in ("format", "buckets", "sps")}
-        return cls(body["buckets"], np.asarray(body["sps"]), meta)
+        try:
+            return cls(body["buckets"], body["sps"], meta)
+        except SpsProfileError as e:
+            raise SpsProfileError(f"{path}: {e}") from None
 
 
 def device_description() -> str:
