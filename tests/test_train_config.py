@@ -93,3 +93,54 @@ def test_a_copied_configs_file_loads(tmp_path):
         "TRAIN_CONFIGS = {'mine': ALL['tiny-dspark']}\n"
     )
     assert load_train_config(str(one)).name == "tiny-dspark"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        # A float count was accepted and rounded by the loop (num_steps=2.5 ran to step 3).
+        ("num_steps", 2.5, "num_steps must be an integer >= 1 or None, got 2.5"),
+        ("log_every", 1.5, "log_every must be an integer >= 1, got 1.5"),
+        ("eval_every", 2.0, "eval_every must be an integer >= 1 or None, got 2.0"),
+        ("anchors_per_chunk", 4.0, "anchors_per_chunk must be an integer >= 1, got 4.0"),
+        # Strings failed with a bare TypeError at the first comparison.
+        ("num_steps", "10", "num_steps must be an integer >= 1 or None, got '10'"),
+        ("save_every", "5", "save_every must be an integer >= 1, got '5'"),
+        ("eval_batches", True, "eval_batches must be an integer >= 1, got True"),
+        ("keep_checkpoints", None, "keep_checkpoints must be an integer >= 1, got None"),
+        ("per_device_batch_size", 0, "per_device_batch_size must be >= 1 or None, got 0"),
+        # check_seq_lens truncated 128.5 to 128.
+        ("seq_lens", (64, 128.5, 256), r"seq_lens must be a tuple of integers or None, got \(64"),
+        ("seq_lens", "256", "seq_lens must be a tuple of integers or None, got '256'"),
+        # None failed with a bare AttributeError.
+        ("drafter", None, "drafter must be a DrafterConfig, got None"),
+        ("recipe", None, "recipe must be a TrainRecipe, got None"),
+        ("mesh", None, "mesh must be a MeshConfig, got None"),
+        # Refused only when train loaded the target.
+        ("target_dtype", "int8", r"target_dtype must be one of \('float32', 'bfloat16', "
+         r"'float16'\) or None \(the recipe's dtype\), got 'int8'"),
+    ],
+)
+def test_train_config_refuses_bad_fields_when_built(field, value, message):
+    config = TRAIN_CONFIGS["tiny-dspark"]
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(config, **{field: value})
+
+
+def test_train_config_takes_numpy_integers_and_none_where_allowed():
+    import numpy as np
+
+    config = dataclasses.replace(
+        TRAIN_CONFIGS["tiny-dspark"],
+        num_steps=np.int64(5),
+        log_every=np.int32(2),
+        seq_lens=np.array([64, 256]),
+        target_dtype="bfloat16",
+    )
+    assert type(config.num_steps) is int and type(config.log_every) is int
+    assert config.seq_lens == (64, 256) and all(type(n) is int for n in config.seq_lens)
+    config = dataclasses.replace(
+        config, num_steps=None, per_device_batch_size=None, eval_every=None, seq_lens=None,
+        target_dtype=None,
+    )
+    assert config.num_steps is None and config.eval_every is None

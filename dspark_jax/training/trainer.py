@@ -53,9 +53,9 @@ from tqdm.auto import tqdm
 from dspark_jax.checkpoints.converted import load_drafter, load_target, write_drafter_torch
 from dspark_jax.checkpoints.integrity import check_parameters, check_tree
 from dspark_jax.checkpoints.safetensors_io import CheckpointError
-from dspark_jax.config import ConfigError, DrafterConfig
+from dspark_jax.config import DTYPES, ConfigError, DrafterConfig
 from dspark_jax.conversations import TURNS_AS
-from dspark_jax.errors import Terminated
+from dspark_jax.errors import Terminated, as_integer
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.sharding import (
     MeshConfig,
@@ -158,6 +158,45 @@ class TrainConfig:
     skip_bad_records: bool = False
 
     def __post_init__(self):
+        # The objects first: every later check reads them, and a None or a dict would fail with
+        # a bare AttributeError.
+        for field, cls in (
+            ("drafter", DrafterConfig),
+            ("recipe", TrainRecipe),
+            ("mesh", MeshConfig),
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, cls):
+                raise ConfigError(
+                    f"train config {self.name!r}: {field} must be a {cls.__name__}, got {value!r}"
+                )
+        # Counts: a float (2.5, or 2.0 from a division) would be rounded by the loop's step
+        # comparisons or fail deep inside it, a string with a bare TypeError.
+        optional = ("num_steps", "per_device_batch_size", "eval_every")
+        for field in (
+            *optional,
+            "anchors_per_chunk",
+            "log_every",
+            "eval_batches",
+            "save_every",
+            "keep_checkpoints",
+        ):
+            value = getattr(self, field)
+            if value is None and field in optional:
+                continue
+            number = as_integer(value)
+            or_none = " or None" if field in optional else ""
+            if number is None:
+                raise ConfigError(f"{field} must be an integer >= 1{or_none}, got {value!r}")
+            if number < 1:
+                raise ConfigError(f"{field} must be >= 1{or_none}, got {value}")
+            object.__setattr__(self, field, number)  # a numpy integer becomes a plain int
+        if self.target_dtype is not None and self.target_dtype not in DTYPES:
+            # Refused here rather than when train loads the target, minutes later.
+            raise ConfigError(
+                f"target_dtype must be one of {DTYPES} or None (the recipe's dtype), got "
+                f"{self.target_dtype!r}"
+            )
         r, d = self.recipe, self.drafter
         if r.confidence_weight > 0 and not d.enable_confidence_head:
             raise ConfigError(
@@ -169,19 +208,23 @@ class TrainConfig:
         for field in ("target", "init_drafter"):
             if isinstance(getattr(self, field), os.PathLike):
                 object.__setattr__(self, field, os.fspath(getattr(self, field)))
-        for field in ("log_every", "eval_batches", "save_every", "keep_checkpoints"):
-            if getattr(self, field) < 1:
-                raise ConfigError(f"{field} must be >= 1, got {getattr(self, field)}")
         if self.turns not in TURNS_AS:
             raise ConfigError(f"turns must be one of {TURNS_AS}, got {self.turns!r}")
         if self.holdout and self.eval_data:
             raise ConfigError("holdout splits the training data; it excludes eval_data")
-        for field in ("num_steps", "per_device_batch_size", "eval_every"):
-            if getattr(self, field) is not None and getattr(self, field) < 1:
-                raise ConfigError(f"{field} must be >= 1 or None, got {getattr(self, field)}")
         StepConfig(d.num_anchors, self.anchors_per_chunk)
         if self.seq_lens is not None:
-            object.__setattr__(self, "seq_lens", check_seq_lens(self.seq_lens, r.max_length))
+            # check_seq_lens would truncate 2.5 to 2 (int()): only integers get that far.
+            lens = self.seq_lens
+            if isinstance(lens, str | bytes) or not hasattr(lens, "__iter__"):
+                lens = None
+            else:
+                lens = [as_integer(n) for n in lens]
+            if lens is None or any(n is None for n in lens):
+                raise ConfigError(
+                    f"seq_lens must be a tuple of integers or None, got {self.seq_lens!r}"
+                )
+            object.__setattr__(self, "seq_lens", check_seq_lens(lens, r.max_length))
 
     @property
     def loss_weights(self) -> LossWeights:
