@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from dspark_jax.decoding.engine import (
     Engine,
@@ -39,12 +40,12 @@ from dspark_jax.decoding.engine import (
     warm_up_all,
 )
 from dspark_jax.decoding.policies import SpsProfile, profile_meta, sps_model
-from dspark_jax.errors import UserError
+from dspark_jax.errors import UserError, as_integer
 from dspark_jax.models import paged
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.models.paged import PagedCache, TokenBatch
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.sampling import NO_STOP_TOKEN
+from dspark_jax.sampling import NO_STOP_TOKEN, SamplingConfig, SamplingConfigError
 
 
 class ProfileError(UserError):
@@ -216,22 +217,71 @@ def profile_engine(
     it (the table then describes that mesh). `compile_with`: engines the caller builds next,
     warmed up (`Engine.warm_up`) on the same compile threads as the profiled round, before
     any timing: their compiling overlaps the profile's instead of following it."""
+    # Every argument is checked before anything is built: a bad one would otherwise fail only
+    # after the engine has compiled (minutes on a large model), or be written into the table.
+    for name, value, cls in (
+        ("target", target, Qwen3),
+        ("drafter", drafter, DSparkDrafter),
+        ("cfg", cfg, EngineConfig),
+        ("mesh", mesh, Mesh),
+    ):
+        if not isinstance(value, cls) and not (value is None and name in ("drafter", "mesh")):
+            article = "an" if cls.__name__[0] in "AEIOU" else "a"
+            raise ProfileError(f"{name} must be {article} {cls.__name__}, got {value!r}")
     if mode not in ("round", "verify"):
         raise ProfileError(f"mode must be 'round' or 'verify', got {mode!r}")
     if mode == "round" and drafter is None:
         raise ProfileError("round mode times whole speculative rounds: it needs a drafter")
+    try:
+        # The engine's own rule for a temperature (a finite number >= 0); also a plain float for
+        # the table's metadata.
+        temperature = SamplingConfig(temperature=temperature).temperature
+    except SamplingConfigError as e:
+        raise ProfileError(str(e)) from None
     if mode == "verify" and temperature != 0.0:
         raise ProfileError(
             f"verify mode times the target's forward alone and samples nothing, so temperature "
             f"{temperature:g} would be ignored: it applies to round mode only"
         )
-    if "model" in meta:
-        raise ProfileError("profile_engine records the models it times itself: drop model=")
-    if steps < 1 or repeats < 1:
-        raise ProfileError(f"steps ({steps}) and repeats ({repeats}) must be >= 1")
-    if context_len < 1:
-        raise ProfileError(f"context_len must be >= 1, got {context_len}")
+    for name, value in (("context_len", context_len), ("steps", steps), ("repeats", repeats)):
+        number = as_integer(value)
+        if number is None:
+            raise ProfileError(f"{name} must be an integer >= 1, got {value!r}")
+        if number < 1:
+            raise ProfileError(f"{name} must be >= 1, got {value}")
+    context_len, steps, repeats = int(context_len), int(steps), int(repeats)
+    if log is not None and not callable(log):
+        raise ProfileError(f"log must be a function of one line or None, got {log!r}")
+    try:
+        engines = tuple(compile_with)
+    except TypeError:  # not a sequence: refused as one below
+        engines = (None,)
+    if not all(isinstance(e, Engine) for e in engines):
+        raise ProfileError(f"compile_with must be a sequence of Engines, got {compile_with!r}")
+    compile_with = engines
     gamma = drafter.cfg.block_size if drafter is not None else 0
+    round_mode = mode == "round"
+    # What this call stamps into the table's metadata itself (profile_meta adds the device and
+    # the date): `meta` may add fields, not replace these.
+    own = dict(
+        mode=mode,
+        context_len=context_len,
+        num_slots=cfg.num_slots,
+        gamma=gamma,
+        steps=steps,
+        repeats=repeats,
+        dtype=str(target.dtype),
+        **({"temperature": temperature} if round_mode else {}),
+        mesh=None if mesh is None else dict(mesh.shape),
+        # what an engine checks the profile against (verify mode times no drafter)
+        model=sps_model(target.cfg, drafter.cfg if round_mode else None),
+    )
+    clash = sorted(set(meta) & {"device", "date", *own})
+    if clash:
+        named = ", ".join("the models it times" if key == "model" else key for key in clash)
+        raise ProfileError(
+            f"profile_engine records {named} itself: drop {', '.join(f'{k}=' for k in clash)}"
+        )
     if gamma == 0 and cfg.token_buckets is None:
         raise ProfileError("without a drafter give the token buckets to measure")
     buckets = token_buckets(cfg, CarriedLengths(), gamma)
@@ -251,7 +301,6 @@ def profile_engine(
         rounds_per_chunk=steps,
         token_buckets=buckets,
     )
-    round_mode = mode == "round"
     # Verify mode times the target alone: a plain engine, which takes no policy.
     engine = Engine(
         target,
@@ -276,19 +325,5 @@ def profile_engine(
         sps[i] = 1.0 / seconds
         if log is not None:
             log(f"{width:6d} tokens: {1e3 * seconds:9.3f} ms/step, {sps[i]:9.1f} steps/s")
-    sampled = {"temperature": temperature} if round_mode else {}
-    stamp = profile_meta(
-        mode=mode,
-        context_len=context_len,
-        num_slots=cfg.num_slots,
-        gamma=gamma,
-        steps=steps,
-        repeats=repeats,
-        dtype=str(target.dtype),
-        **sampled,
-        mesh=None if mesh is None else dict(mesh.shape),
-        # what an engine checks the profile against (verify mode times no drafter)
-        model=sps_model(target.cfg, drafter.cfg if round_mode else None),
-        **meta,
-    )
+    stamp = profile_meta(**own, **meta)
     return SpsProfile(tuple(buckets), sps, stamp)
