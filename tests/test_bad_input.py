@@ -817,3 +817,19 @@ def test_a_full_disk_is_one_line_naming_the_output(command, message, tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, done.stderr[-3000:]
     assert lines == ["dspark-jax " + message.format(disk=disk)], done.stderr[-3000:]
+
+
+def test_a_plain_engine_of_decoding_models_refuses_a_policy_it_would_drop():
+    """DecodingModels.engine(speculative=False) built a plain engine and silently dropped the
+    policy= and sts= it was given; Engine itself refuses them for plain decoding."""
+    from dspark_jax.calibration.sts import StsArtifact
+    from dspark_jax.decoding.policies import FixedPolicy
+
+    models = load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False)
+    cfg = EngineConfig(num_slots=1, max_model_len=64)
+    with pytest.raises(EngineError, match=r"a policy \(FixedPolicy\) needs a drafter"):
+        models.engine(cfg, policy=FixedPolicy(3), speculative=False)
+    sts = StsArtifact((1.0,) * models.gamma, "sha256:x", 1.0, n_records=1)
+    with pytest.raises(EngineError, match="an STS artifact needs a drafter"):
+        models.engine(cfg, sts=sts, speculative=False)
+    assert models.engine(cfg, speculative=False).gamma == 0

@@ -411,3 +411,23 @@ def test_sps_metadata_cannot_shadow_the_table_and_numpy_values_are_saved(tmp_pat
     with pytest.raises(policies.SpsProfileError, match="meta must be JSON data"):
         policies.SpsProfile((8,), [1.0], {"when": object()}).save(tmp_path / "other.json")
     assert not (tmp_path / "other.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("build", "refusal"),
+    [
+        (lambda: policies.FixedPolicy(2.5), r"gamma must be an integer >= 0, got 2\.5"),
+        (lambda: policies.FixedPolicy("3"), "gamma must be an integer >= 0, got '3'"),
+        (lambda: policies.FixedPolicy(None), "got None"),
+        (lambda: policies.ThresholdPolicy("0.5"), "threshold must be a number in .*, got '0.5'"),
+        (lambda: policies.ThresholdPolicy(None), "threshold must be a number"),
+        (lambda: policies.ThresholdPolicy(float("nan")), r"must lie in \[0, 1\], got nan"),
+    ],
+)
+def test_policy_parameters_are_refused_when_the_policy_is_built(build, refusal):
+    """FixedPolicy(2.5) built an engine with token buckets (3.5, 7.0) that failed at warm_up
+    with Python's "'float' object cannot be interpreted as an integer"; a string threshold
+    failed on a comparison."""
+    with pytest.raises(policies.PolicyError, match=refusal):
+        build()
+    assert policies.FixedPolicy(np.int64(3)).gamma == 3

@@ -533,7 +533,17 @@ class DecodingModels:
         from dspark_jax.decoding.engine import Engine
 
         if not speculative or self.drafter is None:
-            return Engine(self.target, None, cfg, stop_tokens=self.stop_tokens, mesh=self.mesh)
+            # A policy or artifact goes to the engine, which refuses it for plain decoding
+            # (dropping it here would silently serve something else than asked).
+            return Engine(
+                self.target,
+                None,
+                cfg,
+                policy=policy,
+                stop_tokens=self.stop_tokens,
+                sts=sts,
+                mesh=self.mesh,
+            )
         return Engine(
             self.target,
             self.drafter,

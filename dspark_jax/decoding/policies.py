@@ -91,8 +91,11 @@ class FixedPolicy:
     needs_confidence: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.gamma < 0:
-            raise PolicyError(f"gamma must be >= 0, got {self.gamma}")
+        # A float (2.5) made fractional token buckets that failed only at warm_up.
+        gamma = as_integer(self.gamma)
+        if gamma is None or gamma < 0:
+            raise PolicyError(f"gamma must be an integer >= 0, got {self.gamma!r}")
+        object.__setattr__(self, "gamma", gamma)
 
     def init_carry(self, batch: int, gamma: int) -> tuple:
         return ()
@@ -113,8 +116,12 @@ class ThresholdPolicy:
     needs_confidence: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.threshold <= 1.0:
-            raise PolicyError(f"threshold must lie in [0, 1], got {self.threshold}")
+        t = self.threshold
+        if not isinstance(t, int | float | np.integer | np.floating) or isinstance(t, bool):
+            raise PolicyError(f"threshold must be a number in [0, 1], got {t!r}")
+        if not 0.0 <= t <= 1.0:
+            raise PolicyError(f"threshold must lie in [0, 1], got {t}")
+        object.__setattr__(self, "threshold", float(t))
 
     def init_carry(self, batch: int, gamma: int) -> tuple:
         return ()
