@@ -833,3 +833,45 @@ def test_a_plain_engine_of_decoding_models_refuses_a_policy_it_would_drop():
     with pytest.raises(EngineError, match="an STS artifact needs a drafter"):
         models.engine(cfg, sts=sts, speculative=False)
     assert models.engine(cfg, speculative=False).gamma == 0
+
+
+def test_submit_checks_what_the_loop_would_trip_on_later(tiny_pair):
+    """Caught by Batcher.submit, before the loop thread reads them: a request that is not a
+    Request, a callback that is not callable (a TypeError from step() later), ignore_eos "no"
+    (counted as true), and a prompt list changed after submitting (an id outside the vocabulary
+    reached the engine unchecked). A handle cancelled through another Batcher was skipped by its
+    own without leaving its queue count."""
+    engine = Engine(tiny_pair.target, None, EngineConfig(num_slots=2, max_model_len=64))
+    batcher = Batcher(engine)
+
+    def quiet(kind, payload):
+        return None
+
+    with pytest.raises(EngineError, match="submit takes a Request, got dict"):
+        batcher.submit({"prompt_ids": [1, 2]}, quiet)
+    with pytest.raises(EngineError, match="on_event must be a function"):
+        batcher.submit(Request([1, 2], 4), None)
+    with pytest.raises(EngineError, match="ignore_eos must be True or False, got 'no'"):
+        batcher.submit(Request([1, 2], 4, ignore_eos="no"), quiet)
+    assert batcher.num_waiting == 0
+    prompt = [1, 2, 3]
+    handle = batcher.submit(Request(prompt, 4), quiet)
+    prompt[1] = 10**6  # after the check
+    assert handle.request.prompt_ids == (1, 2, 3)
+    other = Batcher(engine)
+    with pytest.raises(EngineError, match=f"request {handle.id} was submitted to another Batcher"):
+        other.cancel(handle)
+    batcher.cancel(handle)
+    batcher.step()
+    assert batcher.num_waiting == 0 and handle.cancelled
+
+
+def test_release_takes_one_flag_per_slot(tiny_pair):
+    """A scalar True freed every slot (and compiled a program of its own after warm-up); a mask
+    of another length failed inside jit with a broadcasting TypeError."""
+    engine = Engine(tiny_pair.target, None, EngineConfig(num_slots=2, max_model_len=64))
+    state = engine.init_state()
+    for mask in (True, np.ones(3, bool)):
+        with pytest.raises(EngineError, match=r"release takes one flag per slot, shape \(2,\)"):
+            engine.release(state, mask)
+    engine.release(state, np.array([True, False]))

@@ -124,6 +124,7 @@ class Handle:
     on_event: EventCallback
     stop_ids: tuple[int, ...]
     submitted: float
+    batcher: Batcher | None = None  # the one it was submitted to, the only one that may cancel it
     slot: int | None = None
     pages: np.ndarray | None = None
     prefilled: int = 0
@@ -235,6 +236,19 @@ class Batcher:
     def submit(self, request: Request, on_event: EventCallback) -> Handle:
         """Queues a request. Raises EngineError for one that can never run, QueueFullError when
         the queue is full."""
+        if not isinstance(request, Request):
+            raise EngineError(f"submit takes a Request, got {type(request).__name__}")
+        if not callable(on_event):
+            raise EngineError(f"on_event must be a function (kind, payload), got {on_event!r}")
+        if not isinstance(request.ignore_eos, bool | np.bool_):
+            raise EngineError(f"ignore_eos must be True or False, got {request.ignore_eos!r}")
+        # The loop reads the prompt later, on its own thread: what is checked is a copy, so a
+        # list the caller changes after submitting cannot carry unchecked ids into the engine.
+        try:
+            prompt = tuple(request.prompt_ids)
+        except TypeError:
+            prompt = request.prompt_ids  # not a sequence: check_request names it
+        request = dataclasses.replace(request, prompt_ids=prompt)
         self.engine.check_request(
             request.prompt_ids,
             request.max_new_tokens,
@@ -270,12 +284,15 @@ class Batcher:
                     f"(limit {self.max_waiting})"
                 )
             self._queued += 1
-            handle = Handle(next(self._ids), request, on_event, stop_ids, time.monotonic())
+            handle = Handle(next(self._ids), request, on_event, stop_ids, time.monotonic(), self)
             self._inbox.put(("submit", handle))
         return handle
 
     def cancel(self, handle: Handle) -> None:
         """Ends a request early (finish reason "abort"); its slot and pages are freed."""
+        if handle.batcher is not self:
+            # Another batcher's loop would skip it without counting it out of its queue.
+            raise EngineError(f"request {handle.id} was submitted to another Batcher")
         self._inbox.put(("cancel", handle))
 
     @property

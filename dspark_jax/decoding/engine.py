@@ -742,7 +742,15 @@ class Engine:
         return self._decode(self.target_params, self.drafter_params, state, flag)
 
     def release(self, state: SlotState, mask_s: np.ndarray) -> SlotState:
-        return self._release(state, jnp.asarray(mask_s, bool))
+        """`state` with the slots where `mask_s` ([num_slots] bools) is true freed."""
+        mask = np.asarray(mask_s)
+        # Another shape would broadcast (a scalar True frees every slot) and compile a program
+        # of its own after warm-up, or fail inside jit.
+        if mask.shape != (self.cfg.num_slots,):
+            raise EngineError(
+                f"release takes one flag per slot, shape ({self.cfg.num_slots},), got {mask.shape}"
+            )
+        return self._release(state, jnp.asarray(mask, bool))
 
     # -- host helpers --------------------------------------------------------------------------
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
