@@ -155,7 +155,7 @@ CLI_CASES = [
     ("generate --target {hidden_words} --no-draft", "hidden_size must be an integer"),
     ("generate --target {zero_heads} --no-draft", "num_attention_heads must be an integer >= 1"),
     (
-        "generate --policy threshold --threshold 0.5 --sts /no/such/sts.json --max-new-tokens 4",
+        "generate --policy threshold --threshold 0.6 --sts /no/such/sts.json --max-new-tokens 4",
         "cannot read the STS artifact",
     ),
     ("generate --sps-table /no/such/sps.json --policy scheduler", "cannot read the SPS table"),
@@ -164,7 +164,7 @@ CLI_CASES = [
     ("generate --json {tmp} --max-new-tokens 4", "is a folder"),
     ("generate --prompts-file {notalist} --json {notalist}", "is the --prompts-file file"),
     (
-        "generate --policy threshold --threshold 0.5 --sts {npy} --json {npy}",
+        "generate --policy threshold --threshold 0.6 --sts {npy} --json {npy}",
         "is the --sts file: the results would replace the STS artifact read from it",
     ),
     ("eval --out {plain_file}/results {notalist}", "--out"),

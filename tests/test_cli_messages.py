@@ -83,7 +83,7 @@ def test_eval_overwrite_replaces_the_whole_folder(tmp_path, capsys, monkeypatch)
         ["ds/code.jsonl", "--out", "ds"],  # the folder of a dataset file
         ["ds/code.jsonl", "--out", "."],  # a folder above it
         ["--datasets-dir", "ds", "--out", "ds/results"],  # inside the datasets' folder
-        ["ds/code.jsonl", "--policy", "threshold", "--threshold", "0.5", "--sts", "ds/sts.json"]
+        ["ds/code.jsonl", "--policy", "threshold", "--threshold", "0.6", "--sts", "ds/sts.json"]
         + ["--out", "ds"],
         ["ds/code.jsonl", "--draft", "ds/draft", "--out", "ds"],  # a model folder
     ],
@@ -151,6 +151,11 @@ def _policy_args(*argv: str):
          "dspark-jax profile, or auto"),  # fmt: skip
         (["--policy", "async-scheduler"], "needs --sps-table"),
         (["--sts", "sts.json"], "--policy fixed reads none"),
+        # Temperature scaling keeps a logit's sign, which is all threshold 0.5 compares.
+        (
+            ["--policy", "threshold", "--threshold", "0.5", "--sts", "sts.json"],
+            "at --threshold 0.5 compares exactly that sign: the artifact would change nothing",
+        ),
         (
             ["--policy", "fixed", "--threshold", "0.5"],
             "--threshold is read by --policy threshold and cumulative-threshold only; --policy "

@@ -574,6 +574,13 @@ def check_policy_arguments(args: argparse.Namespace) -> None:
             "--policy fixed reads none, so it would change nothing: drop --sts or choose "
             "another --policy"
         )
+    if getattr(args, "sts", None) and args.policy == "threshold" and args.threshold == 0.5:
+        # c_k = sigmoid(z_k / T_k) >= 0.5 exactly where z_k >= 0, whatever the temperature.
+        raise PolicyError(
+            "--sts rescales each confidence's logit, which keeps its sign, and --policy "
+            "threshold at --threshold 0.5 compares exactly that sign: the artifact would change "
+            "nothing; drop --sts or choose another --threshold (or cumulative-threshold)"
+        )
     for name in given:
         readers = _READERS[name]
         if args.policy not in readers:
