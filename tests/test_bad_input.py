@@ -139,6 +139,8 @@ CLI_CASES = [
     ("generate --top-p 2 --max-new-tokens 4", "top_p must be in (0, 1]"),
     ("generate --policy dspark", "invalid choice: 'dspark'"),
     ("generate --policy fixed --threshold 0.5", "--policy fixed would ignore it"),
+    # The flag is named, not the policy's parameter alone ("threshold must lie in [0, 1]").
+    ("generate --policy threshold --threshold 1.5", "argument --threshold: must lie in [0, 1]"),
     ("generate --draft {tmp}/x --no-draft", "--draft would not be used"),
     ("generate --no-draft --sts {tmp}/x.json", "drop --sts (or --no-draft)"),
     ("generate --max-new-tokens many", "invalid int value"),

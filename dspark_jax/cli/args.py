@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from dspark_jax.calibration.sts import StsArtifact
 from dspark_jax.checkpoints.locate import DRAFT, TARGET
 from dspark_jax.cli import SPS_AUTO
+from dspark_jax.cli.argtypes import unit_interval
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import (
@@ -520,7 +521,7 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--threshold",
-        type=float,
+        type=unit_interval,
         help="confidence threshold of the (cumulative-)threshold policies",
     )
     group.add_argument(
