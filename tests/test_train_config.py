@@ -116,6 +116,9 @@ def test_a_copied_configs_file_loads(tmp_path):
         ("drafter", None, "drafter must be a DrafterConfig, got None"),
         ("recipe", None, "recipe must be a TrainRecipe, got None"),
         ("mesh", None, "mesh must be a MeshConfig, got None"),
+        # Flags: "no" counted as true.
+        ("holdout", "no", "holdout must be True or False, got 'no'"),
+        ("skip_bad_records", 1, "skip_bad_records must be True or False, got 1"),
         # Refused only when train loaded the target.
         ("target_dtype", "int8", r"target_dtype must be one of \('float32', 'bfloat16', "
          r"'float16'\) or None \(the recipe's dtype\), got 'int8'"),

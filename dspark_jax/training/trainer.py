@@ -191,6 +191,10 @@ class TrainConfig:
             if number < 1:
                 raise ConfigError(f"{field} must be >= 1{or_none}, got {value}")
             object.__setattr__(self, field, number)  # a numpy integer becomes a plain int
+        for field in ("holdout", "skip_bad_records"):
+            # "no" or 0.5 would count as true.
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(f"{field} must be True or False, got {getattr(self, field)!r}")
         if self.target_dtype is not None and self.target_dtype not in DTYPES:
             # Refused here rather than when train loads the target, minutes later.
             raise ConfigError(
