@@ -877,3 +877,14 @@ def test_release_takes_one_flag_per_slot(tiny_pair):
         with pytest.raises(EngineError, match=r"release takes one flag per slot, shape \(2,\)"):
             engine.release(state, mask)
     engine.release(state, np.array([True, False]))
+
+
+def test_engine_settings_that_could_serve_nothing_or_mean_something_else(tiny_pair):
+    """max_model_len of at most one verification block built and compiled an engine that
+    refused every request (max_request_tokens -4); attention_interpret "no" counted as true."""
+    with pytest.raises(EngineError, match="attention_interpret must be True or False, got 'no'"):
+        EngineConfig(attention_interpret="no")
+    gamma = tiny_pair.drafter.cfg.block_size
+    with pytest.raises(EngineError, match=f"max_model_len {gamma + 1} leaves no room"):
+        Engine(tiny_pair.target, tiny_pair.drafter, EngineConfig(max_model_len=gamma + 1))
+    assert Engine(tiny_pair.target, None, EngineConfig(max_model_len=2)).max_request_tokens == 1

@@ -141,6 +141,11 @@ class EngineConfig:
             if number < 1:
                 raise EngineError(f"{name} must be >= 1, got {value}")
             object.__setattr__(self, name, number)  # a numpy integer becomes a plain int
+        if not isinstance(self.attention_interpret, bool | np.bool_):
+            # "no" would count as true (Pallas in interpret mode: slow, and CPU-only in effect).
+            raise EngineError(
+                f"attention_interpret must be True or False, got {self.attention_interpret!r}"
+            )
         for name, derived in (
             ("prefill_buckets", "derived from prefill_chunk"),
             ("token_buckets", "derived from the slots and the policy"),
@@ -529,6 +534,12 @@ class Engine:
             raise EngineError(
                 f"max_model_len {cfg.max_model_len} exceeds the model's context "
                 f"(max_position_embeddings {limit})"
+            )
+        if cfg.max_model_len <= block_positions(gamma):
+            # Such an engine builds and compiles, and refuses every request.
+            raise EngineError(
+                f"max_model_len {cfg.max_model_len} leaves no room for a request: each needs "
+                f"its prompt and tokens plus {block_positions(gamma)} verification positions"
             )
         self.token_buckets = token_buckets(cfg, policy, gamma)
         self.prefill_widths = cfg.prefill_widths()
