@@ -3,6 +3,7 @@ integer test the checks of that input share."""
 
 from __future__ import annotations
 
+import numbers
 import operator
 
 
@@ -26,6 +27,12 @@ def as_integer(value: object) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def is_real(value: object) -> bool:
+    """Whether `value` is a real number, a numpy scalar included; not a bool (True would pass as
+    1), a string or None -- what a hand-edited JSON file or a Python caller may put instead."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class Terminated(KeyboardInterrupt):

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration import metrics
-from dspark_jax.errors import UserError, as_integer
+from dspark_jax.errors import UserError, as_integer, is_real
 
 ARTIFACT_FORMAT = "dspark-jax/sts/v1"
 _ARTIFACT_FIELDS = (
@@ -405,7 +405,7 @@ class StsArtifact:
             raise CalibrationInputError(
                 f"temperatures must be a list of numbers, got {self.temperatures!r}"
             )
-        if not all(_is_number(t) for t in self.temperatures):
+        if not all(is_real(t) for t in self.temperatures):
             raise CalibrationInputError(
                 f"temperatures must be a list of numbers, got {list(self.temperatures)!r}"
             )
@@ -418,7 +418,7 @@ class StsArtifact:
                 f"drafter_fingerprint must be a non-empty string, got {self.drafter_fingerprint!r}"
             )
         t = self.sampling_temperature
-        if not (_is_number(t) and math.isfinite(t) and t >= 0):
+        if not (is_real(t) and math.isfinite(t) and t >= 0):
             raise CalibrationInputError(f"sampling_temperature must be finite and >= 0, got {t!r}")
         if as_integer(self.n_records) is None or self.n_records < 0:
             raise CalibrationInputError(
@@ -528,13 +528,6 @@ class StsArtifact:
             )
         except CalibrationInputError as e:
             raise CalibrationInputError(f"{path}: {e}") from None
-
-
-def _is_number(value: Any) -> bool:
-    """A real number (a numpy one included); not a bool, a string or None."""
-    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
-        value, bool
-    )
 
 
 def split_by_block(

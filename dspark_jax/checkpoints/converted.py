@@ -532,26 +532,17 @@ class DecodingModels:
         mesh: speculative when there is a drafter (and `speculative`), else plain decoding."""
         from dspark_jax.decoding.engine import Engine
 
-        if not speculative or self.drafter is None:
-            # A policy or artifact goes to the engine, which refuses it for plain decoding
-            # (dropping it here would silently serve something else than asked).
-            return Engine(
-                self.target,
-                None,
-                cfg,
-                policy=policy,
-                stop_tokens=self.stop_tokens,
-                sts=sts,
-                mesh=self.mesh,
-            )
+        # Plain decoding gets the policy and artifact too, and refuses them: dropping them here
+        # would silently serve something else than asked.
+        plain = not speculative or self.drafter is None
         return Engine(
             self.target,
-            self.drafter,
+            None if plain else self.drafter,
             cfg,
             policy=policy,
             stop_tokens=self.stop_tokens,
             sts=sts,
-            drafter_fingerprint=self.drafter_fingerprint,
+            drafter_fingerprint=None if plain else self.drafter_fingerprint,
             mesh=self.mesh,
         )
 

@@ -36,7 +36,7 @@ from numpy.typing import ArrayLike
 
 from dspark_jax.config import SHAPE_FIELDS
 from dspark_jax.decoding import scheduler
-from dspark_jax.errors import UserError, as_integer
+from dspark_jax.errors import UserError, as_integer, is_real
 from dspark_jax.sharding import mesh_sizes
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class ThresholdPolicy:
 
     def __post_init__(self) -> None:
         t = self.threshold
-        if not isinstance(t, int | float | np.integer | np.floating) or isinstance(t, bool):
+        if not is_real(t):
             raise PolicyError(f"threshold must be a number in [0, 1], got {t!r}")
         if not 0.0 <= t <= 1.0:
             raise PolicyError(f"threshold must lie in [0, 1], got {t}")
