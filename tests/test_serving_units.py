@@ -248,6 +248,19 @@ def test_spec_decode_counters_per_position():
     assert m.mean_acceptance._value.get() == pytest.approx(1 + 4 / 4)
 
 
+def test_spec_decode_metrics_only_when_drafting():
+    """A plain server exports no speculative counters (a mean acceptance of 0 would read as a
+    drafter that never helps); a drafting one shows every position from the start."""
+    from prometheus_client import generate_latest
+
+    plain = generate_latest(ServingMetrics(num_slots=2, kv_pages=10, gamma=0).registry).decode()
+    assert "dspark:num_requests_running" in plain
+    assert "spec_decode" not in plain
+    drafting = generate_latest(ServingMetrics(num_slots=2, kv_pages=10, gamma=2).registry).decode()
+    assert "dspark:spec_decode_mean_acceptance_length" in drafting
+    assert 'dspark:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 0.0' in drafting
+
+
 class _Cfg:
     num_slots = 1
     pool_pages = 1

@@ -89,6 +89,7 @@ class _Metric(NamedTuple):
     doc: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
+    speculative: bool = False  # exported only by a server that drafts (as vLLM does)
 
 
 _METRICS = (
@@ -146,26 +147,41 @@ _METRICS = (
     _Metric(
         "http_responses", Counter, "http_responses", "HTTP responses by status code", ("code",)
     ),
-    _Metric("drafts", Counter, "spec_decode_num_drafts", "Draft blocks (speculative rounds)"),
+    _Metric(
+        "drafts",
+        Counter,
+        "spec_decode_num_drafts",
+        "Draft blocks (speculative rounds)",
+        speculative=True,
+    ),
     _Metric(
         "draft_tokens",
         Counter,
         "spec_decode_num_draft_tokens",
         "Draft tokens proposed (gamma per block)",
+        speculative=True,
     ),
     _Metric(
         "verified_tokens",
         Counter,
         "spec_decode_num_verified_tokens",
         "Draft tokens the policy sent to the target",
+        speculative=True,
     ),
-    _Metric("accepted_tokens", Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+    _Metric(
+        "accepted_tokens",
+        Counter,
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens accepted",
+        speculative=True,
+    ),
     _Metric(
         "accepted_per_pos",
         Counter,
         "spec_decode_num_accepted_tokens_per_pos",
         "Draft tokens accepted, by block position (0-based)",
         ("position",),
+        speculative=True,
     ),
     _Metric(
         "verified_per_pos",
@@ -173,12 +189,14 @@ _METRICS = (
         "spec_decode_num_verified_tokens_per_pos",
         "Draft tokens verified, by block position (0-based)",
         ("position",),
+        speculative=True,
     ),
     _Metric(
         "mean_acceptance",
         Gauge,
         "spec_decode_mean_acceptance_length",
         "Tokens committed per speculative round since start (1 + accepted / drafts)",
+        speculative=True,
     ),
 )
 
@@ -196,6 +214,9 @@ class ServingMetrics(Observer):
         self._slots = num_slots
         self._pages = kv_pages
         for m in _METRICS:
+            if m.speculative and not gamma:
+                setattr(self, m.attr, None)  # a plain server has no drafts to count
+                continue
             extra = {} if m.buckets is None else {"buckets": m.buckets}
             metric = m.kind(PREFIX + m.name, m.doc, m.labels, registry=self.registry, **extra)
             setattr(self, m.attr, metric)
@@ -222,7 +243,7 @@ class ServingMetrics(Observer):
 
     def on_rounds(self, verified_r: np.ndarray, accepted_r: np.ndarray, gamma: int) -> None:
         rounds = int(verified_r.shape[0])
-        if not rounds:
+        if not rounds or not self.gamma:
             return
         accepted = int(accepted_r.sum())
         self.drafts.inc(rounds)
