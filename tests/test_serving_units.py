@@ -562,3 +562,19 @@ def test_a_template_that_refuses_the_messages_is_a_400():
     with pytest.raises(ApiError, match="roles must alternate") as caught:
         asyncio.run(server.prompt_ids(req))
     assert caught.value.status == 400
+
+
+def test_open_connections_leave_out_those_closing():
+    """A connection answered 503 (Connection: close) stays in uvicorn's set until its socket
+    is gone; counted, it made a burst of 8 requests past --max-connections 6 refuse all 8."""
+    from types import SimpleNamespace
+
+    from dspark_jax.serving.http_server import open_connections
+
+    def conn(closing: bool):
+        return SimpleNamespace(transport=SimpleNamespace(is_closing=lambda: closing))
+
+    state = SimpleNamespace(connections=[conn(False), conn(True), conn(False), conn(True)])
+    assert open_connections(state) == 2
+    state.connections.append(SimpleNamespace())  # made, transport not yet set
+    assert open_connections(state) == 3

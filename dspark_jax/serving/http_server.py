@@ -225,6 +225,17 @@ class _Uvicorn(uvicorn.Server):
             self.force_exit = True
 
 
+def open_connections(state: uvicorn.server.ServerState) -> int:
+    """Connections uvicorn holds, less those closing: a connection answered 503 (Connection:
+    close) stays in `state.connections` until its socket is gone, and counting it made a burst
+    of N requests past a limit of M refuse all N, not the N - M past it."""
+    return sum(
+        1
+        for conn in state.connections
+        if (transport := getattr(conn, "transport", None)) is None or not transport.is_closing()
+    )
+
+
 class HttpServer:
     """Serves `app_server` on `sock` with uvicorn until a signal or `shutdown()`."""
 
@@ -243,7 +254,7 @@ class HttpServer:
         self.sock = sock
         self.drain_timeout_s = drain_timeout_s
         app = create_app(
-            app_server, max_connections, lambda: len(self._server.server_state.connections)
+            app_server, max_connections, lambda: open_connections(self._server.server_state)
         )
         config = uvicorn.Config(
             app,
