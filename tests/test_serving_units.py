@@ -498,6 +498,20 @@ def _chat_server(tokenizer) -> OpenAIServer:
     return OpenAIServer(EngineRunner(_Engine(), max_waiting=1), model, ServingMetrics(1, 1, 0))
 
 
+def test_default_token_limit_per_endpoint():
+    """Without max_tokens a completion gets the Completions API's 16 tokens (within what the
+    context leaves) and a chat completion all the context leaves -- OpenAI's and vLLM's
+    defaults; a named limit is kept as named."""
+    server = _chat_server(build_chat_tokenizer())  # max_model_len 256
+    completion = CompletionRequest.model_validate({"prompt": "x"})
+    assert server.token_limit(completion, 10) == 16
+    assert server.token_limit(completion, 250) == 6
+    named = CompletionRequest.model_validate({"prompt": "x", "max_tokens": 100})
+    assert server.token_limit(named, 10) == 100
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    assert server.token_limit(chat, 10) == 246
+
+
 def test_chat_template_and_enable_thinking():
     tokenizer = build_chat_tokenizer()
     server = _chat_server(tokenizer)

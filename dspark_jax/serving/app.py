@@ -568,8 +568,9 @@ class OpenAIServer:
         )
 
     def token_limit(self, req: api.GenerationRequest, prompt_len: int) -> int:
-        """The request's max new tokens; what fits the context when it names none (vLLM's
-        default). Raises ApiError (context_length_exceeded) when prompt + answer cannot fit."""
+        """The request's max new tokens; when it names none, its endpoint's default (16 for
+        completions, as OpenAI's and vLLM's) within what the context leaves, or all of that (chat,
+        as vLLM). Raises ApiError (context_length_exceeded) when prompt + answer cannot fit."""
         context = self.model.max_model_len
         limit = req.token_limit
         prompt = _param_of(req, "prompt_ids")
@@ -583,7 +584,9 @@ class OpenAIServer:
                 code="context_length_exceeded",
             )
         if limit is None:
-            return context - prompt_len
+            default = req.default_token_limit
+            room = context - prompt_len
+            return room if default is None else min(default, room)
         if prompt_len + limit > context:
             raise ApiError(
                 400,

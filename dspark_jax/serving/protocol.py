@@ -160,6 +160,11 @@ class GenerationRequest(_Strict):
         return "max_tokens"
 
     @property
+    def default_token_limit(self) -> int | None:
+        """New tokens when the request names no limit; None: what the context leaves."""
+        return None
+
+    @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -190,6 +195,12 @@ class CompletionRequest(GenerationRequest):
         if not prompt:
             raise ValueError("the prompt is empty")
         return prompt
+
+    @property
+    def default_token_limit(self) -> int | None:
+        """The Completions API's documented default (and vLLM's): 16 new tokens. Chat
+        completions have none, and run to what the context leaves."""
+        return 16
 
 
 class TextPart(_Strict):
