@@ -425,6 +425,30 @@ def test_a_malformed_request_is_refused_at_submit_and_stalls_nothing(setup, bad,
         generate(spec, [Request([5, 6], 4), Request([5, 6], 10 / 2)])
 
 
+def test_a_request_without_a_seed_gets_its_own(setup):
+    """Requests that share a seed share their draws (the same prompt sampled alike: eight
+    samples that are one); without a seed each request draws a fresh one, kept in its handle,
+    and giving that seed back reproduces it."""
+    _, _, _, spec = setup
+    prompt = [5, 6, 7, 8]
+    batcher = Batcher(spec)
+    got: dict[int, list[int]] = {}
+
+    def on(i):
+        return lambda kind, payload: got.__setitem__(i, payload.tokens) if kind == "done" else 0
+
+    handles = [batcher.submit(Request(prompt, 12, sampling=T1), on(i)) for i in range(8)]
+    batcher.run_until_idle()
+    seeds = [h.request.seed for h in handles]
+    assert all(isinstance(s, int) and 0 <= s < 2**32 for s in seeds)
+    assert len(set(seeds)) == 8
+    assert len({tuple(got[i]) for i in range(8)}) > 1
+    again, _ = generate(spec, [Request(prompt, 12, seed=seeds[3], sampling=T1)])
+    assert again[0].tokens == got[3]
+    shared, _ = generate(spec, [Request(prompt, 12, seed=7, sampling=T1) for _ in range(3)])
+    assert len({tuple(r.tokens) for r in shared}) == 1
+
+
 def test_a_page_size_the_kernels_cannot_take_is_refused(setup):
     _, target, drafter, _ = setup
     cfg = dataclasses.replace(CFG, page_size=12, attention_impl="pallas_gpu")

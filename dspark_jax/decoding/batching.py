@@ -19,11 +19,12 @@ travels with every dispatched chunk, so tokens are never delivered to a request 
 the slot later.
 
 A request's tokens depend only on itself and its seed (the engine's randomness is addressed by
-request and position), never on when it joined or which requests share the slots -- except
-under policies that size verification by the whole batch (the schedulers), which keep the
-output distribution but not the exact tokens, and up to rounding: the verification is padded to
-a token bucket chosen by the load, and in bfloat16 that shape can tip a near-tie between two
-logits (docs/engine.md, "What holds").
+the request's seed and the position; a request without one draws a fresh seed at submit), never
+on when it joined or which requests share the slots -- except under policies that size
+verification by the whole batch (the schedulers), which keep the output distribution but not
+the exact tokens, and up to rounding: the verification is padded to a token bucket chosen by
+the load, and in bfloat16 that shape can tip a near-tie between two logits (docs/engine.md,
+"What holds").
 
 Threads: `submit` and `cancel` may be called from any thread; everything else runs on the thread
 that drives the loop (`run_until_idle` for offline work; the server's engine thread calls `step`).
@@ -36,6 +37,7 @@ import collections
 import dataclasses
 import itertools
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,11 +57,16 @@ class QueueFullError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One generation request. `sampling` is per request; `stop_token_ids` add to the model's
-    end-of-turn tokens unless `ignore_eos`."""
+    end-of-turn tokens unless `ignore_eos`. `seed` fixes the request's random draws; None (the
+    default, as in OpenAI's API) draws a fresh one at `Batcher.submit`, kept in the handle's
+    `request`: requests that share a seed share their draws (sampled alike, the same prompt
+    gives the same answer), and the schedulers, which size each request's verification by the
+    whole batch's confidences, keep the output distribution exactly only over independent
+    draws."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int = 256
-    seed: int = 0
+    seed: int | None = None
     sampling: SamplingConfig = GREEDY
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -248,7 +255,8 @@ class Batcher:
             prompt = tuple(request.prompt_ids)
         except TypeError:
             prompt = request.prompt_ids  # not a sequence: check_request names it
-        request = dataclasses.replace(request, prompt_ids=prompt)
+        seed = secrets.randbelow(2**32) if request.seed is None else request.seed
+        request = dataclasses.replace(request, prompt_ids=prompt, seed=seed)
         self.engine.check_request(
             request.prompt_ids,
             request.max_new_tokens,

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -561,7 +560,7 @@ class OpenAIServer:
         return Request(
             prompt_ids=prompt_ids,
             max_new_tokens=limit,
-            seed=secrets.randbelow(2**32) if req.seed is None else req.seed,
+            seed=req.seed,  # None: Batcher.submit draws a fresh one
             sampling=sampling,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
