@@ -473,7 +473,7 @@ def test_full_queue_answers_503_at_once(served):
         (b'{"prompt": "x", "temperature": "hot"}', 400, "temperature"),
         (b'{"prompt": "x", "max_tokens": 100000000000000000000}', 400, "max_tokens"),
         (b'{"prompt": "x", "max_tokens": 600}', 400, "max_model_len"),
-        (b'{"prompt": "x", "seed": -1}', 400, "seed"),
+        (b'{"prompt": "x", "seed": 9223372036854775808}', 400, "seed"),
         (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
         (b'{"prompt": "x", "n": 2}', 400, "n: 2 is not supported"),
         (b'{"prompt": "x", "stream": 1}', 400, "stream"),

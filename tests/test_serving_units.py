@@ -498,6 +498,21 @@ def _chat_server(tokenizer) -> OpenAIServer:
     return OpenAIServer(EngineRunner(_Engine(), max_waiting=1), model, ServingMetrics(1, 1, 0))
 
 
+def test_seeds_take_any_64_bit_integer():
+    """OpenAI and vLLM take any int64 seed; the engine's seeds are uint32, so seeds fold onto
+    them (-1 and 2**32 - 1 draw alike) instead of a 400 for seed -1."""
+    def seed(value):
+        return CompletionRequest.model_validate({"prompt": "x", "seed": value}).seed
+
+    assert seed(-1) == 2**32 - 1
+    assert seed(7) == 7
+    assert seed(2**40 + 5) == 5
+    assert seed(-(2**63)) == 0
+    for bad in (2**63, -(2**63) - 1, 1.5, "7"):
+        with pytest.raises(ValidationError):
+            seed(bad)
+
+
 def test_default_token_limit_per_endpoint():
     """Without max_tokens a completion gets the Completions API's 16 tokens (within what the
     context leaves) and a chat completion all the context leaves -- OpenAI's and vLLM's

@@ -43,7 +43,9 @@ MAX_STOP_STRING_CHARS = 256
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
-Seed = Annotated[int, Field(ge=0, lt=2**32)]
+# Any 64-bit integer, as OpenAI and vLLM take it, folded onto the engine's uint32 seeds (-1 is
+# 4294967295; seeds 2**32 apart draw alike).
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), AfterValidator(lambda seed: seed % 2**32)]
 TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
