@@ -3,6 +3,11 @@
 Per-position statistics follow the paper (Figure 2): the conditional acceptance of draft position
 k counts the rounds where drafts 1..k-1 were accepted and k was verified; prefix survival at k is
 the share of rounds verifying k whose first k drafts were all accepted.
+
+tau counts what each round committed, as the reference (DeepSpec) does: a request's last round
+may commit past its max_new_tokens, and those tokens count though they are cut from its answer
+(a stop token, by contrast, ends the round's count where it stands): at most gamma tokens a
+request that ends by length, over all its rounds.
 """
 
 from __future__ import annotations
