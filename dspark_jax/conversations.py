@@ -50,10 +50,24 @@ def _check_object(record: Any) -> Mapping[str, Any]:
     return record
 
 
+def _check_text(text: str, what: str) -> None:
+    """Refuses a string that is not text: JSON can escape a lone UTF-16 surrogate ("\\ud800"),
+    which `json.loads` accepts but no tokenizer can encode (UTF-8 has no such character)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConversationError(
+            f"{what} holds a lone UTF-16 surrogate {text[e.start]!r} at character {e.start} "
+            "(an unpaired \\uXXXX escape in the JSON), which is not text and cannot be encoded"
+        ) from None
+
+
 def _turns(record: Mapping[str, Any]) -> list[str]:
     turns = record["turns"]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
         raise ConversationError("'turns' must be a non-empty list of strings")
+    for i, t in enumerate(turns):
+        _check_text(t, f"turns[{i}]")
     return list(turns)
 
 
@@ -93,6 +107,8 @@ def record_messages(record: Any, *, turns: str = "prompts") -> list[dict[str, st
                 or not isinstance(m.get("content"), str)
             ):
                 raise ConversationError(f"{key}[{i}] needs string 'role' and 'content': {m!r:.200}")
+            _check_text(m["role"], f"{key}[{i}] 'role'")
+            _check_text(m["content"], f"{key}[{i}] 'content'")
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     if "turns" in record:
         if turns == "prompts":

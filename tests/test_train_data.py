@@ -233,6 +233,27 @@ def test_malformed_lines_name_file_and_line(tmp_path):
     assert next(make_iterator(config, BYTES))["tokens"].shape == (2, 32)
 
 
+def test_lone_surrogates_are_refused_up_front_by_file_and_line(tmp_path):
+    # JSON escapes a lone UTF-16 surrogate, which json.loads accepts but UTF-8 cannot encode:
+    # refused while indexing, not by the tokenizer in a loader thread steps into the run.
+    good = json.dumps(record(0))
+    messages = [{"role": "user", "content": "broken \ud800"}, {"role": "assistant", "content": "a"}]
+    bad = json.dumps({"messages": messages})
+    assert "\\ud800" in bad
+    path = write_jsonl(tmp_path / "surrogate.jsonl", [good, bad, good, good])
+    with pytest.raises(DataError, match=r"surrogate\.jsonl:2: messages\[0\] 'content' holds a "):
+        JsonlConversationSource([path])
+    source = JsonlConversationSource([path], skip_bad_records=True)
+    assert len(source) == 3 and source.num_skipped == 1
+    config = DataConfig(
+        paths=(path,), seq_len=32, batch_size=3, num_epochs=2, skip_bad_records=True
+    )
+    assert len(take(make_iterator(config, BYTES), 2)) == 2
+    turns = write_jsonl(tmp_path / "turns.jsonl", [json.dumps({"turns": ["q", "a\udc00"]})])
+    with pytest.raises(DataError, match=r"turns\.jsonl:1: turns\[1\] holds a lone"):
+        JsonlConversationSource([turns], turns="dialogue")
+
+
 def test_several_files_and_config_errors(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [json.dumps(record(i)) for i in range(3)])
     b = write_jsonl(tmp_path / "b.jsonl", [json.dumps(record(i)) for i in range(3, 5)])
