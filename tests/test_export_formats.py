@@ -110,6 +110,47 @@ def test_converted_folder_names_its_source_as_verifier(tmp_path):
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(TINY_TARGET)
 
 
+def test_an_export_is_never_written_over_its_target(fresh_drafter, tmp_path, capsys, monkeypatch):
+    """--out naming the drafter's target (given as --target, recorded by a conversion as the
+    folder its target came from, or recorded by a training checkpoint) is refused like one naming
+    the drafter: --overwrite replaced the target with the export, which named it its verifier."""
+    target = tmp_path / "target"
+    shutil.copytree(TINY_TARGET, target)
+    files = sorted(p.name for p in target.iterdir())
+    export = ["export", "--overwrite", "--out", str(target)]
+
+    def refused(*args):
+        assert main([*export, *args]) == 2
+        assert f"overlaps the input {target}" in capsys.readouterr().err
+        assert sorted(p.name for p in target.iterdir()) == files
+
+    for fmt in ("speculators", "reference"):
+        refused("--draft", str(TINY_DRAFT), "--target", str(target), "--format", fmt)
+    convert_checkpoints(tmp_path / "conv", draft=TINY_DRAFT, target=target)
+    refused("--draft", str(tmp_path / "conv"), "--format", "speculators")
+    refused("--draft", str(tmp_path / "conv"), "--target", str(tmp_path / "conv"))
+    # A training checkpoint, completed with its recorded target or with --target.
+    import dspark_jax.training.checkpointing as checkpointing
+    import dspark_jax.training.trainer as trainer
+
+    run = tmp_path / "run" / "checkpoints"
+    monkeypatch.setattr(checkpointing, "find_checkpoint", lambda path: (run, 2))
+    read = []
+
+    def drafter_from_checkpoint(path, given):
+        read.append(given)
+        return fresh_drafter, given or str(target)
+
+    monkeypatch.setattr(trainer, "drafter_from_checkpoint", drafter_from_checkpoint)
+    for fmt in ("reference", "speculators"):
+        refused("--draft", str(run), "--format", fmt)
+        refused("--draft", str(run), "--format", fmt, "--target", str(target))
+    assert read == [None, None]  # a --target over the output is refused before any reading
+    np.testing.assert_array_equal(
+        _tensors(target)["model.norm.weight"], _tensors(TINY_TARGET)["model.norm.weight"]
+    )
+
+
 def test_speculators_verifier_is_named_so_a_loader_elsewhere_finds_it(tmp_path, monkeypatch):
     """A verifier given as a relative folder (directly, or as the source of a conversion run in
     another folder) was written as that relative path, which means nothing to vLLM run

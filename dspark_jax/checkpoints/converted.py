@@ -123,6 +123,23 @@ def check_no_overlap(out: Path, sources: list[Path], option: str | None = None) 
             raise UserError(f"{where} overlaps the input {source}; choose another folder")
 
 
+def target_folders(target: str | os.PathLike | None) -> list[Path]:
+    """The local folders a drafter's target (or verifier) `target`, as given, stands for: the
+    folder itself and, when it is a converted folder, the one its target was converted from
+    (which the speculators layout names and reads). None for a hub id or no target. An export
+    must not be written over them, as over its drafter."""
+    if target is None or not Path(target).expanduser().is_dir():
+        return []
+    from dspark_jax.checkpoints.speculators import verifier_source
+
+    folder = Path(target).expanduser()
+    try:
+        source = verifier_source(str(folder))[1]
+    except CheckpointError:  # a converted folder without a target: nothing more to protect
+        source = None
+    return [folder] + ([source] if source is not None else [])
+
+
 @contextlib.contextmanager
 def _on_host() -> Iterator[None]:
     """Places arrays in host memory: converting a 14B target must not need accelerator memory."""
@@ -497,9 +514,10 @@ def export_drafter(
     protected = [part_dir]
     if (part_dir.parent / MANIFEST).is_file():
         protected.append(part_dir.parent)
-    check_no_overlap(Path(out), protected)
-    raw, _, model, _ = _read_drafter(part_dir, None, progress=False)
     verifier = verifier or recorded_target(part_dir)
+    # The target too: the speculators layout reads it, and names it as the verifier.
+    check_no_overlap(Path(out), protected + target_folders(verifier))
+    raw, _, model, _ = _read_drafter(part_dir, None, progress=False)
     return write_drafter(model, raw, out, fmt=fmt, verifier=verifier, overwrite=overwrite)
 
 

@@ -38,7 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dspark_jax.checkpoints.converted import check_no_overlap, export_drafter, write_drafter
+    from dspark_jax.checkpoints.converted import (
+        check_no_overlap,
+        export_drafter,
+        target_folders,
+        write_drafter,
+    )
     from dspark_jax.cli.paths import check_output_folder
     from dspark_jax.training.checkpointing import find_checkpoint
 
@@ -50,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
         from dspark_jax.training.trainer import drafter_from_checkpoint
 
         directory, step = found
-        check_no_overlap(Path(args.out), [directory / str(step)])
+        out = Path(args.out)
+        check_no_overlap(out, [directory / str(step), *target_folders(args.target)])
         drafter, target = drafter_from_checkpoint(args.draft, args.target)
+        # The target completes the drafter (and is the verifier the speculators layout names).
+        check_no_overlap(out, target_folders(target))
         write_drafter(
             drafter, None, args.out, fmt=args.format, verifier=target, overwrite=args.overwrite
         )
