@@ -437,6 +437,37 @@ def test_interrupt_leaves_no_output(tmp_path, capsys, monkeypatch):
     _assert_nothing_written(tmp_path)
 
 
+_TERMINATED_WRITING = """
+import os, signal, sys
+from dspark_jax.checkpoints import converted, orbax_io
+def then_sigterm(save):
+    def save_then_sigterm(*args, **kwargs):
+        save(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return save_then_sigterm
+orbax_io.save_params = then_sigterm(orbax_io.save_params)
+converted.save_safetensors = then_sigterm(converted.save_safetensors)
+from dspark_jax.cli import main
+sys.argv = ["dspark-jax", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_sigterm_leaves_no_output(tmp_path, command):
+    """SIGTERM (timeout's, a scheduler's or a container stop's signal) while the output was
+    written killed the process without a word and left its hidden working folder (gigabytes
+    for a large target) beside --out: it is taken as Ctrl-C is, status 143 (128 + SIGTERM)."""
+    draft = fixture_dir("vanilla") / "draft"
+    argv = [sys.executable, "-c", _TERMINATED_WRITING, command, "--draft", str(draft)]
+    done = subprocess.run(
+        [*argv, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == f"dspark-jax {command}: terminated"
+    _assert_nothing_written(tmp_path)
+
+
 def test_tampered_fingerprint_is_detected(tmp_path, capsys):
     out = tmp_path / "out"
     assert (

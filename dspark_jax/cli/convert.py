@@ -22,6 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark_jax.checkpoints.interrupts import guarded
+
+    # SIGTERM (a scheduler, `timeout`) stops the command as Ctrl-C does: reported, and the
+    # working folder of the output removed.
+    with guarded():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from dspark_jax.checkpoints.converted import convert_checkpoints
     from dspark_jax.cli.paths import check_output_folder
 
