@@ -16,9 +16,11 @@ from dspark_jax.training.data import (
     DataError,
     JsonlConversationSource,
     bucket_of,
+    conversation_kinds,
     make_iterator,
     pad_batch,
     resolve_pad_id,
+    template_markers,
     tokenize_example,
 )
 
@@ -541,3 +543,70 @@ def test_template_exceptions_are_chat_template_errors():
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(ChatTemplateError, match="refuses the conversation: roles must alternate"):
         encode_conversation(build_chat_tokenizer(alternate), messages)
+
+
+# Renders an answer holding '</think>' as a reasoning trace, as the real Qwen3 template does:
+# with thinking off, such an answer does not follow the generation prompt's empty think block.
+THINK_TEMPLATE = (
+    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}{%- set content = message['content'] -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}"
+    "{%- set content = content.split('</think>')[-1] -%}"
+    "{{- '<think>\\n' + reasoning.strip() + '\\n</think>\\n\\n' + content.lstrip() -}}"
+    "{%- else -%}{{- '<think>\\n\\n</think>\\n\\n' + content -}}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- message['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
+)
+
+
+def qa(question: str, answer: str) -> str:
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return json.dumps({"messages": messages})
+
+
+def test_answers_the_template_renders_by_their_text_are_checked_up_front(tmp_path, caplog):
+    """The template check renders the first conversation of each kind: roles and which of the
+    strings the template tests for each message holds. An answer with '</think>' among plain
+    ones (same roles) is refused when the pipeline is built, not at the step that reads it."""
+    tok = build_chat_tokenizer(THINK_TEMPLATE)
+    assert template_markers(tok) == ("</think>", "<think>")
+    plain = [qa(f"question {i}", f"answer {i}") for i in range(12)]
+    trace = qa("q", "<think>\nreasoning\n</think>\n\nthe answer")
+    # as JSON writers may escape it: '\/' and \u escapes still name the marker
+    escaped = trace.replace("</think>", "<\\/think>").replace("<think>", "\\u003cthink>")
+    for n, line in enumerate((trace, escaped)):
+        path = write_jsonl(tmp_path / f"t{n}.jsonl", [*plain[:10], line, *plain[10:]])
+        config = DataConfig(paths=(path,), seq_len=128, batch_size=3, num_epochs=1)
+        with pytest.raises(
+            ChatTemplateError,
+            match=rf"t{n}\.jsonl:11: chat template is not prefix-stable .* holds? .*'</think>'"
+            r".*--thinking",
+        ):
+            make_iterator(config, tok)  # building it, before any batch
+        # thinking on: the trace follows the generation prompt and trains
+        make_iterator(dataclasses.replace(config, enable_thinking=True), tok)
+        with caplog.at_level("WARNING", logger="dspark_jax.training.data"):
+            skipping = make_iterator(dataclasses.replace(config, skip_bad_records=True), tok)
+        assert f"t{n}.jsonl:11" in caplog.text and "1 conversation is of this kind" in caplog.text
+        masks = [row.any() for b in take(skipping, 4) for row in b["loss_mask"]]
+        assert masks.count(False) == 1
+        caplog.clear()
+    # every kind refused: nothing would train, even when skipping
+    only = write_jsonl(tmp_path / "only.jsonl", [trace] * 4)
+    config = DataConfig(paths=(only,), seq_len=128, batch_size=2, skip_bad_records=True)
+    with pytest.raises(DataError, match="refuses every kind of conversation"):
+        make_iterator(config, tok)
+
+
+def test_template_markers_cost_a_pass_of_substring_searches(tmp_path):
+    """Grouping 20k plain lines by kind parses none of them again (a text search each)."""
+    path = write_jsonl(tmp_path / "many.jsonl", [qa(f"q{i}", f"a{i}") for i in range(20000)])
+    source = JsonlConversationSource([path])
+    start = time.perf_counter()
+    kinds = conversation_kinds(source, ("</think>", "<think>"))
+    assert list(kinds.values()) == [[0, 20000]]
+    assert time.perf_counter() - start < 2

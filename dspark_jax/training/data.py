@@ -49,6 +49,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -155,8 +156,9 @@ class DataConfig:
 
 PARTS = ("train", "heldout")
 SHAREGPT_ROLES = ("human", "gpt")
-# At most this many conversations (the first of each distinct sequence of roles) are rendered
-# through the chat template when a pipeline is built (`check_template`).
+# At most this many conversations (the first of each kind: its sequence of roles and the text the
+# template tests for) are rendered through the chat template when a pipeline is built
+# (`check_template`).
 MAX_TEMPLATE_CHECKS = 256
 
 TURNS_AS_PROMPTS = (
@@ -235,9 +237,11 @@ class JsonlConversationSource:
         self._turns = turns
         starts, ends, files, lines, hashes = [], [], [], [], []
         self.num_skipped = 0
-        # The first conversation of each sequence of roles (file, start, end, line): what
-        # `check_template` renders.
-        self.role_samples: dict[tuple[str, ...], tuple[int, int, int, int]] = {}
+        # The sequences of roles of the conversations (`role_sequences`), by index in
+        # `_role_ids`: what `check_template` groups the conversations by.
+        self.role_sequences: list[tuple[str, ...]] = []
+        role_index: dict[tuple[str, ...], int] = {}
+        role_ids = []
         fingerprint = hashlib.blake2b(digest_size=16)
         for file_index, path in enumerate(self._paths):
             if os.path.isdir(path):
@@ -258,9 +262,7 @@ class JsonlConversationSource:
                         self.num_skipped += 1
                         continue
                     fingerprint.update(raw.strip() + b"\n")
-                    if roles not in self.role_samples:
-                        if len(self.role_samples) < MAX_TEMPLATE_CHECKS:
-                            self.role_samples[roles] = (file_index, start, offset, line_no)
+                    role_ids.append(role_index.setdefault(roles, len(role_index)))
                     starts.append(start)
                     ends.append(offset)
                     files.append(file_index)
@@ -291,6 +293,8 @@ class JsonlConversationSource:
         self._ends = np.asarray(ends, np.int64)[keep]
         self._files = np.asarray(files, np.int32)[keep]
         self._lines = np.asarray(lines, np.int64)[keep]
+        self._role_ids = np.asarray(role_ids, np.int32)[keep]
+        self.role_sequences = list(role_index)
         self._fds: dict[int, int] = {}
         self._fd_pid = os.getpid()
         self._fd_lock = threading.Lock()
@@ -298,6 +302,10 @@ class JsonlConversationSource:
     @property
     def paths(self) -> tuple[str, ...]:
         return tuple(self._paths)
+
+    @property
+    def turns(self) -> str:
+        return self._turns
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -310,10 +318,19 @@ class JsonlConversationSource:
             int(self._lines[index]),
         )
 
-    def role_sample_records(self) -> list[dict[str, Any]]:
-        """The first conversation of each distinct sequence of roles (at most
-        `MAX_TEMPLATE_CHECKS`), as `__getitem__` gives them."""
-        return [self._read(*location) for location in self.role_samples.values()]
+    def roles_of(self, index: int) -> tuple[str, ...]:
+        """The sequence of roles of conversation `index`."""
+        return self.role_sequences[int(self._role_ids[index])]
+
+    def role_ids(self) -> np.ndarray:
+        """Per conversation, the index of its sequence of roles in `role_sequences`."""
+        return self._role_ids
+
+    def raw(self, index: int) -> bytes:
+        """The JSONL line of conversation `index`, as the file holds it."""
+        file_index = int(self._files[index])
+        start, end = int(self._starts[index]), int(self._ends[index])
+        return os.pread(self._fd(file_index), end - start, start)
 
     def _read(self, file_index: int, start: int, end: int, line: int) -> dict[str, Any]:
         raw = os.pread(self._fd(file_index), end - start, start)
@@ -571,36 +588,165 @@ class _BatchRowsMapDataset(grain.MapDataset):
         return f"BatchRowsMapDataset(rows={self._rows}, global_size={self._global_size})"
 
 
+# String methods (and filters) whose arguments are text a template looks for in a message.
+_TEXT_TESTS = frozenset(
+    ("split", "rsplit", "partition", "rpartition", "startswith", "endswith", "find", "rfind",
+     "index", "rindex", "count", "replace", "removeprefix", "removesuffix")
+)
+
+
+def template_markers(tokenizer: Tokenizer) -> tuple[str, ...]:
+    """The strings a tokenizer's chat template tests message text for: the constants of its
+    substring tests (`'</think>' in content`) and of the string methods it calls
+    (`content.split('</think>')`, `.startswith('<tool_response>')`), whitespace-only ones
+    aside. A conversation holding one may render differently from one that does not (the real
+    Qwen3 template renders an answer with `</think>` as a reasoning trace)."""
+    source = getattr(tokenizer, "chat_template", None)
+    if isinstance(source, Mapping):  # named templates
+        sources = [t for t in source.values() if isinstance(t, str)]
+    else:
+        sources = [source] if isinstance(source, str) else []
+    import jinja2
+    from jinja2 import nodes
+
+    found = []
+    for text in sources:
+        try:
+            tree = jinja2.Environment().parse(text)
+        except jinja2.TemplateError:
+            continue  # rendering says what is wrong with it
+        for node in tree.find_all((nodes.Compare, nodes.Call, nodes.Filter)):
+            if isinstance(node, nodes.Compare):
+                if any(op.op in ("in", "notin") for op in node.ops):
+                    found.append(node.expr)
+            elif isinstance(node, nodes.Call):
+                if isinstance(node.node, nodes.Getattr) and node.node.attr in _TEXT_TESTS:
+                    found += node.args
+            elif node.name in _TEXT_TESTS:
+                found += node.args
+    markers = (
+        n.value
+        for n in found
+        if isinstance(n, nodes.Const) and isinstance(n.value, str) and n.value.strip()
+    )
+    return tuple(dict.fromkeys(markers))
+
+
+def _verbatim_cores(marker: str) -> bytes:
+    """The longest run of `marker` that a JSON line without \\u escapes holds as it is (JSON
+    escapes quotes, backslashes, control characters and perhaps '/'), in UTF-8."""
+    runs = re.split(r'["\\/\x00-\x1f\x7f]', marker)
+    return max(runs, key=len).encode("utf-8")
+
+
+def conversation_kinds(
+    source: JsonlConversationSource, markers: Sequence[str]
+) -> dict[tuple[int, tuple[frozenset[str], ...] | None], list[int]]:
+    """The conversations of `source` by kind, in order of first appearance: the kind is the
+    sequence of roles and which of `markers` each message contains (None: none at all); each
+    kind maps to [index of its first conversation, number of conversations].
+
+    Only the lines whose text might hold a marker are parsed again, so this costs a pass of
+    substring searches over the files (a second or so per 100k short lines)."""
+    role_ids = source.role_ids()
+    kinds: dict[tuple[int, tuple[frozenset[str], ...] | None], list[int]] = {}
+    if not markers:
+        ids, first, counts = np.unique(role_ids, return_index=True, return_counts=True)
+        for i in np.argsort(first):
+            kinds[(int(ids[i]), None)] = [int(first[i]), int(counts[i])]
+        return kinds
+    cores = list(dict.fromkeys(_verbatim_cores(m) for m in markers))
+    scan_all = not all(cores)
+    for index in range(len(source)):
+        marked = None
+        raw = source.raw(index)
+        if scan_all or b"\\u" in raw or any(c in raw for c in cores):
+            messages = parse_record(raw, source.turns)
+            found = tuple(
+                frozenset(m for m in markers if m in message["content"]) for message in messages
+            )
+            if any(found):
+                marked = found
+        kind = (int(role_ids[index]), marked)
+        if kind in kinds:
+            kinds[kind][1] += 1
+        else:
+            kinds[kind] = [index, 1]
+    return kinds
+
+
 def check_template(
     source: JsonlConversationSource,
     tokenizer: Tokenizer,
     enable_thinking: bool = False,
     skip_bad_records: bool = False,
 ) -> None:
-    """Renders the first conversation of each distinct sequence of roles in `source` through
-    `tokenizer`'s chat template, so that a template that refuses a kind of conversation (roles
-    it does not accept or that must alternate, multi-turn conversations it rewrites) stops the
-    run when its pipeline is built rather than at the step that reads one. With
-    `skip_bad_records` it warns instead: those conversations are skipped as they are read.
+    """Renders the first conversation of each kind in `source` through `tokenizer`'s chat
+    template, so that a template that refuses a kind of conversation (roles it does not accept
+    or that must alternate, multi-turn conversations it rewrites, answers it renders by their
+    text) stops the run when its pipeline is built rather than at the step that reads one.
+    With `skip_bad_records` it warns instead, counting the conversations of the refused kinds:
+    those the template refuses are skipped as they are read. Refused too: data whose every kind
+    of conversation the template refuses, since nothing would be left to train on.
 
-    What the template does depends on the roles far more than on the text, and a data set
-    usually has few role sequences, so this costs a few renders however large the data is
-    (rendering every conversation would cost ~1 ms per message, minutes for 100k conversations).
+    A kind (`conversation_kinds`) is a sequence of roles together with which of the template's
+    markers (`template_markers`, such as '</think>') each message holds: what a template does
+    depends on those far more than on the rest of the text, and a data set has few kinds, so
+    this costs a few renders and a pass of substring searches however large the data is
+    (rendering every conversation would cost ~0.4-1 ms per conversation, a minute or more for
+    100k of them).
     """
     if isinstance(tokenizer, ByteTokenizer):
         return  # the byte models concatenate the contents: every conversation encodes
-    for example in source.role_sample_records():
+    markers = template_markers(tokenizer)
+    kinds = conversation_kinds(source, markers)
+    refused = 0
+    for (_, marked), (index, count) in list(kinds.items())[:MAX_TEMPLATE_CHECKS]:
+        example = source[index]
         try:
             encode_conversation(tokenizer, example["messages"], enable_thinking)
         except ChatTemplateError as e:
+            refused += 1
             roles = ", ".join(m["role"] for m in example["messages"])
+            holds = ""
+            if marked is not None:
+                holds = "; its messages hold " + ", ".join(
+                    f"{' and '.join(map(repr, sorted(m)))} (message {i})"
+                    for i, m in enumerate(marked)
+                    if m
+                )
+                if not enable_thinking and any("think" in t for m in marked for t in m):
+                    holds += (
+                        ", rendered with thinking off: to train on reasoning traces, pass "
+                        "--thinking (TrainConfig.enable_thinking)"
+                    )
             message = (
                 f"{example['where']}: {e} (the chat template is checked on the first "
-                f"conversation with each sequence of roles; this one has {roles})"
+                f"conversation of each kind, by its roles and the text the template tests for; "
+                f"this one has roles {roles}{holds}; {count} conversation"
+                f"{'s are' if count > 1 else ' is'} of this kind)"
             )
             if not skip_bad_records:
                 raise ChatTemplateError(f"{message}; {SKIP_BAD_RECORDS_HINT}") from None
-            logger.warning("%s; such conversations are skipped as they are read", message)
+            logger.warning(
+                "%s; such conversations are skipped as they are read (trained as padding with "
+                "no loss)",
+                message,
+            )
+    if len(kinds) > MAX_TEMPLATE_CHECKS:
+        logger.warning(
+            "%s: %d kinds of conversations (roles and the text the chat template tests for); "
+            "the first %d were checked against the template, a conversation of the others that "
+            "it refuses stops the run when it is read",
+            ", ".join(source.paths),
+            len(kinds),
+            MAX_TEMPLATE_CHECKS,
+        )
+    elif refused and refused == len(kinds):
+        raise DataError(
+            f"{', '.join(source.paths)}: the chat template refuses every kind of conversation "
+            "of the data (see the warnings above): nothing would be left to train on"
+        )
 
 
 def make_dataset(
