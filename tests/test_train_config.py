@@ -48,6 +48,21 @@ def test_skip_bad_records_reaches_the_data(monkeypatch, tmp_path):
         trainer._open_data(dataclasses.replace(config, skip_bad_records=False), tmp_path, rows)
 
 
+def test_thinking_reaches_the_data_and_the_run_record(monkeypatch, tmp_path):
+    data = write_conversations(tmp_path / "d.jsonl", range(20), 8)
+    argv = ["--config", "tiny-dspark", "--data", str(data), "--eval-data", "--output",
+            str(tmp_path / "run")]
+    off = _given_config(monkeypatch, argv)
+    on = _given_config(monkeypatch, [*argv, "--thinking"])
+    assert not off.enable_thinking and on.enable_thinking
+    rows = BatchRows(tuple(range(8)), 8)
+    assert trainer._open_data(on, tmp_path, rows).train.enable_thinking
+    assert not trainer._open_data(off, tmp_path, rows).train.enable_thinking
+    # a resume must keep it; the records of earlier versions (thinking off) stay resumable
+    assert "enable_thinking" not in off.run_record(1, 1)
+    assert on.run_record(1, 1)["enable_thinking"] is True
+
+
 def test_epochs_count_whole_passes_over_the_data(caplog):
     recipe = dataclasses.replace(
         TRAIN_CONFIGS["tiny-dspark"].recipe,
@@ -119,6 +134,7 @@ def test_a_copied_configs_file_loads(tmp_path):
         # Flags: "no" counted as true.
         ("holdout", "no", "holdout must be True or False, got 'no'"),
         ("skip_bad_records", 1, "skip_bad_records must be True or False, got 1"),
+        ("enable_thinking", "yes", "enable_thinking must be True or False, got 'yes'"),
         # Refused only when train loaded the target.
         ("target_dtype", "int8", r"target_dtype must be one of \('float32', 'bfloat16', "
          r"'float16'\) or None \(the recipe's dtype\), got 'int8'"),

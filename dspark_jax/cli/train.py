@@ -96,6 +96,7 @@ FLAG_OF_FIELD = {
     "save_every": "--save-every",
     "eval_data": "--eval-data",
     "skip_bad_records": "--skip-bad-records",
+    "enable_thinking": "--thinking",
 }
 
 
@@ -171,6 +172,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="skip data lines that hold no trainable conversation, and train on conversations "
         "the target's chat template refuses as padding with no loss, instead of refusing them",
+    )
+    parser.add_argument(
+        "--thinking",
+        dest="enable_thinking",
+        action="store_true",
+        default=None,
+        help="render the conversations through the chat template with thinking on, to train on "
+        "answers holding reasoning traces (<think>...</think>); default: thinking off",
     )
     parser.add_argument(
         "--steps",
@@ -264,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         "eval_every": args.eval_every,
         "save_every": args.save_every,
         "skip_bad_records": args.skip_bad_records,
+        "enable_thinking": args.enable_thinking,
     }
     if args.data and args.eval_data is None:
         # The config's own held-out set belongs to its own data: evaluate on the user's instead.

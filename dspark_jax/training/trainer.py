@@ -132,7 +132,11 @@ class TrainConfig:
     that many steps (besides the start and the end); `save_every` checkpoints every that many.
     `skip_bad_records` skips the lines of `data` / `eval_data` that hold no trainable
     conversation (saying how many) and trains on conversations the chat template refuses as
-    padding with no loss (see `DataConfig`), instead of refusing the run.
+    padding with no loss (see `DataConfig`), instead of refusing the run. `enable_thinking`
+    renders the conversations through the chat template with thinking on (Qwen3's
+    `enable_thinking`), so that answers holding reasoning traces (`<think>...</think>`) train
+    as the target writes them; off, the template's generation prompt holds an empty think
+    block, and a template that renders such answers differently refuses them.
     """
 
     name: str
@@ -156,6 +160,7 @@ class TrainConfig:
     holdout: bool = False
     eval_every: int | None = None
     skip_bad_records: bool = False
+    enable_thinking: bool = False
 
     def __post_init__(self):
         # The objects first: every later check reads them, and a None or a dict would fail with
@@ -191,7 +196,7 @@ class TrainConfig:
             if number < 1:
                 raise ConfigError(f"{field} must be >= 1{or_none}, got {value}")
             object.__setattr__(self, field, number)  # a numpy integer becomes a plain int
-        for field in ("holdout", "skip_bad_records"):
+        for field in ("holdout", "skip_bad_records", "enable_thinking"):
             # "no" or 0.5 would count as true.
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"{field} must be True or False, got {getattr(self, field)!r}")
@@ -272,6 +277,10 @@ class TrainConfig:
             "init_drafter": _model_reference(self.init_drafter),
             "data": data,
         }
+        if self.enable_thinking:
+            # It changes the tokens of every conversation; recorded only when on, so that the
+            # checkpoints of earlier versions (which rendered with thinking off) still resume.
+            record["enable_thinking"] = True
         return json.loads(json.dumps(record))
 
 
@@ -636,6 +645,7 @@ def _open_data(config: TrainConfig, output_dir: Path, rows: BatchRows) -> _RunDa
         seed=recipe.seed,
         turns=config.turns,
         skip_bad_records=config.skip_bad_records,
+        enable_thinking=config.enable_thinking,
     )
     train = DataConfig(paths=data_paths, seq_lens=config.seq_lens, heldout=heldout, **common)
     held = None
