@@ -153,6 +153,25 @@ def test_serving_dtype_cast_agrees_across_sources(tmp_path, capsys):
         load_drafter(out)
 
 
+def test_a_cast_load_still_checks_the_recorded_checksum(tmp_path, capsys):
+    """A converted target whose parameters were modified (finite, plausible values) was refused
+    by a plain load but loaded silently with a cast (`--dtype bfloat16` of generate/serve): the
+    checksum was compared only without one. It is checked on the parameters as stored."""
+    out = tmp_path / "conv"
+    code, err = _cli(capsys, "convert", "--target", fixture_dir("vanilla") / "target", "--out", out)
+    assert code == 0, err
+    _, target, _ = load_target(out, progress=False)
+    state = nnx.state(target)
+    leaf = state["layers"][0]["mlp"]["down_proj"]["kernel"]
+    leaf[...] = leaf[...].at[0, 0].add(1e-3)
+    nnx.update(target, state)
+    shutil.rmtree(out / "target" / "params")
+    orbax_io.save_params(target, out / "target" / "params")
+    for dtype in (None, "float32", "bfloat16", "float16"):
+        with pytest.raises(CheckpointError, match=r"target's parameters do not match the checksum"):
+            load_target(out, dtype, progress=False)
+
+
 def _export_round_trip(tmp_path, capsys, draft: Path, *convert_args) -> Path:
     out, exported = tmp_path / "out", tmp_path / "exported"
     code, err = _cli(capsys, "convert", "--draft", draft, "--out", out, *convert_args)

@@ -223,13 +223,13 @@ def _cast_model(cfg, model, dtype: str):
     return cfg, nnx.merge(graphdef, state)
 
 
-def _check_loaded(model, part: str, part_dir: Path, entry, cast: bool) -> None:
-    """Refuses non-finite parameters, and for a converted folder read without a cast, parameters
-    whose checksum differs from the one recorded at conversion (folders converted before
-    checksums were recorded have none to compare)."""
+def _check_loaded(model, part: str, part_dir: Path, entry) -> None:
+    """Refuses non-finite parameters, and for a converted folder, parameters whose checksum
+    differs from the one recorded at conversion (folders converted before checksums were
+    recorded have none to compare). `model` holds the parameters as stored: read uncast."""
     checksum = check_parameters(model, f"the {PART_NAMES[part]} at {part_dir}")
     recorded = (entry or {}).get("checksum")
-    if recorded is not None and not cast and recorded != checksum:
+    if recorded is not None and recorded != checksum:
         raise CheckpointError(
             f"{part_dir}: the {PART_NAMES[part]}'s parameters do not match the checksum "
             f"recorded at conversion ({recorded[:12]}..., found {checksum[:12]}...): the folder "
@@ -265,7 +265,7 @@ def _read_drafter(path, dtype: str | None, progress: bool, mesh=None):
         cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, None, progress, mesh)
     else:
         cfg, model = _from_jax_folder(part_dir, cfg, None, mesh)
-    _check_loaded(model, DRAFT, part_dir, entry, cast=False)
+    _check_loaded(model, DRAFT, part_dir, entry)
     fingerprint = drafter_fingerprint(model)
     recorded = (entry or {}).get("fingerprint")
     if recorded is not None and recorded != fingerprint:
@@ -295,12 +295,23 @@ def load_target(
     cfg = Qwen3Config.from_hf(_part_config(part_dir, TARGET))
     _check_mesh_heads(f"target {part_dir}", cfg, mesh)
     dtype = None if dtype is None else _dtype_name(dtype)
-    if entry is None:
-        cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, dtype, progress, mesh)
-    else:
-        cfg, model = _from_jax_folder(part_dir, cfg, dtype, mesh)
-    cast = dtype is not None and dtype != (entry or {}).get("param_dtype", dtype)
-    _check_loaded(model, TARGET, part_dir, entry, cast)
+    if (entry or {}).get("checksum") is None:
+        # Nothing recorded to check the stored bits against: cast as the parameters are read.
+        if entry is None:
+            folder = SafetensorsFolder(part_dir)
+            cfg, model = _from_torch_folder(folder, cfg, dtype, progress, mesh)
+        else:
+            cfg, model = _from_jax_folder(part_dir, cfg, dtype, mesh)
+        _check_loaded(model, TARGET, part_dir, entry)
+        return cfg, model, part_dir
+    # Read as stored, so that the checksum recorded at conversion is checked before any cast
+    # (one of the cast parameters would not tell damaged data from the rounding of the cast).
+    cfg, model = _from_jax_folder(part_dir, cfg, None, mesh)
+    _check_loaded(model, TARGET, part_dir, entry)
+    if dtype is not None and dtype != cfg.dtype:
+        cfg, model = _cast_model(cfg, model, dtype)
+        # A narrower dtype can overflow to infinity (float16 tops out at 65504).
+        check_parameters(model, f"the target at {part_dir} cast to {dtype}")
     return cfg, model, part_dir
 
 
