@@ -393,6 +393,24 @@ def test_a_cast_takes_mixed_floats_but_never_integers(tmp_path, capsys):
     _assert_nothing_written(tmp_path, "o2")
 
 
+def test_a_float64_checkpoint_converts_with_a_cast(tmp_path, capsys):
+    """float64 tensors could not be converted even with --dtype float32 (the stored dtype was
+    refused before the cast, in a message naming no file); without a cast the refusal names
+    the file and the cast to give."""
+    draft, target = _copy_fixture(tmp_path, "vanilla")
+    weights = draft / "model.safetensors"
+    save_file({k: v.double() for k, v in load_file(weights).items()}, weights)
+    both = ["--draft", draft, "--target", target]
+    code, err = _cli(capsys, "convert", *both, "--out", tmp_path / "out")
+    assert code == 2, err
+    assert f"{weights}: tensor " in err and "is float64, which the models do not compute" in err
+    assert "--dtype float32" in err
+    _assert_nothing_written(tmp_path)
+    assert _cli(capsys, "convert", *both, "--dtype", "float32", "--out", tmp_path / "out")[0] == 0
+    _, _, fingerprint = load_drafter(tmp_path / "out", progress=False)
+    assert fingerprint == load_drafter(fixture_dir("vanilla") / "draft", progress=False)[2]
+
+
 def test_existing_output_needs_overwrite(tmp_path, capsys):
     draft = fixture_dir("vanilla") / "draft"
     out = tmp_path / "out"

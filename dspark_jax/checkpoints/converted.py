@@ -107,6 +107,22 @@ def _first_float_dtype(dtypes, where: Path) -> str:
     raise CheckpointError(f"{where}: holds no floating-point parameters")
 
 
+def _stored_float_dtype(folder: SafetensorsFolder) -> str:
+    """The dtype of a safetensors folder's first floating tensor, refused (naming its file) when
+    the models cannot compute in it (float64): it needs a cast."""
+    for key in folder.keys():
+        dtype = np.dtype(folder.dtype(key))
+        if is_float_dtype(dtype):
+            if dtype.name not in DTYPES:
+                raise CheckpointError(
+                    f"{folder.file(key)}: tensor {key!r} is {dtype.name}, which the models do "
+                    f"not compute in ({', '.join(DTYPES)}); convert it with a cast, e.g. "
+                    "--dtype float32"
+                )
+            return dtype.name
+    raise CheckpointError(f"{folder.path}: holds no floating-point parameters")
+
+
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -182,9 +198,9 @@ def _from_torch_folder(
     """(cfg with its compute dtype set, model) from a PyTorch-layout folder.
 
     Without a `dtype` the tensors are read as stored, so the model's checks see their dtypes
-    (one floating dtype for all); with one, every floating tensor is cast to it."""
-    stored = _first_float_dtype((folder.dtype(k) for k in folder.keys()), folder.path)
-    cfg = cfg.with_dtype(dtype or stored)
+    (one floating dtype for all); with one, every floating tensor is cast to it (float64 too,
+    which only a cast can read)."""
+    cfg = cfg.with_dtype(dtype or _stored_float_dtype(folder))
     build = drafter_from_torch if isinstance(cfg, DrafterConfig) else target_from_torch
     bar = tqdm(
         total=len(folder),

@@ -216,6 +216,10 @@ class SafetensorsFolder:
         """Numpy dtype of tensor `key` (bfloat16 as `ml_dtypes.bfloat16`)."""
         return self._info(key).dtype
 
+    def file(self, key: str) -> Path:
+        """The file holding tensor `key` (one of the shards of a sharded folder)."""
+        return self._info(key).path
+
     def get(self, key: str) -> np.ndarray:
         """Reads tensor `key` from disk into a new writable array."""
         info = self._info(key)
