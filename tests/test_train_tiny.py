@@ -158,3 +158,33 @@ def test_tiny_dspark_and_dflash_beat_their_untrained_start(tmp_path):
         assert end["tau"] > start["tau"] + 0.5, report[name]
         assert tau_trained > tau_untrained + 0.3, report[name]
     print(json.dumps(report, indent=1))
+
+
+def test_a_run_without_loss_tokens_is_stopped(tmp_path, capsys, compile_cache):
+    """Every prompt longer than max_length (48): truncation cuts every answer off, no step has a
+    loss token. The run stops at its first log with one line saying why, exports nothing, and
+    the truncation warning says the answers are gone, not only their ends."""
+    from train_helpers import write_train_config
+
+    data = tmp_path / "long.jsonl"
+    with open(data, "w") as f:
+        for i in range(12):
+            messages = [
+                {"role": "user", "content": "x" * 60 + str(i)},
+                {"role": "assistant", "content": f"answer {i}"},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    config = write_train_config(
+        tmp_path / "long.py", name="long", data=(str(data),), num_steps=6
+    )
+    out = tmp_path / "run"
+    args = ["--config", str(config), "--output", str(out), "--eval-data", "--no-progress"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "4 of them keep no answer token at all" in err
+    assert err.strip().splitlines()[-1].startswith(
+        "dspark-jax train: error: step 1 carried no loss token (num_tokens 0 in every one): 4 "
+        "of the 4 sequences this process read are longer than max_length 48"
+    )
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1] and not (out / "drafter").exists()

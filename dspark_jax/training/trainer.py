@@ -509,19 +509,24 @@ class _Truncations:
     def __init__(self, max_length: int):
         self.max_length = max_length
         self.interval = self.total = self.seen = 0
+        # Truncated sequences left without a single loss token: their answers all cut off.
+        self.emptied = 0
         self.warned = False
 
     def add(self, local: dict[str, np.ndarray], step: int) -> None:
-        n = int(np.sum(local["num_tokens"] > local["length"]))
+        cut = local["num_tokens"] > local["length"]
+        n = int(np.sum(cut))
+        emptied = int(np.sum(cut & ~np.any(local["loss_mask"], axis=1)))
         self.interval += n
         self.total += n
+        self.emptied += emptied
         self.seen += len(local["length"])
         if n and not self.warned:
             self.warned = True
             longest = int(np.max(local["num_tokens"]))
             logger.warning(
                 "step %d: %d of %d sequences are longer than max_length %d (up to %d tokens) and "
-                "are truncated; the loss never sees their ends (raise recipe.max_length / "
+                "are truncated; the loss never sees their ends%s (raise recipe.max_length / "
                 "--seq-lens, or shorten the data). The count per interval is 'truncated' in "
                 "metrics.jsonl.",
                 step,
@@ -529,6 +534,10 @@ class _Truncations:
                 len(local["length"]),
                 self.max_length,
                 longest,
+                f", and {emptied} of them keep no answer token at all (their prompts fill "
+                "max_length): they train nothing"
+                if emptied
+                else "",
             )
 
     def take_interval(self) -> int:
@@ -538,13 +547,34 @@ class _Truncations:
     def report(self) -> None:
         if self.total:
             every = " (every one of them)" if self.total == self.seen else ""
+            emptied = ""
+            if self.emptied:
+                emptied = f", {self.emptied} of them to no answer token at all"
             logger.warning(
-                "%d of %d sequences read by this call were truncated to max_length %d%s",
+                "%d of %d sequences read by this call were truncated to max_length %d%s%s",
                 self.total,
                 self.seen,
                 self.max_length,
                 every,
+                emptied,
             )
+
+    def no_loss_error(self, first: int, last: int) -> DataError:
+        """The error of a call whose steps `first`..`last` all carried no loss token."""
+        if self.emptied:
+            why = (
+                f"{self.emptied} of the {self.seen} sequences this process read are longer than "
+                f"max_length {self.max_length} with prompts that fill it, so truncation cut "
+                "their answers off entirely; raise recipe.max_length / --seq-lens, or shorten "
+                "the prompts"
+            )
+        else:
+            why = "the sequences read hold no assistant tokens to learn"
+        steps = f"step {first}" if first == last else f"steps {first}..{last}"
+        return DataError(
+            f"{steps} carried no loss token (num_tokens 0 in every one): {why}. "
+            "Stopped rather than train a drafter on nothing."
+        )
 
 
 def epoch_steps(conversations: int, recipe: TrainRecipe) -> int:
@@ -973,6 +1003,7 @@ def _train(
     timed_steps, timed_tokens, timed_seconds = 0, 0, 0.0
     compiled_shapes: set[tuple[int, ...]] = set()  # batch shapes the train step has run
     truncations = _Truncations(recipe.max_length)
+    loss_seen = False  # whether a step of this call has carried a loss token
     interval_start = time.perf_counter()
     saved_step = resumed_from
 
@@ -1047,6 +1078,10 @@ def _train(
                     entry["seq_tokens_per_s"] = timed_tokens / elapsed
                 log.write(entry)
                 history.append(entry)
+                loss_seen = loss_seen or any(float(r["num_tokens"]) > 0 for r in records)
+                if not loss_seen:
+                    # Every process has the same (global) counts: all stop at this step.
+                    raise truncations.no_loss_error(first_step + 1, step)
                 if bar is not None:
                     bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['tau']:.2f}")
                 pending, timed_steps, timed_tokens, timed_seconds = [], 0, 0, 0.0
