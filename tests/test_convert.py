@@ -411,6 +411,30 @@ def test_a_float64_checkpoint_converts_with_a_cast(tmp_path, capsys):
     assert fingerprint == load_drafter(fixture_dir("vanilla") / "draft", progress=False)[2]
 
 
+def test_a_tied_target_with_another_head_is_refused(tmp_path, capsys):
+    """A target whose config ties the head to the embedding but whose file holds a different
+    lm_head.weight (saved untied under a stale config) was converted with the embedding as its
+    head, silently another model; a copy of the embedding is fine."""
+    _, target = _copy_fixture(tmp_path, "vanilla")
+    assert json.loads((target / "config.json").read_text())["tie_word_embeddings"]
+    weights = target / "model.safetensors"
+    tensors = load_file(weights)
+    embed = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embed * 0.5 + 0.01}, weights)
+    code, err = _cli(capsys, "convert", "--target", target, "--out", tmp_path / "out")
+    assert code == 2 and f"{target}: config.json sets tie_word_embeddings, but" in err
+    assert "lm_head.weight differs from model.embed_tokens.weight" in err
+    _assert_nothing_written(tmp_path)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs"):
+        load_target(target, progress=False)
+    save_file({**tensors, "lm_head.weight": embed.clone()}, weights)
+    assert _cli(capsys, "convert", "--target", target, "--out", tmp_path / "out")[0] == 0
+    np.testing.assert_array_equal(
+        _target_logits(load_target(tmp_path / "out", progress=False)[1]),
+        _target_logits(load_target(fixture_dir("vanilla") / "target", progress=False)[1]),
+    )
+
+
 def test_existing_output_needs_overwrite(tmp_path, capsys):
     draft = fixture_dir("vanilla") / "draft"
     out = tmp_path / "out"

@@ -191,14 +191,35 @@ def torch_shapes(model: nnx.Module, prefix: str) -> dict[str, tuple[int, ...]]:
 def target_from_torch(cfg: Qwen3Config, source: TensorSource, mesh=None) -> Qwen3:
     """A Qwen3 target from Hugging Face `Qwen3ForCausalLM` weights, in the checkpoint's dtype
     (sharded over `mesh` when given)."""
-    ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    ignore = (_HEAD,) if cfg.tie_word_embeddings else ()
     dtype = _source_dtype(source)
-    return load_from_torch(
+    model = load_from_torch(
         lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=dtype),
         source,
         "model.",
         ignore=ignore,
         mesh=mesh,
+    )
+    if cfg.tie_word_embeddings and _HEAD in source.keys():
+        _check_tied_head(source.get(_HEAD), host_value(model.embed_tokens.embedding[...]))
+    return model
+
+
+_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _check_tied_head(head: np.ndarray, embed: np.ndarray) -> None:
+    """Refuses a head stored beside a tied embedding unless it is a copy of it: the model would
+    compute its logits with the embedding, not with the head the file holds (transformers uses
+    the file's), and so be another model than the checkpoint."""
+    if head.shape == embed.shape and np.array_equal(head, embed):
+        return
+    differs = f"has shape {list(head.shape)}" if head.shape != embed.shape else "differs"
+    raise CheckpointError(
+        f"config.json sets tie_word_embeddings, but {_HEAD} {differs} from {_EMBED} "
+        f"({list(embed.shape)}): the head would be replaced by the embedding. If the "
+        f"checkpoint was saved untied, set tie_word_embeddings to false in config.json; if "
+        f"{_HEAD} is stale, remove it from the file"
     )
 
 
