@@ -153,6 +153,11 @@ def _bad_single_file(tmp_path: Path, case: str) -> Path:
     elif case == "unknown_dtype":
         header["a"]["dtype"] = "F12"
         _write_raw(path, header, bytes(24))
+    elif case == "dtype_not_a_string":  # was a TypeError (an unhashable list) with a traceback
+        header["a"]["dtype"] = ["F32"]
+        _write_raw(path, header, bytes(24))
+    elif case == "nested_too_deeply":  # was a RecursionError with a traceback
+        _write_raw(path, b"[" * 100_000 + b"]" * 100_000, bytes(24))
     return path
 
 
@@ -165,6 +170,8 @@ def _bad_single_file(tmp_path: Path, case: str) -> Path:
         ("truncated", "truncated: expected 24 bytes of tensor data, file has 20"),
         ("inconsistent", "span 20 bytes but shape [2, 3] x F32 (4 bytes) needs 24"),
         ("unknown_dtype", "unknown dtype 'F12'"),
+        ("dtype_not_a_string", "unknown dtype ['F32']"),
+        ("nested_too_deeply", "header is JSON nested too deeply to read"),
     ],
 )
 def test_bad_single_file_errors(tmp_path, case, fragment):
@@ -190,6 +197,9 @@ def test_bad_index_errors(tmp_path):
     assert str(index) in str(info.value)
     index.write_text(json.dumps({"metadata": {}}))
     with pytest.raises(CheckpointError, match="no 'weight_map'"):
+        SafetensorsFolder(tmp_path)
+    index.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="JSON nested too deeply to read"):
         SafetensorsFolder(tmp_path)
 
 

@@ -84,6 +84,8 @@ def _read_header(path: Path) -> tuple[dict[str, str], dict[str, _TensorInfo]]:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e})") from e
+    except RecursionError:
+        raise CheckpointError(f"{path}: header is JSON nested too deeply to read") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
 
@@ -102,7 +104,7 @@ def _read_header(path: Path) -> tuple[dict[str, str], dict[str, _TensorInfo]]:
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: header entry is not an object")
         dtype_name = entry.get("dtype")
-        if dtype_name not in _DTYPES:
+        if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
             raise CheckpointError(
                 f"{where}: unknown dtype {dtype_name!r} (known: {', '.join(_DTYPES)})"
             )
@@ -146,6 +148,8 @@ def _load_index(index_path: Path) -> dict[str, str]:
         index = json.loads(index_path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index_path}: not valid JSON ({e})") from e
+    except RecursionError:
+        raise CheckpointError(f"{index_path}: JSON nested too deeply to read") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
