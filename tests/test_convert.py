@@ -435,6 +435,24 @@ def test_a_tied_target_with_another_head_is_refused(tmp_path, capsys):
     )
 
 
+def test_key_problems_list_a_few_names_and_the_counts():
+    """A checkpoint saved under other key names (Qwen3Model without `model.`) listed every
+    missing and unexpected key in one line, some 30 kB for an 8B target; each kind now names a
+    few, as the dtype problems do, with its count."""
+    from dspark_jax.checkpoints.convert import shape_problems
+
+    expected = {f"model.layers.{i}.weight": (2,) for i in range(100)}
+    found = {f"layers.{i}.weight": (2,) for i in range(100)}
+    found.update({f"model.layers.{i}.weight": (3,) for i in range(20)})
+    missing, unexpected, mismatched = shape_problems(expected, found)
+    assert missing.startswith("missing keys (80): model.layers.20.weight, ")
+    assert missing.endswith(" and 72 more") and missing.count(", ") == 7
+    assert unexpected.startswith("unexpected keys (100): layers.0.weight, ")
+    assert unexpected.endswith(" and 92 more")
+    assert mismatched.startswith("shape mismatches (20): model.layers.0.weight: expected [2], ")
+    assert mismatched.endswith(" and 12 more") and mismatched.count("; ") == 7
+
+
 def test_existing_output_needs_overwrite(tmp_path, capsys):
     draft = fixture_dir("vanilla") / "draft"
     out = tmp_path / "out"

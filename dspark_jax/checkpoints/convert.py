@@ -62,7 +62,9 @@ def shape_problems(
     found: Mapping[str, tuple[int, ...]],
     ignore: Iterable[str] = (),
 ) -> list[str]:
-    """Missing keys, unexpected keys (less `ignore`) and shape mismatches, one line per kind."""
+    """Missing keys, unexpected keys (less `ignore`) and shape mismatches, one line per kind,
+    each with its count and at most `_SHOWN` names (a checkpoint saved with other key names
+    misses every key: a full list ran to tens of kB)."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected) - set(ignore))
     mismatched = [
@@ -71,13 +73,22 @@ def shape_problems(
         if key in found and tuple(found[key]) != tuple(want)
     ]
     problems = []
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {'; '.join(mismatched)}")
+    for kind, items, sep in (
+        ("missing keys", missing, ", "),
+        ("unexpected keys", unexpected, ", "),
+        ("shape mismatches", mismatched, "; "),
+    ):
+        if items:
+            problems.append(f"{kind} ({len(items)}): {_capped(items, sep)}")
     return problems
+
+
+_SHOWN = 8  # names a problem line lists before "and N more"
+
+
+def _capped(items: list[str], sep: str = ", ") -> str:
+    more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return sep.join(items[:_SHOWN]) + more
 
 
 def dtype_problems(dtypes: Mapping[str, np.dtype]) -> list[str]:
@@ -87,17 +98,15 @@ def dtype_problems(dtypes: Mapping[str, np.dtype]) -> list[str]:
     problems = []
     other = sorted(key for key, d in dtypes.items() if not is_float_dtype(d))
     if other:
-        shown = ", ".join(f"{key} ({dtypes[key].name})" for key in other[:8])
-        more = f" and {len(other) - 8} more" if len(other) > 8 else ""
-        problems.append(f"non-floating parameters ({len(other)}): {shown}{more}")
+        shown = _capped([f"{key} ({dtypes[key].name})" for key in other])
+        problems.append(f"non-floating parameters ({len(other)}): {shown}")
     floats = Counter(d.name for d in dtypes.values() if is_float_dtype(d))
     if len(floats) > 1:
         (common, count), *_ = floats.most_common()
         odd = sorted(k for k, d in dtypes.items() if is_float_dtype(d) and d.name != common)
-        shown = ", ".join(f"{key} ({dtypes[key].name})" for key in odd[:8])
-        more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
+        shown = _capped([f"{key} ({dtypes[key].name})" for key in odd])
         problems.append(
-            f"mixed floating dtypes: {count} parameters are {common}, but {shown}{more}; the "
+            f"mixed floating dtypes: {count} parameters are {common}, but {shown}; the "
             "model holds one dtype (give one to cast every parameter to, e.g. --dtype "
             f"{common}, if the mix is intended)"
         )
