@@ -524,3 +524,30 @@ def test_nan_weights_are_neither_exported_resumed_nor_used_to_init(tmp_path, mon
     with pytest.raises(CheckpointError, match=r"--init-from: the drafter of step 2 of .*NaN"):
         train(from_nan, tmp_path / "from-nan", progress=False, export=False)
     assert not (tmp_path / "from-nan").exists()
+
+
+def test_ctrl_c_logs_the_unfinished_interval(
+    config_file, uninterrupted, compile_cache, tmp_path, monkeypatch
+):
+    """log_every 4, Ctrl-C after step 3: steps 1..3 are logged at step 3 (the step saved), so
+    that after the resume every step is in metrics.jsonl once: the step-4 record is step 4
+    alone."""
+    from dspark_jax.cli import main
+
+    text = config_file.read_text().replace("    log_every=1,\n", "    log_every=4,\n")
+    config = tmp_path / "every4.py"
+    config.write_text(text)
+    out = tmp_path / "run"
+    args = ["train", "--config", str(config), "--output", str(out), "--no-progress", "--no-export"]
+    _signalling_steps(monkeypatch, {3: (signal.SIGINT,)})
+    assert main(args) == 130
+    metrics = out / "metrics.jsonl"
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in logged] == [3]
+    want = sum(uninterrupted[k] for k in (1, 2, 3)) / 3
+    assert logged[0]["loss"] == pytest.approx(want, rel=1e-5)
+    monkeypatch.undo()
+    assert main(args) == 0
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in logged if r["split"] == "train"] == [3, 4, 6]
+    assert logged[1]["loss"] == pytest.approx(uninterrupted[4], rel=1e-5)

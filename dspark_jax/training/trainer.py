@@ -1029,8 +1029,12 @@ def _train(
     # starts once the first step has finished: a signal during it, while it compiles, aborts at
     # once, as before training, rather than wait for the compilation and save a step.
     folder.set_up = step >= end
+    # A stop request as read once per step, where the step's log interval is written: the loop
+    # stops at a step whose interval it has logged (a request read only by the loop's test could
+    # land after that point and leave the steps since the last log record unlogged).
+    stopping = False
     try:
-        while step < end and not interrupts.stop_requested:
+        while step < end and not stopping:
             interrupts.check()
             local = next(iterator)
             truncations.add(local, step + 1)
@@ -1066,7 +1070,8 @@ def _train(
                 timed_tokens += batch["tokens"].size
                 inflight.append(metrics["loss"])
             finished()
-            if step % config.log_every == 0 or step == end:
+            stopping = interrupts.stop_requested
+            if step % config.log_every == 0 or step == end or stopping:
                 records = jax.device_get(pending)
                 finished(block_all=True)
                 # `truncated`: this process's sequences cut to the largest bucket.
