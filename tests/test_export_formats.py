@@ -151,6 +151,28 @@ def test_an_export_is_never_written_over_its_target(fresh_drafter, tmp_path, cap
     )
 
 
+def test_a_released_drafter_without_num_target_layers_exports_with_its_target(tmp_path, capsys):
+    """Released DSpark config.json files lack num_target_layers. Exporting such a folder was
+    refused even with --target, in a message naming no folder: --target fills it in, as
+    conversion does, and without one the refusal names the folder and what to give."""
+    draft = tmp_path / "draft"
+    shutil.copytree(TINY_DRAFT, draft)
+    config = json.loads((draft / "config.json").read_text())
+    depth = config.pop("num_target_layers")
+    (draft / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    assert main(["export", "--draft", str(draft), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert f"{draft}: config.json lacks num_target_layers" in err and "--target" in err
+    assert not (tmp_path / "a").exists()
+    for fmt in ("reference", "speculators"):
+        out = tmp_path / fmt
+        args = ["--draft", str(draft), "--target", str(TINY_TARGET), "--format", fmt]
+        assert main(["export", *args, "--out", str(out)]) == 0
+    assert load_drafter(tmp_path / "reference")[0].num_target_layers == depth
+    written = json.loads((tmp_path / "reference" / "config.json").read_text())
+    assert written == {**config, "num_target_layers": depth}
+
+
 def test_speculators_verifier_is_named_so_a_loader_elsewhere_finds_it(tmp_path, monkeypatch):
     """A verifier given as a relative folder (directly, or as the source of a conversion run in
     another folder) was written as that relative path, which means nothing to vLLM run

@@ -271,11 +271,34 @@ def _check_mesh_heads(what: str, model_cfg: Qwen3Config, mesh) -> None:
         check_model_split(what, model_cfg, mesh)
 
 
-def _read_drafter(path, dtype: str | None, progress: bool, mesh=None):
-    """(original config dict, cfg, model, fingerprint of the stored parameters)."""
+def _lacks_num_target_layers(raw: Mapping[str, Any]) -> bool:
+    """Whether a drafter config.json lacks num_target_layers (released DSpark ones do), at the
+    top or under `dflash_config`, as `DrafterConfig.from_hf` reads them."""
+    nested = raw.get("dflash_config")
+    return {**(nested if isinstance(nested, dict) else {}), **raw}.get("num_target_layers") is None
+
+
+def _read_drafter(path, dtype: str | None, progress: bool, mesh=None, target=None):
+    """(original config dict, cfg, model, fingerprint of the stored parameters).
+
+    A config.json that lacks num_target_layers gets it from `target` (the drafter's target, as
+    conversion fills it in), when given; the dict returned then holds it."""
     part_dir, entry = locate(path, DRAFT)
     raw = _part_config(part_dir, DRAFT)
+    target_cfg = None
+    if _lacks_num_target_layers(raw):
+        if target is None:
+            raise CheckpointError(
+                f"{part_dir}: config.json lacks num_target_layers (the depth of the drafter's "
+                "target, which released DSpark configs leave out): add it, or give the target to "
+                "fill it in from (dspark-jax convert --draft DRAFT --target TARGET, or export's "
+                "--target)"
+            )
+        target_cfg = Qwen3Config.from_hf(read_part_config(target, TARGET))
+        raw = {**raw, "num_target_layers": target_cfg.num_hidden_layers}
     cfg = DrafterConfig.from_hf(raw)
+    if target_cfg is not None:
+        cfg.check_target(target_cfg)
     _check_mesh_heads(f"drafter {part_dir}", cfg.model, mesh)
     if entry is None:
         cfg, model = _from_torch_folder(SafetensorsFolder(part_dir), cfg, None, progress, mesh)
@@ -544,7 +567,7 @@ def export_drafter(
     verifier = verifier or recorded_target(part_dir)
     # The target too: the speculators layout reads it, and names it as the verifier.
     check_no_overlap(Path(out), protected + target_folders(verifier))
-    raw, _, model, _ = _read_drafter(part_dir, None, progress=False)
+    raw, _, model, _ = _read_drafter(part_dir, None, progress=False, target=verifier)
     return write_drafter(model, raw, out, fmt=fmt, verifier=verifier, overwrite=overwrite)
 
 
