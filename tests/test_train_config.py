@@ -163,3 +163,35 @@ def test_train_config_takes_numpy_integers_and_none_where_allowed():
         target_dtype=None,
     )
     assert config.num_steps is None and config.eval_every is None
+
+
+def test_init_from_ignores_drafter_fields_outside_the_weights():
+    """--init-from compares the drafter configs but for fields the parameters do not depend on
+    (num_anchors: 48 vs 32 refused the tiny config starting from the package's tiny drafter):
+    the parameters' shapes are the same whatever their values, and every other field counts."""
+    import jax
+    from flax import nnx
+
+    from dspark_jax.checkpoints.converted import load_target
+    from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_TARGET
+    from dspark_jax.training.step import new_drafter, split_drafter
+
+    _, target, _ = load_target(TINY_TARGET, progress=False)
+
+    def shapes(cfg):
+        params = split_drafter(new_drafter(cfg.with_dtype("float32"), target, seed=0))[1]
+        return jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(params))
+
+    d = TINY_DSPARK_DRAFTER
+    free = [
+        dataclasses.replace(d, num_anchors=d.num_anchors // 2),
+        dataclasses.replace(d, model=dataclasses.replace(d.model, max_position_embeddings=64)),
+        d.with_dtype("bfloat16"),
+    ]
+    assert sorted(trainer.INIT_FREE_FIELDS) == ["dtype", "max_position_embeddings", "num_anchors"]
+    for other in free:
+        assert trainer._drafter_diffs(other, d) == []
+        assert shapes(other) == shapes(d)
+    assert trainer._drafter_diffs(dataclasses.replace(d, block_size=d.block_size + 1), d) == [
+        f"block_size: {d.block_size + 1} vs {d.block_size}"
+    ]

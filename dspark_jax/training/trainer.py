@@ -1253,12 +1253,18 @@ def _setup_models(config: TrainConfig, mesh, progress: bool):
     return Models(target_gd, drafter_gd, drafter_cfg), params, frozen, load_tokenizer(target_dir)
 
 
+# Drafter fields that --init-from may change: not part of the parameters' shapes or meaning (the
+# compute dtype, the anchors sampled per sequence in training, the context length: RoPE is
+# computed, not stored).
+INIT_FREE_FIELDS = ("dtype", "num_anchors", "max_position_embeddings")
+
+
 def _drafter_diffs(a: DrafterConfig, b: DrafterConfig) -> list[str]:
     ha, hb = a.to_hf(), b.to_hf()
     return [
         f"{k}: {ha.get(k)!r} vs {hb.get(k)!r}"
         for k in sorted(set(ha) | set(hb))
-        if ha.get(k) != hb.get(k) and k != "dtype"
+        if ha.get(k) != hb.get(k) and k not in INIT_FREE_FIELDS
     ]
 
 
