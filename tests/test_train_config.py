@@ -195,3 +195,17 @@ def test_init_from_ignores_drafter_fields_outside_the_weights():
     assert trainer._drafter_diffs(dataclasses.replace(d, block_size=d.block_size + 1), d) == [
         f"block_size: {d.block_size + 1} vs {d.block_size}"
     ]
+
+
+def test_a_checkpoint_of_another_run_names_the_fields_and_values():
+    from dspark_jax.training.checkpointing import record_differences
+
+    saved = {"recipe": {"learning_rate": 6e-4, "global_batch_size": 4, "seed": 0}, "steps": 6}
+    now = {"recipe": {"learning_rate": 1e-2, "global_batch_size": 8, "seed": 0}, "steps": 6,
+           "processes": 1}
+    assert record_differences(saved, now) == [
+        "processes: absent then, 1 now",
+        "recipe.global_batch_size: 4 then, 8 now",
+        "recipe.learning_rate: 0.0006 then, 0.01 now",
+    ]
+    assert record_differences(saved, saved) == []

@@ -220,6 +220,29 @@ def restore_state(directory: Path, step: int, abstract_state: TrainState) -> Tra
     return restored[STATE]
 
 
+# At most this many differing fields are listed when a checkpoint of another run is refused.
+MAX_LISTED_DIFFERENCES = 6
+_ABSENT = object()
+
+
+def record_differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
+    """The fields in which run records differ, nested ones by their dotted path, each with the
+    checkpoint's value and this run's: ["recipe.learning_rate: 0.0006 then, 0.01 now"]."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        diffs = []
+        for key in sorted(set(saved) | set(now)):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            diffs += record_differences(saved.get(key, _ABSENT), now.get(key, _ABSENT), path)
+        return diffs
+    if saved == now:
+        return []
+
+    def shown(value: Any) -> str:
+        return "absent" if value is _ABSENT else f"{value!r:.60}"
+
+    return [f"{prefix or 'the record'}: {shown(saved)} then, {shown(now)} now"]
+
+
 class TrainCheckpointer:
     """Keeps the newest `max_to_keep` steps of a run under `directory` (saves run in background)."""
 
@@ -349,15 +372,17 @@ class TrainCheckpointer:
             raise _damaged(self.directory, step, "run record (meta)", e) from e
         if not isinstance(saved_meta, dict):
             raise _damaged(self.directory, step, "run record (meta)", TypeError("not an object"))
-        diffs = sorted(
-            k
-            for k in set(saved_meta) | set(meta)
-            if saved_meta.get(k) != meta.get(k) and k not in NOT_COMPARED
+        diffs = record_differences(
+            {k: v for k, v in saved_meta.items() if k not in NOT_COMPARED},
+            {k: v for k, v in meta.items() if k not in NOT_COMPARED},
         )
         if diffs:
+            shown = diffs[:MAX_LISTED_DIFFERENCES]
+            more = len(diffs) - len(shown)
+            listed = "; ".join(shown) + (f"; and {more} more" if more else "")
             raise TrainCheckpointError(
-                f"{self.directory}/{step} belongs to a different run (differs in: "
-                f"{', '.join(diffs)}); use a new output folder or the original settings"
+                f"{self.directory}/{step} belongs to a different run (differs in: {listed}); "
+                "use a new output folder or the original settings"
             )
         return saved_meta
 
