@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import sys
+import traceback
 from pathlib import Path
 
 from dspark_jax.cli.argtypes import positive_int
@@ -41,10 +42,20 @@ def train_config_names() -> tuple[str, ...]:
     return tuple(sorted(_named_configs()))
 
 
+def _failing_line(error: BaseException, path: Path) -> str:
+    """`path:line` of the line of config file `path` that raised `error` (just `path` if none)."""
+    line = getattr(error, "lineno", None) if isinstance(error, SyntaxError) else None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if Path(frame.filename).resolve() == path.resolve():
+            line = frame.lineno
+    return f"{path}:{line}" if line else str(path)
+
+
 def load_train_config(name_or_path: str):
     """A TrainConfig by name, or the `CONFIG` of a Python file (path ending in .py)."""
     from dspark_jax.config import ConfigError
     from dspark_jax.configs import UnknownConfigError
+    from dspark_jax.errors import UserError
     from dspark_jax.training.trainer import TrainConfig
 
     if name_or_path.endswith(".py"):
@@ -53,7 +64,14 @@ def load_train_config(name_or_path: str):
             raise ConfigError(f"config file {path} does not exist")
         spec = importlib.util.spec_from_file_location(f"_train_config_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except UserError:
+            raise
+        except Exception as e:
+            # TrainConfig(...) without its required name / data is a bare TypeError.
+            where = _failing_line(e, path)
+            raise ConfigError(f"config file {where}: {type(e).__name__}: {e}") from e
         config = getattr(module, "CONFIG", None)
         named = getattr(module, "TRAIN_CONFIGS", None)
         if config is None and isinstance(named, dict) and len(named) == 1:
