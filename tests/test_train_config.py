@@ -209,3 +209,37 @@ def test_a_checkpoint_of_another_run_names_the_fields_and_values():
         "recipe.learning_rate: 0.0006 then, 0.01 now",
     ]
     assert record_differences(saved, saved) == []
+
+
+def test_a_config_file_that_fails_is_one_line_naming_it(tmp_path, capsys):
+    config = tmp_path / "cfg.py"
+    config.write_text(
+        "from dspark_jax.configs.train_tiny import TINY_DSPARK_DRAFTER, TINY_RECIPE, TINY_TARGET\n"
+        "from dspark_jax.training.trainer import TrainConfig\n"
+        "CONFIG = TrainConfig(target=TINY_TARGET, drafter=TINY_DSPARK_DRAFTER, "
+        "recipe=TINY_RECIPE)\n"
+    )
+    assert main(["train", "--config", str(config), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"dspark-jax train: error: config file {config}:3: TypeError: TrainConfig.__init__() "
+        "missing 2 required positional arguments: 'name' and 'data'"
+    ]
+
+
+def test_single_gpu_launcher_leaves_the_default_output_to_the_cli(tmp_path):
+    import os
+    import subprocess
+
+    fake = tmp_path / "bin" / "dspark-jax"
+    fake.parent.mkdir()
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "CONFIG": "my.py"}
+    launcher = str(Path(__file__).parents[1] / "train" / "single_gpu.sh")
+    args = subprocess.run(["bash", launcher], env=env, capture_output=True, text=True).stdout
+    assert args.split() == ["train", "--config", "my.py", "--mesh=-1,1,1"]
+    env["OUTPUT"] = "runs/my run"
+    args = subprocess.run(["bash", launcher], env=env, capture_output=True, text=True).stdout
+    assert args.splitlines() == ["train", "--config", "my.py", "--output", "runs/my run",
+                                 "--mesh=-1,1,1"]

@@ -7,7 +7,8 @@
 set -euo pipefail
 
 CONFIG=${CONFIG:-dspark-qwen3-4b}   # a named config, or a .py file defining CONFIG
-OUTPUT=${OUTPUT:-runs/$CONFIG}      # running again with the same folder resumes
+OUTPUT=${OUTPUT:-}                  # default runs/<config name>; the same folder resumes
 DATA=${DATA:-}                      # JSONL conversations (overrides the config's data)
 
-exec dspark-jax train --config "$CONFIG" --output "$OUTPUT" --mesh=-1,1,1 ${DATA:+--data $DATA} "$@"
+exec dspark-jax train --config "$CONFIG" ${OUTPUT:+--output "$OUTPUT"} --mesh=-1,1,1 \
+    ${DATA:+--data $DATA} "$@"
