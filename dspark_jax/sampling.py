@@ -118,6 +118,16 @@ class RowSampling:
     def greedy(self) -> jax.Array:
         return self.temperature <= 0.0
 
+    def only(self, mask: jax.Array) -> RowSampling:
+        """These settings where `mask` (the shape of the fields) holds, greedy elsewhere: rows
+        that carry no request (a finished slot, padding) must not keep the top-k/top-p search
+        and the random draw running for the rows that do."""
+        return RowSampling(
+            temperature=jnp.where(mask, self.temperature, 0.0),
+            top_k=jnp.where(mask, self.top_k, 0),
+            top_p=jnp.where(mask, self.top_p, 1.0),
+        )
+
 
 def as_rows(cfg: SamplingConfig | RowSampling, shape: tuple[int, ...]) -> RowSampling:
     if isinstance(cfg, SamplingConfig):

@@ -879,6 +879,24 @@ def test_release_takes_one_flag_per_slot(tiny_pair):
     engine.release(state, np.array([True, False]))
 
 
+def test_release_converts_an_integer_mask_on_the_host(tiny_pair):
+    """A 0/1 integer mask was cast on the device: one more program, compiled after warm-up."""
+    from compile_events import compile_threads
+
+    engine = Engine(tiny_pair.target, None, EngineConfig(num_slots=2, max_model_len=64))
+    engine.warm_up()
+    state = engine.init_state()
+    freed = []
+    compiled = compile_threads(
+        lambda: freed.append(engine.release(state, np.array([0, 1], np.int64)))
+    )
+    assert compiled == []
+    np.testing.assert_array_equal(np.asarray(freed[0].live_s), [False, False])
+    for bad in (np.array([0.0, 1.0]), np.array([0, 2])):
+        with pytest.raises(EngineError, match="release takes bools"):
+            engine.release(state, bad)
+
+
 def test_engine_settings_that_could_serve_nothing_or_mean_something_else(tiny_pair):
     """max_model_len of at most one verification block built and compiled an engine that
     refused every request (max_request_tokens -4); attention_interpret "no" counted as true."""

@@ -425,6 +425,55 @@ def test_a_malformed_request_is_refused_at_submit_and_stalls_nothing(setup, bad,
         generate(spec, [Request([5, 6], 4), Request([5, 6], 10 / 2)])
 
 
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "plain"])
+def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculative):
+    """A finished request's settings stayed in its slot, so a lone greedy request beside seven
+    finished top-k/top-p ones ran the filter search and the random draw every round (1.7x
+    slower on the embedded pair): the rows the rounds filter and sample with are greedy for
+    every slot without a live request, and for the verification's padding."""
+    import dspark_jax.decoding.engine as engine_module
+
+    seen = []
+
+    def record(fn, rows_of):
+        def wrapped(*args):
+            rows = rows_of(args)
+            jax.debug.callback(
+                lambda t, k, p: seen.append((np.asarray(t), np.asarray(k), np.asarray(p))),
+                rows.temperature,
+                rows.top_k,
+                rows.top_p,
+            )
+            return fn(*args)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        engine_module,
+        "filtered_logprobs",
+        record(engine_module.filtered_logprobs, lambda a: a[1]),
+    )
+    monkeypatch.setattr(
+        engine_module, "sample_tokens", record(engine_module.sample_tokens, lambda a: a[2])
+    )
+    target, drafter = load_pair("vanilla")
+    cfg = dataclasses.replace(CFG, num_slots=8, token_buckets=(8, 16, 64))
+    engine = Engine(target, drafter if speculative else None, cfg)
+    fancy = SamplingConfig(temperature=1.3, top_k=5, top_p=0.8)
+    batcher = Batcher(engine)
+    for i in range(7):  # each finishes at its first token
+        batcher.submit(Request([5, 6, 7 + i], 1, seed=i, sampling=fancy), lambda k, p: 0)
+    batcher.run_until_idle()
+    seen.clear()
+    batcher.submit(Request([5, 6, 7], 24, ignore_eos=True), lambda k, p: 0)
+    batcher.run_until_idle()
+    assert seen  # the rounds (and the prefill's first token) went through the recorded calls
+    for temperature, top_k, top_p in seen:
+        np.testing.assert_array_equal(temperature, 0.0)
+        np.testing.assert_array_equal(top_k, 0)
+        np.testing.assert_array_equal(top_p, 1.0)
+
+
 def test_a_request_without_a_seed_gets_its_own(setup):
     """Requests that share a seed share their draws (the same prompt sampled alike: eight
     samples that are one); without a seed each request draws a fresh one, kept in its handle,

@@ -761,7 +761,13 @@ class Engine:
             raise EngineError(
                 f"release takes one flag per slot, shape ({self.cfg.num_slots},), got {mask.shape}"
             )
-        return self._release(state, jnp.asarray(mask, bool))
+        if mask.dtype != bool:
+            # Converted here, not on the device: a device-side cast is one more program, compiled
+            # after warm-up.
+            if not np.issubdtype(mask.dtype, np.integer) or not np.isin(mask, (0, 1)).all():
+                raise EngineError(f"release takes bools (or 0/1), got {mask.dtype} {mask}")
+            mask = mask.astype(bool)
+        return self._release(state, mask)
 
     # -- host helpers --------------------------------------------------------------------------
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -1202,7 +1208,7 @@ def _prefill(
     last_row_n = host["last_row_n"]
     final_n = in_call_n & (last_row_n >= 0)
     hidden_nd = hidden_td[jnp.maximum(last_row_n, 0)]
-    slot_rows = state.sampling_s.take(seq_slot_n)
+    slot_rows = state.sampling_s.take(seq_slot_n).only(final_n)
     prompt_len_n = host["prompt_len_n"]
     first_keys = position_keys(state.keys_s[seq_slot_n], prompt_len_n, STREAM_RESIDUAL)
     first_n = sample_tokens(first_keys, target.logits(hidden_nd), slot_rows)
@@ -1346,7 +1352,10 @@ def _spec_round(
     round_keys_s = jax.vmap(jax.random.fold_in)(state.keys_s, state.rounds_s)
     slot_positions_sk = start_s[:, None] + 1 + jnp.arange(gamma)[None, :]
     draft_keys_sk = position_keys(round_keys_s, slot_positions_sk, STREAM_DRAFT)
-    block = drafter.sample_block(h_skd, state.anchor_s, draft_keys_sk, state.sampling_s)
+    # A finished request's settings stay in its slot: its row samples greedily (no filter search,
+    # no draw) until the next request is installed.
+    sampling_s = state.sampling_s.only(live_s)
+    block = drafter.sample_block(h_skd, state.anchor_s, draft_keys_sk, sampling_s)
     conf_sk = (
         block.conf_logits_bk
         if block.conf_logits_bk is not None
@@ -1378,7 +1387,9 @@ def _spec_round(
             batch = full.head(width)
             fwd = target.paged_forward(tokens_t[:width], batch, target_cache, taps)
             logits_tv = target.logits(fwd.hidden)
-            logp_tv = filtered_logprobs(logits_tv, state.sampling_s.take(batch.slot_t))
+            logp_tv = filtered_logprobs(
+                logits_tv, sampling_s.take(batch.slot_t).only(batch.valid_t)
+            )
             rows_sj = batch.cu_q_lens_n1[:-1, None] + jnp.arange(gamma + 1)[None, :]
             result = verify_packed(
                 block.tokens_bk,
@@ -1388,7 +1399,7 @@ def _spec_round(
                 lengths_s,
                 state.keys_s,
                 start_s + 1,
-                state.sampling_s,
+                sampling_s,
                 state.stop_sk,
             )
             # Keys, values and the drafter's context of every verified token leave the branch
@@ -1443,7 +1454,7 @@ def _plain_round(
             row_s = jnp.clip(batch.cu_q_lens_n1[:-1], 0, width - 1)
             logits_sv = target.logits(fwd.hidden[row_s])
             keys_s = position_keys(state.keys_s, start_s + 1, STREAM_RESIDUAL)
-            next_s = sample_tokens(keys_s, logits_sv, state.sampling_s)
+            next_s = sample_tokens(keys_s, logits_sv, state.sampling_s.only(live_s))
             return paged.pad_kv(fwd.kv, top), next_s
 
         return run
