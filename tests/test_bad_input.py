@@ -906,3 +906,12 @@ def test_engine_settings_that_could_serve_nothing_or_mean_something_else(tiny_pa
     with pytest.raises(EngineError, match=f"max_model_len {gamma + 1} leaves no room"):
         Engine(tiny_pair.target, tiny_pair.drafter, EngineConfig(max_model_len=gamma + 1))
     assert Engine(tiny_pair.target, None, EngineConfig(max_model_len=2)).max_request_tokens == 1
+
+
+def test_an_empty_records_file_is_one_line(tmp_path):
+    from dspark_jax.calibration.sts import CalibrationInputError, CalibrationRecords
+
+    empty = tmp_path / "calibration_records.npz"
+    empty.write_bytes(b"")
+    with pytest.raises(CalibrationInputError, match="not a calibration records file .*is empty"):
+        CalibrationRecords.load(empty)

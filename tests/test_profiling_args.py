@@ -77,6 +77,17 @@ def test_the_models_and_config_are_checked(pair, no_engine, which, message):
     assert issubclass(ProfileError, UserError)
 
 
+def test_a_bucket_no_round_can_fill_is_refused_in_round_mode(pair, no_engine):
+    """One slot of block 7 verifies at most 8 tokens a round: a 128-token row timed the
+    8-token round and was labelled 128 tokens (2.46 ms beside 2.45 ms; verify mode: 7.13)."""
+    import dataclasses
+
+    target, drafter = pair
+    one = dataclasses.replace(CFG, num_slots=1, token_buckets=(8, 64, 128))
+    with pytest.raises(ProfileError, match=r"bucket\(s\) 64, 128 cannot be reached: .* = 8 tokens"):
+        profile_engine(target, drafter, one, **QUICK)
+
+
 def test_the_table_records_plain_json_numbers(pair, tmp_path):
     """numpy scalars are taken and recorded as plain numbers; the saved table is strict JSON."""
     target, drafter = pair

@@ -170,6 +170,8 @@ class CalibrationRecords:
             raise CalibrationInputError(f"{path}: cannot read the records ({e})") from e
         except (ValueError, zipfile.BadZipFile):
             raise CalibrationInputError(f"{not_records}; this is neither npz nor npy)") from None
+        except EOFError:  # an empty file
+            raise CalibrationInputError(f"{not_records}; this file is empty)") from None
         if not isinstance(data, np.lib.npyio.NpzFile):
             raise CalibrationInputError(f"{not_records}; this is one numpy array)")
         with data:

@@ -21,6 +21,7 @@ random weights and zero caches measure the real shapes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -285,6 +286,18 @@ def profile_engine(
     if gamma == 0 and cfg.token_buckets is None:
         raise ProfileError("without a drafter give the token buckets to measure")
     buckets = token_buckets(cfg, CarriedLengths(), gamma)
+    if round_mode:
+        # A round packs at most every slot's anchor and whole block: a bucket past the one that
+        # holds that many is never chosen, and its row would time the largest round there is.
+        most = cfg.num_slots * (gamma + 1)
+        unreachable = [b for prev, b in itertools.pairwise(buckets) if prev >= most]
+        if unreachable:
+            raise ProfileError(
+                f"token bucket(s) {', '.join(map(str, unreachable))} cannot be reached: a round "
+                f"of {cfg.num_slots} slot(s) verifies at most {cfg.num_slots} x (block "
+                f"{gamma} + 1) = {most} tokens; drop them, add slots, or time the target alone "
+                f"(verify mode)"
+            )
     # Enough drafts per slot to fill the largest bucket (verify mode may have no drafter).
     room = max(gamma, -(-buckets[-1] // cfg.num_slots) - 1)
     max_model_len = context_len + (steps + 1) * (room + 1) + room + 1
