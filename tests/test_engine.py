@@ -474,6 +474,18 @@ def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculativ
         np.testing.assert_array_equal(top_p, 1.0)
 
 
+def test_plain_decoding_lm_head_follows_the_token_bucket():
+    """Plain decoding ran the lm head over every slot, live or not ([8, vocab] at one live slot
+    of 8); it runs over the bucket's rows, and the tokens are those of before (checked by the
+    traces and the seeded-sampling tests)."""
+    target, _ = load_pair("vanilla")
+    vocab = target.cfg.vocab_size
+    cfg = EngineConfig(num_slots=8, max_model_len=64, token_buckets=(2, 8))
+    text = Engine(target, None, cfg).lower()["decode_chunk"].as_text()
+    rows = set(re.findall(rf"dot_general.*-> tensor<(\d+)x{vocab}x", text))
+    assert rows == {"2", "8"}
+
+
 def test_a_request_without_a_seed_gets_its_own(setup):
     """Requests that share a seed share their draws (the same prompt sampled alike: eight
     samples that are one); without a seed each request draws a fresh one, kept in its handle,

@@ -1451,10 +1451,16 @@ def _plain_round(
         def run(_):
             batch = full.head(width)
             fwd = target.paged_forward(state.anchor_s[batch.slot_t], batch, target_cache)
-            row_s = jnp.clip(batch.cu_q_lens_n1[:-1], 0, width - 1)
-            logits_sv = target.logits(fwd.hidden[row_s])
-            keys_s = position_keys(state.keys_s, start_s + 1, STREAM_RESIDUAL)
-            next_s = sample_tokens(keys_s, logits_sv, state.sampling_s.only(live_s))
+            # One token per live slot, packed first: the lm head and the sampling run over the
+            # bucket's rows (at most one per slot), not over every slot, live or not.
+            rows = min(width, top)
+            slot_t, valid_t = batch.slot_t[:rows], batch.valid_t[:rows]
+            logits_tv = target.logits(fwd.hidden[:rows])
+            keys_t = position_keys(state.keys_s[slot_t], start_s[slot_t] + 1, STREAM_RESIDUAL)
+            rows_t = state.sampling_s.take(slot_t).only(valid_t)
+            next_t = sample_tokens(keys_t, logits_tv, rows_t)
+            to_s = jnp.where(valid_t, slot_t, top)  # padding rows write nowhere
+            next_s = jnp.zeros((top,), next_t.dtype).at[to_s].set(next_t, mode="drop")
             return paged.pad_kv(fwd.kv, top), next_s
 
         return run
