@@ -440,7 +440,7 @@ def test_python_api_refuses_requests_of_the_wrong_types_at_submit(tiny_pair):
         (Request([1, 2], None), "max_new_tokens must be an integer >= 1, got None"),
         (Request([1, 2], True), "max_new_tokens must be an integer >= 1, got True"),
         (Request([1, 2], 4, seed=1.7), r"seed must be an integer in 0\.\.4294967295, got 1\.7"),
-        (Request([1, 2], 4, seed=None), "seed must be an integer in .*, got None"),
+        (Request([1, 2], 4, seed="7"), "seed must be an integer in .*, got .7."),
         (Request([1, 2], 4, sampling=0.7), "sampling must be a SamplingConfig .*, got 0.7"),
         (Request([1, 2], 4, sampling=None), "sampling must be a SamplingConfig .*, got None"),
     ):

@@ -25,7 +25,7 @@ from dspark_jax.checkpoints.speculators import VERIFIER_TENSORS, check_speculato
 from dspark_jax.cli import main
 from dspark_jax.cli.train import load_train_config
 from dspark_jax.configs.train_tiny import TINY_TARGET
-from dspark_jax.embedded import TINY_DRAFT
+from dspark_jax.embedded import EMBEDDED_DRAFT
 from dspark_jax.errors import UserError
 from dspark_jax.training import trainer
 from dspark_jax.training.checkpointing import (
@@ -311,7 +311,12 @@ def test_a_refused_run_leaves_nothing_behind(files, base_run, tmp_path, capsys):
         (["--anchors-per-chunk", "3"], "--anchors-per-chunk (3) must divide num_anchors (8)"),
         (["--seq-lens", "8,16"], "--seq-lens must be strictly ascending lengths"),
         (["--per-device-batch-size", "3"], "--per-device-batch-size 3 x 4 batch-parallel"),
-        (["--init-from", str(TINY_DRAFT)], f"--init-from {TINY_DRAFT} does not match the config"),
+        # The embedded default pair's drafter: another hidden size. (The tiny-vanilla drafter
+        # differs from this config's only in num_anchors, which shapes no weight.)
+        (
+            ["--init-from", str(EMBEDDED_DRAFT)],
+            f"--init-from {EMBEDDED_DRAFT} does not match the config",
+        ),
     ],
 )
 def test_errors_name_the_flags(files, tmp_path, capsys, flags, message):

@@ -767,7 +767,7 @@ class Engine:
             if not np.issubdtype(mask.dtype, np.integer) or not np.isin(mask, (0, 1)).all():
                 raise EngineError(f"release takes bools (or 0/1), got {mask.dtype} {mask}")
             mask = mask.astype(bool)
-        return self._release(state, mask)
+        return self._release(state, jax.device_put(mask))
 
     # -- host helpers --------------------------------------------------------------------------
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
