@@ -760,3 +760,18 @@ def test_token_to_sequence_search(unrolled):
     batch = TokenBatch.per_slot(start_s, count_s, 16)
     np.testing.assert_array_equal(batch.slot_t[:14], [0] * 3 + [2] + [3] * 8 + [5] * 2)
     np.testing.assert_array_equal(batch.pos_t[:14], [5, 6, 7, 0, *range(2, 10), 7, 8])
+
+
+def test_folds_follow_the_tokens_not_the_slots():
+    """The static fold count bounded every one of n sequences as if it held tokens: one decode
+    token over 16 slots made 14 folds (each gathering its pages) for 1 that holds a query."""
+    n, per_fold = 16, 8
+    for tokens, expected in ((1, 1), (3, 3), (8, 8), (64, 22), (128, 30)):
+        cu = jnp.minimum(jnp.arange(n + 1, dtype=jnp.int32), tokens)
+        rag = attn._ragged(
+            tokens, jnp.arange(n, dtype=jnp.int32), cu, jnp.full((n,), 40), n, causal=True
+        )
+        folds = attn._folds(rag, tokens, per_fold)
+        assert folds.valid_f.shape == (expected,), tokens
+        # Every token sits in a fold that exists (the bound holds for these lengths).
+        assert int(jnp.sum(folds.tok_valid_fr)) == min(tokens, n)

@@ -615,8 +615,11 @@ class _Folds:
 
 def _folds(rag: _Ragged, num_tokens: int, per_fold: int) -> _Folds:
     n = rag.q_len_n.shape[0]
-    # sum_i ceil(q_i / R) <= (sum_i q_i + n (R - 1)) / R bounds the folds statically.
-    max_folds = (num_tokens + n * (per_fold - 1)) // per_fold
+    # sum_i ceil(q_i / R) <= (sum_i q_i + m (R - 1)) / R bounds the folds statically, m the
+    # sequences with tokens: at most min(n, T) of them (an empty one has no fold), so the folds
+    # follow the tokens, not the slots (one token of 16 slots: 1 fold, not 14).
+    busy = min(n, num_tokens)
+    max_folds = (num_tokens + busy * (per_fold - 1)) // per_fold
     folds_n = (rag.q_len_n + per_fold - 1) // per_fold
     cu_f = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(folds_n, dtype=jnp.int32)])
     f = jnp.arange(max_folds, dtype=jnp.int32)
