@@ -324,6 +324,7 @@ def test_library_errors_and_bad_numbers_are_one_line_errors(tmp_path):
     (and for bandwidth.py before measuring: a --json that cannot be written is found first)."""
     a_file = tmp_path / "a-file"
     a_file.write_text("")
+    _one_line_error(_script("idle_slots.py", "--slots", "1"), "--slots must be at least 2")
     _one_line_error(_script("bandwidth.py", "--gib", "-1"), "--gib")
     _one_line_error(_script("bandwidth.py", "--repeats", "0"), "--repeats")
     done = _script("bandwidth.py", "--gib", "0.001", "--json", str(a_file / "x.json"))
