@@ -42,7 +42,7 @@ from dspark_jax.checkpoints.convert import (
     target_from_torch,
 )
 from dspark_jax.checkpoints.fingerprint import drafter_fingerprint
-from dspark_jax.checkpoints.integrity import check_parameters
+from dspark_jax.checkpoints.integrity import check_host_leaves, check_parameters
 from dspark_jax.checkpoints.locate import (
     DRAFT,
     FORMAT_NAME,
@@ -244,6 +244,10 @@ def _check_loaded(model, part: str, part_dir: Path, entry) -> None:
     differs from the one recorded at conversion (folders converted before checksums were
     recorded have none to compare). `model` holds the parameters as stored: read uncast."""
     checksum = check_parameters(model, f"the {PART_NAMES[part]} at {part_dir}")
+    _compare_checksum(part, part_dir, entry, checksum)
+
+
+def _compare_checksum(part: str, part_dir: Path, entry, checksum: str) -> None:
     recorded = (entry or {}).get("checksum")
     if recorded is not None and recorded != checksum:
         raise CheckpointError(
@@ -343,14 +347,39 @@ def load_target(
             cfg, model = _from_jax_folder(part_dir, cfg, dtype, mesh)
         _check_loaded(model, TARGET, part_dir, entry)
         return cfg, model, part_dir
-    # Read as stored, so that the checksum recorded at conversion is checked before any cast
-    # (one of the cast parameters would not tell damaged data from the rounding of the cast).
-    cfg, model = _from_jax_folder(part_dir, cfg, None, mesh)
-    _check_loaded(model, TARGET, part_dir, entry)
-    if dtype is not None and dtype != cfg.dtype:
+    # The checksum recorded at conversion is of the stored bits: checked before any cast (one of
+    # the cast parameters would not tell damaged data from the rounding of the cast).
+    params_dir = part_dir / PARAMS
+    stored = orbax_io.read_metadata(params_dir)
+    stored_dtype = _first_float_dtype((m.dtype for m in stored.values()), params_dir)
+    if dtype is None or dtype == stored_dtype:
+        cfg, model = _from_jax_folder(part_dir, cfg, None, mesh)
+        _check_loaded(model, TARGET, part_dir, entry)
+        return cfg, model, part_dir
+    if mesh is None:
+        # Checked in host memory as read, cast leaf by leaf as placed: the device never holds the
+        # stored copy beside the cast one (a float32 target served in bfloat16 would need 3x).
+        def check(names, leaves):
+            checksum = check_host_leaves(names, leaves, f"the target at {part_dir}")
+            _compare_checksum(TARGET, part_dir, entry, checksum)
+
+        cfg = cfg.with_dtype(dtype)
+        model = orbax_io.restore_params(
+            params_dir,
+            orbax_io.abstract_model(cfg, dtype),
+            stored,
+            None,
+            check_stored=check,
+            place_as=dtype,
+        )
+    else:
+        # Sharded: each device reads its slices as stored, then they are cast (the stored and
+        # cast copies of one device's share meet there).
+        cfg, model = _from_jax_folder(part_dir, cfg, None, mesh)
+        _check_loaded(model, TARGET, part_dir, entry)
         cfg, model = _cast_model(cfg, model, dtype)
-        # A narrower dtype can overflow to infinity (float16 tops out at 65504).
-        check_parameters(model, f"the target at {part_dir} cast to {dtype}")
+    # A narrower dtype can overflow to infinity (float16 tops out at 65504).
+    check_parameters(model, f"the target at {part_dir} cast to {dtype}")
     return cfg, model, part_dir
 
 

@@ -62,6 +62,42 @@ def check_tree(params, what: str, instead: str = _DECODING) -> str:
     names = [".".join(key_path_names(path)) for path, _ in leaves]
     arrays = [leaf for _, leaf in leaves]
     finite_l, checksum_l = jax.device_get(_summaries(arrays))
+    return _digest(names, arrays, finite_l, checksum_l, what, instead)
+
+
+# Elements a host checksum reads at a time (bounds its temporaries to a few hundred MB).
+_HOST_CHUNK = 1 << 24
+
+
+def _host_leaf_summary(x: np.ndarray) -> tuple[bool, int]:
+    """`_leaf_summary` of a host array, the same bits: for a leaf read into host memory, to be
+    checked before it is cast and placed (so the device never holds it as stored)."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == np.bool_:
+        x = x.astype(np.uint8)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[x.dtype.itemsize]
+    bits = x.reshape(-1).view(unsigned)
+    total = np.uint32(0)
+    with np.errstate(over="ignore"):
+        for start in range(0, bits.shape[0], _HOST_CHUNK):
+            part = bits[start : start + _HOST_CHUNK].astype(np.uint32)
+            index = np.arange(start, start + part.shape[0], dtype=np.uint64).astype(np.uint32)
+            weights = index * np.uint32(_GOLDEN) * np.uint32(2) + np.uint32(1)
+            total = np.uint32(total + np.sum(part * weights, dtype=np.uint32))
+    # Integers and bools are finite; every other kind is a float (bfloat16 is kind "V").
+    finite = x.dtype.kind in "biu" or bool(np.all(np.isfinite(x)))
+    return finite, int(total)
+
+
+def check_host_leaves(
+    names: list[str], arrays: list[np.ndarray], what: str, instead: str = _DECODING
+) -> str:
+    """`check_tree` of leaves in host memory, in the order `check_tree` flattens their tree."""
+    finite_l, checksum_l = zip(*(_host_leaf_summary(a) for a in arrays), strict=True)
+    return _digest(names, arrays, finite_l, checksum_l, what, instead)
+
+
+def _digest(names, arrays, finite_l, checksum_l, what: str, instead: str) -> str:
     bad = [name for name, ok in zip(names, finite_l, strict=True) if not ok]
     if bad:
         shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")

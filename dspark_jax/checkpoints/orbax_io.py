@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,14 @@ def read_metadata(params_dir: Path) -> dict[str, Any]:
 
 
 def restore_params(
-    params_dir: Path, abstract: nnx.Module, stored: dict[str, Any], dtype: str | None, mesh=None
+    params_dir: Path,
+    abstract: nnx.Module,
+    stored: dict[str, Any],
+    dtype: str | None,
+    mesh=None,
+    *,
+    check_stored: Callable[[list[str], list[np.ndarray]], None] | None = None,
+    place_as: str | None = None,
 ) -> nnx.Module:
     """Restores `abstract`'s parameters from `params_dir`, checking keys and shapes first.
 
@@ -142,7 +149,14 @@ def restore_params(
     With a `mesh`, Orbax reads every leaf straight into its rules-table sharding (each process
     reads the slices its devices hold: one checkpoint, one global sharding), committed like the
     sharded arrays `load_from_torch` makes from safetensors.
+
+    Without a mesh, `check_stored(names, leaves)` sees every leaf in host memory as read (names
+    and order as `integrity.check_tree` flattens the model) before any is placed, and
+    `place_as` casts the floating leaves one by one as they are placed: a checksum of the
+    stored bits, then a cast, with the device holding only the cast parameters.
     """
+    if mesh is not None and (check_stored is not None or place_as is not None):
+        raise ValueError("check_stored and place_as read through host memory: no mesh")
     graphdef, state = nnx.split(abstract)
     wanted = nnx.to_pure_dict(state)
     problems = shape_problems(
@@ -175,9 +189,15 @@ def restore_params(
         raise CheckpointError(
             f"{params_dir}: cannot read the Orbax checkpoint ({type(e).__name__}: {e})"
         ) from e
-    leaves, treedef = jax.tree.flatten(restored)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(restored)
     del restored
+    leaves = [leaf for _, leaf in paths_leaves]
+    if check_stored is not None:
+        check_stored([".".join(key_path_names(path)) for path, _ in paths_leaves], leaves)
+    del paths_leaves
     for i, leaf in enumerate(leaves):
+        if place_as is not None and is_float_dtype(leaf.dtype):
+            leaf = leaf.astype(place_as)
         # Drops the host copy of leaf i before reading leaf i + 1 (sharded leaves stay as read).
         leaves[i] = jnp.asarray(leaf)
     nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, leaves))
