@@ -209,6 +209,11 @@ def test_a_checkpoint_of_another_run_names_the_fields_and_values():
         "recipe.learning_rate: 0.0006 then, 0.01 now",
     ]
     assert record_differences(saved, saved) == []
+    # Absolute paths that differ near their end: the shared start is dropped, not the difference.
+    runs = "/mnt/shared/team/runs/dspark-qwen3-8b-sharegpt/checkpoints/"
+    assert record_differences({"init_drafter": runs + "1200"}, {"init_drafter": runs + "2400"}) == [
+        "init_drafter: ...checkpoints/1200' then, ...checkpoints/2400' now"
+    ]
 
 
 def test_a_config_file_that_fails_is_one_line_naming_it(tmp_path, capsys):

@@ -162,8 +162,9 @@ def test_tiny_dspark_and_dflash_beat_their_untrained_start(tmp_path):
 
 def test_a_run_without_loss_tokens_is_stopped(tmp_path, capsys, compile_cache):
     """Every prompt longer than max_length (48): truncation cuts every answer off, no step has a
-    loss token. The run stops at its first log with one line saying why, exports nothing, and
-    the truncation warning says the answers are gone, not only their ends."""
+    loss token. The run stops with one line saying why -- after NO_LOSS_STEPS steps, or at the
+    end of a shorter call, never on one batch alone -- exports nothing, and the truncation
+    warning says the answers are gone, not only their ends."""
     from train_helpers import write_train_config
 
     data = tmp_path / "long.jsonl"
@@ -183,8 +184,16 @@ def test_a_run_without_loss_tokens_is_stopped(tmp_path, capsys, compile_cache):
     err = capsys.readouterr().err
     assert "4 of them keep no answer token at all" in err
     assert err.strip().splitlines()[-1].startswith(
-        "dspark-jax train: error: step 1 carried no loss token (num_tokens 0 in every one): 4 "
-        "of the 4 sequences this process read are longer than max_length 48"
+        "dspark-jax train: error: steps 1..6 carried no loss token (num_tokens 0 in every one): "
+        "24 of the 24 sequences this process read are longer than max_length 48"
     )
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged] == [1] and not (out / "drafter").exists()
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6] and not (out / "drafter").exists()
+    # A longer call stops after NO_LOSS_STEPS steps (10), not at its first logged step.
+    longer = tmp_path / "longer"
+    config = write_train_config(
+        tmp_path / "longer.py", name="longer", data=(str(data),), num_steps=40
+    )
+    args = ["--config", str(config), "--output", str(longer), "--eval-data", "--no-progress"]
+    assert main(["train", *args]) == 2
+    assert "steps 1..10 carried no loss token" in capsys.readouterr().err

@@ -236,11 +236,21 @@ def record_differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
         return diffs
     if saved == now:
         return []
+    then, now_ = ("absent" if v is _ABSENT else repr(v) for v in (saved, now))
+    if max(len(then), len(now_)) > _SHOWN_CHARS:
+        # Long values (absolute paths) often differ only near their ends: drop what they share
+        # at the start, then cut the rest, so that the difference shows.
+        shared = len(os.path.commonprefix([then, now_]))
+        skip = max(shared - 12, 0)
+        then, now_ = (
+            ("..." if skip else "") + text[skip : skip + _SHOWN_CHARS]
+            + ("..." if len(text) > skip + _SHOWN_CHARS else "")
+            for text in (then, now_)
+        )
+    return [f"{prefix or 'the record'}: {then} then, {now_} now"]
 
-    def shown(value: Any) -> str:
-        return "absent" if value is _ABSENT else f"{value!r:.60}"
 
-    return [f"{prefix or 'the record'}: {shown(saved)} then, {shown(now)} now"]
+_SHOWN_CHARS = 60  # of each value in a difference
 
 
 class TrainCheckpointer:

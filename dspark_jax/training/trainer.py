@@ -502,6 +502,9 @@ class _AbandonedSaves(logging.Filter):
             absl_logger.addFilter(cls(directory))
 
 
+# Steps of a call that must all carry no loss token before the run is stopped for it.
+NO_LOSS_STEPS = 10
+
 class _Truncations:
     """Counts sequences cut to the largest length bucket and says so on the console: once when it
     first happens, and in a total at the end of the call."""
@@ -1084,7 +1087,11 @@ def _train(
                 log.write(entry)
                 history.append(entry)
                 loss_seen = loss_seen or any(float(r["num_tokens"]) > 0 for r in records)
-                if not loss_seen:
+                # Judged over NO_LOSS_STEPS steps at least (or the whole call, at its end): one
+                # batch without a loss token (a few over-long prompts, a resume's first logged
+                # step) says nothing about the data.
+                enough = step - first_step >= NO_LOSS_STEPS or step == end
+                if not loss_seen and enough and not stopping:
                     # Every process has the same (global) counts: all stop at this step.
                     raise truncations.no_loss_error(first_step + 1, step)
                 if bar is not None:
