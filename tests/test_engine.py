@@ -456,6 +456,11 @@ def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculativ
     monkeypatch.setattr(
         engine_module, "sample_tokens", record(engine_module.sample_tokens, lambda a: a[2])
     )
+    drafter_class = engine_module.DSparkDrafter
+    # The drafter's block sampling (self, h, anchors, keys, sampling, ...).
+    monkeypatch.setattr(
+        drafter_class, "sample_block", record(drafter_class.sample_block, lambda a: a[4])
+    )
     target, drafter = load_pair("vanilla")
     cfg = dataclasses.replace(CFG, num_slots=8, token_buckets=(8, 16, 64))
     engine = Engine(target, drafter if speculative else None, cfg)
