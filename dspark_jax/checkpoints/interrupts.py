@@ -23,6 +23,12 @@ from dspark_jax.errors import Terminated
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def raise_for(signum: int) -> None:
+    """The exception a stopping signal raises: `Terminated` for SIGTERM (a KeyboardInterrupt,
+    reported as "terminated", status 143), KeyboardInterrupt for SIGINT."""
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
 class _Guard:
     def __init__(self) -> None:
         self.signum: int | None = None  # the first signal that arrived
@@ -39,7 +45,7 @@ class _Guard:
             self._raise()
 
     def _raise(self) -> None:
-        raise Terminated if self.signum == signal.SIGTERM else KeyboardInterrupt
+        raise_for(self.signum)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:

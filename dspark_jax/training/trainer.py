@@ -52,10 +52,12 @@ from tqdm.auto import tqdm
 
 from dspark_jax.checkpoints.converted import load_drafter, load_target, write_drafter_torch
 from dspark_jax.checkpoints.integrity import check_parameters, check_tree
+from dspark_jax.checkpoints.interrupts import SIGNALS as STOP_SIGNALS
+from dspark_jax.checkpoints.interrupts import raise_for
 from dspark_jax.checkpoints.safetensors_io import CheckpointError
 from dspark_jax.config import DTYPES, ConfigError, DrafterConfig
 from dspark_jax.conversations import TURNS_AS
-from dspark_jax.errors import Terminated, as_integer
+from dspark_jax.errors import as_integer
 from dspark_jax.models.drafter import DSparkDrafter
 from dspark_jax.sharding import (
     MeshConfig,
@@ -421,7 +423,7 @@ class _Interrupts:
     Orbax are then silenced (the next run removes the partial save).
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self, enabled: bool):
         self._enabled = enabled and threading.current_thread() is threading.main_thread()
@@ -447,7 +449,7 @@ class _Interrupts:
         self._raise()
 
     def _raise(self) -> None:
-        raise Terminated if self.signum == signal.SIGTERM else KeyboardInterrupt
+        raise_for(self.signum)
 
     def check(self) -> None:
         """Raises the signal that aborted the run, in case it was swallowed where it landed."""
