@@ -318,10 +318,6 @@ class JsonlConversationSource:
             int(self._lines[index]),
         )
 
-    def roles_of(self, index: int) -> tuple[str, ...]:
-        """The sequence of roles of conversation `index`."""
-        return self.role_sequences[int(self._role_ids[index])]
-
     def role_ids(self) -> np.ndarray:
         """Per conversation, the index of its sequence of roles in `role_sequences`."""
         return self._role_ids
