@@ -643,7 +643,7 @@ def conversation_kinds(
     kind maps to [index of its first conversation, number of conversations].
 
     Only the lines whose text might hold a marker are parsed again, so this costs a pass of
-    substring searches over the files (a second or so per 100k short lines)."""
+    substring searches over the files (about half a second per 100k short lines)."""
     role_ids = source.role_ids()
     kinds: dict[tuple[int, tuple[frozenset[str], ...] | None], list[int]] = {}
     if not markers:
