@@ -311,12 +311,12 @@ class JsonlConversationSource:
         return len(self._starts)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self._read(
-            int(self._files[index]),
-            int(self._starts[index]),
-            int(self._ends[index]),
-            int(self._lines[index]),
-        )
+        where = f"{self._paths[int(self._files[index])]}:{int(self._lines[index])}"
+        try:
+            messages = parse_record(self.raw(index), self._turns)
+        except DataError as e:
+            raise DataError(f"{where}: {e} (was the file modified after indexing?)") from None
+        return {"messages": messages, "where": where}
 
     def role_ids(self) -> np.ndarray:
         """Per conversation, the index of its sequence of roles in `role_sequences`."""
@@ -327,15 +327,6 @@ class JsonlConversationSource:
         file_index = int(self._files[index])
         start, end = int(self._starts[index]), int(self._ends[index])
         return os.pread(self._fd(file_index), end - start, start)
-
-    def _read(self, file_index: int, start: int, end: int, line: int) -> dict[str, Any]:
-        raw = os.pread(self._fd(file_index), end - start, start)
-        where = f"{self._paths[file_index]}:{line}"
-        try:
-            messages = parse_record(raw, self._turns)
-        except DataError as e:
-            raise DataError(f"{where}: {e} (was the file modified after indexing?)") from None
-        return {"messages": messages, "where": where}
 
     def _fd(self, file_index: int) -> int:
         # pread on one descriptor per file is safe across grain's reader threads; a forked or
