@@ -159,6 +159,10 @@ def test_token_search_is_written_out_for_a_gpu_and_a_loop_here():
     with absent_gpu_target(("cuda",), "NVIDIA H100"):
         assert not _has_loop(attn.searchsorted_steps, sorted_n, values_t)
         assert not _has_loop(per_slot, start_s, count_s)
+        # One entry (a 1-slot engine, a drafter bucket of one slot): jnp.searchsorted's
+        # written-out search still made a loop of one trip.
+        assert not _has_loop(attn.searchsorted_steps, sorted_n[:1], values_t)
+        assert not _has_loop(per_slot, start_s[:1], count_s[:1])
 
 
 def _layer_calls(text: str) -> int:

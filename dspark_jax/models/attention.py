@@ -380,6 +380,10 @@ def searchsorted_steps(sorted_n: jax.Array, values_t: jax.Array, *,
     sequence once per key of the local attention's [blocks, heads, window, 3 window] scores:
     two fifths of a CPU prefill packing 512 prompts (the fixture models). The loop's result is
     an array the consumers read."""
+    if sorted_n.shape[0] == 1:
+        # jnp.searchsorted's "scan_unrolled" over one entry still emits a loop (of one trip):
+        # a drafter bucket of one slot, or any program of a 1-slot engine, held it on a GPU.
+        return (sorted_n[0] <= values_t).astype(jnp.int32)
     if unrolled is None:
         unrolled = target_backend() == "gpu"
     method = "scan_unrolled" if unrolled else "scan"
