@@ -625,6 +625,9 @@ def test_engine_refuses_a_pool_larger_than_memory():
         ({"token_buckets": ()}, r"token_buckets must be a non-empty tuple .*, got \(\)"),
         ({"token_buckets": (8, 0)}, "token_buckets must be a non-empty tuple of integers >= 1"),
         ({"prefill_buckets": (64.0,)}, "prefill_buckets must be a non-empty tuple of integers"),
+        ({"draft_buckets": ()}, r"draft_buckets must be a non-empty tuple .*, got \(\)"),
+        ({"num_slots": 8, "draft_buckets": (2, 4)}, r"draft_buckets \(2, 4\) must end at"),
+        ({"num_slots": 8, "draft_buckets": (4, 16)}, "must end at num_slots 8"),
     ],
 )
 def test_engine_config_refuses_fractional_sizes_and_empty_buckets(kwargs, fragment):
@@ -638,6 +641,23 @@ def test_engine_config_takes_numpy_integers():
     cfg = EngineConfig(num_slots=np.int64(2), max_model_len=np.int32(64), token_buckets=[4, 8])
     assert (cfg.num_slots, cfg.max_model_len, cfg.token_buckets) == (2, 64, (4, 8))
     assert type(cfg.num_slots) is int and hash(cfg) == hash(dataclasses.replace(cfg))
+
+
+@pytest.mark.parametrize(
+    "slots, given, buckets",
+    [
+        (1, None, (1,)),
+        (2, None, (2,)),
+        (4, None, (2, 4)),
+        (8, None, (2, 4, 8)),
+        (12, None, (2, 4, 8, 12)),
+        (64, None, (8, 16, 32, 64)),
+        (256, None, (32, 64, 128, 256)),
+        (8, [8, np.int64(2), 2], (2, 8)),
+    ],
+)
+def test_draft_buckets_default_to_at_most_four_doublings_from_two(slots, given, buckets):
+    assert EngineConfig(num_slots=slots, draft_buckets=given).slot_buckets() == buckets
 
 
 # -- 5. the hub only for hub ids ---------------------------------------------------------------

@@ -191,7 +191,7 @@ def test_layers_lower_once_whatever_the_depth():
 
 def test_a_single_bucket_program_holds_the_forward_once():
     """The target's forward sits in a conditional even where there is one token bucket (see
-    `engine._switch_on_tokens`); its other branch, which never runs, fills the outputs with
+    `engine._switch_on_count`); its other branch, which never runs, fills the outputs with
     zeros instead of holding the forward again. A program of one bucket lowers half the layer
     calls and matmuls of the same engine's with two, and each prefill program (one bucket by
     construction) one call per layer. (With the forward in both branches, such programs took

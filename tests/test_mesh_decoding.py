@@ -247,17 +247,23 @@ def test_sharded_decode_holds_no_copy_of_the_page_pools(pair):
     """The pools are read inside the token-bucket conditional (under `shard_map`) and written
     after it with a scatter XLA partitions by KV head: none of that may copy a pool. float32
     pools, because XLA:CPU gathers from bfloat16 arrays through a float32 copy of the whole
-    array (see benchmarks/mesh_memory.py), which would hide the copies this test looks for."""
+    array (see benchmarks/mesh_memory.py), which would hide the copies this test looks for.
+    Four slots over data 2 as well: the drafter reads its pool inside the slot buckets'
+    conditional (2 or 4 rows, the slots gathered across the data shards)."""
     long_cfg = dataclasses.replace(CFG, max_model_len=4096)
-    engine = Engine(*pair, long_cfg, mesh=_mesh(1, 1, 2))
-    state = jax.eval_shape(engine._init, engine.target_params, engine.drafter_params)
-    pool = state.target_pages[0].kv
-    pool_sharding = engine.state_shardings.target_pages[0].kv
-    layer_shard_bytes = int(np.prod(pool_sharding.shard_shape(pool.shape))) * pool.dtype.itemsize
-    assert pool.dtype == np.float32
-    stats = engine.lower()["decode_chunk"].compile().memory_analysis()
-    # 2 target + 1 drafter layers of pools; a single copy of one layer's shard would break this.
-    assert stats.temp_size_in_bytes < layer_shard_bytes / 2
+    four_slots = dataclasses.replace(long_cfg, num_slots=4, token_buckets=(32,))
+    for cfg, mesh in ((long_cfg, _mesh(1, 1, 2)), (four_slots, _mesh(2, 1, 2))):
+        engine = Engine(*pair, cfg, mesh=mesh)
+        assert len(engine.draft_buckets) == (2 if cfg is four_slots else 1)
+        state = jax.eval_shape(engine._init, engine.target_params, engine.drafter_params)
+        pool = state.target_pages[0].kv
+        pool_sharding = engine.state_shardings.target_pages[0].kv
+        shard_shape = pool_sharding.shard_shape(pool.shape)
+        layer_shard_bytes = int(np.prod(shard_shape)) * pool.dtype.itemsize
+        assert pool.dtype == np.float32
+        stats = engine.lower()["decode_chunk"].compile().memory_analysis()
+        # 2 target + 1 drafter layers of pools; one copy of one layer's shard would break this.
+        assert stats.temp_size_in_bytes < layer_shard_bytes / 2
 
 
 def test_policy_switch_on_a_mesh_selects_without_compiling(pair, single_device):

@@ -179,6 +179,7 @@ TOY_CFG = EngineConfig(
     prefill_seqs=2048,
     prefill_buckets=(2048,),
     token_buckets=(N_TOY * 3,),
+    draft_buckets=(N_TOY,),  # one program branch each, as for the tokens: compile time
 )
 
 

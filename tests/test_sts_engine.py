@@ -35,6 +35,7 @@ CFG = EngineConfig(
     prefill_seqs=32,
     prefill_buckets=(PROMPT_BYTES * 32,),
     token_buckets=(64 * 8,),
+    draft_buckets=(64,),  # one program branch each, as for the tokens: compile time
 )
 HOLDOUT = 0.3
 PROMPTS = Path(__file__).parent / "data" / "sts_prompts.json"

@@ -20,10 +20,11 @@ the host, see `batching`), committed length, anchor token, PRNG key, sampling se
 (temperature, top-k, top-p as arrays: one program serves every mix), max new tokens, stop
 tokens, counters and its policy carry row.
 
-One speculative round: the drafter drafts a block for every slot; the policy picks how many
-drafts each live slot verifies (l_s); every live slot's anchor and l_s drafts are packed into one
-token axis padded to the smallest token bucket >= sum(l_s + 1), and the target runs over exactly
-that (a `lax.switch` over the buckets: only the chosen branch runs); rejection sampling accepts a
+One speculative round: the drafter drafts a block for every live slot (over the smallest slot
+bucket that holds them, `draft_buckets`); the policy picks how many drafts each live slot
+verifies (l_s); every live slot's anchor and l_s drafts are packed into one token axis padded
+to the smallest token bucket >= sum(l_s + 1), and the target runs over exactly that (a
+`lax.switch` over the buckets: only the chosen branch runs); rejection sampling accepts a
 prefix per slot; the accepted tokens' target features are appended to the drafter's context.
 Rejected tokens are rolled back by length alone. Plain decoding packs one token per live slot.
 
@@ -108,6 +109,10 @@ class EngineConfig:
     prefill_chunk, then prefill_chunk; the largest must reach prefill_chunk).
     token_buckets: token counts the packed verification is padded to (None: derived from the
     slots and the most drafts the policy verifies: the block, or a fixed policy's gamma).
+    draft_buckets: slot counts the drafter's block runs over, the live slots gathered first
+    (None: doublings from an eighth of num_slots, at least 2, up to num_slots: at most four
+    buckets; the largest must be num_slots; `(num_slots,)` drafts every slot, live or not,
+    with no gather).
     max_stop_tokens: most stop ids per request, its own `stop_token_ids` and the engine's
     `stop_tokens` together. rounds_per_chunk: rounds per `decode_chunk` call. attention_impl:
     the paged attention path ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
@@ -123,6 +128,7 @@ class EngineConfig:
     prefill_seqs: int = 4
     prefill_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
+    draft_buckets: tuple[int, ...] | None = None
     max_stop_tokens: int = 16
     attention_impl: str | None = None
     attention_interpret: bool = False
@@ -149,6 +155,7 @@ class EngineConfig:
         for name, derived in (
             ("prefill_buckets", "derived from prefill_chunk"),
             ("token_buckets", "derived from the slots and the policy"),
+            ("draft_buckets", "doublings up to num_slots"),
         ):
             value = getattr(self, name)
             if value is None:
@@ -163,6 +170,28 @@ class EngineConfig:
                     f"got {value!r}"
                 )
             object.__setattr__(self, name, widths)
+        if self.draft_buckets is not None:
+            # A bucket above the slots would draft for slots that do not exist; without one
+            # of num_slots a round with more live slots than the largest would have no branch.
+            slots = set(self.draft_buckets)
+            if max(slots) != self.num_slots:
+                raise EngineError(
+                    f"draft_buckets {tuple(sorted(slots))} must end at num_slots "
+                    f"{self.num_slots}: each is a number of slots the drafter runs over"
+                )
+            object.__setattr__(self, "draft_buckets", tuple(sorted(slots)))
+
+    def slot_buckets(self) -> tuple[int, ...]:
+        """The slot counts the drafter's block runs over (`draft_buckets`, or doublings).
+
+        Each is a branch of the decode program holding the drafter (compiled once, but
+        compiled: on the CPU each adds a fifth to a small speculative decode program's compile
+        time). The default doubles from an eighth of the slots, and from no fewer than 2: on an
+        accelerator a few rows cost what one does (the drafter's weights are read once either
+        way), and at most four branches bound what the buckets add to compile time."""
+        if self.draft_buckets is not None:
+            return self.draft_buckets
+        return _geometric(min(max(2, -(-self.num_slots // 8)), self.num_slots), self.num_slots)
 
     @property
     def pages_per_slot(self) -> int:
@@ -542,6 +571,7 @@ class Engine:
                 f"its prompt and tokens plus {block_positions(gamma)} verification positions"
             )
         self.token_buckets = token_buckets(cfg, policy, gamma)
+        self.draft_buckets = cfg.slot_buckets()
         self.prefill_widths = cfg.prefill_widths()
         # XLA:CPU gathers and scatters 16-bit pools through a float32 copy of the whole pool
         # every step; there the pools store float32 holding the 16-bit values (same results).
@@ -611,7 +641,7 @@ class Engine:
                 )
             else:
                 round_fn = lambda s, o, r: _spec_round(  # noqa: E731
-                    t, d, policy, sts, self.token_buckets, layouts, s, o, r
+                    t, d, policy, sts, self.token_buckets, self.draft_buckets, layouts, s, o, r
                 )
             return _run_chunk(round_fn, cfg.rounds_per_chunk, gamma, state, yield_on_finish)
 
@@ -1196,8 +1226,8 @@ def _prefill(
         context_kv = None if drafter is None else drafter.packed_context_kv(out.taps, batch)
         return out.hidden, out.kv, context_kv
 
-    # Reads of the pools inside a conditional, writes after it: see `_switch_on_tokens`.
-    hidden_td, target_kv, context_kv = _switch_on_tokens(
+    # Reads of the pools inside a conditional, writes after it: see `_switch_on_count`.
+    hidden_td, target_kv, context_kv = _switch_on_count(
         (batch.slot_t.shape[0],), batch.num_seqs, lambda width: forward
     )
     target_cache = paged.write(target_cache, target_kv, batch, after=hidden_td)
@@ -1309,9 +1339,9 @@ def _commit(
     return state, out
 
 
-def _switch_on_tokens(buckets: tuple[int, ...], total, make_branch, operands=None):
+def _switch_on_count(buckets: tuple[int, ...], total, make_branch, operands=None):
     """Runs `make_branch(width)` for the smallest bucket >= total (one compiled `lax.switch`;
-    only the chosen branch runs).
+    only the chosen branch runs): token buckets, or the drafter's slot buckets.
 
     The forward inside reads the page pools and the caller writes them after: a conditional
     around the reads lets XLA update the pools in place, where the same reads in straight-line
@@ -1330,12 +1360,62 @@ def _switch_on_tokens(buckets: tuple[int, ...], total, make_branch, operands=Non
     return jax.lax.switch(index, branches, operands)
 
 
+def _draft_live(drafter, buckets, anchor_s, start_s, live_s, cache, keys_sk, sampling_s):
+    """The drafter's block for the live slots: drafts [S, K], the log-probabilities they were
+    sampled from [S, K, V] and the confidence logits [S, K] (None without a confidence head).
+
+    The drafter runs over the smallest slot bucket that holds the live slots, gathered live
+    first in slot order (a `lax.switch` over the buckets: only the chosen branch runs), and its
+    results are scattered back to their slots; slots outside the rows get zeros, which nothing
+    reads (they are not live: they verify nothing and sample greedily). The largest bucket is
+    every slot in place, with no gather. A row's drafts depend only on its own slot's context,
+    anchor, keys and settings, so gathering changes which rows run, not what they draw.
+    """
+    num_slots = live_s.shape[0]
+
+    def run(rows_r):  # the slots drafted, row by row (None: every slot in order)
+        if rows_r is None:
+            h = drafter.draft_hidden(anchor_s, start_s, live_s, cache)
+            block = drafter.sample_block(h, anchor_s, keys_sk, sampling_s)
+            return block.tokens_bk, block.logprobs_bkv, block.conf_logits_bk
+        anchor_r = anchor_s[rows_r]
+        h = drafter.draft_hidden(anchor_r, start_s[rows_r], live_s[rows_r], cache, rows_r)
+        block = drafter.sample_block(h, anchor_r, keys_sk[rows_r], sampling_s.take(rows_r))
+
+        def to_slots(x_r):
+            if x_r is None:
+                return None
+            zeros = jnp.zeros((num_slots,) + x_r.shape[1:], x_r.dtype)
+            return zeros.at[rows_r].set(x_r, unique_indices=True)
+
+        return tuple(map(to_slots, (block.tokens_bk, block.logprobs_bkv, block.conf_logits_bk)))
+
+    if len(buckets) == 1:
+        return run(None)
+    # Live slots first, in slot order, then the others: a permutation of the slots.
+    num_live = jnp.sum(live_s, dtype=jnp.int32)
+    rank_s = jnp.where(
+        live_s,
+        jnp.cumsum(live_s, dtype=jnp.int32) - 1,
+        num_live + jnp.cumsum(~live_s, dtype=jnp.int32) - 1,
+    )
+    order_s = jnp.zeros((num_slots,), jnp.int32).at[rank_s].set(
+        jnp.arange(num_slots, dtype=jnp.int32), unique_indices=True
+    )
+
+    def branch(rows):
+        return lambda _: run(None if rows == num_slots else order_s[:rows])
+
+    return _switch_on_count(buckets, num_live, branch)
+
+
 def _spec_round(
     target: Qwen3,
     drafter: DSparkDrafter,
     policy: Policy,
     sts: StsArtifact | None,
     buckets: tuple[int, ...],
+    draft_buckets: tuple[int, ...],
     layouts,
     state: SlotState,
     out: ChunkOutput,
@@ -1345,7 +1425,6 @@ def _spec_round(
     live_s = state.live_s
     start_s = state.lengths_s  # position of the anchor
     target_cache, draft_cache = _caches(state, layouts)
-    h_skd = drafter.draft_hidden(state.anchor_s, start_s, live_s, draft_cache)
     # Drafts past a rejection are drafted again next round at the same positions. Fresh noise per
     # round keeps a policy carry that holds earlier rounds' confidences (hence their drafts)
     # independent of this round's drafts, which losslessness of history-based policies needs.
@@ -1355,25 +1434,28 @@ def _spec_round(
     # A finished request's settings stay in its slot: its row samples greedily (no filter search,
     # no draw) until the next request is installed.
     sampling_s = state.sampling_s.only(live_s)
-    block = drafter.sample_block(h_skd, state.anchor_s, draft_keys_sk, sampling_s)
+    drafts_sk, draft_logprobs_skv, conf_logits_sk = _draft_live(
+        drafter, draft_buckets, state.anchor_s, start_s, live_s, draft_cache, draft_keys_sk,
+        sampling_s,
+    )
     conf_sk = (
-        block.conf_logits_bk
-        if block.conf_logits_bk is not None
+        conf_logits_sk
+        if conf_logits_sk is not None
         else jnp.zeros((state.anchor_s.shape[0], gamma), jnp.float32)
     )
-    policy_logits_sk = block.conf_logits_bk
+    policy_logits_sk = conf_logits_sk
     if sts is not None:
         # The artifact is calibrated for one sampling temperature: it applies to the slots
         # sampling at that temperature; the others see their raw confidences.
         calibrated_s = jnp.isclose(
             state.sampling_s.temperature, sts.sampling_temperature, rtol=STS_TEMP_RTOL, atol=1e-9
         )
-        scaled_sk = sts.calibrated_logits(block.conf_logits_bk)
-        policy_logits_sk = jnp.where(calibrated_s[:, None], scaled_sk, block.conf_logits_bk)
+        scaled_sk = sts.calibrated_logits(conf_logits_sk)
+        policy_logits_sk = jnp.where(calibrated_s[:, None], scaled_sk, conf_logits_sk)
     lengths_s, policy_carry = policy.step(policy_logits_sk, live_s, state.policy_carry)
     lengths_s = jnp.where(live_s, jnp.clip(lengths_s, 0, gamma), 0).astype(jnp.int32)
     count_s = jnp.where(live_s, lengths_s + 1, 0)
-    verify_in_sj = jnp.concatenate([state.anchor_s[:, None], block.tokens_bk], axis=1)
+    verify_in_sj = jnp.concatenate([state.anchor_s[:, None], drafts_sk], axis=1)
     # Built at the widest bucket (which holds every slot's count, see `token_buckets`); each
     # branch takes its first `width` tokens (the packing of the first tokens does not depend on
     # the width).
@@ -1392,8 +1474,8 @@ def _spec_round(
             )
             rows_sj = batch.cu_q_lens_n1[:-1, None] + jnp.arange(gamma + 1)[None, :]
             result = verify_packed(
-                block.tokens_bk,
-                block.logprobs_bkv,
+                drafts_sk,
+                draft_logprobs_skv,
                 logp_tv,
                 rows_sj,
                 lengths_s,
@@ -1411,7 +1493,7 @@ def _spec_round(
         return run
 
     step_tokens = jnp.sum(count_s)
-    target_kv, context_kv, result = _switch_on_tokens(buckets, step_tokens, branch, None)
+    target_kv, context_kv, result = _switch_on_count(buckets, step_tokens, branch, None)
     target_cache = paged.write(target_cache, target_kv, full, after=result)
     draft_cache = paged.write(draft_cache, context_kv, full, after=result)
     state = state.replace(
@@ -1466,7 +1548,7 @@ def _plain_round(
         return run
 
     step_tokens = jnp.sum(count_s)
-    target_kv, next_s = _switch_on_tokens(buckets, step_tokens, branch, None)
+    target_kv, next_s = _switch_on_count(buckets, step_tokens, branch, None)
     target_cache = paged.write(target_cache, target_kv, full, after=next_s)
     state = state.replace(target_pages=target_cache.pages)
     ones_s = jnp.ones_like(next_s)

@@ -4,10 +4,11 @@ The engine packs every live slot's anchor and verified drafts into one token axi
 token bucket, so a step's cost follows the total number of verified tokens B. For each of the
 engine's token buckets B one of two things is timed:
 
-- "round": a whole speculative round of the engine (draft every slot, sample, verify exactly B
-  tokens, accept, commit). Algorithm 1 trades expected accepted tokens against the time of a
-  step; when the drafter is not negligible next to the target (small targets, or a large
-  lm_head over the block), only the round time says what a longer verification costs.
+- "round": a whole speculative round of the engine (draft the live slots, in their slot
+  bucket; sample, verify exactly B tokens, accept, commit). Algorithm 1 trades expected
+  accepted tokens against the time of a step; when the drafter is not negligible next to the
+  target (small targets, or a large lm_head over the block), only the round time says what a
+  longer verification costs.
 - "verify": the target's packed forward over B tokens alone, logits for every token included:
   SPS(B) as the paper defines it for the target.
 

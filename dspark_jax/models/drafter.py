@@ -103,31 +103,34 @@ class DSparkDrafter(nnx.Module):
         """Writes the context K/V of packed target features at their slots and positions."""
         return paged.write(cache, self.packed_context_kv(features_tf, batch), batch)
 
-    def draft_hidden(self, anchor_s, start_s, live_s, cache: PagedCache):
-        """Backbone over one block per slot at positions start_s.. -> h [S, gamma, D].
+    def draft_hidden(self, anchor_s, start_s, live_s, cache: PagedCache, slots_s=None):
+        """Backbone over one block per row at positions start_s.. -> h [S, gamma, D].
 
         The block attends bidirectionally to its slot's context (the cached positions before
         start_s) and to the whole block, whose keys and values are never stored: the next
-        round's context append overwrites those positions with the target's features. Slots that
-        are not live attend to nothing.
+        round's context append overwrites those positions with the target's features. Rows that
+        are not live attend to nothing. Row s reads the context of slot `slots_s[s]` (None: slot
+        s), so a few rows can draft for chosen slots of a larger cache.
         """
         gamma = self.cfg.block_size
-        num_slots = anchor_s.shape[0]
-        slot_t = jnp.repeat(jnp.arange(num_slots, dtype=jnp.int32), gamma)
-        offset_t = jnp.tile(jnp.arange(gamma, dtype=jnp.int32), num_slots)
+        num_rows = anchor_s.shape[0]
+        if slots_s is None:
+            slots_s = jnp.arange(num_rows, dtype=jnp.int32)
+        row_t = jnp.repeat(jnp.arange(num_rows, dtype=jnp.int32), gamma)
+        offset_t = jnp.tile(jnp.arange(gamma, dtype=jnp.int32), num_rows)
         batch = TokenBatch(
-            slot_t=slot_t,
-            pos_t=start_s[slot_t] + offset_t,
-            valid_t=live_s[slot_t],
-            seq_slot_n=jnp.arange(num_slots, dtype=jnp.int32),
-            cu_q_lens_n1=jnp.arange(num_slots + 1, dtype=jnp.int32) * gamma,
+            slot_t=jnp.asarray(slots_s, jnp.int32)[row_t],
+            pos_t=start_s[row_t] + offset_t,
+            valid_t=live_s[row_t],
+            seq_slot_n=jnp.asarray(slots_s, jnp.int32),
+            cu_q_lens_n1=jnp.arange(num_rows + 1, dtype=jnp.int32) * gamma,
             kv_lens_n=jnp.where(live_s, start_s + gamma, 0).astype(jnp.int32),
-            num_seqs=jnp.int32(num_slots),
+            num_seqs=jnp.int32(num_rows),
             max_seq_tokens=gamma,
         )
         x_1td = self.embed_tokens(self.block_tokens(anchor_s).reshape(1, -1), self.dtype)
         x_1td, _, _ = paged_layers(self.layers, x_1td, batch, cache, causal=False)
-        return self.norm(x_1td[0]).reshape(num_slots, gamma, -1)
+        return self.norm(x_1td[0]).reshape(num_rows, gamma, -1)
 
     # -- backbone --------------------------------------------------------------------------
     def backbone(self, tokens_bt, positions_bt, ctx_k, ctx_v, mask_bts):
