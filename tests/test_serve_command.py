@@ -62,6 +62,8 @@ def _args(*argv: str) -> argparse.Namespace:
         (["--no-draft", "--policy", "threshold", "--threshold", "0.5"], "need a drafter"),
         (["--token-buckets", "8,x"], "comma-separated integers"),
         (["--prefill-buckets", "0"], "positive integers"),
+        (["--max-num-seqs", "8", "--draft-buckets", "2,4"], "must end at --max-num-seqs 8"),
+        (["--no-draft", "--draft-buckets", "8"], "--draft-buckets needs a drafter"),
     ],
 )
 def test_bad_settings_are_refused_before_loading(argv, fragment):

@@ -86,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated verification token buckets (default: derived from the slots and "
         "block size; an SPS table brings its own)",
     )
+    engine.add_argument(
+        "--draft-buckets",
+        help="comma-separated slot counts the drafter runs over, live slots first (default: "
+        "doublings from an eighth of --max-num-seqs to it; --max-num-seqs alone drafts every "
+        "slot, live or not)",
+    )
 
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -178,6 +184,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         "--threshold": args.threshold is not None,
         "--sps-table": args.sps_table is not None,
         "--sts": args.sts is not None,
+        "--draft-buckets": args.draft_buckets is not None,
     }
     given = [flag for flag, set_ in speculation_only.items() if set_]
     plain = args.no_draft or (args.target is not None and args.draft is None)
@@ -186,6 +193,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"{', '.join(given)} {verb} a drafter; this server decodes plainly")
     _buckets(args.prefill_buckets, "--prefill-buckets")
     _buckets(args.token_buckets, "--token-buckets")
+    draft_buckets = _buckets(args.draft_buckets, "--draft-buckets")
+    if draft_buckets is not None and max(draft_buckets) != args.max_num_seqs:
+        raise UserError(
+            f"--draft-buckets {args.draft_buckets!r} must end at --max-num-seqs "
+            f"{args.max_num_seqs}: each is a number of slots the drafter runs over"
+        )
 
 
 def _model_paths(args: argparse.Namespace):
@@ -254,6 +267,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         prefill_chunk=args.prefill_chunk,
         prefill_buckets=_buckets(args.prefill_buckets, "--prefill-buckets"),
         token_buckets=_buckets(args.token_buckets, "--token-buckets"),
+        draft_buckets=_buckets(args.draft_buckets, "--draft-buckets"),
     )
     if cfg.pool_pages < cfg.pages_per_slot:
         raise UserError(
