@@ -1,12 +1,13 @@
 """What idle slots cost: one live request on an engine of 1 slot against one of `--slots`.
 
 A round's work should follow the requests in it, not the engine's size. This decodes the same
-greedy request alone on two engines that differ only in their slot count, for plain decoding
-and for speculative decoding (fixed gamma, the whole block verified), alternating the engines
+greedy request alone on engines that differ only in their slot count, for plain decoding and
+for speculative decoding (fixed gamma, the whole block verified), alternating the engines
 `--repeats` times, and prints the median decode time per token of each and their ratio (1.0:
-idle slots cost nothing). The target's forward follows the tokens (token buckets) and so do
-plain decoding's lm head and the attention's folds; the drafter's block still runs for every
-slot (docs/engine.md, "One speculative round"), which this ratio measures.
+idle slots cost nothing). The target's forward follows the tokens (token buckets), and so do
+plain decoding's lm head, the attention's folds and the drafter's block (slot buckets,
+docs/engine.md, "One speculative round"); a third row drafts every slot (`draft_buckets` of
+the slot count alone), the engine as it was before the slot buckets, measured in the same run.
 
     python benchmarks/idle_slots.py                 # the embedded pair, 1 vs 16 slots
     python benchmarks/idle_slots.py --slots 64 --json idle.json
@@ -48,30 +49,44 @@ def main() -> int:
     gamma = models.drafter.cfg.block_size
     base = EngineConfig(max_model_len=512, page_size=16, rounds_per_chunk=8, prefill_chunk=64)
     engines = {}
-    for mode in ("plain", "speculative"):
+    modes = ("plain", "speculative", "every slot drafted")
+    for mode in modes:
         for slots in (1, args.slots):
-            cfg = dataclasses.replace(base, num_slots=slots)
-            drafter = models.drafter if mode == "speculative" else None
-            engines[mode, slots] = Engine(
-                models.target, drafter, cfg, stop_tokens=models.stop_tokens
+            # One slot has one slot bucket: the "every slot drafted" row shares its engine.
+            cfg = dataclasses.replace(
+                base,
+                num_slots=slots,
+                draft_buckets=(slots,) if mode == "every slot drafted" else None,
             )
-    warm_up_all(list(engines.values()))
+            drafter = models.drafter if mode != "plain" else None
+            engines[mode, slots] = (
+                engines["speculative", 1]
+                if mode == "every slot drafted" and slots == 1
+                else Engine(models.target, drafter, cfg, stop_tokens=models.stop_tokens)
+            )
+    distinct = list({id(e): e for e in engines.values()}.values())
+    warm_up_all(distinct)
     request = Request(list(range(40, 72)), args.new_tokens, seed=0, ignore_eos=True)
-    times: dict[tuple[str, int], list[float]] = {key: [] for key in engines}
+    times: dict[int, list[float]] = {id(e): [] for e in distinct}
     for _ in range(args.repeats):
-        for key, engine in engines.items():
-            times[key].append(_per_token_s(engine, request))
+        for engine in distinct:
+            times[id(engine)].append(_per_token_s(engine, request))
     rows = []
     print(f"one live greedy request, {args.new_tokens} tokens; median of {args.repeats}")
     print(f"| decoding | 1 slot (ms/token) | {args.slots} slots (ms/token) | ratio |")
     print("|---|---:|---:|---:|")
-    for mode in ("plain", "speculative"):
-        one = statistics.median(times[mode, 1])
-        many = statistics.median(times[mode, args.slots])
+    labels = {
+        "plain": "plain",
+        "speculative": f"speculative (fixed gamma {gamma})",
+        "every slot drafted": f"speculative, every slot drafted (draft_buckets ({args.slots},))",
+    }
+    for mode in modes:
+        one = statistics.median(times[id(engines[mode, 1])])
+        many = statistics.median(times[id(engines[mode, args.slots])])
         rows.append(
             dict(mode=mode, slots=args.slots, one_slot_s=one, many_slots_s=many, ratio=many / one)
         )
-        label = mode if mode == "plain" else f"speculative (fixed gamma {gamma})"
+        label = labels[mode]
         print(f"| {label} | {one * 1e3:.3f} | {many * 1e3:.3f} | {many / one:.2f} |")
     if json_path is not None:
         write_json(
