@@ -317,7 +317,8 @@ def run(args: argparse.Namespace) -> dict:
     # Every slot is live and the fixed policy verifies whole blocks, so each round packs exactly
     # `batch` (plain) or `batch * (gamma + 1)` tokens: one token bucket each. The engines'
     # default buckets would add the smaller ones, each a branch of the decode program holding a
-    # whole target forward to compile (seven at 64 slots), never run here.
+    # whole target forward to compile (seven at 64 slots), never run here; likewise the
+    # drafter's slot buckets below every slot.
     engines = {}
     for batch in args.batch_sizes:
         cfg = EngineConfig(
@@ -331,7 +332,11 @@ def run(args: argparse.Namespace) -> dict:
         engines[batch] = {
             "plain": Engine(target, None, cfg),
             "spec": Engine(
-                target, drafter, dataclasses.replace(cfg, token_buckets=(batch * (gamma + 1),))
+                target,
+                drafter,
+                dataclasses.replace(
+                    cfg, token_buckets=(batch * (gamma + 1),), draft_buckets=(batch,)
+                ),
             ),
         }
     # Every engine's programs at once, one per CPU core: the build waits for the largest
