@@ -46,7 +46,7 @@ SMALL_SERVE_FLAGS = [
     "--prefill-chunk=64",
     "--prefill-buckets=64",
     "--token-buckets=16",
-    "--draft-buckets=1,2",
+    "--draft-buckets=2",
 ]
 
 

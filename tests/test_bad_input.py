@@ -648,15 +648,15 @@ def test_engine_config_takes_numpy_integers():
     [
         (1, None, (1,)),
         (2, None, (2,)),
-        (4, None, (2, 4)),
-        (8, None, (2, 4, 8)),
-        (12, None, (2, 4, 8, 12)),
+        (4, None, (4,)),
+        (8, None, (4, 8)),
+        (12, None, (4, 8, 12)),
         (64, None, (8, 16, 32, 64)),
         (256, None, (32, 64, 128, 256)),
         (8, [8, np.int64(2), 2], (2, 8)),
     ],
 )
-def test_draft_buckets_default_to_at_most_four_doublings_from_two(slots, given, buckets):
+def test_draft_buckets_default_to_at_most_four_doublings_from_four(slots, given, buckets):
     assert EngineConfig(num_slots=slots, draft_buckets=given).slot_buckets() == buckets
 
 

@@ -36,6 +36,7 @@ CFG = EngineConfig(
     prefill_chunk=32,
     prefill_buckets=(32,),
     token_buckets=(16,),
+    draft_buckets=(1, 2),  # the drafter's rows gathered across the data shards when one is live
 )
 TEXT = b"def parse_args(argv=None):\n    parser = argparse.ArgumentParser(description="
 
@@ -238,7 +239,7 @@ def test_axes_that_do_not_divide_the_mesh_are_named(capsys):
         logical_to_spec(("vocab", "embed"), (290, 96), mesh, strict=True, what="the lm head")
     # without strict (training's rules) the same dimension is replicated
     assert logical_to_spec(("vocab", "embed"), (290, 96), mesh) == P(None, None)
-    three_slots = dataclasses.replace(CFG, num_slots=3, token_buckets=(24,))
+    three_slots = dataclasses.replace(CFG, num_slots=3, token_buckets=(24,), draft_buckets=None)
     with pytest.raises(ShardingError, match=r"'slots' of size 3 .*data=2"):
         Engine(*_random_pair(), three_slots, mesh=_mesh(2, 1, 2))
 
@@ -248,13 +249,15 @@ def test_sharded_decode_holds_no_copy_of_the_page_pools(pair):
     after it with a scatter XLA partitions by KV head: none of that may copy a pool. float32
     pools, because XLA:CPU gathers from bfloat16 arrays through a float32 copy of the whole
     array (see benchmarks/mesh_memory.py), which would hide the copies this test looks for.
-    Four slots over data 2 as well: the drafter reads its pool inside the slot buckets'
-    conditional (2 or 4 rows, the slots gathered across the data shards)."""
+    The drafter reads its pool inside the slot buckets' conditional (1 or 2 rows of 2 slots, 2
+    or 4 of 4 slots over data 2, the slots gathered across the data shards)."""
     long_cfg = dataclasses.replace(CFG, max_model_len=4096)
-    four_slots = dataclasses.replace(long_cfg, num_slots=4, token_buckets=(32,))
+    four_slots = dataclasses.replace(
+        long_cfg, num_slots=4, token_buckets=(32,), draft_buckets=(2, 4)
+    )
     for cfg, mesh in ((long_cfg, _mesh(1, 1, 2)), (four_slots, _mesh(2, 1, 2))):
         engine = Engine(*pair, cfg, mesh=mesh)
-        assert len(engine.draft_buckets) == (2 if cfg is four_slots else 1)
+        assert len(engine.draft_buckets) == 2
         state = jax.eval_shape(engine._init, engine.target_params, engine.drafter_params)
         pool = state.target_pages[0].kv
         pool_sharding = engine.state_shardings.target_pages[0].kv

@@ -110,7 +110,7 @@ class EngineConfig:
     token_buckets: token counts the packed verification is padded to (None: derived from the
     slots and the most drafts the policy verifies: the block, or a fixed policy's gamma).
     draft_buckets: slot counts the drafter's block runs over, the live slots gathered first
-    (None: doublings from an eighth of num_slots, at least 2, up to num_slots: at most four
+    (None: doublings from an eighth of num_slots, at least 4, up to num_slots: at most four
     buckets; the largest must be num_slots; `(num_slots,)` drafts every slot, live or not,
     with no gather).
     max_stop_tokens: most stop ids per request, its own `stop_token_ids` and the engine's
@@ -186,12 +186,13 @@ class EngineConfig:
 
         Each is a branch of the decode program holding the drafter (compiled once, but
         compiled: on the CPU each adds a fifth to a small speculative decode program's compile
-        time). The default doubles from an eighth of the slots, and from no fewer than 2: on an
+        time). The default doubles from an eighth of the slots, and from no fewer than 4: on an
         accelerator a few rows cost what one does (the drafter's weights are read once either
-        way), and at most four branches bound what the buckets add to compile time."""
+        way), so smaller buckets would add compile time and save nothing, and at most four
+        branches bound what the buckets add."""
         if self.draft_buckets is not None:
             return self.draft_buckets
-        return _geometric(min(max(2, -(-self.num_slots // 8)), self.num_slots), self.num_slots)
+        return _geometric(min(max(4, -(-self.num_slots // 8)), self.num_slots), self.num_slots)
 
     @property
     def pages_per_slot(self) -> int:
@@ -571,7 +572,7 @@ class Engine:
                 f"its prompt and tokens plus {block_positions(gamma)} verification positions"
             )
         self.token_buckets = token_buckets(cfg, policy, gamma)
-        self.draft_buckets = cfg.slot_buckets()
+        self.draft_buckets = cfg.slot_buckets() if drafter is not None else ()
         self.prefill_widths = cfg.prefill_widths()
         # XLA:CPU gathers and scatters 16-bit pools through a float32 copy of the whole pool
         # every step; there the pools store float32 holding the 16-bit values (same results).
