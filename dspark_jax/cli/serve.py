@@ -89,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--draft-buckets",
         help="comma-separated slot counts the drafter runs over, live slots first (default: "
-        "doublings from an eighth of --max-num-seqs to it; --max-num-seqs alone drafts every "
-        "slot, live or not)",
+        "doublings from an eighth of --max-num-seqs, at least 4, up to it; --max-num-seqs alone "
+        "drafts every slot, live or not)",
     )
 
     http = parser.add_argument_group("HTTP")
