@@ -68,6 +68,12 @@ def main() -> int:
         default=(64, 256),
         help="prefill token buckets (64,256)",
     )
+    parser.add_argument(
+        "--draft-buckets",
+        type=positive_ints,
+        help="slot counts the drafter's block runs over, ending at --slots (default: the "
+        "engine's, EngineConfig.slot_buckets; e.g. the slot count alone: one drafter branch)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--plain", action="store_true", help="no drafter: plain decoding")
     parser.add_argument(
@@ -99,6 +105,8 @@ def main() -> int:
         parser.error(
             "--compile needs --platform here, h100 or h200 (cuda only lowers: no GPU compiler)"
         )
+    if args.draft_buckets and args.plain:
+        parser.error("--draft-buckets needs a drafter: drop --plain")
     if args.hlo and not args.compile:
         parser.error("--hlo needs --compile (it writes the compiled programs)")
     if args.json:
@@ -145,6 +153,7 @@ def _measure(args, pair: tuple[str, str]) -> int:
         prefill_buckets=prefill_buckets,
         # Plain decoding packs one token per slot: one bucket, as the benchmarks build it.
         token_buckets=(args.slots,) if args.plain else None,
+        draft_buckets=args.draft_buckets,
         attention_impl="pallas_gpu" if platforms or mesh is not None else None,
     )
     engine = Engine(target, drafter, cfg, mesh=mesh)
@@ -204,7 +213,9 @@ def _measure(args, pair: tuple[str, str]) -> int:
         where = f"{jax.default_backend()} (this machine)"
     head = (
         f"{target_name}" + ("" if args.plain else f" + {drafter_name}") + f", {args.dtype}, "
-        f"{args.slots} slots, token buckets {engine.token_buckets}, prefill buckets "
+        f"{args.slots} slots, token buckets {engine.token_buckets}"
+        + (f", drafter slot buckets {engine.draft_buckets}" if engine.draft_buckets else "")
+        + ", prefill buckets "
         f"{engine.prefill_widths}; lowered for {where}; commit {git_commit()}, "
         f"{datetime.date.today()}, {platform.node()} ({platform.processor() or 'cpu'})"
     )

@@ -722,6 +722,21 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
                    "decode_chunk", "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert [r["program"] for r in json.loads(out.read_text())["rows"]] == ["decode_chunk"]
+    # Two drafter slot buckets: the drafter's layer body is lowered once per branch.
+    done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs",
+                   "decode_chunk", "--draft-buckets", "2,4", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert "drafter slot buckets (2, 4)" in report["setting"]
+    assert report["rows"][0]["kernel_calls"] > rows["decode_chunk"]["kernel_calls"]
+    _one_line_error(
+        _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--draft-buckets", "2"),
+        "must end at num_slots",
+    )
+    _one_line_error(
+        _script("lowering_time.py", "--plain", "--draft-buckets", "64"),
+        "--draft-buckets needs a drafter",
+    )
 
 
 def test_lowering_time_compile_counts_what_xla_made_of_each_program(tmp_path):
