@@ -93,6 +93,7 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     profile = policies.SpsProfile.load(out)
     assert profile.buckets == (4, 32) and profile.meta["num_slots"] == 4
     assert profile.meta["mode"] == "verify" and np.all(profile.sps > 0)
+    assert "draft_buckets" not in profile.meta
     # The embedded pair's shapes; verify mode times no drafter, so records none.
     embedded = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
     assert profile.meta["model"] == policies.sps_model(embedded.target.cfg)
@@ -114,6 +115,7 @@ def test_profile_tiny_and_load_as_policy(tmp_path, capsys):
     profile = policies.SpsProfile.load(out)
     assert profile.meta["mode"] == "round" and profile.sps.shape == (2,)
     assert profile.meta["model"]["drafter"]["block_size"] == 7
+    assert profile.meta["draft_buckets"] == [2]  # two slots: one drafter branch of both
     # The default buckets follow the slots and the drafter's block: 2 x (7 + 1) tokens at most.
     assert cli.main([*argv, *quick, "--out", str(out)]) == 0
     assert policies.SpsProfile.load(out).buckets[-1] == 16

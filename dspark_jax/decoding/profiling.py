@@ -273,7 +273,13 @@ def profile_engine(
         steps=steps,
         repeats=repeats,
         dtype=str(target.dtype),
-        **({"temperature": temperature} if round_mode else {}),
+        # The drafter's slot buckets: a round of few live slots drafts over the smallest that
+        # holds them, so they shape what its small token buckets cost.
+        **(
+            {"temperature": temperature, "draft_buckets": list(cfg.slot_buckets())}
+            if round_mode
+            else {}
+        ),
         mesh=None if mesh is None else dict(mesh.shape),
         # what an engine checks the profile against (verify mode times no drafter)
         model=sps_model(target.cfg, drafter.cfg if round_mode else None),
