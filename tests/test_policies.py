@@ -88,7 +88,8 @@ def test_prefix_policy_with_profile_matches_algorithm_1_on_its_table():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(1.0, 1.5, size=(4, 7)), jnp.float32)
     active = jnp.array([True, False, True, True])
-    lengths, _ = jax.jit(policies.PrefixSchedulePolicy(profile).step)(logits, active, ())
+    policy = policies.PrefixSchedulePolicy(profile)
+    lengths, _ = jax.jit(policy.step)(logits, active, policy.init_carry(4, 7))
     # 4 slots x (anchor + 7 drafts): the table covers up to 32 verified tokens.
     table = jnp.asarray(profile.table(32), jnp.float32)
     want = scheduler.prefix_schedule(jax.nn.sigmoid(logits), table, True, active)
@@ -256,14 +257,14 @@ class PerRequest:
     needs_confidence = True
 
     def init_carry(self, batch, gamma):
-        return ()
+        return self.inner.init_carry(1, gamma)  # a batch of one: the SPS table of one row
 
     def reset_slots(self, carry, mask_b):
         return carry
 
     def step(self, conf_logits_bk, active_b, carry):
         def one(z_k, a):
-            return self.inner.step(z_k[None], a[None], ())[0][0]
+            return self.inner.step(z_k[None], a[None], carry)[0][0]
 
         return jax.vmap(one)(conf_logits_bk, active_b), carry
 

@@ -148,6 +148,32 @@ def test_profile_buckets_must_match_the_engine():
         Engine(target, drafter, unset, policy=policies.PrefixSchedulePolicy(small))
 
 
+def test_engines_apart_only_in_their_sps_profile_share_the_decode_program():
+    """A scheduler's SPS table is data in the policy carry, not a constant of the decode
+    program: engines whose profiles differ only in the step rates measured lower to the same
+    decode and prefill programs, which the persistent compilation cache builds once (a table
+    profiled again, or a placeholder compiled while the real table is measured). Only the small
+    init program, which writes the table into the state, differs."""
+    target, drafter = load_pair("vanilla")
+    other = policies.SpsProfile(PROFILE.buckets, [50.0, 40.0, 30.0])
+
+    def lowered(profile):
+        switch = policies.PolicySwitch(
+            (
+                policies.FixedPolicy(7),
+                policies.PrefixSchedulePolicy(profile),
+                policies.AsyncSchedulePolicy(profile),
+            )
+        )
+        programs = Engine(target, drafter, CFG, policy=switch).lower()
+        return {name: program.as_text() for name, program in programs.items()}
+
+    ours, theirs = lowered(PROFILE), lowered(other)
+    assert ours.keys() == theirs.keys() and "decode_chunk" in ours
+    same = {name for name in ours if ours[name] == theirs[name]}
+    assert same == set(ours) - {"init"}, sorted(same)
+
+
 def _profile(**meta):
     return policies.SpsProfile(PROFILE.buckets, PROFILE.sps, meta)
 

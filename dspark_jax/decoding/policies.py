@@ -59,7 +59,9 @@ class Policy(Protocol):
     def init_carry(self, batch: int, gamma: int) -> Any:
         """The carry at the start of a batch (a pytree of numpy arrays, `()` when stateless):
         host values, so that building one runs no device program (`Engine.select_policy` puts
-        it on the device with one explicit transfer after warm-up)."""
+        it on the device with one explicit transfer after warm-up). What a policy reads every
+        round without changing it (a scheduler's SPS table) belongs here too: data, not a
+        constant of the decode program, so engines that differ only in it share the program."""
         ...
 
     def step(
@@ -372,10 +374,16 @@ def check_sps_profile(
     return True
 
 
-def _sps_table(sps: SpsProfile | jax.Array, active_b: jax.Array, gamma: int) -> jax.Array:
+def _carried_table(sps: SpsProfile | jax.Array, batch: int, gamma: int) -> np.ndarray:
+    """The SPS table a scheduler carries: SPS over 0..batch x (gamma + 1) verified tokens.
+
+    It travels in the policy carry, as data of the decode program rather than a constant
+    compiled into it: engines that differ only in their measured step rates (a profile taken
+    again, a placeholder compiled while the real one is measured) lower to the same decode
+    program, which the persistent compilation cache then builds once."""
     if isinstance(sps, SpsProfile):
-        return jnp.asarray(sps.table(active_b.shape[0] * (gamma + 1)), jnp.float32)
-    return sps
+        return np.asarray(sps.table(batch * (gamma + 1)), np.float32)
+    return np.asarray(sps, np.float32)
 
 
 def _check_sps(sps: SpsProfile | ArrayLike) -> SpsProfile | jax.Array:
@@ -404,26 +412,28 @@ class PrefixSchedulePolicy:
     def __post_init__(self) -> None:
         object.__setattr__(self, "sps", _check_sps(self.sps))
 
-    def init_carry(self, batch: int, gamma: int) -> tuple:
-        return ()
+    def init_carry(self, batch: int, gamma: int) -> np.ndarray:
+        """The SPS table (`_carried_table`): the policy's only state."""
+        return _carried_table(self.sps, batch, gamma)
 
-    def reset_slots(self, carry: tuple, mask_b: jax.Array) -> tuple:
+    def reset_slots(self, carry: jax.Array, mask_b: jax.Array) -> jax.Array:
         return carry
 
     def step(self, conf_logits_bk, active_b, carry):
         conf_bk = _require_conf(conf_logits_bk, "Algorithm 1")
-        table = _sps_table(self.sps, active_b, conf_bk.shape[1])
-        return scheduler.prefix_schedule(conf_bk, table, self.early_stop, active_b), carry
+        return scheduler.prefix_schedule(conf_bk, carry, self.early_stop, active_b), carry
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HistoryCarry:
-    """Confidences and active masks of the last two rounds (index 0 is the older one)."""
+    """Confidences and active masks of the last two rounds (index 0 is the older one), and the
+    SPS table over verified tokens (`_carried_table`)."""
 
     conf_2bk: jax.Array
     active_2b: jax.Array
     rounds_seen: jax.Array
+    sps_n: jax.Array
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -457,6 +467,7 @@ class AsyncSchedulePolicy:
             conf_2bk=np.zeros((2, batch, gamma), np.float32),
             active_2b=np.zeros((2, batch), bool),
             rounds_seen=np.zeros((), np.int32),
+            sps_n=_carried_table(self.sps, batch, gamma),
         )
 
     def reset_slots(self, carry: HistoryCarry, mask_b: jax.Array) -> HistoryCarry:
@@ -465,20 +476,16 @@ class AsyncSchedulePolicy:
 
     def step(self, conf_logits_bk, active_b, carry: HistoryCarry):
         conf_bk = _require_conf(conf_logits_bk, "the asynchronous scheduler")
-        gamma = conf_bk.shape[1]
         old_active_b = carry.active_2b[0]
-        capacity = scheduler.capacity_from_history(
-            carry.conf_2bk[0], _sps_table(self.sps, old_active_b, gamma), old_active_b
-        )
+        capacity = scheduler.capacity_from_history(carry.conf_2bk[0], carry.sps_n, old_active_b)
         async_b = scheduler.top_k_schedule(conf_bk, capacity, active_b)
-        warmup_b = scheduler.prefix_schedule(
-            conf_bk, _sps_table(self.sps, active_b, gamma), True, active_b
-        )
+        warmup_b = scheduler.prefix_schedule(conf_bk, carry.sps_n, True, active_b)
         lengths_b = jnp.where(carry.rounds_seen >= 2, async_b, warmup_b)
         carry = HistoryCarry(
             conf_2bk=jnp.stack([carry.conf_2bk[1], conf_bk]),
             active_2b=jnp.stack([carry.active_2b[1], active_b.astype(bool)]),
             rounds_seen=carry.rounds_seen + 1,
+            sps_n=carry.sps_n,
         )
         return lengths_b, carry
 
@@ -497,8 +504,9 @@ class SwitchCarry:
 class PolicySwitch:
     """Several policies compiled into one engine program; the engine state says which one runs.
 
-    A policy is part of the decode program (its thresholds and SPS tables are constants there),
-    so an engine per policy compiles the target's and drafter's forwards once per policy. An
+    A policy is part of the decode program (its thresholds are constants there; SPS tables
+    travel in the carry), so an engine per policy compiles the target's and drafter's forwards
+    once per policy. An
     engine built with a switch compiles them once: `Engine.select_policy(state, i)` makes member
     i decide the lengths from the next round on, with no new program. Every round runs all the
     members' length rules -- a few operations on [slots, gamma] arrays each -- and keeps the
