@@ -280,6 +280,7 @@ def test_sps_table_auto_profiles_the_engine_the_command_builds(monkeypatch, caps
         return table
 
     monkeypatch.setattr(profiling, "profile_engine", profile_engine)
+    monkeypatch.setenv("DSPARK_JAX_COMPILE_WORKERS", "4")  # cores to spare for two compiles
     parser = argparse.ArgumentParser()
     cli_args.add_policy_arguments(parser)
     args = parser.parse_args(["--policy", "scheduler", "--sps-table", "auto"])
@@ -288,6 +289,15 @@ def test_sps_table_auto_profiles_the_engine_the_command_builds(monkeypatch, caps
     assert seen["target"] is models.target and seen["drafter"] is models.drafter
     assert seen["cfg"] is cfg and seen["mesh"] is models.mesh
     assert (seen["mode"], seen["temperature"], seen["context_len"]) == ("round", 0.7, 320)
+    # The engine the command builds next compiles beside the profiled round (the tests run
+    # with a persistent compilation cache), on a stand-in table of the buckets profiled.
+    (stand_in,) = seen["compile_with"]
+    assert stand_in.cfg is cfg and stand_in.token_buckets == (8, 24)
+    assert isinstance(stand_in.policy, policies.PrefixSchedulePolicy)
+    assert stand_in.policy.sps.buckets == (8, 24) and stand_in.policy.sps is not table
+    monkeypatch.setenv("DSPARK_JAX_COMPILE_WORKERS", "2")  # two cores: one compile, then the other
+    cli_args.speculative_parts(args, models, cfg, 0.7)
+    assert seen["compile_with"] == []
     err = capsys.readouterr().err
     assert "--sps-table auto: profiling rounds of 3 slots at context 320" in err
     assert "24 tokens: ..." in err and "--max-num-seqs 3 --out FILE" in err

@@ -174,6 +174,71 @@ def test_engines_apart_only_in_their_sps_profile_share_the_decode_program():
     assert same == set(ours) - {"init"}, sorted(same)
 
 
+def test_a_switch_compiled_beside_the_profile_on_a_stand_in_table_is_built_once(monkeypatch):
+    """What benchmarks/throughput.py and `--sps-table auto` do: the engine to be built on the
+    measured table is first built on a stand-in table of the same buckets and compiled with the
+    profiled round; the engine on the measured table then finds every program but its init (the
+    one that writes the table into the state) in the persistent compilation cache."""
+    from dspark_jax.decoding.engine import COMPILE_WORKERS_ENV
+    from dspark_jax.decoding.profiling import profile_engine, stand_in_profile
+
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("the persistent compilation cache is off (DSPARK_JAX_COMPILATION_CACHE)")
+    target, drafter = load_pair("vanilla")
+    # A configuration no other test builds: its programs are in no cache yet.
+    cfg = EngineConfig(
+        num_slots=2, max_model_len=88, prefill_chunk=32, prefill_buckets=(32,),
+        token_buckets=(2, 16),
+    )  # fmt: skip
+
+    def switch(sps):
+        return policies.PolicySwitch(
+            (policies.FixedPolicy(7), policies.PrefixSchedulePolicy(sps),
+             policies.AsyncSchedulePolicy(sps))
+        )  # fmt: skip
+
+    # Only where compile threads are to spare: two compiles sharing two cores gain nothing.
+    monkeypatch.setenv(COMPILE_WORKERS_ENV, "2")
+    assert stand_in_profile(cfg, drafter.cfg.block_size) is None
+    monkeypatch.setenv(COMPILE_WORKERS_ENV, "4")
+    placeholder = stand_in_profile(cfg, drafter.cfg.block_size)
+    buckets = placeholder.buckets
+    stand_in = Engine(target, drafter, cfg, policy=switch(placeholder))
+    events = {"compiles": 0, "hits": 0}
+
+    def compiled(name, *args, **kwargs):
+        if name.endswith("backend_compile_duration"):
+            events["compiles"] += 1
+
+    def hit(name, **kwargs):
+        if name == "/jax/compilation_cache/cache_hits":
+            events["hits"] += 1
+
+    names = (
+        "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes"
+    )  # fmt: skip
+    saved = {n: getattr(jax.config, n) for n in names}
+    for n in names:  # every program cached, however quickly it compiles here
+        jax.config.update(n, 0)
+    try:
+        quick = {"context_len": 8, "steps": 1, "repeats": 1}
+        profile = profile_engine(target, drafter, cfg, compile_with=(stand_in,), **quick)
+        assert profile.buckets == buckets == (2, 16)
+        engine = Engine(target, drafter, cfg, policy=switch(profile))
+        jax.monitoring.register_event_duration_secs_listener(compiled)
+        jax.monitoring.register_event_listener(hit)
+        try:
+            engine.warm_up()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(compiled)
+            jax.monitoring.unregister_event_listener(hit)
+    finally:
+        for n, value in saved.items():
+            jax.config.update(n, value)
+    assert events["compiles"] == len(engine.lower()) == 4, events  # init, prefill, decode, release
+    assert events["hits"] == events["compiles"] - 1, events
+
+
 def _profile(**meta):
     return policies.SpsProfile(PROFILE.buckets, PROFILE.sps, meta)
 

@@ -459,9 +459,26 @@ def speculative_parts(
         drafter_cfg=models.drafter.cfg,
         slots_advice=slots_advice,
         mesh=models.mesh,
-        profile=lambda: profile_at_start(models, cfg, temperature or 0.0),
+        profile=lambda: profile_at_start(
+            models, cfg, temperature or 0.0, _stand_in_engines(args, models, cfg, sts)
+        ),
     )
     return policy, sts
+
+
+def _stand_in_engines(
+    args: argparse.Namespace, models: DecodingModels, cfg: EngineConfig, sts: StsArtifact | None
+) -> list[Engine]:
+    """The engine a command builds after `--sps-table auto`, on a stand-in table of the buckets
+    the profile times (`profiling.stand_in_profile`), to compile beside the profiled round
+    rather than after it; none where that would not pay."""
+    from dspark_jax.decoding.profiling import stand_in_profile
+
+    stand_in = stand_in_profile(cfg, models.gamma)
+    if stand_in is None:
+        return []
+    policy = make_policy(args.policy, models.gamma, threshold=args.threshold, sps=stand_in)
+    return [models.engine(cfg, policy=policy, sts=sts)]
 
 
 # The context the start-up profile times each verified token against (the profile command's
@@ -469,10 +486,16 @@ def speculative_parts(
 _AUTO_CONTEXT = 1024
 
 
-def profile_at_start(models: DecodingModels, cfg: EngineConfig, temperature: float) -> SpsProfile:
+def profile_at_start(
+    models: DecodingModels,
+    cfg: EngineConfig,
+    temperature: float,
+    compile_with: Sequence[Engine] = (),
+) -> SpsProfile:
     """The SPS table of `--sps-table auto`: whole rounds of an engine with `cfg`'s slots and
     token buckets on `models` (their mesh), timed as `dspark-jax profile` times them, progress
-    on stderr (stdout may carry a command's output)."""
+    on stderr (stdout may carry a command's output). `compile_with`: engines compiled beside
+    the profiled round (`profile_engine`)."""
     import time
 
     from dspark_jax.cli.profile import non_monotonic_warning
@@ -496,6 +519,7 @@ def profile_at_start(models: DecodingModels, cfg: EngineConfig, temperature: flo
         context_len=context,
         log=lambda line: say(f"  {line}"),
         mesh=models.mesh,
+        compile_with=compile_with,
         config="--sps-table auto",
     )
     say(

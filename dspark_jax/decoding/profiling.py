@@ -38,6 +38,7 @@ from dspark_jax.decoding.engine import (
     Engine,
     EngineConfig,
     SlotState,
+    default_compile_workers,
     token_buckets,
     warm_up_all,
 )
@@ -94,6 +95,28 @@ def _median_step_seconds(run_once: Callable[[], None], steps: int, repeats: int)
         run_once()
         times.append((time.perf_counter() - start) / steps)
     return statistics.median(times)
+
+
+# Compile threads from which the next engine compiles beside the profiled round rather than
+# after it (`stand_in_profile`). With fewer, the two compiles only share the cores: on a 2-core
+# CPU a serving-load level (benchmarks/throughput.py, tiny shapes) took 58 s against 47 s.
+BESIDE_MIN_WORKERS = 4
+
+
+def stand_in_profile(cfg: EngineConfig, gamma: int) -> SpsProfile | None:
+    """A stand-in SPS profile of the token buckets `profile_engine` times for `cfg` (its rates
+    all 1), for building the engine that will run on the measured profile before it is measured
+    and compiling it beside the profiled round (`profile_engine`'s `compile_with`): a
+    scheduler's table is data of the engine's programs, not part of them, so they land in the
+    persistent compilation cache, where the engine built on the measured profile finds them.
+
+    None where that would not pay: no persistent compilation cache (the programs would be
+    compiled twice), or fewer than `BESIDE_MIN_WORKERS` compile threads
+    (`default_compile_workers`)."""
+    if not jax.config.jax_compilation_cache_dir or default_compile_workers() < BESIDE_MIN_WORKERS:
+        return None
+    buckets = token_buckets(cfg, CarriedLengths(), gamma)
+    return SpsProfile(buckets, np.ones(len(buckets)))
 
 
 def filled_state(engine: Engine, context_len: int, temperature: float = 0.0) -> SlotState:
