@@ -12,7 +12,8 @@
 # STAGES names "tests" (both test stages), "bench" (every benchmark stage) or single stages;
 # they run in one fixed order, that of what the project's aims need: preflight (with either
 # group: does the engine decode here as configured, else which fallback), tests_core (the kernels,
-# the engine's exact traces, parity, the verifier, the train step), bandwidth and decode_speed
+# the engine's exact traces, parity, the verifier, the train step; throughput_c64's programs
+# compile beside it, into the compilation cache: "precompile"), bandwidth and decode_speed
 # (HBM floor, round/step), train_throughput (MFU), throughput_c64 (the scheduler at
 # concurrency 64), then tests_rest (the other GPU tests), the other tables, throughput (the
 # levels measured so far combined) and targets. So one call cut off at its DEADLINE has the
@@ -173,9 +174,44 @@ gpu_tests() {  # gpu_tests NAME CAP TEST_FILE...
   STAGE_CAP=$2 stage "$1" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
     python3 -m pytest -q -n 4 --maxfail=8 -p no:cacheprovider "${@:3}"
 }
+# The serving-load benchmark's arguments, shared by its stages and by the compile ahead below.
+aim=${levels%% *}
+serving=(benchmarks/throughput.py --synthetic "$size" --dtype "$dtype"
+         --thresholds threshold=0.5,cumulative-threshold=0.3 --prefill-buckets 64,256)
+# While the first tests run (they time nothing), the aim's serving-load level compiles what it
+# compiles before timing anything -- its profiled round, its plain and its speculative engine,
+# the largest programs of the session -- into the persistent compilation cache, in a process of
+# its own that takes GPU memory only as it needs it; its stage then loads them instead. It is
+# waited for (PRECOMPILE_S seconds at most from its start) before the first timed stage, so that
+# XLA's autotuning of its kernels on the GPU never runs beside a measurement.
+precompile_pid=
+if want tests_core && want "throughput_c$aim"; then
+  echo "=== precompile (background): ${serving[*]} --concurrency $aim --compile-only"
+  precompile_start=$SECONDS
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 "${serving[@]}" --concurrency "$aim" \
+    --plot "" --compile-only > "$out/precompile.log" 2>&1 &
+  precompile_pid=$!
+fi
 want tests_core &&
   gpu_tests tests_core "${TESTS_CORE_S:-180}" tests/test_attention.py tests/test_engine.py \
     tests/test_fixture_parity.py tests/test_verify.py tests/test_train_step.py
+if [ -n "$precompile_pid" ]; then
+  cap=$((precompile_start + ${PRECOMPILE_S:-300}))
+  if [ -n "${DEADLINE:-}" ] && [ "$DEADLINE" -lt "$cap" ]; then cap=$DEADLINE; fi
+  while kill -0 "$precompile_pid" 2>/dev/null && [ "$SECONDS" -lt "$cap" ]; do sleep 1; done
+  if kill -0 "$precompile_pid" 2>/dev/null; then
+    kill "$precompile_pid" 2>/dev/null; wait "$precompile_pid" 2>/dev/null
+    result="stopped at $((SECONDS - precompile_start)) s (its stage compiles the rest)"
+  elif wait "$precompile_pid"; then
+    result=ok
+  else
+    result=FAILED; failed+=(precompile)
+  fi
+  echo "=== precompile: $result; waited $((SECONDS - precompile_start)) s from its start"
+  tail -n 3 "$out/precompile.log"
+  summary+=("$(printf '%-18s %6d s  %s' precompile $((SECONDS - precompile_start)) "$result")")
+  pack_results
+fi
 
 want bandwidth &&
   stage bandwidth python3 benchmarks/bandwidth.py --gib "$bw_gib" --json "$out/bandwidth.json"
@@ -191,10 +227,9 @@ for c in $levels; do
   # Real shapes, random weights, a drafter whose per-position acceptance is chosen (tau ~4.4);
   # the prompts are 48 tokens, so two prefill buckets serve every packing of them.
   want "throughput_c$c" &&
-    stage "throughput_c$c" python3 benchmarks/throughput.py --synthetic "$size" --dtype "$dtype" \
-      --concurrency "$c" --thresholds threshold=0.5,cumulative-threshold=0.3 \
-      --prefill-buckets 64,256 --out "$out/throughput_c$c.json" --plot ""
-  if [ "$c" = "${levels%% *}" ]; then  # the tests and tables that come after the aim's level
+    stage "throughput_c$c" python3 "${serving[@]}" --concurrency "$c" \
+      --out "$out/throughput_c$c.json" --plot ""
+  if [ "$c" = "$aim" ]; then  # the tests and tables that come after the aim's level
     want tests_rest &&
       gpu_tests tests_rest "${TESTS_REST_S:-180}" tests/test_sampling.py \
         tests/test_transformers_parity.py \
@@ -218,7 +253,7 @@ done
 # the scheduler under the switch against its own engine, at the aim's level.
 want switch_cost &&
   stage switch_cost python3 benchmarks/policy_switch_cost.py --synthetic "$size" \
-    --dtype "$dtype" --concurrency "${levels%% *}" --members 5 --json "$out/switch_cost.json"
+    --dtype "$dtype" --concurrency "$aim" --members 5 --json "$out/switch_cost.json"
 # What top-k / top-p filtering costs a round over Qwen3's vocabulary (512 rows: the verification
 # of 64 slots at gamma 7) with 1, 8, 64 or every row filtering, against temperature sampling and
 # a sort of the same logits.

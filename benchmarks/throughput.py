@@ -78,7 +78,7 @@ from dspark_jax.cli import use_compilation_cache
 from dspark_jax.conversations import read_turns
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Observer, Request
-from dspark_jax.decoding.engine import Engine, EngineConfig
+from dspark_jax.decoding.engine import Engine, EngineConfig, compile_concurrently
 from dspark_jax.decoding.profiling import profile_engine, stand_in_profile
 from dspark_jax.embedded import TINY_DIR
 from dspark_jax.errors import UserError
@@ -319,6 +319,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "engine for all: a check that the switch does not change the numbers",
     )
     parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="measure nothing: compile what each level compiles before it times anything (the "
+        "profiled round, the plain and the speculative engine) into the persistent compilation "
+        "cache, for a later run with the same arguments to find (gpu_session.sh runs this "
+        "beside the first tests)",
+    )
+    parser.add_argument(
         "--combine",
         nargs="+",
         metavar="JSON",
@@ -332,6 +340,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(
             f"--prefill-buckets: the largest bucket ({max(args.prefill_buckets)}) must be at "
             f"least the prefill chunk, {PREFILL_CHUNK}"
+        )
+    if args.compile_only and (args.combine or args.separate_engines):
+        parser.error(
+            "--compile-only compiles the one speculative engine of each level: drop "
+            + ("--combine" if args.combine else "--separate-engines")
         )
     if args.synthetic:
         given = [f"--{n}" for n in ("target", "draft", "sts", "prompts") if getattr(args, n)]
@@ -379,6 +392,11 @@ def main() -> None:
     # The code measured is the code at the start: the tree may change during a long run.
     commit = git_commit()
     use_compilation_cache()
+    if args.compile_only and not jax.config.jax_compilation_cache_dir:
+        raise UserError(
+            "--compile-only fills the persistent compilation cache, which is off here "
+            "(DSPARK_JAX_COMPILATION_CACHE): it would compile for nothing"
+        )
 
     levels = args.concurrency
     thresholds = args.thresholds
@@ -444,6 +462,38 @@ def main() -> None:
                 drafter_fingerprint=models.drafter_fingerprint,
             )
 
+        if args.compile_only:
+            # What the level compiles before it times anything, into the persistent cache; the
+            # switch engine on a stand-in table whatever the compile threads (the level's own
+            # switch, built on the measured table, finds it there either way).
+            if args.sps_table:
+                profile = policies.SpsProfile.load(Path(args.sps_table) / f"sps_c{c}.json")
+            else:
+                profile = stand_in_profile(cfg, gamma, threads=False)
+            policy = policies.PolicySwitch(speculative_policies(gamma, thresholds, profile))
+            switch = spec(policy, dataclasses.replace(cfg, token_buckets=profile.buckets))
+            with CompileClock() as clock:
+                if args.sps_table:
+                    compile_concurrently([p for e in (plain, switch) for p in e.lower().values()])
+                else:
+                    profile_engine(
+                        target,
+                        drafter,
+                        cfg,
+                        context_len=args.context_len,
+                        steps=8,
+                        repeats=3,
+                        compile_with=(plain, switch),
+                        compile_only=True,
+                    )
+            cache = jax.config.jax_compilation_cache_dir
+            print(
+                f"c={c:>3} compiled {clock.programs} programs in {clock.wall_s:.0f} s "
+                f"({clock.compile_s:.0f} s of compiling) into {cache}",
+                flush=True,
+            )
+            del plain, switch
+            continue
         if args.sps_table:
             profile = policies.SpsProfile.load(Path(args.sps_table) / f"sps_c{c}.json")
         else:
@@ -524,6 +574,8 @@ def main() -> None:
         keep("scheduler (5.2)", member("scheduler (5.2)", n + 2))
         del plain, switch
 
+    if args.compile_only:
+        return
     print(f"\n{report['date']}  commit {commit}  {report['device']}  T={args.temperature}")
     print(markdown_table(rows))
     if args.plot:

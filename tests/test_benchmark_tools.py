@@ -4,6 +4,7 @@ which joins concurrency levels measured in separate GPU calls for gpu_targets.py
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,23 @@ def test_gpu_session_runs_named_stages_and_ends_with_their_summary(tmp_path):
     assert "FAILED stages: bandwidth targets" in summary
 
 
+def test_gpu_session_compiles_the_aims_serving_level_beside_the_first_tests(tmp_path):
+    """With tests_core and the aim's serving-load level named, that level's programs compile in
+    the background while the tests run (`throughput.py --compile-only`, logged apart), and the
+    session waits for it no longer than PRECOMPILE_S or its DEADLINE before the next stage:
+    here both are seconds, so it is stopped, said so in the summary, and nothing after starts."""
+    done = _session(tmp_path, STAGES="tests_core throughput_c8", TESTS_CORE_S="2",
+                    PRECOMPILE_S="5", DEADLINE="9")  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "=== precompile (background): benchmarks/throughput.py --synthetic tiny" in done.stdout
+    assert "--concurrency 8 --compile-only" in done.stdout
+    assert (tmp_path / "results" / "precompile.log").exists()
+    summary = done.stdout[done.stdout.index("== stages"):]
+    assert re.search(r"precompile +\d+ s  stopped at \d+ s \(its stage compiles the rest\)",
+                     summary), summary  # fmt: skip
+    assert re.search(r"throughput_c8 +- +not started", summary), summary
+
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -199,9 +217,12 @@ def test_preflight_counts_a_setting_that_does_not_answer_as_failed(tmp_path):
     assert "no setting decodes here" in done.stdout
 
 
-def _script(name: str, *args: str, cwd=None, timeout: int = 120) -> subprocess.CompletedProcess:
-    """A benchmark script run with bad arguments: it must fail fast, in one line."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def _script(
+    name: str, *args: str, cwd=None, timeout: int = 120, env=None
+) -> subprocess.CompletedProcess:
+    """A benchmark script run with bad arguments: it must fail fast, in one line. `env`: more
+    environment variables."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / name), *args],
         env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
@@ -271,11 +292,44 @@ def test_combine_refuses_files_that_are_not_throughput_reports(tmp_path):
         (["--thresholds", "threshold=abc"], "threshold=abc"),
         (["--prefill-buckets", "64"], "prefill chunk, 256"),
         (["--synthetic", "tiny", "--target", "x"], "--target"),
+        (["--compile-only", "--separate-engines"], "drop --separate-engines"),
+        (["--compile-only", "--combine", "a.json"], "drop --combine"),
     ],
 )
 def test_throughput_refuses_bad_arguments_before_loading_anything(args, needle):
     done = _script("throughput.py", *args)
     _one_line_error(done, needle)
+
+
+def test_throughput_compile_only_needs_the_compilation_cache(tmp_path):
+    done = _script("throughput.py", "--compile-only", "--out", str(tmp_path / "t.json"),
+                   env={"DSPARK_JAX_COMPILATION_CACHE": "off", "JAX_COMPILATION_CACHE_DIR": ""},
+                   timeout=60)  # fmt: skip
+    _one_line_error(done, "--compile-only fills the persistent compilation cache, which is off")
+
+
+@pytest.mark.slow
+def test_throughput_compile_only_leaves_the_run_nothing_to_compile(tmp_path):
+    """--compile-only (what gpu_session.sh runs beside the first tests) builds every program a
+    level compiles before timing into the persistent cache; the run with the same arguments
+    then adds nothing there but its switch engine's init program, the one that writes the
+    measured SPS table into the state. About a minute."""
+    cache = tmp_path / "cache"
+    # JAX's own setting (which the test session sets for its processes) wins over ours.
+    env = {"DSPARK_JAX_COMPILATION_CACHE": str(cache), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    args = ["--synthetic", "tiny", "--dtype", "float32", "--concurrency", "2",
+            "--thresholds", "threshold=0.5", "--requests-per-client", "1", "--plot", "",
+            "--out", str(tmp_path / "t.json")]  # fmt: skip
+    done = _script("throughput.py", *args, "--compile-only", env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "c=  2 compiled" in done.stdout and not (tmp_path / "t.json").exists()
+    ahead = {p.name for p in cache.iterdir()}
+    assert len(ahead) >= 3, ahead  # the profiled round, the decode and prefill programs
+    done = _script("throughput.py", *args, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["rows"]
+    added = {p.name for p in cache.iterdir()} - ahead
+    assert len(added) <= 1, added
 
 
 def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):

@@ -239,6 +239,23 @@ def test_a_switch_compiled_beside_the_profile_on_a_stand_in_table_is_built_once(
     assert events["hits"] == events["compiles"] - 1, events
 
 
+def test_profile_engine_compile_only_times_nothing():
+    """compile_only: the profiled round program (and `compile_with`'s) compiled, nothing run,
+    None returned; verify mode, which compiles its own programs as it times, refuses it."""
+    from dspark_jax.decoding.profiling import ProfileError, profile_engine
+
+    target, drafter = load_pair("vanilla")
+    cfg = EngineConfig(num_slots=2, max_model_len=64, prefill_chunk=32, prefill_buckets=(32,),
+                       token_buckets=(16,))  # fmt: skip
+    quick = {"context_len": 8, "steps": 1, "repeats": 1}
+    with pytest.raises(ProfileError, match="verify mode has none"):
+        profile_engine(target, drafter, cfg, mode="verify", compile_only=True, **quick)
+    built = compile_threads(
+        lambda: profile_engine(target, drafter, cfg, compile_only=True, **quick)
+    )
+    assert len(built) == 1  # the round program alone: no state filled, nothing timed
+
+
 def _profile(**meta):
     return policies.SpsProfile(PROFILE.buckets, PROFILE.sps, meta)
 

@@ -38,6 +38,7 @@ from dspark_jax.decoding.engine import (
     Engine,
     EngineConfig,
     SlotState,
+    compile_concurrently,
     default_compile_workers,
     token_buckets,
     warm_up_all,
@@ -103,7 +104,7 @@ def _median_step_seconds(run_once: Callable[[], None], steps: int, repeats: int)
 BESIDE_MIN_WORKERS = 4
 
 
-def stand_in_profile(cfg: EngineConfig, gamma: int) -> SpsProfile | None:
+def stand_in_profile(cfg: EngineConfig, gamma: int, threads: bool = True) -> SpsProfile | None:
     """A stand-in SPS profile of the token buckets `profile_engine` times for `cfg` (its rates
     all 1), for building the engine that will run on the measured profile before it is measured
     and compiling it beside the profiled round (`profile_engine`'s `compile_with`): a
@@ -111,9 +112,11 @@ def stand_in_profile(cfg: EngineConfig, gamma: int) -> SpsProfile | None:
     persistent compilation cache, where the engine built on the measured profile finds them.
 
     None where that would not pay: no persistent compilation cache (the programs would be
-    compiled twice), or fewer than `BESIDE_MIN_WORKERS` compile threads
+    compiled twice), or, with `threads`, fewer than `BESIDE_MIN_WORKERS` compile threads
     (`default_compile_workers`)."""
-    if not jax.config.jax_compilation_cache_dir or default_compile_workers() < BESIDE_MIN_WORKERS:
+    if not jax.config.jax_compilation_cache_dir:
+        return None
+    if threads and default_compile_workers() < BESIDE_MIN_WORKERS:
         return None
     buckets = token_buckets(cfg, CarriedLengths(), gamma)
     return SpsProfile(buckets, np.ones(len(buckets)))
@@ -230,8 +233,9 @@ def profile_engine(
     log: Callable[[str], None] | None = None,
     mesh=None,
     compile_with: Sequence[Engine] = (),
+    compile_only: bool = False,
     **meta,
-) -> SpsProfile:
+) -> SpsProfile | None:
     """Median steps/s per token bucket of an engine built with `cfg` (its `token_buckets`, or
     the defaults for its slots and the drafter's block), stamped with device, date, the slots,
     the shapes of the models timed (`policies.sps_model`: an engine refuses the profile for
@@ -241,7 +245,13 @@ def profile_engine(
     alone and samples nothing, so it takes no temperature. `mesh`: the engine runs sharded on
     it (the table then describes that mesh). `compile_with`: engines the caller builds next,
     warmed up (`Engine.warm_up`) on the same compile threads as the profiled round, before
-    any timing: their compiling overlaps the profile's instead of following it."""
+    any timing: their compiling overlaps the profile's instead of following it.
+
+    `compile_only` (round mode): compile what the profile compiles before it times anything --
+    the round program and `compile_with`'s programs -- and return None, timing nothing and
+    running nothing. With the persistent compilation cache on, a later profile with the same
+    arguments (another process: a benchmark compiling ahead while something else runs) finds
+    those programs built."""
     # Every argument is checked before anything is built: a bad one would otherwise fail only
     # after the engine has compiled (minutes on a large model), or be written into the table.
     for name, value, cls in (
@@ -257,6 +267,8 @@ def profile_engine(
         raise ProfileError(f"mode must be 'round' or 'verify', got {mode!r}")
     if mode == "round" and drafter is None:
         raise ProfileError("round mode times whole speculative rounds: it needs a drafter")
+    if compile_only and mode != "round":
+        raise ProfileError("compile_only compiles round mode's program; verify mode has none")
     try:
         # The engine's own rule for a temperature (a finite number >= 0); also a plain float for
         # the table's metadata.
@@ -354,7 +366,11 @@ def profile_engine(
     )
     # Everything compiles before the first timed step: the round program (verify mode's own is
     # built below) together with the caller's next engines.
-    warm_up_all(compile_with, extra=[engine.lower()["decode_chunk"]] if round_mode else [])
+    extra = [engine.lower()["decode_chunk"]] if round_mode else []
+    if compile_only:
+        compile_concurrently([*extra, *(p for e in compile_with for p in e.lower().values())])
+        return None
+    warm_up_all(compile_with, extra=extra)
     state = filled_state(engine, context_len, temperature)
     sps = np.zeros((len(buckets),))
     for i, width in enumerate(buckets):
