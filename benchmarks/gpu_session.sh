@@ -183,13 +183,15 @@ serving=(benchmarks/throughput.py --synthetic "$size" --dtype "$dtype"
 # the largest programs of the session -- into the persistent compilation cache, in a process of
 # its own that takes GPU memory only as it needs it; its stage then loads them instead. It is
 # waited for (PRECOMPILE_S seconds at most from its start) before the first timed stage, so that
-# XLA's autotuning of its kernels on the GPU never runs beside a measurement.
+# XLA's autotuning of its kernels on the GPU never runs beside a measurement. It compiles on
+# half the cores (PRECOMPILE_WORKERS programs at once), the tests' four workers on the rest.
 precompile_pid=
 if want tests_core && want "throughput_c$aim"; then
   echo "=== precompile (background): ${serving[*]} --concurrency $aim --compile-only"
   precompile_start=$SECONDS
-  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 "${serving[@]}" --concurrency "$aim" \
-    --plot "" --compile-only > "$out/precompile.log" 2>&1 &
+  XLA_PYTHON_CLIENT_PREALLOCATE=false DSPARK_JAX_COMPILE_WORKERS=${PRECOMPILE_WORKERS:-8} \
+    python3 "${serving[@]}" --concurrency "$aim" --plot "" --compile-only \
+    > "$out/precompile.log" 2>&1 &
   precompile_pid=$!
 fi
 want tests_core &&
