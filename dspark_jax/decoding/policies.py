@@ -506,13 +506,12 @@ class PolicySwitch:
 
     A policy is part of the decode program (its thresholds are constants there; SPS tables
     travel in the carry), so an engine per policy compiles the target's and drafter's forwards
-    once per policy. An
-    engine built with a switch compiles them once: `Engine.select_policy(state, i)` makes member
-    i decide the lengths from the next round on, with no new program. Every round runs all the
-    members' length rules -- a few operations on [slots, gamma] arrays each -- and keeps the
-    chosen one's lengths with a select, not a conditional (which XLA's GPU runtime may resolve
-    by copying the branch index to the host). The members' carries advance only while they are
-    chosen.
+    once per policy. An engine built with a switch compiles them once:
+    `Engine.select_policy(state, i)` makes member i decide the lengths from the next round on,
+    with no new program. Every round runs all the members' length rules -- a few operations on
+    [slots, gamma] arrays each -- and keeps the chosen one's lengths with a select, not a
+    conditional (which XLA's GPU runtime may resolve by copying the branch index to the host).
+    The members' carries advance only while they are chosen.
 
     Selecting a member is lossless whenever it happens between rounds: each member decides from
     information available before the drafts it judges were sampled, and which member runs is
