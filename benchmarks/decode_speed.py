@@ -62,7 +62,7 @@ from provenance import (
 
 from dspark_jax import configs
 from dspark_jax.cli import use_compilation_cache
-from dspark_jax.decoding.engine import Engine, EngineConfig, warm_up_all
+from dspark_jax.decoding.engine import Engine, EngineConfig, compile_concurrently, warm_up_all
 from dspark_jax.decoding.profiling import filled_state
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
@@ -272,7 +272,8 @@ def bandwidth_from_json(path: str) -> float:
     return float(gbs)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict | None:
+    """The table's rows (None with --compile-only, which times nothing)."""
     target_name, drafter_name = CONFIGS[args.config]
     target_cfg, drafter_cfg = pair_configs(args.config, args.dtype)
     context = default_context(args)
@@ -342,6 +343,16 @@ def run(args: argparse.Namespace) -> dict:
     # Every engine's programs at once, one per CPU core: the build waits for the largest
     # program, not for the sum of them all.
     all_engines = [e for pair in engines.values() for e in pair.values()]
+    if args.compile_only:
+        with CompileClock() as build:
+            lowered = [p for e in all_engines for p in e.lower().values()]
+            compile_concurrently(lowered, args.compile_workers)
+        print(
+            f"compiled {build.programs} programs of {len(all_engines)} engines in "
+            f"{build.wall_s:.0f} s into {jax.config.jax_compilation_cache_dir}",
+            flush=True,
+        )
+        return None
     with CompileClock() as build:
         warm_up_all(all_engines, args.compile_workers)
     result["build"] = {
@@ -470,6 +481,13 @@ def main() -> None:
         help="batch sizes to profile, comma-separated (default: the first batch size)",
     )
     parser.add_argument("--json", default="decode_speed.json", help="output JSON path")
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="measure nothing: compile every engine's programs into the persistent compilation "
+        "cache, for a later run with the same batch sizes, config, context and rounds to find "
+        "(gpu_session.sh runs this beside the first tests)",
+    )
     args = parser.parse_args()
     if min(args.batch_sizes) < 1 or args.rounds < 1 or args.repeats < 1:
         parser.error("--batch-sizes, --rounds and --repeats must be >= 1")
@@ -481,8 +499,16 @@ def main() -> None:
     # Read and checked before anything is built: a bad file fails now, not after the models.
     if args.bandwidth_json:
         bandwidth_from_json(args.bandwidth_json)
-    output_file(args.json, "--json")
     use_compilation_cache()
+    if args.compile_only:
+        if not jax.config.jax_compilation_cache_dir:
+            raise UserError(
+                "--compile-only fills the persistent compilation cache, which is off here "
+                "(DSPARK_JAX_COMPILATION_CACHE): it would compile for nothing"
+            )
+        run(args)
+        return
+    output_file(args.json, "--json")
     result = run(args)
     print(format_table(result))
     for row in result["rows"]:

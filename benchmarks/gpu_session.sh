@@ -12,10 +12,10 @@
 # STAGES names "tests" (both test stages), "bench" (every benchmark stage) or single stages;
 # they run in one fixed order, that of what the project's aims need: preflight (with either
 # group: does the engine decode here as configured, else which fallback), tests_core (the kernels,
-# the engine's exact traces, parity, the verifier, the train step; throughput_c64's programs
-# compile beside it, into the compilation cache: "precompile"), bandwidth and decode_speed
-# (HBM floor, round/step), train_throughput (MFU), throughput_c64 (the scheduler at
-# concurrency 64), then tests_rest (the other GPU tests), the other tables, throughput (the
+# the engine's exact traces, parity, the verifier, the train step; decode_speed's and
+# throughput_c64's programs compile beside it, into the compilation cache: "precompile"),
+# bandwidth and decode_speed (HBM floor, round/step), train_throughput (MFU), throughput_c64
+# (the scheduler at concurrency 64), then tests_rest (the other GPU tests), the other tables, throughput (the
 # levels measured so far combined) and targets. So one call cut off at its DEADLINE has the
 # GPU's verdict on correctness and the aims first, and a later call names what is left.
 #
@@ -174,52 +174,69 @@ gpu_tests() {  # gpu_tests NAME CAP TEST_FILE...
   STAGE_CAP=$2 stage "$1" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
     python3 -m pytest -q -n 4 --maxfail=8 -p no:cacheprovider "${@:3}"
 }
-# The serving-load benchmark's arguments, shared by its stages and by the compile ahead below.
+# The arguments that decide decode_speed's and the serving-load benchmark's programs, shared by
+# their stages and by the compile ahead below.
 aim=${levels%% *}
+# shellcheck disable=SC2206  # the batch sizes split on purpose
+decoding=(benchmarks/decode_speed.py --config "$size" --batch-sizes $batches)
 serving=(benchmarks/throughput.py --synthetic "$size" --dtype "$dtype"
          --thresholds threshold=0.5,cumulative-threshold=0.3 --prefill-buckets 64,256)
-# While the first tests run (they time nothing), the aim's serving-load level compiles what it
-# compiles before timing anything -- its profiled round, its plain and its speculative engine,
-# the largest programs of the session -- into the persistent compilation cache, in a process of
-# its own that takes GPU memory only as it needs it; its stage then loads them instead. It is
-# waited for (PRECOMPILE_S seconds at most from its start) before the first timed stage, so that
-# XLA's autotuning of its kernels on the GPU never runs beside a measurement. It compiles on
-# half the cores (PRECOMPILE_WORKERS programs at once), the tests' four workers on the rest.
-precompile_pid=
-if want tests_core && want "throughput_c$aim"; then
-  echo "=== precompile (background): ${serving[*]} --concurrency $aim --compile-only"
-  precompile_start=$SECONDS
-  XLA_PYTHON_CLIENT_PREALLOCATE=false DSPARK_JAX_COMPILE_WORKERS=${PRECOMPILE_WORKERS:-8} \
-    python3 "${serving[@]}" --concurrency "$aim" --plot "" --compile-only \
-    > "$out/precompile.log" 2>&1 &
-  precompile_pid=$!
+# While the first tests run (they time nothing), decode_speed and the aim's serving-load level
+# compile what they compile before timing anything -- the largest programs of the session, the
+# serving level's profiled round and engines above all -- into the persistent compilation
+# cache, each in a process of its own that takes GPU memory only as it needs it; their stages
+# then load them instead. Both are waited for (PRECOMPILE_S seconds at most from their start)
+# before the first timed stage, so that XLA's autotuning of their kernels on the GPU never runs
+# beside a measurement. Each compiles PRECOMPILE_WORKERS programs at once (4: half the device
+# machine's cores for the two, the tests' four workers on the rest).
+precompile_pids=()
+precompile_logs=()
+precompile() {  # precompile LOG COMMAND...: in the background, logged to <results>/LOG
+  local log=$1; shift
+  echo "=== precompile (background): $* --compile-only"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false DSPARK_JAX_COMPILE_WORKERS=${PRECOMPILE_WORKERS:-4} \
+    python3 "$@" --compile-only > "$out/$log" 2>&1 &
+  precompile_pids+=($!); precompile_logs+=("$log")
+}
+precompile_start=$SECONDS
+if want tests_core; then
+  want decode_speed && precompile precompile_decode_speed.log "${decoding[@]}"
+  want "throughput_c$aim" &&
+    precompile precompile_throughput.log "${serving[@]}" --concurrency "$aim" --plot ""
 fi
 want tests_core &&
   gpu_tests tests_core "${TESTS_CORE_S:-180}" tests/test_attention.py tests/test_engine.py \
     tests/test_fixture_parity.py tests/test_verify.py tests/test_train_step.py
-if [ -n "$precompile_pid" ]; then
+if [ ${#precompile_pids[@]} -gt 0 ]; then
   cap=$((precompile_start + ${PRECOMPILE_S:-300}))
   if [ -n "${DEADLINE:-}" ] && [ "$DEADLINE" -lt "$cap" ]; then cap=$DEADLINE; fi
-  while kill -0 "$precompile_pid" 2>/dev/null && [ "$SECONDS" -lt "$cap" ]; do sleep 1; done
-  if kill -0 "$precompile_pid" 2>/dev/null; then
-    kill "$precompile_pid" 2>/dev/null; wait "$precompile_pid" 2>/dev/null
-    result="stopped at $((SECONDS - precompile_start)) s (its stage compiles the rest)"
-  elif wait "$precompile_pid"; then
-    result=ok
-  else
-    result=FAILED; failed+=(precompile)
-  fi
-  echo "=== precompile: $result; waited $((SECONDS - precompile_start)) s from its start"
-  tail -n 3 "$out/precompile.log"
+  results=()
+  for i in "${!precompile_pids[@]}"; do
+    pid=${precompile_pids[$i]}
+    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$cap" ]; do sleep 1; done
+    if kill -0 "$pid" 2>/dev/null; then
+      kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+      results+=("stopped at $((SECONDS - precompile_start)) s (its stage compiles the rest)")
+    elif wait "$pid"; then
+      results+=(ok)
+    else
+      results+=(FAILED); failed+=("precompile (${precompile_logs[$i]})")
+    fi
+    echo "=== precompile ${precompile_logs[$i]}: ${results[-1]}"
+    tail -n 3 "$out/${precompile_logs[$i]}"
+  done
+  # One line for the summary: ok only if every part was.
+  result=ok
+  for r in "${results[@]}"; do [ "$r" = ok ] || result=$r; done
+  echo "=== precompile: waited $((SECONDS - precompile_start)) s from its start"
   summary+=("$(printf '%-18s %6d s  %s' precompile $((SECONDS - precompile_start)) "$result")")
   pack_results
 fi
 
 want bandwidth &&
   stage bandwidth python3 benchmarks/bandwidth.py --gib "$bw_gib" --json "$out/bandwidth.json"
-# shellcheck disable=SC2086  # the size's word lists split on purpose
 want decode_speed &&
-  stage decode_speed python3 benchmarks/decode_speed.py --config "$size" --batch-sizes $batches \
+  stage decode_speed python3 "${decoding[@]}" \
     --bandwidth-json "$out/bandwidth.json" --profile "$out/profile" --profile-batch "$profile_batches" \
     --json "$out/decode_speed.json"
 want train_throughput &&

@@ -165,9 +165,11 @@ def test_gpu_session_compiles_the_aims_serving_level_beside_the_first_tests(tmp_
     done = _session(tmp_path, STAGES="tests_core throughput_c8", TESTS_CORE_S="2",
                     PRECOMPILE_S="5", DEADLINE="9")  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "=== precompile (background): benchmarks/throughput.py --synthetic tiny" in done.stdout
-    assert "--concurrency 8 --compile-only" in done.stdout
-    assert (tmp_path / "results" / "precompile.log").exists()
+    started = [line for line in done.stdout.splitlines() if "precompile (background)" in line]
+    assert len(started) == 1, started  # decode_speed not named: only the serving level's
+    assert "benchmarks/throughput.py --synthetic tiny" in started[0]
+    assert "--concurrency 8" in started[0] and started[0].endswith("--compile-only")
+    assert (tmp_path / "results" / "precompile_throughput.log").exists()
     summary = done.stdout[done.stdout.index("== stages"):]
     assert re.search(r"precompile +\d+ s  stopped at \d+ s \(its stage compiles the rest\)",
                      summary), summary  # fmt: skip
@@ -306,6 +308,33 @@ def test_throughput_compile_only_needs_the_compilation_cache(tmp_path):
                    env={"DSPARK_JAX_COMPILATION_CACHE": "off", "JAX_COMPILATION_CACHE_DIR": ""},
                    timeout=60)  # fmt: skip
     _one_line_error(done, "--compile-only fills the persistent compilation cache, which is off")
+
+
+def test_decode_speed_compile_only_needs_the_compilation_cache():
+    done = _script("decode_speed.py", "--config", "tiny", "--compile-only",
+                   env={"DSPARK_JAX_COMPILATION_CACHE": "off", "JAX_COMPILATION_CACHE_DIR": ""},
+                   timeout=60)  # fmt: skip
+    _one_line_error(done, "--compile-only fills the persistent compilation cache, which is off")
+
+
+def test_decode_speed_compile_only_leaves_the_run_nothing_to_compile(tmp_path):
+    """decode_speed.py --compile-only (run beside the GPU session's first tests) builds every
+    engine's programs into the persistent cache and writes no table; the run with the same
+    config, batch sizes, context and rounds then adds nothing there. About 20 s."""
+    cache = tmp_path / "cache"
+    env = {"DSPARK_JAX_COMPILATION_CACHE": str(cache), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    args = ["--config", "tiny", "--dtype", "float32", "--batch-sizes", "1", "--rounds", "2",
+            "--repeats", "1", "--json", str(tmp_path / "d.json")]  # fmt: skip
+    done = _script("decode_speed.py", *args, "--compile-only", env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "compiled" in done.stdout and not (tmp_path / "d.json").exists()
+    ahead = {p.name for p in cache.iterdir()}
+    assert len(ahead) >= 2, ahead  # at least the plain and the speculative decode programs
+    done = _script("decode_speed.py", *args, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((tmp_path / "d.json").read_text())["rows"]
+    added = {p.name for p in cache.iterdir()} - ahead
+    assert not added, added
 
 
 @pytest.mark.slow
