@@ -15,9 +15,10 @@
 # the engine's exact traces, parity, the verifier, the train step; decode_speed's and
 # throughput_c64's programs compile beside it, into the compilation cache: "precompile"),
 # bandwidth and decode_speed (HBM floor, round/step), train_throughput (MFU), throughput_c64
-# (the scheduler at concurrency 64), then tests_rest (the other GPU tests), the other tables, throughput (the
-# levels measured so far combined) and targets. So one call cut off at its DEADLINE has the
-# GPU's verdict on correctness and the aims first, and a later call names what is left.
+# (the scheduler at concurrency 64), then tests_rest (the other GPU tests), the other tables,
+# throughput (the levels measured so far combined) and targets. So one call cut off at its
+# DEADLINE has the GPU's verdict on correctness and the aims first, and a later call names what
+# is left.
 #
 # Each stage's output goes to <results>/<stage>.log as well, beside its JSON/PNG; a failing stage
 # does not stop the next ones, and the exit code says whether any failed. Results go to
