@@ -49,6 +49,7 @@ from provenance import (
     CompileClock,
     Parser,
     add_compile_workers,
+    compile_only_cache,
     git_commit,
     non_negative_float,
     output_file,
@@ -501,11 +502,7 @@ def main() -> None:
         bandwidth_from_json(args.bandwidth_json)
     use_compilation_cache()
     if args.compile_only:
-        if not jax.config.jax_compilation_cache_dir:
-            raise UserError(
-                "--compile-only fills the persistent compilation cache, which is off here "
-                "(DSPARK_JAX_COMPILATION_CACHE): it would compile for nothing"
-            )
+        compile_only_cache()
         run(args)
         return
     output_file(args.json, "--json")

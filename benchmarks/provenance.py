@@ -117,6 +117,18 @@ def add_compile_workers(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def compile_only_cache(option: str = "--compile-only") -> None:
+    """Refuses `option`, a mode that only fills JAX's persistent compilation cache for a later
+    run to find, when that cache is off (`dspark_jax.cli.use_compilation_cache` has run)."""
+    import jax
+
+    if not jax.config.jax_compilation_cache_dir:
+        raise UserError(
+            f"{option} fills the persistent compilation cache, which is off here "
+            "(DSPARK_JAX_COMPILATION_CACHE): it would compile for nothing"
+        )
+
+
 def run_main(main: Callable[[], int | None]) -> NoReturn:
     """Runs a script's `main()` and ends the process with its status (None: 0); bad input
     (`USER_ERRORS`) raised anywhere inside is reported as `PROG: error: MESSAGE`, status 2."""

@@ -57,6 +57,7 @@ from decode_speed import CONFIGS, pair_configs, random_pair
 from provenance import (
     CompileClock,
     Parser,
+    compile_only_cache,
     existing_file,
     existing_folder,
     finite_or_none,
@@ -392,11 +393,8 @@ def main() -> None:
     # The code measured is the code at the start: the tree may change during a long run.
     commit = git_commit()
     use_compilation_cache()
-    if args.compile_only and not jax.config.jax_compilation_cache_dir:
-        raise UserError(
-            "--compile-only fills the persistent compilation cache, which is off here "
-            "(DSPARK_JAX_COMPILATION_CACHE): it would compile for nothing"
-        )
+    if args.compile_only:
+        compile_only_cache()
 
     levels = args.concurrency
     thresholds = args.thresholds
