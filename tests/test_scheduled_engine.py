@@ -250,10 +250,16 @@ def test_profile_engine_compile_only_times_nothing():
     quick = {"context_len": 8, "steps": 1, "repeats": 1}
     with pytest.raises(ProfileError, match="verify mode has none"):
         profile_engine(target, drafter, cfg, mode="verify", compile_only=True, **quick)
+    plain = Engine(target, None, dataclasses.replace(cfg, token_buckets=(2,)))
+    returned = []
     built = compile_threads(
-        lambda: profile_engine(target, drafter, cfg, compile_only=True, **quick)
+        lambda: returned.append(
+            profile_engine(target, drafter, cfg, compile_with=(plain,), compile_only=True, **quick)
+        )
     )
-    assert len(built) == 1  # the round program alone: no state filled, nothing timed
+    assert returned == [None]
+    # The round program and the plain engine's, each once: no state filled, nothing timed.
+    assert len(built) == 1 + len(plain.lower())
 
 
 def _profile(**meta):
