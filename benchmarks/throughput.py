@@ -460,6 +460,24 @@ def main() -> None:
                 drafter_fingerprint=models.drafter_fingerprint,
             )
 
+        def switch_on(profile: policies.SpsProfile, cfg=cfg) -> Engine:
+            # Every speculative policy of the table on `profile`, at its buckets.
+            policy = policies.PolicySwitch(speculative_policies(gamma, thresholds, profile))
+            return spec(policy, dataclasses.replace(cfg, token_buckets=profile.buckets))
+
+        def profile_level(compile_with, compile_only=False, cfg=cfg):
+            # One call for --compile-only and the run alike: the programs must be the same.
+            return profile_engine(
+                target,
+                drafter,
+                cfg,
+                context_len=args.context_len,
+                steps=8,
+                repeats=3,
+                compile_with=compile_with,
+                compile_only=compile_only,
+            )
+
         if args.compile_only:
             # What the level compiles before it times anything, into the persistent cache; the
             # switch engine on a stand-in table whatever the compile threads (the level's own
@@ -468,22 +486,12 @@ def main() -> None:
                 profile = policies.SpsProfile.load(Path(args.sps_table) / f"sps_c{c}.json")
             else:
                 profile = stand_in_profile(cfg, gamma, threads=False)
-            policy = policies.PolicySwitch(speculative_policies(gamma, thresholds, profile))
-            switch = spec(policy, dataclasses.replace(cfg, token_buckets=profile.buckets))
+            switch = switch_on(profile)
             with CompileClock() as clock:
                 if args.sps_table:
                     compile_concurrently([p for e in (plain, switch) for p in e.lower().values()])
                 else:
-                    profile_engine(
-                        target,
-                        drafter,
-                        cfg,
-                        context_len=args.context_len,
-                        steps=8,
-                        repeats=3,
-                        compile_with=(plain, switch),
-                        compile_only=True,
-                    )
+                    profile_level((plain, switch), compile_only=True)
             cache = jax.config.jax_compilation_cache_dir
             print(
                 f"c={c:>3} compiled {clock.programs} programs in {clock.wall_s:.0f} s "
@@ -503,20 +511,9 @@ def main() -> None:
                 # measures: built on a stand-in profile of the same buckets, they compile beside
                 # the profiled round into the persistent cache, where the switch engine built on
                 # the measured profile finds them.
-                policy = policies.PolicySwitch(speculative_policies(gamma, thresholds, stand_in))
-                early.append(
-                    spec(policy, dataclasses.replace(cfg, token_buckets=stand_in.buckets))
-                )
+                early.append(switch_on(stand_in))
             with CompileClock() as clock:
-                profile = profile_engine(
-                    target,
-                    drafter,
-                    cfg,
-                    context_len=args.context_len,
-                    steps=8,
-                    repeats=3,
-                    compile_with=early,
-                )
+                profile = profile_level(early)
             also = " and the switch engine's" if len(early) > 1 else ""
             print(
                 f"  profiled in {clock.wall_s:.0f} s ({clock.compile_s:.0f} s compiling, "
