@@ -418,10 +418,90 @@ def test_streaming_chat_with_usage_through_the_openai_client(served):
     assert whole.usage.prompt_tokens == len(b"# utils\ndef ")
 
 
+def test_n_choices_are_what_their_seeds_draw_alone(served):
+    """n choices of one prompt decode side by side; choice j is what the request alone draws
+    with seed + j (choice 0: the offline engine's answer), and the usage counts the prompt once
+    and every choice's tokens."""
+    prompt = "def parse_args(argv):\n"
+    three = _complete(served.url, prompt=prompt, return_token_ids=True, n=3, **SEEDED)
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    ids = [c["token_ids"] for c in three["choices"]]
+    assert ids[0] == served.offline_seeded
+    for j in (1, 2):
+        alone = _complete(
+            served.url, prompt=prompt, return_token_ids=True, **{**SEEDED, "seed": 1234 + j}
+        )
+        assert ids[j] == alone["choices"][0]["token_ids"]
+    assert len({tuple(i) for i in ids}) == 3  # the seeds differ, so do the answers
+    usage = three["usage"]
+    assert usage["prompt_tokens"] == len(prompt)
+    assert usage["completion_tokens"] == 3 * SEEDED["max_tokens"]
+    assert usage["total_tokens"] == len(prompt) + 3 * SEEDED["max_tokens"]
+
+
+def test_several_prompts_get_n_choices_each_in_openai_order(served):
+    """A list of prompts: choice i * n + j is prompt i's j-th, greedy ones equal to the offline
+    engine's answer for that prompt (two prompts x two choices, more than the slots' share)."""
+    traces = served.traces[:2]
+    body = _complete(
+        served.url,
+        prompt=[t["prompt"] for t in traces],
+        n=2,
+        max_tokens=96,
+        temperature=0,
+        return_token_ids=True,
+    )
+    got = [c["token_ids"] for c in body["choices"]]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert got == [served.offline_greedy[0]] * 2 + [served.offline_greedy[1]] * 2
+    assert body["usage"]["prompt_tokens"] == sum(len(t["prompt"]) for t in traces)
+    assert body["usage"]["completion_tokens"] == sum(len(ids) for ids in got)
+
+
+def test_streamed_choices_carry_their_index_and_end_one_by_one(served):
+    """A streamed chat with n = 2: each choice opens with the assistant role, its deltas and a
+    last chunk with its finish reason, interleaved as they come; then one usage chunk and one
+    [DONE]. Each choice's text is the whole answer's."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "def "}],
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 7,
+        "max_tokens": 30,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    texts, roles, finishes, events = ["", ""], [0, 0], [None, None], []
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = list(sse_events(r))
+    assert events[-1] == DONE and events.count(DONE) == 1
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 60
+    for event in events[:-2]:
+        (choice,) = event["choices"]
+        i = choice["index"]
+        assert finishes[i] is None  # nothing of a choice after its last chunk
+        roles[i] += choice["delta"].get("role") == "assistant"
+        texts[i] += choice["delta"].get("content", "")
+        finishes[i] = choice["finish_reason"]
+    assert roles == [1, 1] and finishes == ["length", "length"]
+    whole = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        json={k: v for k, v in body.items() if k not in ("stream", "stream_options")},
+        timeout=120,
+    ).json()
+    assert [c["message"]["content"] for c in whole["choices"]] == texts
+    assert texts[0] != texts[1]
+
+
 def test_client_disconnect_cancels_its_request(served):
     before = metrics(served.url).get("dspark:request_success_total{finished_reason=abort}", 0)
     # 480 tokens take several tenths of a second even on a fast host: both give up long before.
     body = {"prompt": "while True:\n", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    body["n"] = 2  # both choices end with the connection
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as r:
         events = sse_events(r)
         next(events)
@@ -435,7 +515,7 @@ def test_client_disconnect_cancels_its_request(served):
         )
     after = wait_idle(served.url)
     assert wait_until(lambda: not served.app_server.live, 10)
-    assert after["dspark:request_success_total{finished_reason=abort}"] == before + 2
+    assert after["dspark:request_success_total{finished_reason=abort}"] == before + 3
 
 
 def test_full_queue_answers_503_at_once(served):
@@ -454,6 +534,11 @@ def test_full_queue_answers_503_at_once(served):
             t0 = time.monotonic()
             refused = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
             waited = time.monotonic() - t0
+            # Room for one of three choices: all or nothing, the one queued is taken back.
+            batcher.max_waiting = 1
+            partly = httpx.post(f"{served.url}/v1/completions", json={**body, "n": 3}, timeout=120)
+            # The one queued is cancelled, not left to take a slot when one frees.
+            assert wait_until(lambda: batcher.num_waiting == 0, 10)
         finally:
             batcher.max_waiting = limit
         for f in streams:
@@ -462,6 +547,7 @@ def test_full_queue_answers_503_at_once(served):
     assert waited < 5
     assert refused.headers["retry-after"] == "1"
     assert "queue is full" in refused.json()["error"]["message"]
+    assert partly.status_code == 503 and "queue is full" in partly.json()["error"]["message"]
     wait_idle(served.url)
 
 
@@ -475,12 +561,14 @@ def test_full_queue_answers_503_at_once(served):
         (b'{"prompt": "x", "max_tokens": 600}', 400, "max_model_len"),
         (b'{"prompt": "x", "seed": 9223372036854775808}', 400, "seed"),
         (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
-        (b'{"prompt": "x", "n": 2}', 400, "n: 2 is not supported"),
+        (b'{"prompt": "x", "n": 0}', 400, "n: input should be greater than or equal to 1"),
+        (b'{"prompt": "x", "n": 200}', 400, "n: input should be less than or equal to 128"),
+        (b'{"prompt": "x", "n": 100}', 400, "100 choices (n 100) are more than"),
         (b'{"prompt": "x", "stream": 1}', 400, "stream"),
         (b'{"prompt": "x", "frobnicate": true}', 400, "frobnicate"),
         (b'{"prompt": [1, 2, 300]}', 400, "0..287 (the vocabulary)"),
         (b'{"prompt": ""}', 400, "empty"),
-        (b'{"prompt": ["a", "b"]}', 400, "one per request"),
+        (b'{"prompt": ["a", ""]}', 400, "prompt 1 of the 2 is empty"),
         (
             json.dumps({"prompt": "x", "stop_token_ids": [*range(1, 18)]}).encode(),
             400,
@@ -523,7 +611,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 @pytest.mark.parametrize(
     "path, body, param, fragment",
     [
-        ("completions", {"prompt": "x", "n": 2}, "n", "2 is not supported"),
+        ("completions", {"prompt": "x", "n": 1.5}, "n", "valid integer"),
         ("completions", {"prompt": "x", "echo": True}, "echo", "true is not supported"),
         ("completions", {"prompt": "x", "logprobs": 1}, "logprobs", "1 is not supported"),
         ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "0.5"),
@@ -568,6 +656,8 @@ def test_refusals_name_the_field_in_one_message(served, path, body, param, fragm
     "body, param, fragment",
     [
         ({"prompt": [5, 99999]}, "prompt", "prompt ids must lie in 0..287"),
+        # Of several prompts, the one refused (after the first was queued, and taken back).
+        ({"prompt": [[5], [5, 99999]]}, "prompt.1", "prompt ids must lie in 0..287"),
         ({"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids", "stop token ids must"),
         ({"prompt": "x", "stop_token_ids": list(range(1, 18))}, "stop_token_ids", "exceed"),
     ],

@@ -129,6 +129,22 @@ def test_stop_strings_release_the_held_tail_at_the_end():
 def test_schemas():
     req = CompletionRequest.model_validate_json(b'{"prompt": [[5, 6]], "stop": "x"}')
     assert req.prompt == [5, 6] and req.stop_strings == ("x",)
+    assert req.prompts == [[5, 6]]
+    # A list of several prompts asks for n choices of each; one prompt of ids stays one.
+    several = CompletionRequest.model_validate_json(b'{"prompt": ["a", "b"], "n": 3}')
+    assert several.prompts == ["a", "b"] and several.n == 3
+    assert CompletionRequest.model_validate_json(b'{"prompt": [[1], [2, 3]]}').prompts == [
+        [1],
+        [2, 3],
+    ]
+    assert CompletionRequest.model_validate_json(b'{"prompt": [4, 5]}').prompts == [[4, 5]]
+    for body, fragment in (
+        (b'{"prompt": ["a", ""]}', "prompt 1 of the 2 is empty"),
+        (b'{"prompt": "x", "n": 0}', "greater than or equal to 1"),
+        (b'{"prompt": "x", "n": 129}', "less than or equal to 128"),
+    ):
+        with pytest.raises(ValidationError, match=fragment):
+            CompletionRequest.model_validate_json(body)
     chat = ChatCompletionRequest.model_validate_json(
         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
         b' {"type": "text", "text": "b"}]}], "max_tokens": 9, "max_completion_tokens": 3}'
@@ -527,13 +543,53 @@ def test_default_token_limit_per_endpoint():
     assert server.token_limit(chat, 10) == 246
 
 
+def test_choices_fan_out_in_openai_order_with_consecutive_seeds():
+    """n choices of each prompt: choice i * n + j is prompt i's j-th, seeded seed + j (vLLM's
+    rule, so each choice is what a request with that seed alone gets); a prompt that cannot fit
+    is named by its index, and more choices than slots + queue can ever hold is a 400 on n."""
+    server = _chat_server(build_chat_tokenizer())  # 1 slot, queue of 1, max_model_len 256
+    req = CompletionRequest.model_validate(
+        {"prompt": [[1, 2], [3]], "n": 1, "seed": 2**32 - 1, "max_tokens": 5}
+    )
+    requests = server.engine_requests(req, [[1, 2], [3]])
+    assert [(r.prompt_ids, r.seed, r.max_new_tokens) for r in requests] == [
+        ([1, 2], 2**32 - 1, 5),
+        ([3], 2**32 - 1, 5),
+    ]
+    server.runner.max_waiting = 5
+    two = CompletionRequest.model_validate({"prompt": [[1], [2]], "n": 3, "seed": 2**32 - 2})
+    requests = server.engine_requests(two, [[1], [2]])
+    assert [(r.prompt_ids, r.seed) for r in requests] == [
+        ([1], 2**32 - 2),
+        ([1], 2**32 - 1),
+        ([1], 0),  # seeds wrap as the request's own seed does
+        ([2], 2**32 - 2),
+        ([2], 2**32 - 1),
+        ([2], 0),
+    ]
+    unseeded = CompletionRequest.model_validate({"prompt": "x", "n": 2})
+    assert [r.seed for r in server.engine_requests(unseeded, [[1]])] == [None, None]
+    with pytest.raises(ApiError, match="7 choices") as caught:
+        server.engine_requests(CompletionRequest.model_validate({"prompt": "x", "n": 7}), [[1]])
+    assert caught.value.body.error.param == "n" and caught.value.status == 400
+    long = CompletionRequest.model_validate({"prompt": ["a", "b"], "max_tokens": 10})
+    with pytest.raises(ApiError, match="prompt 1's 250 tokens plus max_tokens 10") as caught:
+        server.engine_requests(long, [[1], [1] * 250])
+    assert caught.value.body.error.param == "max_tokens"  # as for one prompt
+    assert caught.value.body.error.code == "context_length_exceeded"
+    with pytest.raises(ApiError, match="prompt 0's 256 tokens leave no room") as caught:
+        server.engine_requests(long, [[1] * 256, [1]])
+    assert caught.value.body.error.param == "prompt.0"
+
+
 def test_chat_template_and_enable_thinking():
     tokenizer = build_chat_tokenizer()
     server = _chat_server(tokenizer)
 
     def rendered(body: bytes) -> str:
         req = ChatCompletionRequest.model_validate_json(body)
-        return tokenizer.decode(asyncio.run(server.prompt_ids(req)))
+        (ids,) = asyncio.run(server.encode_prompts(req))
+        return tokenizer.decode(ids)
 
     messages = b'"messages": [{"role": "user", "content": "hi"}]'
     plain = rendered(b"{" + messages + b"}")
@@ -568,7 +624,7 @@ def test_a_prompt_past_the_tokenizer_limit_is_a_400_without_a_tokenizer_warning(
     )
     server = _chat_server(tokenizer)
     req = CompletionRequest.model_validate({"prompt": "hello world " * limit})
-    ids = asyncio.run(server.prompt_ids(req))
+    (ids,) = asyncio.run(server.encode_prompts(req))
     assert len(ids) > limit
     with pytest.raises(ApiError) as caught:
         server.token_limit(req, len(ids))
@@ -589,7 +645,7 @@ def test_a_template_that_refuses_the_messages_is_a_400():
         b'{"messages": [{"role": "user", "content": "x"}]}'
     )
     with pytest.raises(ApiError, match="roles must alternate") as caught:
-        asyncio.run(server.prompt_ids(req))
+        asyncio.run(server.encode_prompts(req))
     assert caught.value.status == 400
 
 

@@ -12,7 +12,10 @@ the engine runner, which refuses at once what can never run (400) and what does 
 queue (503). The engine thread's events are moved onto the event loop; text is detokenized
 incrementally and searched for stop strings there, and a matched stop string cancels the
 request so its slot frees at once. A streamed response sends its headers with the first token,
-so a request refused or shed before it started still gets a proper status code.
+so a request refused or shed before it started still gets a proper status code. A request for
+several choices (`n`, or a completion's list of prompts) is one engine request per choice,
+queued together or not at all; their pieces meet on one queue, from which the answer is built
+(each choice's text in its place) or streamed (each chunk naming its choice's index).
 
 A client that goes away cancels its request: a watcher per request waits for the ASGI
 disconnect message. Draining (SIGTERM, Ctrl-C) refuses new requests, answers 503 to those that
@@ -195,6 +198,26 @@ class _Live:
             self.runner.cancel(self.handle)
 
 
+class _Choices:
+    """The engine requests one HTTP request fans out to (`n` choices of each prompt), shed or
+    aborted by a drain together: the request has started once any of its choices has."""
+
+    def __init__(self, lives: list[_Live]):
+        self.lives = lives
+
+    @property
+    def started(self) -> bool:
+        return any(live.started for live in self.lives)
+
+    def interrupt(self, kind: str) -> None:
+        for live in self.lives:
+            live.interrupt(kind)
+
+    def cancel(self) -> None:
+        for live in self.lives:
+            live.cancel()
+
+
 class _Generation:
     """Reads one request's events: text deltas cut at stop strings, token ids, finish reason.
     Times the tokens the answer keeps (inter-token latency)."""
@@ -270,13 +293,34 @@ class _Generation:
             return self.finish_reason, len(self.token_ids)
         return "abort", self.live.arrived
 
-    def usage(self, prompt_tokens: int) -> api.Usage:
-        completion = len(self.token_ids)
-        return api.Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=prompt_tokens + completion,
-        )
+
+def _usage(prompt_tokens: int, gens: list[_Generation]) -> api.Usage:
+    """Each prompt counted once, every choice's tokens (OpenAI's usage with n > 1)."""
+    completion = sum(len(gen.token_ids) for gen in gens)
+    return api.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+    )
+
+
+async def _pump(index: int, gen: _Generation, merged: asyncio.Queue) -> None:
+    """Moves choice `index`'s pieces onto its request's queue, then (index, None) when it has
+    finished, or (index, the exception) when it ended otherwise."""
+    try:
+        while (piece := await gen.next_piece()) is not None:
+            merged.put_nowait((index, piece))
+    except Exception as e:  # noqa: BLE001 - raised again by whoever reads the queue
+        merged.put_nowait((index, e))
+        return
+    merged.put_nowait((index, None))
+
+
+async def _next_event(merged: asyncio.Queue) -> tuple[int, tuple[str, list[int]] | None]:
+    index, item = await merged.get()
+    if isinstance(item, Exception):
+        raise item
+    return index, item
 
 
 # -- response shapes ------------------------------------------------------------------------------
@@ -293,35 +337,51 @@ class _Shape:
     def _ids(self, ids: list[int]) -> list[int] | None:
         return ids if self.with_ids else None
 
-    def response(self, text: str, gen: _Generation, usage: api.Usage) -> BaseModel:
-        ids = self._ids(gen.token_ids)
+    def response(self, texts: list[str], gens: list[_Generation], usage: api.Usage) -> BaseModel:
+        """The whole answer: one choice per generation, in index order."""
         if self.chat:
-            choice = api.ChatChoice(
-                message=api.AssistantMessage(content=text),
-                finish_reason=gen.finish_reason,
-                token_ids=ids,
-            )
+            choices = [
+                api.ChatChoice(
+                    index=index,
+                    message=api.AssistantMessage(content=text),
+                    finish_reason=gen.finish_reason,
+                    token_ids=self._ids(gen.token_ids),
+                )
+                for index, (text, gen) in enumerate(zip(texts, gens, strict=True))
+            ]
             return api.ChatCompletion(
-                id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+                id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
             )
-        choice = api.CompletionChoice(text=text, finish_reason=gen.finish_reason, token_ids=ids)
+        choices = [
+            api.CompletionChoice(
+                index=index,
+                text=text,
+                finish_reason=gen.finish_reason,
+                token_ids=self._ids(gen.token_ids),
+            )
+            for index, (text, gen) in enumerate(zip(texts, gens, strict=True))
+        ]
         return api.Completion(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def opening(self) -> BaseModel | None:
-        """The chat stream's first chunk announces the assistant role."""
+    def opening(self, index: int) -> BaseModel | None:
+        """A chat stream's first chunk of each choice announces the assistant role."""
         if not self.chat:
             return None
-        return self._chat_chunk(api.ChatChunkChoice(delta=api.ChatDelta(role="assistant")))
+        return self._chat_chunk(
+            api.ChatChunkChoice(index=index, delta=api.ChatDelta(role="assistant"))
+        )
 
-    def chunk(self, text: str, ids: list[int], finish_reason: str | None = None) -> BaseModel:
+    def chunk(
+        self, index: int, text: str, ids: list[int], finish_reason: str | None = None
+    ) -> BaseModel:
         if self.chat:
             ending = finish_reason is not None and not text
             delta = api.ChatDelta() if ending else api.ChatDelta(content=text)
             return self._chat_chunk(
                 api.ChatChunkChoice(
-                    delta=delta, finish_reason=finish_reason, token_ids=self._ids(ids)
+                    index=index, delta=delta, finish_reason=finish_reason, token_ids=self._ids(ids)
                 )
             )
         return api.Completion(
@@ -330,7 +390,7 @@ class _Shape:
             model=self.model,
             choices=[
                 api.CompletionChoice(
-                    text=text, finish_reason=finish_reason, token_ids=self._ids(ids)
+                    index=index, text=text, finish_reason=finish_reason, token_ids=self._ids(ids)
                 )
             ],
         )
@@ -425,7 +485,7 @@ class OpenAIServer:
         self.metrics = metrics
         self.limits = limits
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.live: set[_Live] = set()
+        self.live: set[_Choices] = set()
         self.draining = False
         self.created = int(time.time())
         metrics.ready.set_function(lambda: float(self.status == "ok"))
@@ -439,17 +499,17 @@ class OpenAIServer:
         `deadline_s` later, aborts those still running (None: lets them finish)."""
         self.draining = True
         self.runner.close()
-        for live in list(self.live):
-            if not live.started:
-                live.interrupt("shed")
+        for choices in list(self.live):
+            if not choices.started:
+                choices.interrupt("shed")
         if deadline_s is not None and self.loop is not None:
             self.loop.call_later(deadline_s, self.abort_running)
 
     def abort_running(self) -> None:
         """(On the event loop.) Ends every request in flight now, each with a whole answer; the
         engine runner frees their slots."""
-        for live in list(self.live):
-            live.interrupt("aborted" if live.started else "shed")
+        for choices in list(self.live):
+            choices.interrupt("aborted" if choices.started else "shed")
 
     def request_drain(self, deadline_s: float | None = None) -> None:
         """`drain` from any thread (or a signal handler)."""
@@ -531,7 +591,9 @@ class OpenAIServer:
             raise self._unknown_model(req.model)
         return req
 
-    async def prompt_ids(self, req: api.GenerationRequest) -> list[int]:
+    async def encode_prompts(self, req: api.GenerationRequest) -> list[list[int]]:
+        """The token ids of each prompt: the messages rendered with the chat template, or each
+        of a completion's prompts."""
         tokenizer = self.model.tokenizer
         if isinstance(req, api.ChatCompletionRequest):
             messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
@@ -540,44 +602,98 @@ class OpenAIServer:
                 return encode_chat(tokenizer, messages, enable_thinking=req.enable_thinking)
 
             try:
-                return await run_in_threadpool(render)
+                return [await run_in_threadpool(render)]
             except (UserError, jinja2.TemplateError) as e:
                 raise ApiError(400, f"the chat template refused the messages: {e}") from None
-        if isinstance(req.prompt, str):
-            return await run_in_threadpool(tokenizer.encode, req.prompt)
-        return list(req.prompt)
+        return [
+            await run_in_threadpool(tokenizer.encode, prompt)
+            if isinstance(prompt, str)
+            else list(prompt)
+            for prompt in req.prompts
+        ]
 
-    def engine_request(self, req: api.GenerationRequest, prompt_ids: list[int]) -> Request:
-        model = self.model
-        defaults = model.defaults
-        limit = self.token_limit(req, len(prompt_ids))
+    def engine_requests(
+        self, req: api.GenerationRequest, prompts: list[list[int]]
+    ) -> list[Request]:
+        """One engine request per choice: choice i * n + j is the j-th of prompt i (OpenAI's
+        order). With a seed s, choice j draws with seed s + j (as vLLM's): the choices of a
+        prompt differ, and each is what a request of that prompt and seed alone gets. Raises
+        ApiError for a prompt that does not fit and for more choices than the server can ever
+        hold at once (its slots and its queue)."""
+        several = len(prompts) > 1
+        limits = [
+            self.token_limit(req, len(ids), index if several else None)
+            for index, ids in enumerate(prompts)
+        ]
+        count = len(prompts) * req.n
+        slots, waiting = self.runner.engine.cfg.num_slots, self.runner.max_waiting
+        if count > slots + waiting:
+            asked = f"{len(prompts)} prompts x n {req.n}" if several else f"n {req.n}"
+            raise ApiError(
+                400,
+                f"{count} choices ({asked}) are more than this server holds at once: "
+                f"{slots + waiting} ({slots} slots and a queue of {waiting}, --max-waiting)",
+                param="n" if req.n > 1 else "prompt",
+            )
+        defaults = self.model.defaults
         top_k = defaults.top_k if req.top_k is None else max(req.top_k, 0)  # -1 means off
         sampling = SamplingConfig(
             temperature=defaults.temperature if req.temperature is None else req.temperature,
             top_k=top_k,
             top_p=defaults.top_p if req.top_p is None else req.top_p,
         )
-        return Request(
-            prompt_ids=prompt_ids,
-            max_new_tokens=limit,
-            seed=req.seed,  # None: Batcher.submit draws a fresh one
-            sampling=sampling,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-        )
+        return [
+            Request(
+                prompt_ids=ids,
+                max_new_tokens=limit,
+                # None: Batcher.submit draws a fresh one for each choice
+                seed=None if req.seed is None else (req.seed + j) % 2**32,
+                sampling=sampling,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+            )
+            for ids, limit in zip(prompts, limits, strict=True)
+            for j in range(req.n)
+        ]
 
-    def token_limit(self, req: api.GenerationRequest, prompt_len: int) -> int:
+    def submit(self, req: api.GenerationRequest, requests: list[Request]) -> _Choices:
+        """Queues every choice, or none: a refusal cancels those already queued."""
+        loop = asyncio.get_running_loop()
+        lives: list[_Live] = []
+        try:
+            for engine_req in requests:
+                live = _Live(loop, self.runner)
+                live.handle = self.runner.submit(engine_req, live.on_event)
+                lives.append(live)
+        except (QueueFullError, EngineError, ServiceUnavailable) as e:
+            _Choices(lives).cancel()
+            if isinstance(e, QueueFullError):
+                raise _unavailable(f"the queue is full: {e}") from None
+            if isinstance(e, ServiceUnavailable):
+                raise _unavailable(str(e)) from None
+            param = _param_of(req, e.field)
+            if param == "prompt" and len(requests) > req.n:  # several prompts: which one
+                param = f"prompt.{len(lives) // req.n}"
+            raise ApiError(400, str(e), param=param) from None
+        return _Choices(lives)
+
+    def token_limit(
+        self, req: api.GenerationRequest, prompt_len: int, index: int | None = None
+    ) -> int:
         """The request's max new tokens; when it names none, its endpoint's default (16 for
         completions, as OpenAI's and vLLM's) within what the context leaves, or all of that (chat,
-        as vLLM). Raises ApiError (context_length_exceeded) when prompt + answer cannot fit."""
+        as vLLM). Raises ApiError (context_length_exceeded) when prompt + answer cannot fit;
+        `index` names the prompt among several."""
         context = self.model.max_model_len
         limit = req.token_limit
         prompt = _param_of(req, "prompt_ids")
-        owner = "messages'" if prompt == "messages" else "prompt's"
+        owner = "the messages'" if prompt == "messages" else "the prompt's"
+        if index is not None:
+            prompt, owner = f"prompt.{index}", f"prompt {index}'s"
         if prompt_len >= context:
             raise ApiError(
                 400,
-                f"the {owner} {prompt_len} tokens leave no room to generate within "
+                f"{owner} {prompt_len} tokens leave no room to generate within "
                 f"max_model_len {context}",
                 param=prompt,
                 code="context_length_exceeded",
@@ -589,7 +705,7 @@ class OpenAIServer:
         if prompt_len + limit > context:
             raise ApiError(
                 400,
-                f"the {owner} {prompt_len} tokens plus {req.token_limit_param} {limit} make "
+                f"{owner} {prompt_len} tokens plus {req.token_limit_param} {limit} make "
                 f"{prompt_len + limit}, over max_model_len {context}",
                 param=req.token_limit_param,
                 code="context_length_exceeded",
@@ -600,23 +716,20 @@ class OpenAIServer:
         arrived = time.monotonic()
         if self.draining:
             raise _unavailable("the server is shutting down")
-        prompt_ids = await self.prompt_ids(req)
-        engine_req = self.engine_request(req, prompt_ids)
-        live = _Live(asyncio.get_running_loop(), self.runner)
-        try:
-            live.handle = self.runner.submit(engine_req, live.on_event)
-        except QueueFullError as e:
-            raise _unavailable(f"the queue is full: {e}") from None
-        except EngineError as e:
-            raise ApiError(400, str(e), param=_param_of(req, e.field)) from None
-        except ServiceUnavailable as e:
-            raise _unavailable(str(e)) from None
-        self.live.add(live)
-        hidden = frozenset(engine_req.stop_token_ids) | (
+        prompts = await self.encode_prompts(req)
+        choices = self.submit(req, self.engine_requests(req, prompts))
+        self.live.add(choices)
+        hidden = frozenset(req.stop_token_ids or ()) | (
             frozenset() if req.ignore_eos else frozenset(self.model.stop_tokens)
         )
-        gen = _Generation(live, self.model.tokenizer, req.stop_strings, hidden, self.metrics)
-        prompt_len = len(prompt_ids)
+        gens = [
+            _Generation(live, self.model.tokenizer, req.stop_strings, hidden, self.metrics)
+            for live in choices.lives
+        ]
+        prompt_lens = [len(ids) for ids in prompts]
+        # Every choice's pieces, as they come: (choice index, piece; None once it has finished).
+        merged: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(i, gen, merged)) for i, gen in enumerate(gens)]
         finished = False
 
         def finish() -> None:
@@ -627,14 +740,18 @@ class OpenAIServer:
                 return
             finished = True
             watcher.cancel()
-            live.cancel()
-            self.live.discard(live)
+            for pump in pumps:
+                pump.cancel()
+            choices.cancel()
+            self.live.discard(choices)
             self.metrics.e2e.observe(time.monotonic() - arrived)
-            outcome = gen.outcome()
-            if outcome is not None:
-                self.metrics.observe_request(outcome[0], prompt_len, outcome[1])
+            for index, gen in enumerate(gens):
+                outcome = gen.outcome()
+                if outcome is not None:
+                    prompt_len = prompt_lens[index // req.n]
+                    self.metrics.observe_request(outcome[0], prompt_len, outcome[1])
 
-        watcher = asyncio.create_task(self._watch_disconnect(http, live, finish))
+        watcher = asyncio.create_task(self._watch_disconnect(http, choices, finish))
 
         prefix = "chatcmpl" if chat else "cmpl"
         shape = _Shape(
@@ -644,13 +761,17 @@ class OpenAIServer:
             self.model.name,
             req.return_token_ids,
         )
+
+        def usage() -> api.Usage:
+            return _usage(sum(prompt_lens), gens)
+
         if not req.stream:
             try:
-                return await self._whole(gen, shape, prompt_len)
+                return await self._whole(gens, merged, shape, usage)
             finally:
                 finish()
         try:
-            first = await gen.next_piece()
+            first = await _next_event(merged)
         except _ClientGone:
             finish()
             return Response(status_code=CLIENT_CLOSED)
@@ -658,46 +779,70 @@ class OpenAIServer:
             finish()
             raise
         return StreamingResponse(
-            self._stream(gen, shape, first, prompt_len, req.include_usage, finish),
+            self._stream(gens, merged, shape, first, req.include_usage, usage, finish),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _whole(self, gen: _Generation, shape: _Shape, prompt_len: int) -> Response:
-        texts = []
+    async def _whole(
+        self,
+        gens: list[_Generation],
+        merged: asyncio.Queue,
+        shape: _Shape,
+        usage: Callable[[], api.Usage],
+    ) -> Response:
+        texts: list[list[str]] = [[] for _ in gens]
+        ended = 0
         try:
-            while (piece := await gen.next_piece()) is not None:
-                texts.append(piece[0])
+            while ended < len(gens):
+                index, piece = await _next_event(merged)
+                if piece is None:
+                    ended += 1
+                else:
+                    texts[index].append(piece[0])
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        if gen.finish_reason == "abort":
+        if any(gen.finish_reason == "abort" for gen in gens):
             raise _unavailable("the server shut down before this request finished")
-        body = shape.response("".join(texts), gen, gen.usage(prompt_len))
+        body = shape.response(["".join(t) for t in texts], gens, usage())
         return JSONResponse(shape.dump(body))
 
     async def _stream(
         self,
-        gen: _Generation,
+        gens: list[_Generation],
+        merged: asyncio.Queue,
         shape: _Shape,
-        first: tuple[str, list[int]] | None,
-        prompt_len: int,
+        first: tuple[int, tuple[str, list[int]] | None],
         include_usage: bool,
+        usage: Callable[[], api.Usage],
         finish: Callable[[], None],
     ) -> AsyncIterator[bytes]:
+        """Each choice's chunks as they come, each naming its choice's index; every choice ends
+        with a chunk holding its finish reason, the stream with the usage (if asked) and
+        [DONE]."""
         try:
-            opening = shape.opening()
-            if opening is not None:
-                yield _sse(shape.dump(opening))
-            piece = first
-            while piece is not None:
-                text, ids = piece
-                if text or (ids and shape.with_ids):
-                    yield _sse(shape.dump(shape.chunk(text, ids)))
-                piece = await gen.next_piece()
-            finish()  # the request is over (and counted) before its client hears so
-            yield _sse(shape.dump(shape.chunk("", [], gen.finish_reason)))
+            for index in range(len(gens)):
+                opening = shape.opening(index)
+                if opening is not None:
+                    yield _sse(shape.dump(opening))
+            event, ended = first, 0
+            while True:
+                index, piece = event
+                if piece is not None:
+                    text, ids = piece
+                    if text or (ids and shape.with_ids):
+                        yield _sse(shape.dump(shape.chunk(index, text, ids)))
+                else:
+                    ended += 1
+                    if ended == len(gens):
+                        finish()  # the request is over (and counted) before its client hears so
+                    reason = gens[index].finish_reason
+                    yield _sse(shape.dump(shape.chunk(index, "", [], reason)))
+                    if ended == len(gens):
+                        break
+                event = await _next_event(merged)
             if include_usage:
-                yield _sse(shape.dump(shape.usage_chunk(gen.usage(prompt_len))))
+                yield _sse(shape.dump(shape.usage_chunk(usage())))
             yield _sse("[DONE]")
         except ApiError as e:
             yield _sse(e.body.model_dump())
@@ -708,10 +853,12 @@ class OpenAIServer:
             finish()
 
     @staticmethod
-    async def _watch_disconnect(http: HttpRequest, live: _Live, finish: Callable[[], None]) -> None:
+    async def _watch_disconnect(
+        http: HttpRequest, choices: _Choices, finish: Callable[[], None]
+    ) -> None:
         while (await http.receive())["type"] != "http.disconnect":
             pass
-        live.interrupt("disconnected")
+        choices.interrupt("disconnected")
         finish()
 
 

@@ -4,8 +4,8 @@ Requests are validated strictly: unknown fields, wrong JSON types (a string wher
 belongs, 1 for true), non-finite numbers (`1e400` parses as infinity) and out-of-range values
 are refused with a 400 naming the field, instead of being coerced or failing deep inside the
 engine. Fields of the OpenAI API that this server does not implement are accepted only at their
-neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: null`, `store: false`, ...), so a
-client never silently gets something other than what it asked for; fields with no effect on
+neutral value (`presence_penalty: 0`, `logprobs: null`, `store: false`, ...), so a client never
+silently gets something other than what it asked for; fields with no effect on
 the answer (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`, `parallel_tool_calls`
 without tools) are accepted and ignored.
 Where the OpenAI API lets a field be null, null means its default. Fields that take one of
@@ -39,6 +39,8 @@ from pydantic import (
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# The most choices one request may ask for (OpenAI's bound on `n`).
+MAX_N = 128
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
@@ -129,7 +131,7 @@ class GenerationRequest(_Strict):
     stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     ignore_eos: Flag = False
-    n: Annotated[int, _null_means(1), _only(1)] = 1
+    n: Annotated[int, _null_means(1), Field(ge=1, le=MAX_N)] = 1
     stream: Flag = False
     stream_options: StreamOptions | None = None
     return_token_ids: Flag = False
@@ -178,8 +180,8 @@ class GenerationRequest(_Strict):
 
 
 class CompletionRequest(GenerationRequest):
-    """POST /v1/completions. `prompt` is text or token ids; a list of one of either is accepted
-    as the same single prompt (the forms the OpenAI API allows), more than one is refused."""
+    """POST /v1/completions. `prompt` is text or token ids, or a list of either: a list of one
+    is that prompt, a list of several asks for `n` choices of each (`prompts`)."""
 
     prompt: Prompt
     echo: Annotated[bool, _null_means(False), _only(False)] = False
@@ -189,20 +191,33 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ValueError(f"holds {len(prompt)} prompts; this server takes one per request")
+    def _non_empty(cls, prompt):
+        if _several(prompt):
+            if len(prompt) > 1:
+                empty = [i for i, p in enumerate(prompt) if not p]
+                if empty:
+                    raise ValueError(f"prompt {empty[0]} of the {len(prompt)} is empty")
+                return prompt
             prompt = prompt[0]
         if not prompt:
             raise ValueError("the prompt is empty")
         return prompt
 
     @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, in order: one, or those of a list of several."""
+        return list(self.prompt) if _several(self.prompt) else [self.prompt]
+
+    @property
     def default_token_limit(self) -> int | None:
         """The Completions API's documented default (and vLLM's): 16 new tokens. Chat
         completions have none, and run to what the context leaves."""
         return 16
+
+
+def _several(prompt: Any) -> bool:
+    """A list of prompts (texts or token-id lists), not one prompt of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 class TextPart(_Strict):
