@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-waiting",
         type=int,
         default=256,
-        help="requests waiting for a busy slot before new ones get 503 (default 256)",
+        help="requests waiting for a busy slot before new ones get 503, each choice of a "
+        "request with n > 1 counting as one (default 256)",
     )
     http.add_argument(
         "--max-connections",
