@@ -216,7 +216,8 @@ def test_serve_openai_client_and_sigterm_drain(tmp_path):
 
         _openai_checks(url)
 
-        # Drain: both slots busy with long streams, two requests queued, then SIGTERM.
+        # Drain: both slots busy with long streams, two requests queued (one of two choices,
+        # shed together), then SIGTERM.
         started: list = []
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             running = [pool.submit(_stream_until_done, url, started) for _ in range(2)]
@@ -225,12 +226,12 @@ def test_serve_openai_client_and_sigterm_drain(tmp_path):
                 pool.submit(
                     httpx.post,
                     f"{url}/v1/completions",
-                    json={"prompt": "q", "max_tokens": 8},
+                    json={"prompt": "q", "max_tokens": 8, "n": n},
                     timeout=120,
                 )
-                for _ in range(2)
+                for n in (1, 2)
             ]
-            assert wait_until(lambda: metrics(url)["dspark:num_requests_waiting"] == 2, 60)
+            assert wait_until(lambda: metrics(url)["dspark:num_requests_waiting"] == 3, 60)
             proc.send_signal(signal.SIGTERM)
             for f in queued:
                 r = f.result()
