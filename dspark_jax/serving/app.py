@@ -620,21 +620,12 @@ class OpenAIServer:
         prompt differ, and each is what a request of that prompt and seed alone gets. Raises
         ApiError for a prompt that does not fit and for more choices than the server can ever
         hold at once (its slots and its queue)."""
+        self.check_choices(req, len(prompts))
         several = len(prompts) > 1
         limits = [
             self.token_limit(req, len(ids), index if several else None)
             for index, ids in enumerate(prompts)
         ]
-        count = len(prompts) * req.n
-        slots, waiting = self.runner.engine.cfg.num_slots, self.runner.max_waiting
-        if count > slots + waiting:
-            asked = f"{len(prompts)} prompts x n {req.n}" if several else f"n {req.n}"
-            raise ApiError(
-                400,
-                f"{count} choices ({asked}) are more than this server holds at once: "
-                f"{slots + waiting} ({slots} slots and a queue of {waiting}, --max-waiting)",
-                param="n" if req.n > 1 else "prompt",
-            )
         defaults = self.model.defaults
         top_k = defaults.top_k if req.top_k is None else max(req.top_k, 0)  # -1 means off
         sampling = SamplingConfig(
@@ -655,6 +646,20 @@ class OpenAIServer:
             for ids, limit in zip(prompts, limits, strict=True)
             for j in range(req.n)
         ]
+
+    def check_choices(self, req: api.GenerationRequest, prompts: int) -> None:
+        """Raises ApiError for more choices than the server can ever hold at once (its slots
+        and its queue): a 400, since waiting would not help."""
+        count = prompts * req.n
+        slots, waiting = self.runner.engine.cfg.num_slots, self.runner.max_waiting
+        if count > slots + waiting:
+            asked = f"{prompts} prompts x n {req.n}" if prompts > 1 else f"n {req.n}"
+            raise ApiError(
+                400,
+                f"{count} choices ({asked}) are more than this server holds at once: "
+                f"{slots + waiting} ({slots} slots and a queue of {waiting}, --max-waiting)",
+                param="n" if req.n > 1 else "prompt",
+            )
 
     def submit(self, req: api.GenerationRequest, requests: list[Request]) -> _Choices:
         """Queues every choice, or none: a refusal cancels those already queued."""
@@ -716,6 +721,8 @@ class OpenAIServer:
         arrived = time.monotonic()
         if self.draining:
             raise _unavailable("the server is shutting down")
+        # Before tokenizing: a request for more choices than can ever run costs nothing.
+        self.check_choices(req, len(req.prompts) if isinstance(req, api.CompletionRequest) else 1)
         prompts = await self.encode_prompts(req)
         choices = self.submit(req, self.engine_requests(req, prompts))
         self.live.add(choices)
