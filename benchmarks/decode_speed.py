@@ -63,7 +63,7 @@ from provenance import (
 
 from dspark_jax import configs
 from dspark_jax.cli import use_compilation_cache
-from dspark_jax.decoding.engine import Engine, EngineConfig, compile_concurrently, warm_up_all
+from dspark_jax.decoding.engine import Engine, EngineConfig, compile_engines, warm_up_all
 from dspark_jax.decoding.profiling import filled_state
 from dspark_jax.errors import UserError
 from dspark_jax.models.drafter import DSparkDrafter
@@ -346,8 +346,7 @@ def run(args: argparse.Namespace) -> dict | None:
     all_engines = [e for pair in engines.values() for e in pair.values()]
     if args.compile_only:
         with CompileClock() as build:
-            lowered = [p for e in all_engines for p in e.lower().values()]
-            compile_concurrently(lowered, args.compile_workers)
+            compile_engines(all_engines, args.compile_workers)
         print(
             f"compiled {build.programs} programs of {len(all_engines)} engines in "
             f"{build.wall_s:.0f} s into {jax.config.jax_compilation_cache_dir}",

@@ -79,7 +79,7 @@ from dspark_jax.cli import use_compilation_cache
 from dspark_jax.conversations import read_turns
 from dspark_jax.decoding import policies
 from dspark_jax.decoding.batching import Batcher, Observer, Request
-from dspark_jax.decoding.engine import Engine, EngineConfig, compile_concurrently
+from dspark_jax.decoding.engine import Engine, EngineConfig, compile_engines
 from dspark_jax.decoding.profiling import profile_engine, stand_in_profile
 from dspark_jax.embedded import TINY_DIR
 from dspark_jax.errors import UserError
@@ -489,7 +489,7 @@ def main() -> None:
             switch = switch_on(profile)
             with CompileClock() as clock:
                 if args.sps_table:
-                    compile_concurrently([p for e in (plain, switch) for p in e.lower().values()])
+                    compile_engines((plain, switch))
                 else:
                     profile_level((plain, switch), compile_only=True)
             cache = jax.config.jax_compilation_cache_dir

@@ -1091,6 +1091,17 @@ def default_compile_workers() -> int:
         return os.cpu_count() or 1
 
 
+def compile_engines(
+    engines: Sequence[Engine],
+    workers: int | None = None,
+    extra: Sequence[jax.stages.Lowered] = (),
+) -> None:
+    """Every program of `engines`, and the `extra` lowered programs, compiled at once
+    (`compile_concurrently`), nothing run: into the persistent compilation cache, or ahead of
+    a warm-up."""
+    compile_concurrently([*extra, *(p for e in engines for p in e.lower().values())], workers)
+
+
 def warm_up_all(
     engines: Sequence[Engine],
     workers: int | None = None,
@@ -1101,7 +1112,7 @@ def warm_up_all(
     `extra`: other lowered programs to compile on the same threads (a profiler's own)."""
     for engine in engines:
         engine._check_runnable()
-    compile_concurrently([*extra, *(p for e in engines for p in e.lower().values())], workers)
+    compile_engines(engines, workers, extra)
     for engine in engines:
         engine._scratch_run()
 

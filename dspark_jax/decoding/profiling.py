@@ -38,7 +38,7 @@ from dspark_jax.decoding.engine import (
     Engine,
     EngineConfig,
     SlotState,
-    compile_concurrently,
+    compile_engines,
     default_compile_workers,
     token_buckets,
     warm_up_all,
@@ -368,7 +368,7 @@ def profile_engine(
     # built below) together with the caller's next engines.
     extra = [engine.lower()["decode_chunk"]] if round_mode else []
     if compile_only:
-        compile_concurrently([*extra, *(p for e in compile_with for p in e.lower().values())])
+        compile_engines(compile_with, extra=extra)
         return None
     warm_up_all(compile_with, extra=extra)
     state = filled_state(engine, context_len, temperature)
