@@ -569,8 +569,9 @@ def test_choices_fan_out_in_openai_order_with_consecutive_seeds():
     ]
     unseeded = CompletionRequest.model_validate({"prompt": "x", "n": 2})
     assert [r.seed for r in server.engine_requests(unseeded, [[1]])] == [None, None]
+    server.check_choices(two, 2)  # 6 choices: 1 slot + a queue of 5
     with pytest.raises(ApiError, match="7 choices") as caught:
-        server.engine_requests(CompletionRequest.model_validate({"prompt": "x", "n": 7}), [[1]])
+        server.check_choices(CompletionRequest.model_validate({"prompt": "x", "n": 7}), 1)
     assert caught.value.body.error.param == "n" and caught.value.status == 400
     long = CompletionRequest.model_validate({"prompt": ["a", "b"], "max_tokens": 10})
     with pytest.raises(ApiError, match="prompt 1's 250 tokens plus max_tokens 10") as caught:

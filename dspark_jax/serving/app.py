@@ -339,29 +339,18 @@ class _Shape:
 
     def response(self, texts: list[str], gens: list[_Generation], usage: api.Usage) -> BaseModel:
         """The whole answer: one choice per generation, in index order."""
-        if self.chat:
-            choices = [
-                api.ChatChoice(
-                    index=index,
-                    message=api.AssistantMessage(content=text),
-                    finish_reason=gen.finish_reason,
-                    token_ids=self._ids(gen.token_ids),
-                )
-                for index, (text, gen) in enumerate(zip(texts, gens, strict=True))
-            ]
-            return api.ChatCompletion(
-                id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        choices = []
+        for index, (text, gen) in enumerate(zip(texts, gens, strict=True)):
+            ending = dict(
+                index=index, finish_reason=gen.finish_reason, token_ids=self._ids(gen.token_ids)
             )
-        choices = [
-            api.CompletionChoice(
-                index=index,
-                text=text,
-                finish_reason=gen.finish_reason,
-                token_ids=self._ids(gen.token_ids),
+            choices.append(
+                api.ChatChoice(message=api.AssistantMessage(content=text), **ending)
+                if self.chat
+                else api.CompletionChoice(text=text, **ending)
             )
-            for index, (text, gen) in enumerate(zip(texts, gens, strict=True))
-        ]
-        return api.Completion(
+        answer = api.ChatCompletion if self.chat else api.Completion
+        return answer(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
@@ -618,9 +607,7 @@ class OpenAIServer:
         """One engine request per choice: choice i * n + j is the j-th of prompt i (OpenAI's
         order). With a seed s, choice j draws with seed s + j (as vLLM's): the choices of a
         prompt differ, and each is what a request of that prompt and seed alone gets. Raises
-        ApiError for a prompt that does not fit and for more choices than the server can ever
-        hold at once (its slots and its queue)."""
-        self.check_choices(req, len(prompts))
+        ApiError for a prompt that does not fit (`check_choices` has counted them before)."""
         several = len(prompts) > 1
         limits = [
             self.token_limit(req, len(ids), index if several else None)
