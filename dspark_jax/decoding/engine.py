@@ -386,7 +386,11 @@ class PrefillBatch:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillItem:
-    """One prompt chunk to prefill: tokens prompt[start:start+len(tokens)] of a request in slot."""
+    """One prompt chunk to prefill: tokens prompt[start:start+len(tokens)] of a request in slot.
+
+    The request's first chunk installs it in its slot (page-table row, settings). That is the
+    chunk at start 0 unless `first` says otherwise: a request whose first pages came from the
+    prefix cache starts prefilling past them, their K/V already in its page row."""
 
     slot: int
     tokens: np.ndarray
@@ -399,6 +403,7 @@ class PrefillItem:
     max_new_tokens: int
     stop_tokens: tuple[int, ...]
     seed: int
+    first: bool | None = None  # installs the request; None: start == 0
 
 
 def _check_sts(sts: StsArtifact, drafter: DSparkDrafter | None, fingerprint: str | None) -> None:
@@ -921,7 +926,7 @@ class Engine:
             seq_slot[i] = it.slot
             cu[i + 1] = at + c
             kv_lens[i] = it.start + c
-            first[i] = it.start == 0
+            first[i] = it.start == 0 if it.first is None else it.first
             if it.start + c == it.prompt_len:
                 last_row[i] = at + c - 1
             page_rows[i, : len(it.page_row)] = it.page_row
