@@ -5,7 +5,9 @@ reserve every page it may need (prompt + max new tokens + one block), so an admi
 always finish: nothing is preempted. Its prompt is prefilled in chunks packed with other prompts'
 chunks (`prefill_chunk` tokens per call), one prefill call between two decode chunks, so a long
 prompt never stalls the running requests for its whole length. Its pages return to the pool the
-moment it finishes or is cancelled.
+moment it finishes or is cancelled -- except the full pages of its prompt, which the prefix
+cache keeps (`PageAllocator`): a later request starting with the same tokens maps them and
+prefills only the rest, and idle cached pages are evicted when the pool needs them.
 
 Each `step()` dispatches the next prefill and decode chunk *before* reading what the previous
 decode chunk produced, so the device is busy while the host streams tokens. A decode chunk ends
@@ -24,7 +26,8 @@ on when it joined or which requests share the slots -- except under policies tha
 verification by the whole batch (the schedulers), which keep the output distribution but not
 the exact tokens, and up to rounding: the verification is padded to a token bucket chosen by
 the load, and in bfloat16 that shape can tip a near-tie between two logits (docs/engine.md,
-"What holds").
+"What holds"); so can K/V taken from the prefix cache, computed in another split of prefill
+chunks.
 
 Threads: `submit` and `cancel` may be called from any thread; everything else runs on the thread
 that drives the loop (`run_until_idle` for offline work; the server's engine thread calls `step`).
@@ -83,6 +86,7 @@ class Result:
     conf_logits: np.ndarray  # per round x block position: confidence logits
     ttft_s: float = float("nan")  # submit -> first token
     latency_s: float = float("nan")  # submit -> finished
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def rounds(self) -> int:
@@ -108,6 +112,9 @@ class Observer:
     def on_step(self, waiting: int, running: int, slots_busy: int, pages_reserved: int) -> None:
         pass
 
+    def on_admit(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request took a slot; `cached_tokens` of its prompt came from the prefix cache."""
+
     def on_first_token(self, ttft_s: float) -> None:
         pass
 
@@ -124,7 +131,10 @@ class Observer:
 
 @dataclasses.dataclass(eq=False)
 class Handle:
-    """A submitted request: its id, callback and (once admitted) its slot and pages."""
+    """A submitted request: its id, callback and (once admitted) its slot and pages: `pages` is
+    its page row, `held` the prefix cache's pages in it (mapped at admission or cached from its
+    prompt since), `own` the rest, returned to the free list when it ends; the first `chained`
+    pages are in the cache, the last of them named by the serial `chain`."""
 
     id: int
     request: Request
@@ -134,6 +144,11 @@ class Handle:
     batcher: Batcher | None = None  # the one it was submitted to, the only one that may cancel it
     slot: int | None = None
     pages: np.ndarray | None = None
+    held: list[CachedPage] = dataclasses.field(default_factory=list)
+    own: list[int] = dataclasses.field(default_factory=list)
+    chain: int = -1
+    chained: int = 0
+    cached_tokens: int = 0
     prefilled: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     verified: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -146,24 +161,112 @@ class Handle:
     cancelled: bool = False
 
 
-class PageAllocator:
-    """Free list of the KV pool's page ids."""
+@dataclasses.dataclass(eq=False)
+class CachedPage:
+    """A full page of prompt K/V in the prefix cache, found by `key`: the serial of the cached
+    page before it (-1 for a prompt's first page) and the page's own tokens. `serial` names this
+    entry in its children's keys; serials are never reused, so a child whose parent was evicted
+    can never be matched behind another entry that took the parent's page id."""
 
-    def __init__(self, num_pages: int):
+    page: int
+    serial: int
+    key: tuple[int, bytes]  # (parent serial, the page's token ids as int32 bytes)
+    refs: int = 0  # admitted requests whose page rows hold it
+
+
+class PageAllocator:
+    """The KV pool's page ids: a free list and, with `prefix_caching`, the prefix cache.
+
+    The cache keeps the full pages of prompts' K/V -- target and drafter context alike, as they
+    share the page table -- keyed by their tokens and everything before them (the chain of
+    parent pages), so a request whose prompt starts with a cached run of pages maps them into its
+    page row and prefills only the rest. A cached page that no request holds stays cached but
+    idle; reservations take free pages first, then evict idle ones, least recently released
+    first (a released request's last pages before its first, so a shared prefix outlives its
+    tails). Only pages wholly inside a prompt are cached: decoding writes at positions past the
+    prompt, so a cached page is never written again while it is cached."""
+
+    def __init__(self, num_pages: int, page_size: int = 1, prefix_caching: bool = False):
         self.num_pages = num_pages
+        self.page_size = page_size
+        self.prefix_caching = prefix_caching
         self._free = collections.deque(range(num_pages))
+        self._cached: dict[tuple[int, bytes], CachedPage] = {}
+        self._idle: collections.OrderedDict[int, CachedPage] = collections.OrderedDict()
+        self._serials = itertools.count()
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take: free ones and idle cached ones."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def in_use(self) -> int:
+        """Pages held by admitted requests (their own and the cached ones they map)."""
+        return self.num_pages - self.free
+
+    @property
+    def cached(self) -> int:
+        """Pages in the prefix cache, held or idle."""
+        return len(self._cached)
 
     def reserve(self, count: int) -> np.ndarray | None:
-        if count > len(self._free):
+        if count > self.free:
             return None
-        return np.array([self._free.popleft() for _ in range(count)], np.int32)
+        pages = []
+        while len(pages) < count:
+            if self._free:
+                pages.append(self._free.popleft())
+            else:
+                page, entry = self._idle.popitem(last=False)
+                del self._cached[entry.key]
+                pages.append(page)
+        return np.array(pages, np.int32)
 
     def release(self, pages: np.ndarray) -> None:
+        """Returns pages no cache entry holds to the free list."""
         self._free.extend(int(p) for p in pages)
+
+    def match(self, prompt: np.ndarray) -> list[CachedPage]:
+        """The longest run of cached pages that starts `prompt` (int32), leaving at least its
+        last token to prefill: the prefill of the last token samples the first new one."""
+        found: list[CachedPage] = []
+        if not self.prefix_caching:
+            return found
+        parent, size = -1, self.page_size
+        for i in range((len(prompt) - 1) // size):
+            entry = self._cached.get((parent, prompt[i * size : (i + 1) * size].tobytes()))
+            if entry is None:
+                break
+            found.append(entry)
+            parent = entry.serial
+        return found
+
+    def hold(self, entries: Sequence[CachedPage]) -> None:
+        for entry in entries:
+            if entry.refs == 0:
+                del self._idle[entry.page]
+            entry.refs += 1
+
+    def drop(self, entries: Sequence[CachedPage]) -> None:
+        """Lets go of cached pages a request held, deepest first into the idle order."""
+        for entry in reversed(entries):
+            entry.refs -= 1
+            if entry.refs == 0:
+                self._idle[entry.page] = entry
+
+    def add(self, parent: int, tokens: np.ndarray, page: int) -> tuple[CachedPage, bool]:
+        """Caches `page`, whose K/V hold `tokens` after the cached page `parent` (-1: none),
+        held by the caller. Returns (the entry for that content, whether it is `page`'s): when
+        the content is cached already -- two requests prefilled the same prefix side by side --
+        the existing entry names it and `page` stays the caller's own."""
+        key = (parent, tokens.tobytes())
+        entry = self._cached.get(key)
+        if entry is not None:
+            return entry, False
+        entry = CachedPage(page, next(self._serials), key, refs=1)
+        self._cached[key] = entry
+        return entry, True
 
 
 @dataclasses.dataclass
@@ -197,7 +300,9 @@ class Batcher:
     QueueFullError past it). `timed` makes every device call wait for its result and
     books its time in `timing` (offline measurement; the server runs untimed so the device
     never waits for the host). `policy_index`: for an engine built with a `PolicySwitch`, the
-    member that chooses the verified lengths (else the first).
+    member that chooses the verified lengths (else the first). `prefix_caching` keeps the full
+    pages of prompts' K/V for later requests that start with the same tokens (see
+    `PageAllocator`): they prefill only the rest.
     """
 
     def __init__(
@@ -208,7 +313,10 @@ class Batcher:
         observer: Observer | None = None,
         timed: bool = False,
         policy_index: int | None = None,
+        prefix_caching: bool = True,
     ):
+        if not isinstance(prefix_caching, bool | np.bool_):
+            raise EngineError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         self.engine = engine
         cfg = engine.cfg
         self.max_waiting = max_waiting
@@ -220,7 +328,7 @@ class Batcher:
         self.state = engine.init_state()
         if policy_index is not None:
             self.state = engine.select_policy(self.state, policy_index)
-        self.allocator = PageAllocator(cfg.pool_pages)
+        self.allocator = PageAllocator(cfg.pool_pages, cfg.page_size, bool(prefix_caching))
         self.free_slots = collections.deque(range(cfg.num_slots))
         self.owners: list[Handle | None] = [None] * cfg.num_slots
         self.waiting: collections.deque[Handle] = collections.deque()
@@ -353,7 +461,7 @@ class Batcher:
             len(self.waiting),
             sum(o is not None for o in self.owners),
             self.engine.cfg.num_slots - len(self.free_slots),
-            self.allocator.num_pages - self.allocator.free,
+            self.allocator.in_use,
         )
         if self._callback_error is not None:
             error, self._callback_error = self._callback_error, None
@@ -402,17 +510,26 @@ class Batcher:
         while self.waiting and self.free_slots:
             handle = self.waiting[0]
             r = handle.request
+            prompt = np.asarray(r.prompt_ids, np.int32)
+            cached = self.allocator.match(prompt)
+            self.allocator.hold(cached)
             pages = self.allocator.reserve(
-                self.engine.pages_needed(len(r.prompt_ids), r.max_new_tokens)
+                self.engine.pages_needed(len(prompt), r.max_new_tokens) - len(cached)
             )
             if pages is None:
+                self.allocator.drop(cached)
                 short = True  # first come, first served: later requests wait behind it
                 break
             self.waiting.popleft()
             with self._lock:
                 self._queued -= 1
             handle.slot = self.free_slots.popleft()
-            handle.pages = pages
+            handle.pages = np.concatenate([np.array([c.page for c in cached], np.int32), pages])
+            handle.held, handle.own = cached, pages.tolist()
+            handle.chained = len(cached)
+            handle.chain = cached[-1].serial if cached else -1
+            handle.cached_tokens = handle.prefilled = len(cached) * self.allocator.page_size
+            self.observer.on_admit(len(prompt), handle.cached_tokens)
             self.owners[handle.slot] = handle
             self.prefilling.append(handle)
         with self._lock:
@@ -442,6 +559,7 @@ class Batcher:
                     max_new_tokens=r.max_new_tokens,
                     stop_tokens=handle.stop_ids,
                     seed=r.seed,
+                    first=handle.prefilled == handle.cached_tokens,
                 )
             )
             budget -= take
@@ -457,10 +575,28 @@ class Batcher:
         for item in items:
             handle = self.prefilling.popleft()
             handle.prefilled += len(item.tokens)
+            self._cache_prompt_pages(handle)
             if handle.prefilled < len(handle.request.prompt_ids):
                 self.prefilling.appendleft(handle)  # the rest next call, ahead of the others
             handles.append(handle)
         return out, handles
+
+    def _cache_prompt_pages(self, handle: Handle) -> None:
+        """Caches the request's full prompt pages written by the prefill calls dispatched so
+        far. A later request reads them only in a later call, which runs after these (each call
+        takes the state the previous one returns)."""
+        size = self.allocator.page_size
+        if not self.allocator.prefix_caching or handle.chained == handle.prefilled // size:
+            return
+        prompt = np.asarray(handle.request.prompt_ids, np.int32)
+        while handle.chained < handle.prefilled // size:
+            i = handle.chained
+            page = int(handle.pages[i])
+            entry, mine = self.allocator.add(handle.chain, prompt[i * size : (i + 1) * size], page)
+            if mine:
+                handle.held.append(entry)
+                handle.own.remove(page)
+            handle.chain, handle.chained = entry.serial, i + 1
 
     def _running(self) -> bool:
         return any(
@@ -548,8 +684,9 @@ class Batcher:
             self.free_slots.append(handle.slot)
             handle.slot = None
         if handle.pages is not None:
-            self.allocator.release(handle.pages)
-            handle.pages = None
+            self.allocator.drop(handle.held)
+            self.allocator.release(np.asarray(handle.own, np.int32))
+            handle.pages, handle.held, handle.own = None, [], []
 
     def _finish(self, handle: Handle, reason: str) -> None:
         handle.finished = True
@@ -566,6 +703,7 @@ class Batcher:
             conf_logits=cat(handle.conf, (0, gamma)).astype(np.float32),
             ttft_s=(handle.first_token_at or now) - handle.submitted,
             latency_s=now - handle.submitted,
+            cached_tokens=handle.cached_tokens,
         )
         self._call(handle, "done", result)
 
@@ -585,15 +723,20 @@ def generate(
     policy_index: int | None = None,
     *,
     progress_label: str = "generate",
+    prefix_caching: bool = True,
 ) -> tuple[list[Result], LoopTiming]:
     """Offline batch inference: every request through one continuously batched loop.
 
     `on_tokens(i, new_tokens)` streams request i's tokens as they are read. Returns the results
     in request order and where the time went (each device call is timed). `progress` shows a
     bar of finished requests on stderr, named `progress_label`. `policy_index`: see
-    `Batcher`."""
+    `Batcher`, as is `prefix_caching`."""
     batcher = Batcher(
-        engine, max_waiting=max(len(requests), 1), timed=True, policy_index=policy_index
+        engine,
+        max_waiting=max(len(requests), 1),
+        timed=True,
+        policy_index=policy_index,
+        prefix_caching=prefix_caching,
     )
     results: list[Result | None] = [None] * len(requests)
     bar = None

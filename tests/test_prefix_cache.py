@@ -1,0 +1,224 @@
+"""The prefix cache: requests that start with the pages of an earlier prompt map those pages and
+prefill only the rest -- and draw exactly the tokens they draw without the cache."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from fixture_models import load_pair
+
+from dspark_jax.decoding.batching import Batcher, PageAllocator, Request, generate
+from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
+from dspark_jax.sampling import SamplingConfig
+
+PAGE = 16
+CFG = EngineConfig(
+    num_slots=4,
+    max_model_len=256,
+    page_size=PAGE,
+    rounds_per_chunk=8,
+    prefill_chunk=64,
+    prefill_buckets=(32, 64),
+    token_buckets=(8, 16, 32),
+    draft_buckets=(2, 4),
+)
+SHARED = list(
+    b"You are a careful assistant. Answer in one short paragraph, and cite the line you used.\n"
+)  # 88 tokens: five full pages
+T07 = SamplingConfig(temperature=0.7, top_p=0.9)
+
+
+@pytest.fixture(scope="module", params=["spec", "plain"])
+def engine(request):
+    target, drafter = load_pair("vanilla")
+    engine = Engine(target, drafter if request.param == "spec" else None, CFG)
+    engine.warm_up()
+    engine.models = (target, drafter if request.param == "spec" else None)  # for other pools
+    return engine
+
+
+def _prompt(tail: str) -> list[int]:
+    return SHARED + list(tail.encode())
+
+
+def _uncached(engine, request) -> list[int]:
+    batcher = Batcher(engine, prefix_caching=False)
+    out = {}
+    batcher.submit(request, lambda kind, p: out.update(r=p) if kind == "done" else None)
+    batcher.run_until_idle()
+    assert out["r"].cached_tokens == 0
+    return out["r"].tokens
+
+
+def _submit(batcher, request, results, name):
+    batcher.submit(request, lambda kind, p: results.update({name: p}) if kind == "done" else None)
+
+
+# -- the allocator alone ---------------------------------------------------------------------
+def _tokens(*values):
+    return np.array(values, np.int32)
+
+
+def test_pages_are_matched_by_their_whole_prefix_not_their_own_tokens():
+    pool = PageAllocator(8, page_size=2, prefix_caching=True)
+    row = pool.reserve(3)
+    a, mine = pool.add(-1, _tokens(1, 2), int(row[0]))
+    b, _ = pool.add(a.serial, _tokens(3, 4), int(row[1]))
+    assert mine and pool.cached == 2
+    assert pool.match(_tokens(1, 2, 3, 4, 5)) == [a, b]
+    # The last token is always left to prefill: it samples the first new token.
+    assert pool.match(_tokens(1, 2, 3, 4)) == [a]
+    assert pool.match(_tokens(9, 9, 3, 4, 5)) == []  # page 2's tokens behind another page 1
+    # Content cached already: the entry that has it answers, the new page stays the caller's.
+    again, mine = pool.add(-1, _tokens(1, 2), int(row[2]))
+    assert again is a and not mine
+
+
+def test_idle_cached_pages_are_evicted_last_page_first_and_never_matched_as_orphans():
+    pool = PageAllocator(3, page_size=1, prefix_caching=True)
+    row = pool.reserve(3)
+    assert pool.free == 0 and pool.reserve(1) is None
+    first, _ = pool.add(-1, _tokens(7), int(row[0]))
+    second, _ = pool.add(first.serial, _tokens(8), int(row[1]))
+    pool.drop([first, second])  # the request ended: its cached pages stay, idle
+    pool.release(row[2:])
+    assert pool.free == 3 and pool.in_use == 0 and pool.cached == 2
+    assert pool.match(_tokens(7, 8, 0)) == [first, second]
+    taken = pool.reserve(2)  # the free page, then the deepest idle one
+    assert sorted(taken.tolist()) == sorted([int(row[2]), second.page])
+    assert pool.match(_tokens(7, 8, 0)) == [first]
+    pool.hold([first])  # a held page is never evicted
+    assert pool.reserve(1) is None
+    pool.drop([first])
+    # `first`'s page goes to a prompt starting with 5; the child cached behind the old `first`
+    # must not be found behind the new entry that took its page id.
+    (page,) = pool.reserve(1).tolist()
+    assert page == first.page and pool.cached == 0
+    other, _ = pool.add(-1, _tokens(5), page)
+    assert pool.match(_tokens(5, 8, 0)) == [other]
+
+
+def test_without_prefix_caching_nothing_is_matched():
+    pool = PageAllocator(4, page_size=1)
+    (page,) = pool.reserve(1).tolist()
+    assert pool.match(_tokens(1, 2, 3)) == []
+    assert pool.free == 3
+
+
+def test_prefix_caching_must_be_a_bool(engine):
+    with pytest.raises(EngineError, match="prefix_caching"):
+        Batcher(engine, prefix_caching="yes")
+
+
+# -- through the engine ----------------------------------------------------------------------
+@pytest.mark.parametrize("sampling", [SamplingConfig(), T07], ids=["greedy", "T0.7-p0.9"])
+def test_a_request_after_a_shared_prompt_prefills_the_rest_and_draws_the_same(engine, sampling):
+    batcher = Batcher(engine)
+    results = {}
+    first = Request(_prompt("What is 2+2?"), 20, seed=1, sampling=sampling)
+    _submit(batcher, first, results, "first")
+    batcher.run_until_idle()
+    assert results["first"].cached_tokens == 0
+    # Its six full prompt pages stay cached though nothing holds them.
+    assert batcher.allocator.cached == 6 and batcher.allocator.in_use == 0
+    second = Request(_prompt("Name a prime number."), 24, seed=2, sampling=sampling)
+    _submit(batcher, second, results, "second")
+    batcher.run_until_idle()
+    assert results["second"].cached_tokens == 5 * PAGE
+    assert results["second"].tokens == _uncached(engine, second)
+    assert results["first"].tokens == _uncached(engine, first)
+    # The same prompt again: every page but the one holding its last token.
+    again = dataclasses.replace(second, seed=3)
+    _submit(batcher, again, results, "again")
+    batcher.run_until_idle()
+    assert results["again"].cached_tokens == (len(again.prompt_ids) - 1) // PAGE * PAGE
+    assert results["again"].tokens == _uncached(engine, again)
+    assert batcher.allocator.in_use == 0 and batcher.allocator.free == CFG.pool_pages
+
+
+def test_requests_share_the_pages_of_a_prompt_that_is_still_decoding(engine):
+    batcher = Batcher(engine)
+    results = {}
+    long = Request(_prompt("Count to fifty."), 120, seed=4, ignore_eos=True)
+    _submit(batcher, long, results, "long")
+    for _ in range(3):
+        batcher.step()
+    assert "long" not in results and batcher.allocator.cached == 6
+    followers = [Request(_prompt(f"Question {i}?"), 16, seed=10 + i) for i in range(3)]
+    for i, r in enumerate(followers):
+        _submit(batcher, r, results, i)
+    batcher.step()  # admits them: they hold the decoding request's pages beside it
+    held = [e.refs for e in batcher.allocator._cached.values()]
+    assert max(held) == 4
+    batcher.run_until_idle()
+    for i, r in enumerate(followers):
+        assert results[i].cached_tokens == 5 * PAGE
+        assert results[i].tokens == _uncached(engine, r)
+    assert results["long"].tokens == _uncached(engine, long)
+    assert batcher.allocator.in_use == 0
+
+
+def test_prompts_admitted_together_cache_one_copy_and_prefill_in_chunks(engine):
+    """Admitted in the same step, neither finds the other's pages (not yet written); both
+    cache what they wrote, and the first copy is the one kept. A long prompt after them maps the
+    shared pages and prefills the rest over several chunks (prefill_chunk 64)."""
+    batcher = Batcher(engine)
+    results = {}
+    pair = [Request(_prompt(f"Say {w}."), 10, seed=i) for i, w in enumerate(("hi", "no"))]
+    for i, r in enumerate(pair):
+        _submit(batcher, r, results, i)
+    batcher.run_until_idle()
+    assert [results[i].cached_tokens for i in range(2)] == [0, 0]
+    assert batcher.allocator.cached == 5  # the shared pages once; neither tail fills a page
+    long = Request(_prompt("Summarise this: " + "lorem ipsum " * 7), 12, seed=5)
+    assert len(long.prompt_ids) - 5 * PAGE > CFG.prefill_chunk
+    _submit(batcher, long, results, "long")
+    batcher.run_until_idle()
+    assert results["long"].cached_tokens == 5 * PAGE
+    assert results["long"].tokens == _uncached(engine, long)
+    for i, r in enumerate(pair):
+        assert results[i].tokens == _uncached(engine, r)
+
+
+def test_a_small_pool_evicts_idle_pages_and_every_answer_stays_the_same(engine):
+    """A pool of 40 pages (a request needs up to 13): cached pages are evicted for new
+    requests, shared prefixes of different lengths come and go, and every page comes back."""
+    small = Engine(*engine.models, dataclasses.replace(CFG, num_pages=40))
+    rng = np.random.default_rng(0)
+    stems = [SHARED[:40], SHARED, list(b"Translate into French: ") * 3]
+    requests = [
+        Request(
+            stems[int(rng.integers(len(stems)))] + rng.integers(32, 127, 20).tolist(),
+            int(rng.integers(4, 40)),
+            seed=i,
+            sampling=T07,
+        )
+        for i in range(14)
+    ]
+    cached, _ = generate(small, requests)
+    plain, _ = generate(small, requests, prefix_caching=False)
+    assert [r.tokens for r in cached] == [r.tokens for r in plain]
+    assert sum(r.cached_tokens for r in cached) > 0
+    assert all(r.cached_tokens == 0 for r in plain)
+
+
+def test_a_request_cancelled_while_prefilling_leaves_its_written_pages_cached(engine):
+    batcher = Batcher(engine)
+    results = {}
+    running = Request(list(b"Keep going."), 230, seed=6, ignore_eos=True)
+    _submit(batcher, running, results, "running")
+    batcher.step()
+    batcher.step()  # decoding now: the next prompt is prefilled one chunk per step
+    long = Request(_prompt("x" * 100), 10, seed=7)
+    handle = batcher.submit(long, lambda kind, p: results.update(long=p) if kind == "done" else 0)
+    batcher.step()
+    assert "running" not in results and handle.prefilled == CFG.prefill_chunk
+    batcher.cancel(handle)
+    batcher.run_until_idle()
+    assert results["long"].finish_reason == "abort"
+    assert batcher.allocator.in_use == 0 and batcher.allocator.free == CFG.pool_pages
+    again = dataclasses.replace(long, seed=8)
+    _submit(batcher, again, results, "again")
+    batcher.run_until_idle()
+    assert results["again"].cached_tokens == CFG.prefill_chunk
+    assert results["again"].tokens == _uncached(engine, again)
