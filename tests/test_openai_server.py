@@ -418,6 +418,38 @@ def test_streaming_chat_with_usage_through_the_openai_client(served):
     assert whole.usage.prompt_tokens == len(b"# utils\ndef ")
 
 
+def test_a_shared_prompt_prefix_is_reported_as_cached_tokens(served):
+    """The second prompt starting with the first one's 40 tokens maps their two full pages
+    (16 tokens each) from the prefix cache: its usage and the metrics say so, streamed or not,
+    and the OpenAI client reads the field."""
+    shared = list(b"# A module of small helpers for the OS.\n")
+    assert len(shared) == 40
+    before = metrics(served.url)
+    first = _complete(served.url, prompt=shared + list(b"def a"), max_tokens=4, temperature=0)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    client = served.client
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=shared + list(b"import os"),
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = list(stream)[-1].usage
+    assert usage.prompt_tokens == 49 and usage.prompt_tokens_details.cached_tokens == 32
+    whole = client.completions.create(
+        model=MODEL, prompt=shared + list(b"class P"), max_tokens=4, temperature=0
+    )
+    assert whole.usage.prompt_tokens_details.cached_tokens == 32
+    after = metrics(served.url)
+    hits = after["dspark:prefix_cache_hits_total"] - before["dspark:prefix_cache_hits_total"]
+    queries = (
+        after["dspark:prefix_cache_queries_total"] - before["dspark:prefix_cache_queries_total"]
+    )
+    assert (hits, queries) == (64, 45 + 49 + 47)
+
+
 def test_n_choices_are_what_their_seeds_draw_alone(served):
     """n choices of one prompt decode side by side; choice j is what the request alone draws
     with seed + j (choice 0: the offline engine's answer), and the usage counts the prompt once

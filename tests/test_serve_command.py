@@ -101,6 +101,8 @@ def _start(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.P
     )
     line = proc.stdout.readline()
     assert "serving tiny-vanilla" in line, (line, (tmp_path / "serve.log").read_text())
+    caching = "off" if "--no-prefix-caching" in flags else "on"
+    assert f"prefix caching {caching})" in line, line
     url = line.split(" on ")[1].split("/v1")[0]
     return proc, url
 
@@ -257,7 +259,9 @@ def _abort_running_requests(tmp_path, drain_timeout: float, signals: int) -> flo
     """One long streaming and one long non-streaming request, then `signals` Ctrl-Cs: both
     requests are cut short by the server itself with a whole answer, and the process exits 0
     without a traceback. Returns the seconds from the first Ctrl-C to the exit."""
-    proc, url = _start(tmp_path, "--max-model-len=4000", f"--drain-timeout={drain_timeout}")
+    proc, url = _start(
+        tmp_path, "--max-model-len=4000", f"--drain-timeout={drain_timeout}", "--no-prefix-caching"
+    )
     try:
         assert wait_until(lambda: _health(url) == 200, 600, interval=0.2)
         started: list = []

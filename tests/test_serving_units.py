@@ -296,7 +296,7 @@ class _Engine:
 class _ExplodingBatcher:
     """Takes requests like a Batcher; its loop step fails once a request has arrived."""
 
-    def __init__(self, engine, max_waiting, observer):
+    def __init__(self, engine, max_waiting, observer, prefix_caching):
         self.arrived = threading.Event()
 
     def submit(self, request, on_event):

@@ -87,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "block size; an SPS table brings its own)",
     )
     engine.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the full KV pages of prompts for later requests that start with the same "
+        "tokens (a shared system prompt, earlier turns of a chat), which then prefill only the "
+        "rest; idle cached pages are evicted as the pool needs them (default: on)",
+    )
+    engine.add_argument(
         "--draft-buckets",
         help="comma-separated slot counts the drafter runs over, live slots first (default: "
         "doublings from an eighth of --max-num-seqs, at least 4, up to it; --max-num-seqs alone "
@@ -288,6 +296,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         model,
         max_waiting=args.max_waiting,
         limits=HttpLimits(read_timeout_s=args.read_timeout),
+        prefix_caching=args.prefix_caching,
     )
     server = HttpServer(
         app_server,
@@ -306,7 +315,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
     print(
         f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} tokens, KV "
         f"{format_bytes(kv_bytes)}{'' if mesh is None else ' per device'}; "
-        f"{describe_mesh(mesh)}) on "
+        f"{describe_mesh(mesh)}; prefix caching {'on' if args.prefix_caching else 'off'}) on "
         f"http://{host}:{port}/v1 -- warming up, /health turns "
         "200 when ready; SIGTERM or Ctrl-C drains and stops",
         flush=True,

@@ -237,6 +237,7 @@ class _Generation:
         self.metrics = metrics
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # the engine's count, known when it is done
         self.last_at: float | None = None  # when the previous tokens arrived
 
     async def next_piece(self) -> tuple[str, list[int]] | None:
@@ -255,6 +256,7 @@ class _Generation:
             text = self.stops.feed(self.text.flush())
             text += self.stops.finish()
             self.finish_reason = "stop" if self.stops.matched else payload.finish_reason
+            self.cached_tokens = payload.cached_tokens
             return text, []
         if kind == "error":
             raise ApiError(500, str(payload), kind="server_error", code="engine_failed")
@@ -294,13 +296,17 @@ class _Generation:
         return "abort", self.live.arrived
 
 
-def _usage(prompt_tokens: int, gens: list[_Generation]) -> api.Usage:
-    """Each prompt counted once, every choice's tokens (OpenAI's usage with n > 1)."""
+def _usage(prompt_tokens: int, gens: list[_Generation], n: int) -> api.Usage:
+    """Each prompt counted once, every choice's tokens (OpenAI's usage with n > 1); a prompt's
+    cached tokens are those its first choice found in the prefix cache."""
     completion = sum(len(gen.token_ids) for gen in gens)
     return api.Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=api.PromptTokensDetails(
+            cached_tokens=sum(gen.cached_tokens for gen in gens[::n])
+        ),
     )
 
 
@@ -757,7 +763,7 @@ class OpenAIServer:
         )
 
         def usage() -> api.Usage:
-            return _usage(sum(prompt_lens), gens)
+            return _usage(sum(prompt_lens), gens, req.n)
 
         if not req.stream:
             try:

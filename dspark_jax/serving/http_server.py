@@ -92,12 +92,19 @@ def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
 
 
 def build_app_server(
-    engine: Engine, model: ServedModel, *, max_waiting: int, limits: HttpLimits | None = None
+    engine: Engine,
+    model: ServedModel,
+    *,
+    max_waiting: int,
+    limits: HttpLimits | None = None,
+    prefix_caching: bool = True,
 ) -> OpenAIServer:
     """The app's handlers over a runner for `engine` (not started) and its metrics."""
     limits = limits or HttpLimits()
     metrics = ServingMetrics(engine.cfg.num_slots, engine.cfg.pool_pages, engine.gamma)
-    runner = EngineRunner(engine, max_waiting=max_waiting, observer=metrics)
+    runner = EngineRunner(
+        engine, max_waiting=max_waiting, observer=metrics, prefix_caching=prefix_caching
+    )
     return OpenAIServer(runner, model, metrics, limits)
 
 

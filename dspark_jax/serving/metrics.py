@@ -3,7 +3,8 @@
 Names follow vLLM's (`vllm:` becomes `dspark:`), so dashboards and load generators built for it
 read these: requests running / waiting, slot occupancy (now, and over decode rounds as
 `slot_rounds / (device_rounds x slots_total)`), KV cache usage, prompt / generation tokens, time
-to first token, inter-token latency, end-to-end latency, finish reasons and the speculative
+to first token, inter-token latency, end-to-end latency, finish reasons, the prefix cache's
+queried and hit prompt tokens (`prefix_cache_queries`, `prefix_cache_hits`) and the speculative
 decoding counters (`spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
 `..._num_accepted_tokens_per_pos`). DSpark's scheduler verifies fewer drafts than the drafter
 proposes, so it adds the verified counts beside the proposed ones
@@ -98,7 +99,7 @@ _METRICS = (
     _Metric("slots_busy", Gauge, "slots_busy", "Slots holding a request"),
     _Metric("slots_total", Gauge, "slots_total", "Slots of the engine"),
     _Metric("occupancy", Gauge, "slot_occupancy", "Busy slots / slots (0..1)"),
-    _Metric("pages_reserved", Gauge, "kv_pages_reserved", "KV pages reserved by admitted requests"),
+    _Metric("pages_reserved", Gauge, "kv_pages_reserved", "KV pages held by admitted requests"),
     _Metric("pages_total", Gauge, "kv_pages_total", "KV pages in the pool"),
     _Metric("kv_usage", Gauge, "kv_cache_usage_perc", "Reserved / pool pages (0..1)"),
     _Metric(
@@ -110,6 +111,18 @@ _METRICS = (
     _Metric("device_rounds", Counter, "device_rounds", "Decode rounds the device ran"),
     _Metric("ready", Gauge, "engine_ready", "1 once warm-up compiled every program"),
     _Metric("prompt_tokens", Counter, "prompt_tokens", "Prompt tokens of finished requests"),
+    _Metric(
+        "prefix_queries",
+        Counter,
+        "prefix_cache_queries",
+        "Prompt tokens of requests given a slot (looked up in the prefix cache)",
+    ),
+    _Metric(
+        "prefix_hits",
+        Counter,
+        "prefix_cache_hits",
+        "Prompt tokens found in the prefix cache (their K/V reused, not prefilled)",
+    ),
     _Metric(
         "generation_tokens",
         Counter,
@@ -237,6 +250,10 @@ class ServingMetrics(Observer):
         self.occupancy.set(slots_busy / self._slots)
         self.pages_reserved.set(pages_reserved)
         self.kv_usage.set(pages_reserved / self._pages)
+
+    def on_admit(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)

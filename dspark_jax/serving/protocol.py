@@ -311,10 +311,15 @@ class ChatCompletionRequest(GenerationRequest):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionChoice(BaseModel):

@@ -43,9 +43,17 @@ class EngineFailed(RuntimeError):
 class EngineRunner:
     """Warm-up and the Batcher loop on one background thread; see the module docstring."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int, observer: Observer | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_waiting: int,
+        observer: Observer | None = None,
+        prefix_caching: bool = True,
+    ):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.prefix_caching = prefix_caching
         self.observer = observer or Observer()
         self.batcher: Batcher | None = None
         self.warmup_s: float | None = None
@@ -135,7 +143,12 @@ class EngineRunner:
         try:
             t0 = time.perf_counter()
             self.engine.warm_up()
-            batcher = Batcher(self.engine, max_waiting=self.max_waiting, observer=self.observer)
+            batcher = Batcher(
+                self.engine,
+                max_waiting=self.max_waiting,
+                observer=self.observer,
+                prefix_caching=self.prefix_caching,
+            )
             self.warmup_s = time.perf_counter() - t0
             with self._lock:
                 self.batcher = batcher
