@@ -1147,3 +1147,23 @@ def test_a_decode_chunk_compiled_for_an_h200_is_one_cuda_graph(tmp_path, monkeyp
     else:  # the rounds loop's test, and its body one graph
         assert counts["whole"] == {"conditionals": 0, "loops": 1, "graphs": 2}, counts
         assert counts["round"] == {"conditionals": 0, "loops": 0, "graphs": 1}, counts
+
+
+def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
+    """Three requests of a 48-token prefix (three pages) + 4 tokens: with the cache each
+    prefills its 4 own tokens, without it all 52; the same tokens either way."""
+    out = tmp_path / "prefix.json"
+    cache = str(tmp_path / "cache")
+    done = _script(
+        "prefix_cache.py",
+        *("--prefix", "48", "--tail", "4", "--requests", "3", "--slots", "2"),
+        *("--new-tokens", "4", "--repeats", "1", "--json", str(out)),
+        timeout=600,
+        env={"DSPARK_JAX_COMPILATION_CACHE": cache, "JAX_COMPILATION_CACHE_DIR": cache},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["rows"]["with"]["prefilled"] == 3 * 4
+    assert result["rows"]["without"]["prefilled"] == 3 * 52
+    assert result["same_tokens"] is True
+    assert "| with | 12 |" in done.stdout
