@@ -65,13 +65,28 @@ def test_pages_are_matched_by_their_whole_prefix_not_their_own_tokens():
     a, mine = pool.add(-1, _tokens(1, 2), int(row[0]))
     b, _ = pool.add(a.serial, _tokens(3, 4), int(row[1]))
     assert mine and pool.cached == 2
-    assert pool.match(_tokens(1, 2, 3, 4, 5)) == [a, b]
+    a.written = b.written = True
+    assert pool.match(_tokens(1, 2, 3, 4, 5)) == ([a, b], [])
     # The last token is always left to prefill: it samples the first new token.
-    assert pool.match(_tokens(1, 2, 3, 4)) == [a]
-    assert pool.match(_tokens(9, 9, 3, 4, 5)) == []  # page 2's tokens behind another page 1
+    assert pool.match(_tokens(1, 2, 3, 4)) == ([a], [])
+    assert pool.match(_tokens(9, 9, 3, 4, 5)) == ([], [])  # page 2's tokens, another page 1
     # Content cached already: the entry that has it answers, the new page stays the caller's.
     again, mine = pool.add(-1, _tokens(1, 2), int(row[2]))
     assert again is a and not mine
+
+
+def test_a_page_not_yet_written_is_waited_for_and_forgotten_if_never_written():
+    pool = PageAllocator(4, page_size=2, prefix_caching=True)
+    row = pool.reserve(2)
+    a, _ = pool.add(-1, _tokens(1, 2), int(row[0]))
+    b, _ = pool.add(a.serial, _tokens(3, 4), int(row[1]))
+    a.written = True
+    # `a` can be mapped; `b` is being prefilled by its writer: wait for it.
+    assert pool.match(_tokens(1, 2, 3, 4, 5)) == ([a], [b])
+    assert pool.match(_tokens(1, 2, 7, 7, 5)) == ([a], [])
+    pool.drop([a, b])  # the writer ended before writing `b`: `b` goes, `a` stays idle
+    assert pool.cached == 1 and pool.free == 4 and pool.in_use == 0
+    assert pool.match(_tokens(1, 2, 3, 4, 5)) == ([a], [])
 
 
 def test_idle_cached_pages_are_evicted_last_page_first_and_never_matched_as_orphans():
@@ -80,13 +95,14 @@ def test_idle_cached_pages_are_evicted_last_page_first_and_never_matched_as_orph
     assert pool.free == 0 and pool.reserve(1) is None
     first, _ = pool.add(-1, _tokens(7), int(row[0]))
     second, _ = pool.add(first.serial, _tokens(8), int(row[1]))
+    first.written = second.written = True
     pool.drop([first, second])  # the request ended: its cached pages stay, idle
     pool.release(row[2:])
     assert pool.free == 3 and pool.in_use == 0 and pool.cached == 2
-    assert pool.match(_tokens(7, 8, 0)) == [first, second]
+    assert pool.match(_tokens(7, 8, 0)) == ([first, second], [])
     taken = pool.reserve(2)  # the free page, then the deepest idle one
     assert sorted(taken.tolist()) == sorted([int(row[2]), second.page])
-    assert pool.match(_tokens(7, 8, 0)) == [first]
+    assert pool.match(_tokens(7, 8, 0)) == ([first], [])
     pool.hold([first])  # a held page is never evicted
     assert pool.reserve(1) is None
     pool.drop([first])
@@ -95,13 +111,14 @@ def test_idle_cached_pages_are_evicted_last_page_first_and_never_matched_as_orph
     (page,) = pool.reserve(1).tolist()
     assert page == first.page and pool.cached == 0
     other, _ = pool.add(-1, _tokens(5), page)
-    assert pool.match(_tokens(5, 8, 0)) == [other]
+    other.written = True
+    assert pool.match(_tokens(5, 8, 0)) == ([other], [])
 
 
 def test_without_prefix_caching_nothing_is_matched():
     pool = PageAllocator(4, page_size=1)
     (page,) = pool.reserve(1).tolist()
-    assert pool.match(_tokens(1, 2, 3)) == []
+    assert pool.match(_tokens(1, 2, 3)) == ([], [])
     assert pool.free == 3
 
 
@@ -147,29 +164,34 @@ def test_requests_share_the_pages_of_a_prompt_that_is_still_decoding(engine):
     followers = [Request(_prompt(f"Question {i}?"), 16, seed=10 + i) for i in range(3)]
     for i, r in enumerate(followers):
         _submit(batcher, r, results, i)
-    batcher.step()  # admits them: they hold the decoding request's pages beside it
-    held = [e.refs for e in batcher.allocator._cached.values()]
-    assert max(held) == 4
+    # All three are admitted at once, beside the decoding request: the first one's page of
+    # "Question" is not worth waiting for (a call to write it, then another for a 3-token rest,
+    # against one call prefilling both of the others' 19 tokens now).
+    batcher.step()
+    assert not batcher.waiting
+    assert max(e.refs for e in batcher.allocator._cached.values()) == 4
     batcher.run_until_idle()
+    assert [results[i].cached_tokens for i in range(3)] == [5 * PAGE] * 3
     for i, r in enumerate(followers):
-        assert results[i].cached_tokens == 5 * PAGE
         assert results[i].tokens == _uncached(engine, r)
     assert results["long"].tokens == _uncached(engine, long)
     assert batcher.allocator.in_use == 0
 
 
-def test_prompts_admitted_together_cache_one_copy_and_prefill_in_chunks(engine):
-    """Admitted in the same step, neither finds the other's pages (not yet written); both
-    cache what they wrote, and the first copy is the one kept. A long prompt after them maps the
-    shared pages and prefills the rest over several chunks (prefill_chunk 64)."""
+def test_prompts_arriving_together_prefill_their_shared_pages_once(engine):
+    """Submitted together (95 tokens each, 80 shared), the second waits for the first call
+    (prefill_chunk 64), which writes four of the five shared pages, and maps them; then it is
+    admitted to prefill its last 31 tokens in the call writing the first one's last 31, rather
+    than wait for it too. A long prompt after them maps the shared pages and prefills the rest
+    over several chunks."""
     batcher = Batcher(engine)
     results = {}
     pair = [Request(_prompt(f"Say {w}."), 10, seed=i) for i, w in enumerate(("hi", "no"))]
     for i, r in enumerate(pair):
         _submit(batcher, r, results, i)
     batcher.run_until_idle()
-    assert [results[i].cached_tokens for i in range(2)] == [0, 0]
-    assert batcher.allocator.cached == 5  # the shared pages once; neither tail fills a page
+    assert [results[i].cached_tokens for i in range(2)] == [0, 4 * PAGE]
+    assert batcher.allocator.cached == 5  # neither tail fills a page
     long = Request(_prompt("Summarise this: " + "lorem ipsum " * 7), 12, seed=5)
     assert len(long.prompt_ids) - 5 * PAGE > CFG.prefill_chunk
     _submit(batcher, long, results, "long")
@@ -222,3 +244,44 @@ def test_a_request_cancelled_while_prefilling_leaves_its_written_pages_cached(en
     batcher.run_until_idle()
     assert results["again"].cached_tokens == CFG.prefill_chunk
     assert results["again"].tokens == _uncached(engine, again)
+
+
+def test_a_request_waiting_for_pages_whose_writer_is_cancelled_prefills_them_itself(engine):
+    batcher = Batcher(engine)
+    results = {}
+    running = Request(list(b"Keep going."), 230, seed=9, ignore_eos=True)
+    _submit(batcher, running, results, "running")
+    batcher.step()
+    batcher.step()  # decoding now: one prefill call per step
+    writer = Request(_prompt("y" * 100), 10, seed=10)
+    follower = Request(_prompt("y" * 90), 10, seed=11)
+    handle = batcher.submit(writer, lambda kind, p: results.update(w=p) if kind == "done" else 0)
+    _submit(batcher, follower, results, "follower")
+    batcher.step()  # the writer's first chunk (pages 0-3); the follower waits for page 4
+    assert handle.prefilled == CFG.prefill_chunk and len(batcher.waiting) == 1
+    batcher.cancel(handle)
+    batcher.run_until_idle()
+    assert "running" in results and results["w"].finish_reason == "abort"
+    assert results["follower"].cached_tokens == CFG.prefill_chunk
+    assert results["follower"].tokens == _uncached(engine, follower)
+    assert batcher.allocator.in_use == 0 and batcher.allocator.free == CFG.pool_pages
+
+
+def test_choices_of_a_long_prompt_wait_for_the_first_and_prefill_only_its_last_page(engine):
+    """Three requests of one 188-token prompt (n = 3 choices) beside a decoding request, one
+    prefill call of 64 tokens per step: the first prefills the prompt over three calls, the
+    others wait for them (four calls each alone, sharing the FIFO with the first: six) and
+    then map its eleven full pages, prefilling 12 tokens each."""
+    batcher = Batcher(engine)
+    results = {}
+    _submit(batcher, Request(list(b"Keep going."), 230, seed=9, ignore_eos=True), results, "bg")
+    batcher.step()
+    batcher.step()
+    choices = [Request(_prompt("z" * 100), 12, seed=20 + j, sampling=T07) for j in range(3)]
+    for j, r in enumerate(choices):
+        _submit(batcher, r, results, j)
+    batcher.run_until_idle()
+    assert [results[j].cached_tokens for j in range(3)] == [0, 11 * PAGE, 11 * PAGE]
+    for j, r in enumerate(choices):
+        assert results[j].tokens == _uncached(engine, r)
+    assert batcher.allocator.in_use == 0

@@ -132,9 +132,9 @@ class Observer:
 @dataclasses.dataclass(eq=False)
 class Handle:
     """A submitted request: its id, callback and (once admitted) its slot and pages: `pages` is
-    its page row, `held` the prefix cache's pages in it (mapped at admission or cached from its
-    prompt since), `own` the rest, returned to the free list when it ends; the first `chained`
-    pages are in the cache, the last of them named by the serial `chain`."""
+    its page row, `held` the prefix cache's pages in it (those it mapped and those of its prompt
+    it entered), `own` the rest, returned to the free list when it ends; `writes` the entered
+    pages its prefill has yet to write, as (index in the row, entry)."""
 
     id: int
     request: Request
@@ -146,8 +146,9 @@ class Handle:
     pages: np.ndarray | None = None
     held: list[CachedPage] = dataclasses.field(default_factory=list)
     own: list[int] = dataclasses.field(default_factory=list)
-    chain: int = -1
-    chained: int = 0
+    writes: collections.deque[tuple[int, CachedPage]] = dataclasses.field(
+        default_factory=collections.deque
+    )
     cached_tokens: int = 0
     prefilled: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -172,6 +173,9 @@ class CachedPage:
     serial: int
     key: tuple[int, bytes]  # (parent serial, the page's token ids as int32 bytes)
     refs: int = 0  # admitted requests whose page rows hold it
+    # The prefill call that writes it has been dispatched. Until then only its writer holds it:
+    # a request whose prompt runs into it either waits to map it or prefills its own copy.
+    written: bool = False
 
 
 class PageAllocator:
@@ -180,7 +184,11 @@ class PageAllocator:
     The cache keeps the full pages of prompts' K/V -- target and drafter context alike, as they
     share the page table -- keyed by their tokens and everything before them (the chain of
     parent pages), so a request whose prompt starts with a cached run of pages maps them into its
-    page row and prefills only the rest. A cached page that no request holds stays cached but
+    page row and prefills only the rest. A request enters its prompt's pages when it is
+    admitted, marked written once the prefill call writing each is dispatched; a request whose
+    prompt runs into pages not yet written may wait to map them (`Batcher` decides), so requests
+    arriving together (the choices of one request, a burst sharing a system prompt) can prefill
+    their common prefix once. A cached page that no request holds stays cached but
     idle; reservations take free pages first, then evict idle ones, least recently released
     first (a released request's last pages before its first, so a shared prefix outlives its
     tails). Only pages wholly inside a prompt are cached: decoding writes at positions past the
@@ -227,12 +235,14 @@ class PageAllocator:
         """Returns pages no cache entry holds to the free list."""
         self._free.extend(int(p) for p in pages)
 
-    def match(self, prompt: np.ndarray) -> list[CachedPage]:
+    def match(self, prompt: np.ndarray) -> tuple[list[CachedPage], list[CachedPage]]:
         """The longest run of cached pages that starts `prompt` (int32), leaving at least its
-        last token to prefill: the prefill of the last token samples the first new one."""
+        last token to prefill (whose prefill samples the first new one), split into the
+        written pages that lead it, which can be mapped now, and the rest, which can be mapped
+        once written."""
         found: list[CachedPage] = []
         if not self.prefix_caching:
-            return found
+            return found, []
         parent, size = -1, self.page_size
         for i in range((len(prompt) - 1) // size):
             entry = self._cached.get((parent, prompt[i * size : (i + 1) * size].tobytes()))
@@ -240,7 +250,8 @@ class PageAllocator:
                 break
             found.append(entry)
             parent = entry.serial
-        return found
+        ready = next((i for i, e in enumerate(found) if not e.written), len(found))
+        return found[:ready], found[ready:]
 
     def hold(self, entries: Sequence[CachedPage]) -> None:
         for entry in entries:
@@ -249,17 +260,23 @@ class PageAllocator:
             entry.refs += 1
 
     def drop(self, entries: Sequence[CachedPage]) -> None:
-        """Lets go of cached pages a request held, deepest first into the idle order."""
+        """Lets go of cached pages a request held, deepest first into the idle order. A page
+        never written (its writer ended before its prefill) leaves the cache for the free
+        list; nobody else holds it, as nobody maps a page before it is written."""
         for entry in reversed(entries):
             entry.refs -= 1
-            if entry.refs == 0:
+            if not entry.written:
+                del self._cached[entry.key]
+                self._free.append(entry.page)
+            elif entry.refs == 0:
                 self._idle[entry.page] = entry
 
     def add(self, parent: int, tokens: np.ndarray, page: int) -> tuple[CachedPage, bool]:
-        """Caches `page`, whose K/V hold `tokens` after the cached page `parent` (-1: none),
-        held by the caller. Returns (the entry for that content, whether it is `page`'s): when
-        the content is cached already -- two requests prefilled the same prefix side by side --
-        the existing entry names it and `page` stays the caller's own."""
+        """Caches `page`, whose K/V will hold `tokens` after the cached page `parent` (-1:
+        none), held by the caller, who marks it `written` once the prefill call writing it is
+        dispatched. Returns (the entry for that content, whether it is `page`'s): when the
+        content is cached already (a prompt's last page, which `match` leaves to prefill), the
+        existing entry names it and `page` stays the caller's own."""
         key = (parent, tokens.tobytes())
         entry = self._cached.get(key)
         if entry is not None:
@@ -511,7 +528,9 @@ class Batcher:
             handle = self.waiting[0]
             r = handle.request
             prompt = np.asarray(r.prompt_ids, np.int32)
-            cached = self.allocator.match(prompt)
+            cached, pending = self.allocator.match(prompt)
+            if pending and self._worth_waiting(len(prompt), len(cached), pending):
+                break  # a request ahead is prefilling this prompt's next pages: map them after
             self.allocator.hold(cached)
             pages = self.allocator.reserve(
                 self.engine.pages_needed(len(prompt), r.max_new_tokens) - len(cached)
@@ -526,9 +545,8 @@ class Batcher:
             handle.slot = self.free_slots.popleft()
             handle.pages = np.concatenate([np.array([c.page for c in cached], np.int32), pages])
             handle.held, handle.own = cached, pages.tolist()
-            handle.chained = len(cached)
-            handle.chain = cached[-1].serial if cached else -1
             handle.cached_tokens = handle.prefilled = len(cached) * self.allocator.page_size
+            self._enter_prompt_pages(handle, prompt, cached)
             self.observer.on_admit(len(prompt), handle.cached_tokens)
             self.owners[handle.slot] = handle
             self.prefilling.append(handle)
@@ -572,31 +590,59 @@ class Batcher:
             self.timing.prefill_s += time.perf_counter() - t0
             self.timing.prefill_calls += 1
         handles = []
+        size = cfg.page_size
         for item in items:
             handle = self.prefilling.popleft()
             handle.prefilled += len(item.tokens)
-            self._cache_prompt_pages(handle)
+            # Written by the call just dispatched: later calls, which take the state this one
+            # returns, may read them.
+            while handle.writes and (handle.writes[0][0] + 1) * size <= handle.prefilled:
+                handle.writes.popleft()[1].written = True
             if handle.prefilled < len(handle.request.prompt_ids):
                 self.prefilling.appendleft(handle)  # the rest next call, ahead of the others
             handles.append(handle)
         return out, handles
 
-    def _cache_prompt_pages(self, handle: Handle) -> None:
-        """Caches the request's full prompt pages written by the prefill calls dispatched so
-        far. A later request reads them only in a later call, which runs after these (each call
-        takes the state the previous one returns)."""
-        size = self.allocator.page_size
-        if not self.allocator.prefix_caching or handle.chained == handle.prefilled // size:
+    def _worth_waiting(self, prompt_len: int, written: int, pending: list[CachedPage]) -> bool:
+        """Whether a request whose prompt runs into `pending` pages (after `written` mapped
+        ones), which requests ahead of it are prefilling, should wait to map them rather than
+        be admitted now and prefill its own copies: yes unless waiting would make its prefill
+        end in a later call. Counted in calls of `prefill_chunk` tokens through the FIFO of
+        prompts being prefilled; waiting also saves the copies' compute and pages, so a tie
+        waits."""
+        size, budget = self.allocator.page_size, self.engine.cfg.prefill_chunk
+        last = next(e for e in reversed(pending) if not e.written)
+        ahead, written_by = 0, None
+        for handle in self.prefilling:
+            for i, entry in handle.writes:
+                if entry is last:
+                    written_by = ahead + (i + 1) * size - handle.prefilled
+            ahead += len(handle.request.prompt_ids) - handle.prefilled
+        if written_by is None:  # not being prefilled (cannot happen: its writer would hold it)
+            return False
+        calls = lambda tokens: -(-tokens // budget)  # noqa: E731
+        now = calls(ahead + prompt_len - written * size)
+        tail = prompt_len - (written + len(pending)) * size
+        wait = calls(written_by)
+        return wait + calls(max(ahead - wait * budget, 0) + tail) <= now
+
+    def _enter_prompt_pages(
+        self, handle: Handle, prompt: np.ndarray, cached: list[CachedPage]
+    ) -> None:
+        """Enters the admitted request's full prompt pages past the `cached` ones in the prefix
+        cache, to be marked written as its prefill calls are dispatched."""
+        if not self.allocator.prefix_caching:
             return
-        prompt = np.asarray(handle.request.prompt_ids, np.int32)
-        while handle.chained < handle.prefilled // size:
-            i = handle.chained
+        size = self.allocator.page_size
+        parent = cached[-1].serial if cached else -1
+        for i in range(len(cached), len(prompt) // size):
             page = int(handle.pages[i])
-            entry, mine = self.allocator.add(handle.chain, prompt[i * size : (i + 1) * size], page)
+            entry, mine = self.allocator.add(parent, prompt[i * size : (i + 1) * size], page)
             if mine:
                 handle.held.append(entry)
                 handle.own.remove(page)
-            handle.chain, handle.chained = entry.serial, i + 1
+                handle.writes.append((i, entry))
+            parent = entry.serial
 
     def _running(self) -> bool:
         return any(
@@ -687,6 +733,7 @@ class Batcher:
             self.allocator.drop(handle.held)
             self.allocator.release(np.asarray(handle.own, np.int32))
             handle.pages, handle.held, handle.own = None, [], []
+            handle.writes.clear()
 
     def _finish(self, handle: Handle, reason: str) -> None:
         handle.finished = True
