@@ -1,11 +1,13 @@
 """What the prefix cache saves: requests sharing a long prompt prefix, with and without it.
 
-A first request carrying the shared prefix (a system prompt, few-shot examples) runs alone;
-then `--requests` more, each the prefix plus `--tail` tokens of its own, arrive together and
-run through the continuously batched loop. The second phase is timed on one `Batcher` with the
-prefix cache and on one without, alternated `--repeats` times: wall time, time in prefill
-calls, mean time to first token and the prompt tokens prefilled. Same requests, same engine;
-greedy, and each request's tokens are checked equal in both modes.
+`--requests` requests, each the shared prefix (a system prompt, few-shot examples) plus
+`--tail` tokens of its own, arrive together and run through the continuously batched loop, in
+two scenarios: "after a carrier" -- a first request carrying the prefix has run alone before
+(the server's earlier traffic), so the prefix is cached -- and "together" -- nothing is cached
+and the requests share the prefix one of them is prefilling. Each is timed on one `Batcher`
+with the prefix cache and on one without, alternated `--repeats` times: wall time, time in
+prefill calls, mean time to first token and the prompt tokens prefilled. Same requests, same
+engine; greedy, and each request's tokens are checked equal in both modes.
 
     python benchmarks/prefix_cache.py                     # the embedded pair, 448-token prefix
     python benchmarks/prefix_cache.py --prefix 960 --json prefix.json
@@ -39,9 +41,10 @@ def _run(batcher: Batcher, requests: list[Request]) -> list[Result]:
     return results
 
 
-def _phase(engine: Engine, first: Request, rest: list[Request], caching: bool) -> dict:
+def _phase(engine: Engine, first: Request | None, rest: list[Request], caching: bool) -> dict:
     batcher = Batcher(engine, timed=True, prefix_caching=caching)
-    _run(batcher, [first])
+    if first is not None:
+        _run(batcher, [first])
     prefill_s, prefill_calls = batcher.timing.prefill_s, batcher.timing.prefill_calls
     t0 = time.perf_counter()
     results = _run(batcher, rest)
@@ -88,37 +91,42 @@ def main() -> int:
         return Request(prefix + tail, args.new_tokens, seed=k, ignore_eos=True)
 
     first, rest = request(0), [request(k) for k in range(1, args.requests + 1)]
-    runs: dict[bool, list[dict]] = {True: [], False: []}
+    scenarios = {"after a carrier": first, "together": None}
+    runs: dict[tuple[str, bool], list[dict]] = {
+        (name, caching): [] for name in scenarios for caching in (False, True)
+    }
     for _ in range(args.repeats):
-        for caching in (False, True):
-            runs[caching].append(_phase(engine, first, rest, caching))
-    if runs[True][0]["tokens"] != runs[False][0]["tokens"]:
+        for (name, caching), cells in runs.items():
+            cells.append(_phase(engine, scenarios[name], rest, caching))
+    same = all(runs[n, True][0]["tokens"] == runs[n, False][0]["tokens"] for n in scenarios)
+    if not same:
         print("note: some request drew other tokens from cached pages (rounding; see the docs)")
     rows = {}
-    for caching, label in ((False, "without"), (True, "with")):
-        cells = runs[caching]
-        rows[label] = {
+    for (name, caching), cells in runs.items():
+        rows[f"{name}, {'with' if caching else 'without'}"] = {
             k: statistics.median(c[k] for c in cells)
             for k in ("wall_s", "prefill_s", "ttft_s", "prefilled", "prefill_calls")
         }
-    off, on = rows["without"], rows["with"]
     print(
         f"{args.requests} requests of a {args.prefix}-token shared prefix + {args.tail} tokens "
-        f"each, {args.new_tokens} new tokens, {args.slots} slots, after one request carrying "
-        f"the prefix; median of {args.repeats}; {jax.devices()[0].device_kind}"
+        f"each, {args.new_tokens} new tokens, {args.slots} slots; median of {args.repeats}; "
+        f"{jax.devices()[0].device_kind}"
     )
-    print("| prefix cache | prompt tokens prefilled | prefill calls | prefill (s) | "
+    print("| scenario | prefix cache | prompt tokens prefilled | prefill calls | prefill (s) | "
           "mean TTFT (s) | wall (s) |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for label, row in rows.items():
+        name, mode = label.split(", ")
         print(
-            f"| {label} | {row['prefilled']:.0f} | {row['prefill_calls']:.0f} | "
+            f"| {name} | {mode} | {row['prefilled']:.0f} | {row['prefill_calls']:.0f} | "
             f"{row['prefill_s']:.3f} | {row['ttft_s']:.3f} | {row['wall_s']:.3f} |"
         )
-    print(
-        f"with / without: prefill {on['prefill_s'] / off['prefill_s']:.2f}, "
-        f"TTFT {on['ttft_s'] / off['ttft_s']:.2f}, wall {on['wall_s'] / off['wall_s']:.2f}"
-    )
+    for name in scenarios:
+        off, on = rows[f"{name}, without"], rows[f"{name}, with"]
+        print(
+            f"{name}, with / without: prefill {on['prefill_s'] / off['prefill_s']:.2f}, "
+            f"TTFT {on['ttft_s'] / off['ttft_s']:.2f}, wall {on['wall_s'] / off['wall_s']:.2f}"
+        )
     if json_path is not None:
         write_json(
             json_path,
@@ -128,7 +136,7 @@ def main() -> int:
                 device=str(jax.devices()[0].device_kind),
                 args=vars(args),
                 rows=rows,
-                same_tokens=runs[True][0]["tokens"] == runs[False][0]["tokens"],
+                same_tokens=same,
             ),
         )
     return 0

@@ -1150,8 +1150,11 @@ def test_a_decode_chunk_compiled_for_an_h200_is_one_cuda_graph(tmp_path, monkeyp
 
 
 def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
-    """Three requests of a 48-token prefix (three pages) + 4 tokens: with the cache each
-    prefills its 4 own tokens, without it all 52; the same tokens either way."""
+    """Three requests of a 48-token prefix (three pages) + 4 tokens: after a carrier, with
+    the cache each prefills its 4 own tokens, without it all 52; arriving together at two
+    slots, the second copies the prefix the first is prefilling (one call of 512 tokens holds
+    both; waiting would take two) and the third, admitted when a slot frees, maps it; the same
+    tokens either way."""
     out = tmp_path / "prefix.json"
     cache = str(tmp_path / "cache")
     done = _script(
@@ -1163,7 +1166,10 @@ def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    assert result["rows"]["with"]["prefilled"] == 3 * 4
-    assert result["rows"]["without"]["prefilled"] == 3 * 52
+    rows = result["rows"]
+    assert rows["after a carrier, with"]["prefilled"] == 3 * 4
+    assert rows["after a carrier, without"]["prefilled"] == 3 * 52
+    assert rows["together, with"]["prefilled"] == 2 * 52 + 4
+    assert rows["together, without"]["prefilled"] == 3 * 52
     assert result["same_tokens"] is True
-    assert "| with | 12 |" in done.stdout
+    assert "| after a carrier | with | 12 |" in done.stdout
