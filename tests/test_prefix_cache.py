@@ -54,6 +54,15 @@ def _submit(batcher, request, results, name):
     batcher.submit(request, lambda kind, p: results.update({name: p}) if kind == "done" else None)
 
 
+def _decoding(engine, results) -> Batcher:
+    """A batcher with a long request decoding ("bg"): from here on one prefill call per step."""
+    batcher = Batcher(engine)
+    _submit(batcher, Request(list(b"Keep going."), 230, seed=6, ignore_eos=True), results, "bg")
+    batcher.step()
+    batcher.step()
+    return batcher
+
+
 # -- the allocator alone ---------------------------------------------------------------------
 def _tokens(*values):
     return np.array(values, np.int32)
@@ -225,16 +234,12 @@ def test_a_small_pool_evicts_idle_pages_and_every_answer_stays_the_same(engine):
 
 
 def test_a_request_cancelled_while_prefilling_leaves_its_written_pages_cached(engine):
-    batcher = Batcher(engine)
     results = {}
-    running = Request(list(b"Keep going."), 230, seed=6, ignore_eos=True)
-    _submit(batcher, running, results, "running")
-    batcher.step()
-    batcher.step()  # decoding now: the next prompt is prefilled one chunk per step
+    batcher = _decoding(engine, results)
     long = Request(_prompt("x" * 100), 10, seed=7)
     handle = batcher.submit(long, lambda kind, p: results.update(long=p) if kind == "done" else 0)
     batcher.step()
-    assert "running" not in results and handle.prefilled == CFG.prefill_chunk
+    assert "bg" not in results and handle.prefilled == CFG.prefill_chunk
     batcher.cancel(handle)
     batcher.run_until_idle()
     assert results["long"].finish_reason == "abort"
@@ -247,12 +252,8 @@ def test_a_request_cancelled_while_prefilling_leaves_its_written_pages_cached(en
 
 
 def test_a_request_waiting_for_pages_whose_writer_is_cancelled_prefills_them_itself(engine):
-    batcher = Batcher(engine)
     results = {}
-    running = Request(list(b"Keep going."), 230, seed=9, ignore_eos=True)
-    _submit(batcher, running, results, "running")
-    batcher.step()
-    batcher.step()  # decoding now: one prefill call per step
+    batcher = _decoding(engine, results)
     writer = Request(_prompt("y" * 100), 10, seed=10)
     follower = Request(_prompt("y" * 90), 10, seed=11)
     handle = batcher.submit(writer, lambda kind, p: results.update(w=p) if kind == "done" else 0)
@@ -261,7 +262,7 @@ def test_a_request_waiting_for_pages_whose_writer_is_cancelled_prefills_them_its
     assert handle.prefilled == CFG.prefill_chunk and len(batcher.waiting) == 1
     batcher.cancel(handle)
     batcher.run_until_idle()
-    assert "running" in results and results["w"].finish_reason == "abort"
+    assert "bg" in results and results["w"].finish_reason == "abort"
     assert results["follower"].cached_tokens == CFG.prefill_chunk
     assert results["follower"].tokens == _uncached(engine, follower)
     assert batcher.allocator.in_use == 0 and batcher.allocator.free == CFG.pool_pages
@@ -272,11 +273,8 @@ def test_choices_of_a_long_prompt_wait_for_the_first_and_prefill_only_its_last_p
     prefill call of 64 tokens per step: the first prefills the prompt over three calls, the
     others wait for them (four calls each alone, sharing the FIFO with the first: six) and
     then map its eleven full pages, prefilling 12 tokens each."""
-    batcher = Batcher(engine)
     results = {}
-    _submit(batcher, Request(list(b"Keep going."), 230, seed=9, ignore_eos=True), results, "bg")
-    batcher.step()
-    batcher.step()
+    batcher = _decoding(engine, results)
     choices = [Request(_prompt("z" * 100), 12, seed=20 + j, sampling=T07) for j in range(3)]
     for j, r in enumerate(choices):
         _submit(batcher, r, results, j)
