@@ -1,8 +1,10 @@
 """Load: 64 concurrent clients for 5 minutes against a `dspark-jax serve` process (slow).
 
 Each client loops over streaming, cancelled (disconnects after the first chunk) and plain
-requests with rotating temperatures and top-p. Holds: zero server errors, zero refused or reset
-connections, no compilation after warm-up, no slot or page leak (occupancy back to 0) and flat
+requests with rotating temperatures and top-p, most of them behind one of two shared headers
+(the prefix cache maps, evicts and drops pages throughout). Holds: zero server errors, zero
+refused or reset connections, no compilation after warm-up, prefix cache hits, no slot or page
+leak (occupancy and held pages back to 0) and flat
 memory (the server's resident set over the last third of the run no higher than over the middle
 third, within a small margin).
 """
@@ -47,6 +49,8 @@ FLAGS = [
     f"--max-waiting={CLIENTS}",
 ]
 TEMPERATURES = (0.0, 0.3, 0.7, 1.0, 1.4)
+# Prompt headers: none, 96 and 102 tokens (6 pages of 16 byte tokens, and 6 more tokens).
+HEADERS = ("", "# Helpers for the command line of a small tool.\n" * 2, '"""CSV files."""\n' * 6)
 TOP_PS = (1.0, 0.95, 0.8, 0.5)
 
 
@@ -74,7 +78,7 @@ def _client(url: str, i: int, stop: threading.Event, tally: _Tally) -> None:
     with httpx.Client(base_url=url, timeout=600) as http:
         while not stop.is_set():
             body = {
-                "prompt": f"def f{k}(x):\n",
+                "prompt": HEADERS[(k // 3) % len(HEADERS)] + f"def f{k}(x):\n",
                 "max_tokens": (16, 48, 96, 200)[k % 4],
                 "temperature": TEMPERATURES[k % len(TEMPERATURES)],
                 "top_p": TOP_PS[k % len(TOP_PS)],
@@ -137,6 +141,8 @@ def test_64_clients_for_5_minutes(tmp_path):
         assert counts.total() > CLIENTS * 3, counts
         assert not any("code=5" in k and v for k, v in codes.items()), codes
         assert after["dspark:jax_compilations_total"] == compiles
+        hits = after["dspark:prefix_cache_hits_total"] - before["dspark:prefix_cache_hits_total"]
+        assert hits > 0
         middle = [b for t, b in rss if SECONDS / 3 <= t < 2 * SECONDS / 3]
         last = [b for t, b in rss if t >= 2 * SECONDS / 3]
         mib = [(round(t), b >> 20) for t, b in rss]
