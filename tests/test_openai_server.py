@@ -448,6 +448,18 @@ def test_a_shared_prompt_prefix_is_reported_as_cached_tokens(served):
         after["dspark:prefix_cache_queries_total"] - before["dspark:prefix_cache_queries_total"]
     )
     assert (hits, queries) == (64, 45 + 49 + 47)
+    # A salt keeps a request apart from unsalted ones and other salts (vLLM's `cache_salt`).
+    salted = [
+        _complete(served.url, prompt=shared + list(b"def b"), max_tokens=4, cache_salt=salt)
+        for salt in ("tenant-1", "tenant-1", "tenant-2")
+    ]
+    assert [s["usage"]["prompt_tokens_details"]["cached_tokens"] for s in salted] == [0, 32, 0]
+    r = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "cache_salt": ""},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
 def test_n_choices_are_what_their_seeds_draw_alone(served):

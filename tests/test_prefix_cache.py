@@ -283,3 +283,35 @@ def test_choices_of_a_long_prompt_wait_for_the_first_and_prefill_only_its_last_p
     for j, r in enumerate(choices):
         assert results[j].tokens == _uncached(engine, r)
     assert batcher.allocator.in_use == 0
+
+
+def test_requests_share_cached_pages_only_with_the_same_salt(engine):
+    batcher = Batcher(engine)
+    results = {}
+    prompt = _prompt("Which tenant am I?")
+    for name, salt in (("plain", None), ("a", "tenant-a"), ("a again", "tenant-a"), ("b", "b")):
+        request = Request(prompt, 8, seed=1, cache_salt=salt)
+        _submit(batcher, request, results, name)
+        batcher.run_until_idle()
+    cached = {name: r.cached_tokens for name, r in results.items()}
+    # Only the second request of tenant-a finds pages: its own tenant's.
+    assert cached == {"plain": 0, "a": 0, "a again": 6 * PAGE, "b": 0}
+    assert len({tuple(r.tokens) for r in results.values()}) == 1  # same prompt, same seed
+    assert results["plain"].tokens == _uncached(engine, Request(prompt, 8, seed=1))
+
+
+@pytest.mark.parametrize("salt", ["", 7, b"a"])
+def test_a_cache_salt_must_be_a_non_empty_string(engine, salt):
+    with pytest.raises(EngineError, match="cache_salt must be a non-empty string") as e:
+        Batcher(engine).submit(Request([1, 2, 3], 4, cache_salt=salt), lambda *a: None)
+    assert e.value.field == "cache_salt"
+
+
+def test_salted_first_pages_are_keyed_apart():
+    pool = PageAllocator(4, page_size=2, prefix_caching=True)
+    (page,) = pool.reserve(1).tolist()
+    entry, _ = pool.add("t1", _tokens(1, 2), page)
+    entry.written = True
+    assert pool.match(_tokens(1, 2, 3), "t1") == ([entry], [])
+    assert pool.match(_tokens(1, 2, 3), "t2") == ([], [])
+    assert pool.match(_tokens(1, 2, 3)) == ([], [])

@@ -73,6 +73,9 @@ class Request:
     sampling: SamplingConfig = GREEDY
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Requests share prefix-cache pages only with requests of the same salt (None: unsalted),
+    # so one tenant's time to first token cannot tell what another's prompts began with.
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass
@@ -171,7 +174,9 @@ class CachedPage:
 
     page: int
     serial: int
-    key: tuple[int, bytes]  # (parent serial, the page's token ids as int32 bytes)
+    # (the parent's serial, or for a first page -1 or the requests' cache salt; the page's
+    # token ids as int32 bytes)
+    key: tuple[int | str, bytes]
     refs: int = 0  # admitted requests whose page rows hold it
     # The prefill call that writes it has been dispatched. Until then only its writer holds it:
     # a request whose prompt runs into it either waits to map it or prefills its own copy.
@@ -199,7 +204,7 @@ class PageAllocator:
         self.page_size = page_size
         self.prefix_caching = prefix_caching
         self._free = collections.deque(range(num_pages))
-        self._cached: dict[tuple[int, bytes], CachedPage] = {}
+        self._cached: dict[tuple[int | str, bytes], CachedPage] = {}
         self._idle: collections.OrderedDict[int, CachedPage] = collections.OrderedDict()
         self._serials = itertools.count()
 
@@ -235,15 +240,17 @@ class PageAllocator:
         """Returns pages no cache entry holds to the free list."""
         self._free.extend(int(p) for p in pages)
 
-    def match(self, prompt: np.ndarray) -> tuple[list[CachedPage], list[CachedPage]]:
-        """The longest run of cached pages that starts `prompt` (int32), leaving at least its
-        last token to prefill (whose prefill samples the first new one), split into the
-        written pages that lead it, which can be mapped now, and the rest, which can be mapped
-        once written."""
+    def match(
+        self, prompt: np.ndarray, salt: str | None = None
+    ) -> tuple[list[CachedPage], list[CachedPage]]:
+        """The longest run of cached pages of requests salted `salt` that starts `prompt`
+        (int32), leaving at least its last token to prefill (whose prefill samples the first new
+        one), split into the written pages that lead it, which can be mapped now, and the rest,
+        which can be mapped once written."""
         found: list[CachedPage] = []
         if not self.prefix_caching:
             return found, []
-        parent, size = -1, self.page_size
+        parent, size = _root(salt), self.page_size
         for i in range((len(prompt) - 1) // size):
             entry = self._cached.get((parent, prompt[i * size : (i + 1) * size].tobytes()))
             if entry is None:
@@ -271,12 +278,13 @@ class PageAllocator:
             elif entry.refs == 0:
                 self._idle[entry.page] = entry
 
-    def add(self, parent: int, tokens: np.ndarray, page: int) -> tuple[CachedPage, bool]:
-        """Caches `page`, whose K/V will hold `tokens` after the cached page `parent` (-1:
-        none), held by the caller, who marks it `written` once the prefill call writing it is
-        dispatched. Returns (the entry for that content, whether it is `page`'s): when the
-        content is cached already (a prompt's last page, which `match` leaves to prefill), the
-        existing entry names it and `page` stays the caller's own."""
+    def add(self, parent: int | str, tokens: np.ndarray, page: int) -> tuple[CachedPage, bool]:
+        """Caches `page`, whose K/V will hold `tokens` after the cached page `parent` (for a
+        first page, `_root` of the request's salt), held by the caller, who marks it `written`
+        once the prefill call writing it is dispatched. Returns (the entry for that content,
+        whether it is `page`'s): when the content is cached already (a prompt's last page,
+        which `match` leaves to prefill), the existing entry names it and `page` stays the
+        caller's own."""
         key = (parent, tokens.tobytes())
         entry = self._cached.get(key)
         if entry is not None:
@@ -284,6 +292,12 @@ class PageAllocator:
         entry = CachedPage(page, next(self._serials), key, refs=1)
         self._cached[key] = entry
         return entry, True
+
+
+def _root(salt: str | None) -> int | str:
+    """The parent in a prompt's first page's key: -1 unsalted, else the salt itself (a string,
+    never equal to a serial)."""
+    return -1 if salt is None else salt
 
 
 @dataclasses.dataclass
@@ -374,6 +388,13 @@ class Batcher:
             raise EngineError(f"on_event must be a function (kind, payload), got {on_event!r}")
         if not isinstance(request.ignore_eos, bool | np.bool_):
             raise EngineError(f"ignore_eos must be True or False, got {request.ignore_eos!r}")
+        if request.cache_salt is not None and not (
+            isinstance(request.cache_salt, str) and request.cache_salt
+        ):
+            raise EngineError(
+                f"cache_salt must be a non-empty string or None, got {request.cache_salt!r}",
+                "cache_salt",
+            )
         # The loop reads the prompt later, on its own thread: what is checked is a copy, so a
         # list the caller changes after submitting cannot carry unchecked ids into the engine.
         try:
@@ -528,7 +549,7 @@ class Batcher:
             handle = self.waiting[0]
             r = handle.request
             prompt = np.asarray(r.prompt_ids, np.int32)
-            cached, pending = self.allocator.match(prompt)
+            cached, pending = self.allocator.match(prompt, r.cache_salt)
             if pending and self._worth_waiting(len(prompt), len(cached), pending):
                 break  # a request ahead is prefilling this prompt's next pages: map them after
             self.allocator.hold(cached)
@@ -634,7 +655,7 @@ class Batcher:
         if not self.allocator.prefix_caching:
             return
         size = self.allocator.page_size
-        parent = cached[-1].serial if cached else -1
+        parent = cached[-1].serial if cached else _root(handle.request.cache_salt)
         for i in range(len(cached), len(prompt) // size):
             page = int(handle.pages[i])
             entry, mine = self.allocator.add(parent, prompt[i * size : (i + 1) * size], page)

@@ -462,7 +462,8 @@ def _param_of(req: api.GenerationRequest, field: str | None) -> str | None:
         return "messages" if isinstance(req, api.ChatCompletionRequest) else "prompt"
     if field == "max_new_tokens":
         return req.token_limit_param
-    return {"stop_token_ids": "stop_token_ids", "seed": "seed"}.get(field or "")
+    names = ("stop_token_ids", "seed", "cache_salt")
+    return field if field in names else None
 
 
 class OpenAIServer:
@@ -635,6 +636,7 @@ class OpenAIServer:
                 sampling=sampling,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
+                cache_salt=req.cache_salt,
             )
             for ids, limit in zip(prompts, limits, strict=True)
             for j in range(req.n)

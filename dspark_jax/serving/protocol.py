@@ -135,6 +135,8 @@ class GenerationRequest(_Strict):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     return_token_ids: Flag = False
+    # vLLM's: requests share prefix-cache pages only with requests of the same salt.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     # No effect on the answer: OpenAI's end-user id (`safety_identifier` is its successor) and
     # its prompt-caching hint.
     user: str | None = None
