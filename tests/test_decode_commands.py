@@ -329,3 +329,20 @@ def test_the_plain_replay_answers_turn_by_turn_like_the_run(monkeypatch):
     run = evaluate.ConversationRun(turns=turns, timing=LoopTiming(), skipped=[])
     assert evaluate.replay(None, run) is made[0].timing
     assert made[0].steps == [[0, 10], [1], [2], [3]]
+
+
+def test_the_summary_says_what_the_prefix_cache_reused():
+    import numpy as np
+
+    from dspark_jax.cli.report import generation_summary
+    from dspark_jax.decoding.batching import LoopTiming, Result
+
+    def result(prompt_len: int, cached: int) -> Result:
+        empty = np.zeros((0,), np.int32)
+        return Result([5], "length", prompt_len, empty, empty, empty, np.zeros((0, 7)),
+                      cached_tokens=cached)  # fmt: skip
+
+    lines = generation_summary([result(40, 0), result(40, 32)], LoopTiming(), None)
+    assert "prefix cache: 32 of 80 prompt tokens reused, not prefilled" in lines
+    assert not any("prefix cache" in line for line in generation_summary(
+        [result(40, 0)], LoopTiming(), None))  # fmt: skip

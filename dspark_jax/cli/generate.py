@@ -227,6 +227,7 @@ def _result_json(result) -> dict:
     return {
         "tokens": result.tokens,
         "finish_reason": result.finish_reason,
+        "cached_tokens": result.cached_tokens,
         "tau": result.tau,
         "rounds": result.rounds,
         "verified": result.verified.tolist(),

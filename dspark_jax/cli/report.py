@@ -59,6 +59,10 @@ def generation_summary(
         f"{compiled}prefill {timing.prefill_s:.3f} s, decode {timing.decode_s:.3f} s: "
         f"{_cell(timing.decode_rate, '.1f', 'n/a')} decode tokens/s",
     ]
+    cached = sum(r.cached_tokens for r in results)
+    if cached:
+        prompt = sum(r.prompt_len for r in results)
+        lines.append(f"prefix cache: {cached} of {prompt} prompt tokens reused, not prefilled")
     if stats is None:
         lines.append("plain decoding: tau 1 (one token per target step)")
         return lines
