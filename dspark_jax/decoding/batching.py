@@ -136,7 +136,7 @@ class Observer:
 class Handle:
     """A submitted request: its id, callback and (once admitted) its slot and pages: `pages` is
     its page row, `held` the prefix cache's pages in it (those it mapped and those of its prompt
-    it entered), `own` the rest, returned to the free list when it ends; `writes` the entered
+    it entered; the rest of the row returns to the free list when it ends), `writes` the entered
     pages its prefill has yet to write, as (index in the row, entry)."""
 
     id: int
@@ -148,7 +148,6 @@ class Handle:
     slot: int | None = None
     pages: np.ndarray | None = None
     held: list[CachedPage] = dataclasses.field(default_factory=list)
-    own: list[int] = dataclasses.field(default_factory=list)
     writes: collections.deque[tuple[int, CachedPage]] = dataclasses.field(
         default_factory=collections.deque
     )
@@ -236,7 +235,7 @@ class PageAllocator:
                 pages.append(page)
         return np.array(pages, np.int32)
 
-    def release(self, pages: np.ndarray) -> None:
+    def release(self, pages: Sequence[int]) -> None:
         """Returns pages no cache entry holds to the free list."""
         self._free.extend(int(p) for p in pages)
 
@@ -565,7 +564,7 @@ class Batcher:
                 self._queued -= 1
             handle.slot = self.free_slots.popleft()
             handle.pages = np.concatenate([np.array([c.page for c in cached], np.int32), pages])
-            handle.held, handle.own = cached, pages.tolist()
+            handle.held = cached
             handle.cached_tokens = handle.prefilled = len(cached) * self.allocator.page_size
             self._enter_prompt_pages(handle, prompt, cached)
             self.observer.on_admit(len(prompt), handle.cached_tokens)
@@ -661,7 +660,6 @@ class Batcher:
             entry, mine = self.allocator.add(parent, prompt[i * size : (i + 1) * size], page)
             if mine:
                 handle.held.append(entry)
-                handle.own.remove(page)
                 handle.writes.append((i, entry))
             parent = entry.serial
 
@@ -751,9 +749,10 @@ class Batcher:
             self.free_slots.append(handle.slot)
             handle.slot = None
         if handle.pages is not None:
+            cached = {entry.page for entry in handle.held}
             self.allocator.drop(handle.held)
-            self.allocator.release(np.asarray(handle.own, np.int32))
-            handle.pages, handle.held, handle.own = None, [], []
+            self.allocator.release([p for p in handle.pages.tolist() if p not in cached])
+            handle.pages, handle.held = None, []
             handle.writes.clear()
 
     def _finish(self, handle: Handle, reason: str) -> None:
