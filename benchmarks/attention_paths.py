@@ -23,7 +23,6 @@ alternate between cells so that load from elsewhere on the machine hits every ce
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import statistics
 import time
@@ -35,6 +34,7 @@ import numpy as np
 from provenance import (
     Parser,
     git_commit,
+    measured,
     output_file,
     positive_int,
     positive_ints,
@@ -212,9 +212,7 @@ def main():
     if args.json:
         write_json(args.json, dict(
             benchmark="attention_paths",
-            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            commit=git_commit(),
-            device=device.device_kind,
+            **measured(),
             backend=jax.default_backend(),
             settings={k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()
                       if k != "json"},

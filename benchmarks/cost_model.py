@@ -20,7 +20,6 @@ back between chunks, so every round sees the same context), after a warm-up chun
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import time
 
@@ -32,7 +31,7 @@ from provenance import (
     CompileClock,
     Parser,
     add_compile_workers,
-    git_commit,
+    measured,
     output_file,
     positive_int,
     run_main,
@@ -147,9 +146,7 @@ def _sweeps(args: argparse.Namespace) -> dict:
     device = jax.devices()[0]
     return {
         "benchmark": "cost_model",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "device": device.device_kind,
+        **measured(),
         "platform": device.platform,
         "config": args.config,
         "dtype": args.dtype,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import statistics
 import time
@@ -50,7 +49,7 @@ from provenance import (
     Parser,
     add_compile_workers,
     compile_only_cache,
-    git_commit,
+    measured,
     non_negative_float,
     output_file,
     positive_float,
@@ -294,9 +293,7 @@ def run(args: argparse.Namespace) -> dict | None:
     step_weights = draft_step_bytes(drafter)
     result = {
         "benchmark": "decode_speed",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "device": device.device_kind,
+        **measured(),
         "platform": device.platform,
         "jax": jax.__version__,
         "config": args.config,

@@ -16,11 +16,9 @@ the slot count alone), the engine as it was before the slot buckets, measured in
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import statistics
 
-import jax
-from provenance import Parser, git_commit, output_file, positive_int, run_main, write_json
+from provenance import Parser, measured, output_file, positive_int, run_main, write_json
 
 from dspark_jax.checkpoints.converted import load_decoding_models
 from dspark_jax.cli import use_compilation_cache
@@ -92,9 +90,7 @@ def main() -> int:
         write_json(
             json_path,
             dict(
-                date=datetime.date.today().isoformat(),
-                commit=git_commit(),
-                device=str(jax.devices()[0].device_kind),
+                **measured(day=True),
                 new_tokens=args.new_tokens,
                 repeats=args.repeats,
                 rows=rows,

@@ -15,12 +15,11 @@ engine; greedy, and each request's tokens are checked equal in both modes.
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import time
 
 import jax
-from provenance import Parser, git_commit, output_file, positive_int, run_main, write_json
+from provenance import Parser, measured, output_file, positive_int, run_main, write_json
 
 from dspark_jax.checkpoints.converted import load_decoding_models
 from dspark_jax.cli import use_compilation_cache
@@ -131,9 +130,7 @@ def main() -> int:
         write_json(
             json_path,
             dict(
-                date=datetime.date.today().isoformat(),
-                commit=git_commit(),
-                device=str(jax.devices()[0].device_kind),
+                **measured(day=True),
                 args=vars(args),
                 rows=rows,
                 same_tokens=same,

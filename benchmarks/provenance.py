@@ -8,6 +8,7 @@ A module the scripts import, not a script: running it does nothing.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -48,6 +49,20 @@ def git_commit() -> str:
         return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get(COMMIT_ENV) or "unknown"
+
+
+def measured(*, day: bool = False) -> dict[str, str]:
+    """The record a script writes beside its numbers: `date` (UTC, to the second; the local
+    day alone with `day=True`), `commit` (`git_commit()`) and `device` (the first JAX device's
+    kind). Spread it into the result where those keys go: `dict(benchmark=..., **measured(),
+    rows=...)`."""
+    import jax
+
+    if day:
+        date = datetime.date.today().isoformat()
+    else:
+        date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return {"date": date, "commit": git_commit(), "device": str(jax.devices()[0].device_kind)}
 
 
 class CompileClock:

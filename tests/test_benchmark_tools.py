@@ -1,6 +1,7 @@
 """The benchmarks' shared pieces: provenance (commit, compile cost) and throughput's --combine,
 which joins concurrency levels measured in separate GPU calls for gpu_targets.py to judge."""
 
+import datetime
 import importlib.util
 import json
 import os
@@ -46,6 +47,16 @@ def test_git_commit_without_git_names_the_commit_it_was_given(monkeypatch):
     assert provenance.git_commit() == "unknown"
     monkeypatch.setenv(provenance.COMMIT_ENV, "abc1234")
     assert provenance.git_commit() == "abc1234"
+
+
+def test_measured_names_when_at_which_commit_and_on_what(monkeypatch):
+    monkeypatch.setattr(provenance, "git_commit", lambda: "abc1234")
+    record = provenance.measured()
+    assert list(record) == ["date", "commit", "device"]
+    assert datetime.datetime.fromisoformat(record["date"]).utcoffset() == datetime.timedelta(0)
+    assert record["commit"] == "abc1234"
+    assert record["device"] == jax.devices()[0].device_kind
+    assert provenance.measured(day=True)["date"] == datetime.date.today().isoformat()
 
 
 def _part(folder: Path, name: str, level: int, commit: str, throughputs: dict) -> str:
