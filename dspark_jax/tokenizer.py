@@ -172,12 +172,25 @@ def encode_chat(
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     enable_thinking: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a prompt conversation, ready for generation."""
+    """Token ids of a prompt conversation, ready for generation; `tools` (OpenAI's function
+    definitions) are rendered by the template, which must know them (`renders_tools`)."""
     _check_messages(messages)
+    if tools and not renders_tools(tokenizer):
+        raise ChatTemplateError("the model's chat template does not render tools")
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.encode(tokenizer.render_chat(messages))
-    return _render_ids(tokenizer, messages, add_generation_prompt, enable_thinking)
+    return _render_ids(tokenizer, messages, add_generation_prompt, enable_thinking, tools)
+
+
+def renders_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template reads a `tools` variable (Qwen's templates do; a template that
+    does not would drop the tools without a word)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):  # named templates: transformers picks "tool_use" for tools
+        return any("tools" in str(t) for t in template.values())
+    return template is not None and "tools" in template
 
 
 def encode_conversation(
@@ -260,6 +273,7 @@ def _render_ids(
     messages: Sequence[Message],
     add_generation_prompt: bool,
     enable_thinking: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     if tokenizer.chat_template is None:
         raise ChatTemplateError(f"tokenizer {type(tokenizer).__name__} has no chat_template")
@@ -273,6 +287,7 @@ def _render_ids(
             tokenize=True,
             return_dict=False,
             enable_thinking=enable_thinking,
+            **({"tools": list(tools)} if tools else {}),
         )
     except TemplateError as e:
         # raise_exception(...) in a template: roles it does not accept, turns that must alternate

@@ -44,6 +44,36 @@ QWEN3_HISTORY_TEMPLATE = (
     "{%- endif -%}"
 )
 
+# Tools in a system turn of their own, an assistant turn's calls as hermes `<tool_call>` blocks
+# after its reasoning, and tool results as `<tool_response>` in a user turn: the layout of Qwen3's
+# template, written small.
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n# Tools\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    '{{- \'\\n</tools>\\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] +"
+    " '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['reasoning_content'] is defined -%}"
+    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- message['content'] -}}"
+    "{%- for call in message['tool_calls'] | default([]) -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + call['function']['arguments'] + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>"]
 

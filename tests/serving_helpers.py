@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +49,20 @@ SMALL_SERVE_FLAGS = [
     "--token-buckets=16",
     "--draft-buckets=2",
 ]
+
+
+class StandInEngine:
+    """What `EngineRunner` asks of an engine, for tests that put a stand-in Batcher in its place:
+    one slot, one page, nothing to compile."""
+
+    cfg = types.SimpleNamespace(num_slots=1, pool_pages=1)
+    gamma = 0
+
+    def warm_up(self) -> None:
+        pass
+
+    def compiled_programs(self) -> int:
+        return 0
 
 
 def sse_events(response: httpx.Response) -> Iterator[dict | str]:

@@ -665,7 +665,12 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         ("completions", {"prompt": [1, "a"]}, "prompt.1", "valid integer"),
         ("completions", {"prompt": "x", "stream_options": {}}, "stream_options", "stream: true"),
         ("chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
-        ("chat/completions", {"messages": CHAT, "tools": TOOLS}, "tools", "not supported"),
+        (
+            "chat/completions",
+            {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"},
+            "tool_choice",
+            "not supported",
+        ),
         ("chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier", "flex"),
         (
             "chat/completions",

@@ -80,6 +80,8 @@ def test_bad_settings_are_refused_before_loading(argv, fragment):
         (["--max-model-len", "4090"], "use at most 4088"),  # 4096 less one block of 7 + 1
         (["--kv-pages", "3"], "cannot hold one request"),
         (["--max-num-seqs", "60000", "--max-model-len", "4088"], "lower --kv-pages"),
+        # The embedded pair's template knows no tools: the model would never see them.
+        (["--tool-call-parser", "hermes"], "does not render tools"),
     ],
 )
 def test_bad_settings_are_refused_before_serving(argv, fragment):
@@ -102,7 +104,8 @@ def _start(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.P
     line = proc.stdout.readline()
     assert "serving tiny-vanilla" in line, (line, (tmp_path / "serve.log").read_text())
     caching = "off" if "--no-prefix-caching" in flags else "on"
-    assert f"prefix caching {caching})" in line, line
+    parser = "; reasoning parser qwen3" if "--reasoning-parser=qwen3" in flags else ""
+    assert f"prefix caching {caching}{parser})" in line, line
     url = line.split(" on ")[1].split("/v1")[0]
     return proc, url
 
@@ -190,7 +193,14 @@ def _note_first(events, first_token: list):
 def test_serve_openai_client_and_sigterm_drain(tmp_path):
     # JAX logs each compilation: the compile counter must count as many, loading's included (it
     # started listening only with the metrics, after the models had loaded: 8 of 16).
-    proc, url = _start(tmp_path, f"--max-model-len={MAX_MODEL_LEN}", env={"JAX_LOG_COMPILES": "1"})
+    # With the reasoning parser: the byte model writes no think block, so its chat answers are
+    # all content, as without it (and the startup line says the parser is on).
+    proc, url = _start(
+        tmp_path,
+        f"--max-model-len={MAX_MODEL_LEN}",
+        "--reasoning-parser=qwen3",
+        env={"JAX_LOG_COMPILES": "1"},
+    )
     try:
         statuses = []
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _chat_tokenizer import build_chat_tokenizer
 from pydantic import ValidationError
-from serving_helpers import wait_until
+from serving_helpers import StandInEngine, wait_until
 from uvicorn.config import LOGGING_CONFIG
 from uvicorn.logging import AccessFormatter
 
@@ -225,7 +225,7 @@ def test_an_assistant_reply_sent_back_as_the_client_got_it_is_accepted():
         b' {"role": "user", "content": "more"}]}'
     )
     assert [m.text() for m in chat.messages] == ["hi", "Hello", "more"]
-    # What the server cannot honour is still refused by name.
+    # What the server cannot honour, and a call without its function, is refused by name.
     for field, value in (
         ("refusal", b'"no"'),
         ("tool_calls", b'[{"id": "c", "type": "function"}]'),
@@ -277,22 +277,6 @@ def test_spec_decode_metrics_only_when_drafting():
     assert 'dspark:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 0.0' in drafting
 
 
-class _Cfg:
-    num_slots = 1
-    pool_pages = 1
-
-
-class _Engine:
-    cfg = _Cfg()
-    gamma = 0
-
-    def warm_up(self) -> None:
-        pass
-
-    def compiled_programs(self) -> int:
-        return 0
-
-
 class _ExplodingBatcher:
     """Takes requests like a Batcher; its loop step fails once a request has arrived."""
 
@@ -317,7 +301,7 @@ class _IdleBatcher(_ExplodingBatcher):
         return False
 
 
-class _WarmingEngine(_Engine):
+class _WarmingEngine(StandInEngine):
     """Stays in warm-up until `done` is set."""
 
     def __init__(self):
@@ -402,7 +386,7 @@ def test_past_max_connections_a_request_gets_an_openai_503(monkeypatch):
     monkeypatch.setattr(runtime, "Batcher", _IdleBatcher)
     model = ServedModel("m", ByteTokenizer(), 64, (256,))
     metrics = ServingMetrics(1, 1, 0)
-    app_server = OpenAIServer(EngineRunner(_Engine(), max_waiting=4), model, metrics)
+    app_server = OpenAIServer(EngineRunner(StandInEngine(), max_waiting=4), model, metrics)
     server = HttpServer(
         app_server, bind_socket("127.0.0.1", 0), max_connections=2, log_level="critical"
     ).start()
@@ -453,7 +437,7 @@ def test_a_head_timeout_is_in_the_access_log_like_a_body_timeout(monkeypatch):
     model = ServedModel("m", ByteTokenizer(), 64, (256,))
     limits = HttpLimits(read_timeout_s=0.5)
     app_server = OpenAIServer(
-        EngineRunner(_Engine(), max_waiting=4), model, ServingMetrics(1, 1, 0), limits
+        EngineRunner(StandInEngine(), max_waiting=4), model, ServingMetrics(1, 1, 0), limits
     )
     server = HttpServer(app_server, bind_socket("127.0.0.1", 0), read_timeout_s=0.5)
     access = logging.getLogger("uvicorn.access")
@@ -490,7 +474,7 @@ def test_engine_failure_answers_in_flight_requests_and_stops_the_server(monkeypa
     monkeypatch.setattr(runtime, "Batcher", _ExplodingBatcher)
     model = ServedModel("m", ByteTokenizer(), 64, (256,))
     app_server = OpenAIServer(
-        EngineRunner(_Engine(), max_waiting=4), model, ServingMetrics(1, 1, 0)
+        EngineRunner(StandInEngine(), max_waiting=4), model, ServingMetrics(1, 1, 0)
     )
     server = HttpServer(app_server, bind_socket("127.0.0.1", 0), log_level="critical")
     host, port = server.address
@@ -511,7 +495,8 @@ def test_engine_failure_answers_in_flight_requests_and_stops_the_server(monkeypa
 
 def _chat_server(tokenizer) -> OpenAIServer:
     model = ServedModel("m", tokenizer, 256, (tokenizer.eos_token_id,))
-    return OpenAIServer(EngineRunner(_Engine(), max_waiting=1), model, ServingMetrics(1, 1, 0))
+    runner = EngineRunner(StandInEngine(), max_waiting=1)
+    return OpenAIServer(runner, model, ServingMetrics(1, 1, 0))
 
 
 def test_seeds_take_any_64_bit_integer():

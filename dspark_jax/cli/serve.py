@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dspark_jax.cli import SPS_AUTO
 from dspark_jax.errors import UserError
+from dspark_jax.serving.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -48,6 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dspark-jax-default for the embedded pair)",
     )
     add_mesh_argument(models)
+    models.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="return a chat answer's think block apart, as message.reasoning (vLLM's name); "
+        "qwen3: the text between <think> and </think> (default: none, the markers stay in the "
+        "content)",
+    )
+    models.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="let chat requests offer tools (tool_choice auto) and return the model's calls as "
+        "message.tool_calls; hermes: Qwen3's <tool_call> JSON blocks; the model's chat template "
+        "must render tools (default: none, requests with tools need tool_choice none)",
+    )
     add_policy_arguments(parser)
 
     engine = parser.add_argument_group("engine")
@@ -247,6 +262,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
     from dspark_jax.serving.http_server import HttpServer, build_app_server
     from dspark_jax.serving.metrics import watch_compilations
     from dspark_jax.sharding import describe_mesh
+    from dspark_jax.tokenizer import renders_tools
 
     # dspark:jax_compilations_total counts the process's compilations from here on, loading's
     # included, not only those after the metrics exist.
@@ -256,6 +272,11 @@ def _serve(args: argparse.Namespace, sock) -> int:
     mesh = decoding_mesh_for(args, target, draft)
     check_mesh_slots(args.max_num_seqs, mesh)
     models = load_decoding_models(target, draft, dtype=args.dtype, progress=False, mesh=mesh)
+    if args.tool_call_parser is not None and not renders_tools(models.tokenizer):
+        raise UserError(
+            f"--tool-call-parser {args.tool_call_parser}: the chat template of {name} does not "
+            "render tools, so the model would never see them"
+        )
     context = models.target.cfg.max_position_embeddings
     # The engine keeps one verification block beyond each request's last token: it gets those
     # positions on top, so a request may use all of --max-model-len for prompt + answer.
@@ -289,7 +310,12 @@ def _serve(args: argparse.Namespace, sock) -> int:
     engine = models.engine(cfg, policy=policy, sts=sts)
     kv_bytes = engine.state_bytes
     model = ServedModel.of_engine(
-        engine, name, models.tokenizer, SamplingDefaults.from_model_dir(models.model_dir)
+        engine,
+        name,
+        models.tokenizer,
+        SamplingDefaults.from_model_dir(models.model_dir),
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )
     app_server = build_app_server(
         engine,
@@ -312,10 +338,19 @@ def _serve(args: argparse.Namespace, sock) -> int:
         if models.drafter is not None
         else "plain decoding"
     )
+    parsers = "".join(
+        f"; {what} parser {parser}"
+        for what, parser in (
+            ("reasoning", args.reasoning_parser),
+            ("tool-call", args.tool_call_parser),
+        )
+        if parser is not None
+    )
     print(
         f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} tokens, KV "
         f"{format_bytes(kv_bytes)}{'' if mesh is None else ' per device'}; "
-        f"{describe_mesh(mesh)}; prefix caching {'on' if args.prefix_caching else 'off'}) on "
+        f"{describe_mesh(mesh)}; prefix caching {'on' if args.prefix_caching else 'off'}"
+        f"{parsers}) on "
         f"http://{host}:{port}/v1 -- warming up, /health turns "
         "200 when ready; SIGTERM or Ctrl-C drains and stops",
         flush=True,

@@ -11,8 +11,10 @@ Content-Length gets 408 instead of holding the connection), validated by the str
 the engine runner, which refuses at once what can never run (400) and what does not fit the
 queue (503). The engine thread's events are moved onto the event loop; text is detokenized
 incrementally and searched for stop strings there, and a matched stop string cancels the
-request so its slot frees at once. A streamed response sends its headers with the first token,
-so a request refused or shed before it started still gets a proper status code. A request for
+request so its slot frees at once. A chat answer's text then goes through the server's
+reasoning and tool-call parsers, if it runs them (`chat_output`). A streamed response sends its
+headers with the first token, so a request refused or shed before it started still gets a
+proper status code. A request for
 several choices (`n`, or a completion's list of prompts) is one engine request per choice,
 queued together or not at all; their pieces meet on one queue, from which the answer is built
 (each choice's text in its place) or streamed (each chunk naming its choice's index).
@@ -53,10 +55,11 @@ from dspark_jax.decoding.engine import Engine, EngineError
 from dspark_jax.errors import UserError
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.serving import protocol as api
+from dspark_jax.serving.chat_output import ChatOutput, Piece, opens_reasoning
 from dspark_jax.serving.metrics import ServingMetrics
 from dspark_jax.serving.runtime import EngineRunner, ServiceUnavailable
 from dspark_jax.serving.text_stream import StopStrings, TextStream
-from dspark_jax.tokenizer import encode_chat, without_length_limit
+from dspark_jax.tokenizer import encode_chat, renders_tools, without_length_limit
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,10 @@ class ServedModel:
     max_model_len: int
     stop_tokens: tuple[int, ...]  # end-of-generation ids the engine stops at (unless ignore_eos)
     defaults: SamplingDefaults = SamplingDefaults()
+    # How chat answers are parsed (`chat_output`): None, or one of REASONING_PARSERS /
+    # TOOL_CALL_PARSERS.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
     @classmethod
     def of_engine(
@@ -105,8 +112,18 @@ class ServedModel:
         name: str,
         tokenizer: Any,
         defaults: SamplingDefaults = SamplingDefaults(),
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> ServedModel:
-        return cls(name, tokenizer, engine.max_request_tokens, engine.stop_tokens, defaults)
+        return cls(
+            name,
+            tokenizer,
+            engine.max_request_tokens,
+            engine.stop_tokens,
+            defaults,
+            reasoning_parser,
+            tool_call_parser,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +246,10 @@ class _Generation:
         stop_strings,
         hidden_ids: frozenset[int],
         metrics: ServingMetrics,
+        output: ChatOutput | None = None,
     ):
         self.live = live
+        self.output = output  # a chat choice's parsers (reasoning, tool calls); None: plain text
         self.text = TextStream(tokenizer)
         self.stops = StopStrings(stop_strings)
         self.hidden_ids = hidden_ids  # stop token ids: they end the text, they are not text
@@ -284,6 +303,22 @@ class _Generation:
                 break
         self.token_ids += ids
         return "".join(texts), ids
+
+    def parse(self, text: str) -> str | Piece:
+        """What a piece of the answer's text adds to the message: the text itself, or its parts
+        through the chat parsers."""
+        return text if self.output is None else self.output.feed(text)
+
+    def parse_end(self) -> str | Piece:
+        """What the parsers still held when the answer ended."""
+        return "" if self.output is None else self.output.finish()
+
+    @property
+    def reported_finish_reason(self) -> str | None:
+        """The finish reason the client sees: "tool_calls" for an answer that called tools."""
+        if self.output is None:
+            return self.finish_reason
+        return self.output.finish_reason(self.finish_reason)
 
     def outcome(self) -> tuple[str, int] | None:
         """(finish reason, generation tokens) as the metrics count this request: what its answer
@@ -347,11 +382,16 @@ class _Shape:
         """The whole answer: one choice per generation, in index order."""
         choices = []
         for index, (text, gen) in enumerate(zip(texts, gens, strict=True)):
+            if self.chat:
+                gen.parse(text)
+                gen.parse_end()
             ending = dict(
-                index=index, finish_reason=gen.finish_reason, token_ids=self._ids(gen.token_ids)
+                index=index,
+                finish_reason=gen.reported_finish_reason,
+                token_ids=self._ids(gen.token_ids),
             )
             choices.append(
-                api.ChatChoice(message=api.AssistantMessage(content=text), **ending)
+                api.ChatChoice(message=_message(text, gen.output), **ending)
                 if self.chat
                 else api.CompletionChoice(text=text, **ending)
             )
@@ -369,11 +409,11 @@ class _Shape:
         )
 
     def chunk(
-        self, index: int, text: str, ids: list[int], finish_reason: str | None = None
+        self, index: int, text: str | Piece, ids: list[int], finish_reason: str | None = None
     ) -> BaseModel:
         if self.chat:
             ending = finish_reason is not None and not text
-            delta = api.ChatDelta() if ending else api.ChatDelta(content=text)
+            delta = api.ChatDelta() if ending else _delta(text)
             return self._chat_chunk(
                 api.ChatChunkChoice(
                     index=index, delta=delta, finish_reason=finish_reason, token_ids=self._ids(ids)
@@ -407,6 +447,37 @@ class _Shape:
     def dump(self, model: BaseModel) -> dict[str, Any]:
         exclude = None if self.with_ids else {"choices": {"__all__": {"token_ids"}}}
         return model.model_dump(mode="json", exclude=exclude)
+
+
+def _message(text: str, output: ChatOutput | None) -> api.AssistantMessage:
+    """A whole chat answer: its text, or the parts its parsers found."""
+    if output is None:
+        return api.AssistantMessage(content=text)
+    parts = output.parts()
+    calls = [
+        api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments))
+        for c in parts.calls
+    ]
+    return api.AssistantMessage(
+        content=parts.content, reasoning=parts.reasoning, tool_calls=calls or None
+    )
+
+
+def _delta(part: str | Piece) -> api.ChatDelta:
+    """A streamed chat delta: text, or the parts a piece of it added."""
+    if isinstance(part, str):
+        return api.ChatDelta(content=part)
+    calls = [
+        api.ToolCallDelta(
+            index=part.first_call + k,
+            id=c.id,
+            function=api.FunctionCall(name=c.name, arguments=c.arguments),
+        )
+        for k, c in enumerate(part.calls)
+    ]
+    return api.ChatDelta(
+        content=part.content or None, reasoning=part.reasoning or None, tool_calls=calls or None
+    )
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -592,10 +663,16 @@ class OpenAIServer:
         of a completion's prompts."""
         tokenizer = self.model.tokenizer
         if isinstance(req, api.ChatCompletionRequest):
-            messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
+            messages = [m.template_message() for m in req.messages]
+            tools = None
+            if req.calls_tools:
+                self._check_tools()
+                tools = [tool.model_dump(exclude_none=True) for tool in req.tools]
 
             def render() -> list[int]:
-                return encode_chat(tokenizer, messages, enable_thinking=req.enable_thinking)
+                return encode_chat(
+                    tokenizer, messages, enable_thinking=req.enable_thinking, tools=tools
+                )
 
             try:
                 return [await run_in_threadpool(render)]
@@ -607,6 +684,38 @@ class OpenAIServer:
             else list(prompt)
             for prompt in req.prompts
         ]
+
+    def _check_tools(self) -> None:
+        """Raises ApiError unless this server can offer tools to the model and read its calls."""
+        if self.model.tool_call_parser is None:
+            raise ApiError(
+                400,
+                "this server parses no tool calls: start it with --tool-call-parser hermes "
+                '(Qwen3\'s format), or send tool_choice "none"',
+                param="tools",
+            )
+        if not renders_tools(self.model.tokenizer):
+            raise ApiError(
+                400,
+                f"the chat template of {self.model.name} does not render tools",
+                param="tools",
+            )
+
+    def chat_output(self, req: api.GenerationRequest, prompt: list[int]) -> ChatOutput | None:
+        """The parsers a chat choice's text goes through (None: a completion, or none on)."""
+        if not isinstance(req, api.ChatCompletionRequest):
+            return None
+        reasoning = self.model.reasoning_parser is not None
+        if not (reasoning or req.calls_tools):
+            return None
+        # The prompt's last tokens say whether the template opened the think block itself.
+        tail = self.model.tokenizer.decode(prompt[-16:]) if reasoning else ""
+        return ChatOutput(
+            reasoning=reasoning,
+            open_at_start=opens_reasoning(tail),
+            tools=req.calls_tools,
+            single_call=req.parallel_tool_calls is False,
+        )
 
     def engine_requests(
         self, req: api.GenerationRequest, prompts: list[list[int]]
@@ -725,8 +834,15 @@ class OpenAIServer:
             frozenset() if req.ignore_eos else frozenset(self.model.stop_tokens)
         )
         gens = [
-            _Generation(live, self.model.tokenizer, req.stop_strings, hidden, self.metrics)
-            for live in choices.lives
+            _Generation(
+                live,
+                self.model.tokenizer,
+                req.stop_strings,
+                hidden,
+                self.metrics,
+                self.chat_output(req, prompts[index // req.n]),
+            )
+            for index, live in enumerate(choices.lives)
         ]
         prompt_lens = [len(ids) for ids in prompts]
         # Every choice's pieces, as they come: (choice index, piece; None once it has finished).
@@ -830,15 +946,20 @@ class OpenAIServer:
             event, ended = first, 0
             while True:
                 index, piece = event
+                gen = gens[index]
                 if piece is not None:
                     text, ids = piece
-                    if text or (ids and shape.with_ids):
-                        yield _sse(shape.dump(shape.chunk(index, text, ids)))
+                    part = gen.parse(text)
+                    if part or (ids and shape.with_ids):
+                        yield _sse(shape.dump(shape.chunk(index, part, ids)))
                 else:
                     ended += 1
                     if ended == len(gens):
                         finish()  # the request is over (and counted) before its client hears so
-                    reason = gens[index].finish_reason
+                    part = gen.parse_end()
+                    if part:
+                        yield _sse(shape.dump(shape.chunk(index, part, [])))
+                    reason = gen.reported_finish_reason
                     yield _sse(shape.dump(shape.chunk(index, "", [], reason)))
                     if ended == len(gens):
                         break

@@ -6,8 +6,9 @@ are refused with a 400 naming the field, instead of being coerced or failing dee
 engine. Fields of the OpenAI API that this server does not implement are accepted only at their
 neutral value (`presence_penalty: 0`, `logprobs: null`, `store: false`, ...), so a client never
 silently gets something other than what it asked for; fields with no effect on
-the answer (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`, `parallel_tool_calls`
-without tools) are accepted and ignored.
+the answer (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`) are accepted and
+ignored. Chat `tools` with `tool_choice` "auto" or "none" are taken (the server needs a tool-call
+parser for "auto"); "required" and a named function are refused.
 Where the OpenAI API lets a field be null, null means its default. Fields that take one of
 several JSON types (`prompt`, `stop`, message `content`) pick the schema by the JSON type sent,
 so an error names one place and says one thing.
@@ -233,6 +234,43 @@ Content = Annotated[
 ]
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema of the arguments
+    strict: bool | None = None  # accepted; the arguments are not constrained to the schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as the API returns it
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant message made, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Only an assistant message may leave its content out (OpenAI: one that calls tools).
@@ -242,7 +280,11 @@ class ChatMessage(_Strict):
     # Fields the API returns on an assistant message, so a client can send a reply back as it
     # got it (`messages.append(reply.choices[0].message.model_dump())`): neutral values only.
     refusal: Annotated[str | None, _only(None)] = None
-    tool_calls: Annotated[list[Any] | None, _only(None, [])] = None
+    tool_calls: list[MessageToolCall] | None = None
+    # An earlier answer's reasoning, under vLLM's current name or DeepSeek's older one; the
+    # template sees it as `reasoning_content` (Qwen3's templates read that name).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     function_call: Annotated[dict[str, Any] | None, _only(None)] = None
     audio: Annotated[dict[str, Any] | None, _only(None)] = None
     annotations: Annotated[list[Any] | None, _only(None, [])] = None
@@ -261,6 +303,24 @@ class ChatMessage(_Strict):
         if value is not None and info.data.get("role") != "tool":
             raise ValueError("only a tool message answers a tool call")
         return value
+
+    @field_validator("tool_calls", "reasoning", "reasoning_content")
+    @classmethod
+    def _assistant_only(cls, value, info: ValidationInfo):
+        if value and info.data.get("role") != "assistant":
+            raise ValueError(f"only an assistant message carries {info.field_name}")
+        return value
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role, content and, on an assistant turn,
+        the calls it made and its reasoning."""
+        message: dict[str, Any] = {"role": self.template_role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        return message
 
     @property
     def template_role(self) -> str:
@@ -288,9 +348,17 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     logprobs: Annotated[bool | None, _only(None, False)] = None
     top_logprobs: Annotated[int | None, _only(None, 0)] = None
-    tools: Annotated[list[Any] | None, _only(None, [])] = None
-    tool_choice: Annotated[Any, _only(None, "none")] = None
-    parallel_tool_calls: bool | None = None  # no effect without tools
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    # "required" and a named function would need decoding constrained to the tools' schemas.
+    tool_choice: (
+        Annotated[
+            Annotated[Literal["none", "auto", "required"], Tag("string")]
+            | Annotated[NamedToolChoice, Tag("object")],
+            _by_json_type({str: "string", dict: "object"}, "a string or an object"),
+        ]
+        | None
+    ) = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
     response_format: Annotated[dict[str, Any] | None, _only(None, {"type": "text"})] = None
     # Thinking is chat_template_kwargs.enable_thinking here; an effort cannot be honoured.
     reasoning_effort: Annotated[Any, _only(None)] = None
@@ -308,9 +376,27 @@ class ChatCompletionRequest(GenerationRequest):
     def enable_thinking(self) -> bool:
         return self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _choosable(cls, value, info: ValidationInfo):
+        if value == "required" or isinstance(value, NamedToolChoice):
+            forced = '"required"' if value == "required" else "a named function"
+            raise ValueError(
+                f"{forced} is not supported by this server: forcing a call needs decoding "
+                'constrained to the tools\' schemas (use "auto" or "none")'
+            )
+        if value == "auto" and not info.data.get("tools"):
+            raise ValueError('"auto" needs tools')
+        return value
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools offered and the model left free to call them (OpenAI's default with tools)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
 
 # -- responses -----------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -341,9 +427,35 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCallOut):
+    """A streamed call: whole in one delta, `index` counting the choice's calls."""
+
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null: an answer that is all reasoning, or only calls
+    reasoning: str | None = None  # --reasoning-parser
+    tool_calls: list[ToolCallOut] | None = None  # --tool-call-parser
+
+    @model_serializer(mode="wrap")
+    def _parts_when_parsed(self, handler) -> dict[str, Any]:
+        """Leaves the parsers' parts out when null (absent where the server runs no parser);
+        content stays, null or not."""
+        parsed = ("reasoning", "tool_calls")
+        return {k: v for k, v in handler(self).items() if v is not None or k not in parsed}
 
 
 class ChatChoice(BaseModel):
@@ -369,6 +481,8 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler) -> dict[str, Any]:
