@@ -5,6 +5,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from compile_events import compile_threads
@@ -450,13 +451,12 @@ def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculativ
 
         return wrapped
 
+    # The target's side: verification, plain steps and prefill's first token all sample
+    # through it (logits, rows).
     monkeypatch.setattr(
         engine_module,
-        "filtered_logprobs",
-        record(engine_module.filtered_logprobs, lambda a: a[1]),
-    )
-    monkeypatch.setattr(
-        engine_module, "sample_tokens", record(engine_module.sample_tokens, lambda a: a[2])
+        "logprobs_and_argmax",
+        record(engine_module.logprobs_and_argmax, lambda a: a[1]),
     )
     drafter_class = engine_module.DSparkDrafter
     # The drafter's block sampling (self, h, anchors, keys, sampling, ...).
@@ -709,3 +709,52 @@ def test_compile_workers_come_from_the_environment(monkeypatch):
             default_compile_workers()
     monkeypatch.delenv(COMPILE_WORKERS_ENV)
     assert default_compile_workers() >= 1
+
+
+def _check_logprobs(target, prompts, results) -> None:
+    """Each token's reported log-probability is log_softmax of the target's logits at the
+    position it was sampled at, from one whole-sequence forward over prompt + answer."""
+    spread = []
+    for prompt, result in zip(prompts, results, strict=True):
+        assert len(result.logprobs) == len(result.tokens) > 1
+        seq = jnp.asarray(prompt + result.tokens, jnp.int32)[None]
+        logp = jax.nn.log_softmax(target.logits(target(seq).hidden[0]), axis=-1)
+        start, n = len(prompt), len(result.tokens)
+        want = np.asarray(logp[start - 1 : start - 1 + n])[np.arange(n), result.tokens]
+        np.testing.assert_allclose(result.logprobs, want, atol=2e-4, rtol=1e-4)
+        spread.append(np.min(want))
+    assert min(spread) < -0.5  # not all near 0, which a constant 0 would pass
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, T07_P09], ids=["greedy", "top-p"])
+def test_token_logprobs_are_the_targets_own(setup, sampling):
+    """Drafted and accepted tokens, corrections and bonus tokens, and the first token (sampled
+    in prefill) all report the target's log-probability, before temperature and top-p."""
+    name, target, _, spec = setup
+    prompts = [t["prompt"] for t in reference_traces(name)["traces"][:3]]
+    requests = [
+        Request(p, max_new_tokens=40, sampling=sampling, seed=5, logprobs=True) for p in prompts
+    ]
+    results, _ = generate(spec, requests)
+    assert any(len(r.committed) < len(r.tokens) - 1 for r in results)  # rounds took drafts
+    _check_logprobs(target, prompts, results)
+    # Asked or not, the same tokens (the pass over the logits only reads them); not asked,
+    # none reported. Beside requests that ask, a request that does not still gets none.
+    unasked, _ = generate(spec, [dataclasses.replace(r, logprobs=False) for r in requests])
+    assert [r.tokens for r in unasked] == [r.tokens for r in results]
+    assert all(r.logprobs is None for r in unasked)
+    mixed = [dataclasses.replace(r, logprobs=i % 2 == 0) for i, r in enumerate(requests)]
+    mixed_results, _ = generate(spec, mixed)
+    assert [r.logprobs is None for r in mixed_results] == [False, True, False]
+    _check_logprobs(target, prompts[::2], mixed_results[::2])
+
+
+def test_token_logprobs_of_plain_decoding():
+    target, _ = load_pair("vanilla")
+    prompts = [t["prompt"] for t in reference_traces("vanilla")["traces"][:2]]
+    cfg = EngineConfig(
+        num_slots=2, max_model_len=128, prefill_chunk=64, prefill_buckets=(64,), token_buckets=(2,)
+    )
+    requests = [Request(p, max_new_tokens=24, sampling=T1, seed=3, logprobs=True) for p in prompts]
+    results, _ = generate(Engine(target, None, cfg), requests)
+    _check_logprobs(target, prompts, results)

@@ -76,6 +76,9 @@ class Request:
     # Requests share prefix-cache pages only with requests of the same salt (None: unsalted),
     # so one tenant's time to first token cannot tell what another's prompts began with.
     cache_salt: str | None = None
+    # Report each token's log-probability under the target (`Result.logprobs`, `Tokens`): a
+    # pass over the verified rows' logits in the rounds where some live request asks.
+    logprobs: bool = False
 
 
 @dataclasses.dataclass
@@ -90,6 +93,9 @@ class Result:
     ttft_s: float = float("nan")  # submit -> first token
     latency_s: float = float("nan")  # submit -> finished
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # Each token's log-probability under the target's own distribution (before temperature and
+    # filters; `engine.token_logprobs`), in `tokens` order; None unless the request asked.
+    logprobs: list[float] | None = None
 
     @property
     def rounds(self) -> int:
@@ -101,7 +107,17 @@ class Result:
         return float(np.mean(self.committed)) if len(self.committed) else 0.0
 
 
-# (kind, payload): ("tokens", list[int]) any number of times, then ("done", Result). (The
+class Tokens(list):
+    """A "tokens" event's payload: the new token ids (a list, as ever) and, in `logprobs`, the
+    log-probability of each under the target's own distribution (None unless the request asked:
+    `Request.logprobs`)."""
+
+    def __init__(self, ids: list[int], logprobs: list[float] | None = None):
+        super().__init__(ids)
+        self.logprobs = logprobs
+
+
+# (kind, payload): ("tokens", Tokens) any number of times, then ("done", Result). (The
 # server's EngineRunner may also send ("error", exception) when its engine thread fails.)
 EventCallback = Callable[[str, Any], None]
 
@@ -154,6 +170,7 @@ class Handle:
     cached_tokens: int = 0
     prefilled: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
     verified: list[np.ndarray] = dataclasses.field(default_factory=list)
     accepted: list[np.ndarray] = dataclasses.field(default_factory=list)
     committed: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -387,6 +404,8 @@ class Batcher:
             raise EngineError(f"on_event must be a function (kind, payload), got {on_event!r}")
         if not isinstance(request.ignore_eos, bool | np.bool_):
             raise EngineError(f"ignore_eos must be True or False, got {request.ignore_eos!r}")
+        if not isinstance(request.logprobs, bool | np.bool_):
+            raise EngineError(f"logprobs must be True or False, got {request.logprobs!r}")
         if request.cache_salt is not None and not (
             isinstance(request.cache_salt, str) and request.cache_salt
         ):
@@ -598,6 +617,7 @@ class Batcher:
                     stop_tokens=handle.stop_ids,
                     seed=r.seed,
                     first=handle.prefilled == handle.cached_tokens,
+                    logprobs=bool(r.logprobs),
                 )
             )
             budget -= take
@@ -685,7 +705,9 @@ class Batcher:
         while len(self._unread) > keep:
             kind, out, who = self._unread[0]
             if kind == "prefill":
-                host = jax.device_get((out.first_token_n, out.finished_n, out.stopped_n))
+                host = jax.device_get(
+                    (out.first_token_n, out.first_logprob_n, out.finished_n, out.stopped_n)
+                )
             else:
                 host = jax.device_get(out)
             self._unread.popleft()  # on the host: from here on nothing waits to be interrupted
@@ -694,14 +716,14 @@ class Batcher:
             else:
                 self._read_chunk(host, who)
 
-    def _read_prefill(self, first, finished, stopped, handles: list[Handle]) -> None:
+    def _read_prefill(self, first, first_logprob, finished, stopped, handles: list[Handle]) -> None:
         now = time.monotonic()
         for i, handle in enumerate(handles):
             if handle.cancelled or handle.prefilled < len(handle.request.prompt_ids):
                 continue  # a later chunk of the same prompt is still to come
             handle.first_token_at = handle.last_token_at = now
             self.observer.on_first_token(now - handle.submitted)
-            self._deliver(handle, [int(first[i])])
+            self._deliver(handle, [int(first[i])], [float(first_logprob[i])])
             if finished[i]:
                 self._free(handle)
                 self._finish(handle, "stop" if stopped[i] else "length")
@@ -734,14 +756,22 @@ class Batcher:
                 gap = now - (handle.last_token_at or now)
                 self.observer.on_tokens(count, gap / count)
                 handle.last_token_at = now
-                self._deliver(handle, host.tokens_sc[slot, :count].tolist())
+                self._deliver(
+                    handle,
+                    host.tokens_sc[slot, :count].tolist(),
+                    host.logprobs_sc[slot, :count].tolist(),
+                )
             if host.finished_s[slot]:
                 self._free(handle)
                 self._finish(handle, "stop" if host.stopped_s[slot] else "length")
 
-    def _deliver(self, handle: Handle, tokens: list[int]) -> None:
+    def _deliver(self, handle: Handle, tokens: list[int], logprobs: list[float]) -> None:
         handle.tokens += tokens
-        self._call(handle, "tokens", tokens)
+        if not handle.request.logprobs:
+            self._call(handle, "tokens", Tokens(tokens))
+            return
+        handle.logprobs += logprobs
+        self._call(handle, "tokens", Tokens(tokens, logprobs))
 
     def _free(self, handle: Handle) -> None:
         if handle.slot is not None:
@@ -771,6 +801,7 @@ class Batcher:
             ttft_s=(handle.first_token_at or now) - handle.submitted,
             latency_s=now - handle.submitted,
             cached_tokens=handle.cached_tokens,
+            logprobs=list(handle.logprobs) if handle.request.logprobs else None,
         )
         self._call(handle, "done", result)
 

@@ -72,9 +72,9 @@ from dspark_jax.sampling import (
     STREAM_RESIDUAL,
     RowSampling,
     SamplingConfig,
-    filtered_logprobs,
+    logprobs_and_argmax,
     position_keys,
-    sample_tokens,
+    sample_from_logprobs,
 )
 from dspark_jax.sharding import check_model_split, logical_sharding, state_shardings
 
@@ -331,6 +331,7 @@ class SlotState:
     num_generated_s: jax.Array
     live_s: jax.Array  # holds a request that has not finished
     rounds_s: jax.Array  # rounds the request has run
+    logprobs_s: jax.Array  # bool: the request asked for its tokens' log-probabilities
     policy_carry: Any
 
     def replace(self, **changes) -> SlotState:
@@ -347,6 +348,7 @@ class ChunkOutput:
     """What one decode chunk produced, small enough to copy to the host every chunk."""
 
     tokens_sc: jax.Array  # tokens committed this chunk, left-aligned, PAD_TOKEN after count_s
+    logprobs_sc: jax.Array  # each token's log-probability under the target (`token_logprobs`)
     count_s: jax.Array
     verified_sr: jax.Array  # per round of the chunk: drafts verified (-1: the slot did not run)
     accepted_sr: jax.Array  # drafts accepted (before stop truncation)
@@ -362,6 +364,7 @@ class ChunkOutput:
 @dataclasses.dataclass(frozen=True)
 class PrefillOutput:
     first_token_n: jax.Array  # the request's first token (sequences completing their prompt)
+    first_logprob_n: jax.Array  # its log-probability under the target (`token_logprobs`)
     finished_n: jax.Array  # the request ended with its first token
     stopped_n: jax.Array
 
@@ -382,6 +385,7 @@ class PrefillBatch:
     stop_nk: np.ndarray
     seed_n: np.ndarray  # uint32
     prompt_len_n: np.ndarray
+    logprobs_n: np.ndarray  # bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +408,7 @@ class PrefillItem:
     stop_tokens: tuple[int, ...]
     seed: int
     first: bool | None = None  # installs the request; None: start == 0
+    logprobs: bool = False  # the decode rounds report its tokens' log-probabilities
 
 
 def _check_sts(sts: StsArtifact, drafter: DSparkDrafter | None, fingerprint: str | None) -> None:
@@ -729,6 +734,7 @@ class Engine:
             num_generated_s=jnp.zeros((s,), jnp.int32),
             live_s=jnp.zeros((s,), bool),
             rounds_s=jnp.zeros((s,), jnp.int32),
+            logprobs_s=jnp.zeros((s,), bool),
             policy_carry=self.policy.init_carry(s, max(self.gamma, 1)),
         )
 
@@ -916,6 +922,7 @@ class Engine:
         stop = np.full((n, cfg.max_stop_tokens), NO_STOP_TOKEN, np.int32)
         seed = np.zeros((n,), np.uint32)
         prompt_len = np.zeros((n,), np.int32)
+        logprobs = np.zeros((n,), bool)
         at = 0
         for i, it in enumerate(items):
             c = len(it.tokens)
@@ -940,6 +947,7 @@ class Engine:
             stop[i, : len(it.stop_tokens)] = it.stop_tokens
             seed[i] = it.seed
             prompt_len[i] = it.prompt_len
+            logprobs[i] = it.logprobs
             at += c
         cu[len(items) + 1 :] = at
         batch = TokenBatch(
@@ -965,6 +973,7 @@ class Engine:
             stop,
             seed,
             prompt_len,
+            logprobs,
         )
 
     @staticmethod
@@ -1234,6 +1243,7 @@ def _prefill(
         num_generated_s=put(state.num_generated_s, 0),
         live_s=put(state.live_s, False),
         rounds_s=put(state.rounds_s, 0),
+        logprobs_s=put(state.logprobs_s, host["logprobs_n"]),
         policy_carry=policy.reset_slots(state.policy_carry, installed_s),
     )
     target_cache, draft_cache = _caches(state, layouts)
@@ -1258,7 +1268,9 @@ def _prefill(
     slot_rows = state.sampling_s.take(seq_slot_n).only(final_n)
     prompt_len_n = host["prompt_len_n"]
     first_keys = position_keys(state.keys_s[seq_slot_n], prompt_len_n, STREAM_RESIDUAL)
-    first_n = sample_tokens(first_keys, target.logits(hidden_nd), slot_rows)
+    first_n, first_logprob_n = _sample_scored(
+        first_keys, target.logits(hidden_nd), slot_rows, jnp.any(final_n & host["logprobs_n"])
+    )
     stopped_n = _is_stop(first_n, state.stop_sk[seq_slot_n])
     finished_n = stopped_n | (state.max_new_s[seq_slot_n] <= 1)
     final_slot_n = jnp.where(final_n, seq_slot_n, num_slots)
@@ -1271,12 +1283,48 @@ def _prefill(
         num_generated_s=put(state.num_generated_s, 1),
         live_s=put(state.live_s, ~finished_n),
     )
-    return state, PrefillOutput(first_n, finished_n & final_n, stopped_n & final_n)
+    return state, PrefillOutput(
+        first_n, first_logprob_n, finished_n & final_n, stopped_n & final_n
+    )
+
+
+def token_logprobs(logits_tv: jax.Array, rows, tokens, argmax_t: jax.Array) -> jax.Array:
+    """The log-probabilities of `tokens` at packed `rows` (same shapes) of the target's float32
+    logits, under the model's own distribution: before temperature, top-k and top-p, as
+    OpenAI's and vLLM's `logprobs` report them. `argmax_t` (each row's argmax, which the
+    sampling has found: `logprobs_and_argmax`) gives the shift, so this costs one more pass
+    over the rows' logits, a sum of exponentials, and a gather; padding rows and tokens read
+    row 0 / token 0."""
+    num_rows, vocab = logits_tv.shape
+    top_t = jnp.take_along_axis(logits_tv, argmax_t[:, None], axis=-1)
+    lse_t = top_t[:, 0] + jnp.log(jnp.sum(jnp.exp(logits_tv - top_t), axis=-1))
+    rows = jnp.clip(rows, 0, num_rows - 1)
+    return logits_tv[rows, jnp.clip(tokens, 0, vocab - 1)] - lse_t[rows]
+
+
+def _wanted_logprobs(wanted, logits_tv: jax.Array, rows, tokens, argmax_t) -> jax.Array:
+    """`token_logprobs` when `wanted` (a live slot asked for them), else zeros: a conditional,
+    so that rounds where no request asked skip the pass over the logits."""
+    shape = jnp.shape(tokens)
+    return jax.lax.cond(
+        wanted,
+        lambda: token_logprobs(logits_tv, rows, tokens, argmax_t),
+        lambda: jnp.zeros(shape, jnp.float32),
+    )
+
+
+def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, wanted):
+    """`sample_tokens` of each row and, if `wanted`, the tokens' `token_logprobs`."""
+    logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
+    tokens_t = sample_from_logprobs(keys_t, logp_tv, rows.greedy, argmax_t)
+    index_t = jnp.arange(tokens_t.shape[0])
+    return tokens_t, _wanted_logprobs(wanted, logits_tv, index_t, tokens_t, argmax_t)
 
 
 def _empty_output(num_slots: int, rounds: int, width: int, conf_k: int) -> ChunkOutput:
     return ChunkOutput(
         tokens_sc=jnp.full((num_slots, rounds * width), PAD_TOKEN, jnp.int32),
+        logprobs_sc=jnp.zeros((num_slots, rounds * width), jnp.float32),
         count_s=jnp.zeros((num_slots,), jnp.int32),
         verified_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
         accepted_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
@@ -1312,6 +1360,7 @@ def _commit(
     r,
     live_s,
     tokens_sj,
+    logprobs_sj,
     num_committed_s,
     stopped_s,
     next_anchor_s,
@@ -1335,6 +1384,7 @@ def _commit(
     record = lambda buf, v: buf.at[:, r].set(jnp.where(live_s, v, buf[:, r]))  # noqa: E731
     out = ChunkOutput(
         tokens_sc=out.tokens_sc.at[rows, cols].set(tokens_sj, mode="drop"),
+        logprobs_sc=out.logprobs_sc.at[rows, cols].set(logprobs_sj, mode="drop"),
         count_s=out.count_s + kept_s,
         verified_sr=record(out.verified_sr, verified_s),
         accepted_sr=record(out.accepted_sr, accepted_s),
@@ -1486,7 +1536,7 @@ def _spec_round(
             batch = full.head(width)
             fwd = target.paged_forward(tokens_t[:width], batch, target_cache, taps)
             logits_tv = target.logits(fwd.hidden)
-            logp_tv = filtered_logprobs(
+            logp_tv, argmax_t = logprobs_and_argmax(
                 logits_tv, sampling_s.take(batch.slot_t).only(batch.valid_t)
             )
             rows_sj = batch.cu_q_lens_n1[:-1, None] + jnp.arange(gamma + 1)[None, :]
@@ -1501,16 +1551,22 @@ def _spec_round(
                 sampling_s,
                 state.stop_sk,
             )
+            # Token j of a slot's round (accepted draft, or the last) is sampled at its row j.
+            logprobs_sj = _wanted_logprobs(
+                jnp.any(state.logprobs_s & live_s), logits_tv, rows_sj, result.tokens_bj, argmax_t
+            )
             # Keys, values and the drafter's context of every verified token leave the branch
             # to be written after it (writing the pool inside a conditional copies it). Those of
             # rejected drafts land past the new length, where they are masked and overwritten.
             context_kv = drafter.packed_context_kv(fwd.taps, batch)
-            return paged.pad_kv(fwd.kv, top), paged.pad_kv(context_kv, top), result
+            return paged.pad_kv(fwd.kv, top), paged.pad_kv(context_kv, top), result, logprobs_sj
 
         return run
 
     step_tokens = jnp.sum(count_s)
-    target_kv, context_kv, result = _switch_on_count(buckets, step_tokens, branch, None)
+    target_kv, context_kv, result, logprobs_sj = _switch_on_count(
+        buckets, step_tokens, branch, None
+    )
     target_cache = paged.write(target_cache, target_kv, full, after=result)
     draft_cache = paged.write(draft_cache, context_kv, full, after=result)
     state = state.replace(
@@ -1522,6 +1578,7 @@ def _spec_round(
         r,
         live_s,
         result.tokens_bj,
+        logprobs_sj,
         result.num_committed_b,
         result.stopped_b,
         result.next_token_b,
@@ -1557,15 +1614,17 @@ def _plain_round(
             logits_tv = target.logits(fwd.hidden[:rows])
             keys_t = position_keys(state.keys_s[slot_t], start_s[slot_t] + 1, STREAM_RESIDUAL)
             rows_t = state.sampling_s.take(slot_t).only(valid_t)
-            next_t = sample_tokens(keys_t, logits_tv, rows_t)
+            wanted = jnp.any(state.logprobs_s & live_s)
+            next_t, logp_t = _sample_scored(keys_t, logits_tv, rows_t, wanted)
             to_s = jnp.where(valid_t, slot_t, top)  # padding rows write nowhere
             next_s = jnp.zeros((top,), next_t.dtype).at[to_s].set(next_t, mode="drop")
-            return paged.pad_kv(fwd.kv, top), next_s
+            logp_s = jnp.zeros((top,), jnp.float32).at[to_s].set(logp_t, mode="drop")
+            return paged.pad_kv(fwd.kv, top), next_s, logp_s
 
         return run
 
     step_tokens = jnp.sum(count_s)
-    target_kv, next_s = _switch_on_count(buckets, step_tokens, branch, None)
+    target_kv, next_s, logp_s = _switch_on_count(buckets, step_tokens, branch, None)
     target_cache = paged.write(target_cache, target_kv, full, after=next_s)
     state = state.replace(target_pages=target_cache.pages)
     ones_s = jnp.ones_like(next_s)
@@ -1575,6 +1634,7 @@ def _plain_round(
         r,
         live_s,
         next_s[:, None],
+        logp_s[:, None],
         ones_s,
         _is_stop(next_s, state.stop_sk),
         next_s,
