@@ -20,7 +20,7 @@ import pytest
 from _chat_tokenizer import QWEN_LIKE_TEMPLATE, QWEN_TOOLS_TEMPLATE, build_chat_tokenizer
 from serving_helpers import DONE, StandInEngine, sse_events
 
-from dspark_jax.decoding.batching import Handle, Result
+from dspark_jax.decoding.batching import Handle, Result, Tokens
 from dspark_jax.serving import runtime
 from dspark_jax.serving.app import OpenAIServer, ServedModel
 from dspark_jax.serving.http_server import HttpServer, bind_socket
@@ -68,7 +68,8 @@ class _ScriptedBatcher:
         for handle in pending:
             tokens = self.script
             for i in range(0, len(tokens), 3):
-                handle.on_event("tokens", tokens[i : i + 3])
+                piece = tokens[i : i + 3]
+                handle.on_event("tokens", Tokens(piece, [-0.5] * len(piece)))
             none = np.zeros((0,), np.int32)
             result = Result(
                 list(tokens),

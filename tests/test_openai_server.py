@@ -29,6 +29,7 @@ from dspark_jax.sampling import SamplingConfig
 from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
 from dspark_jax.serving.http_server import HttpServer, bind_socket, build_app_server
 from dspark_jax.serving.metrics import compile_count, watch_compilations
+from dspark_jax.tokenizer import ByteTokenizer
 
 READ_TIMEOUT_S = 2.0
 MODEL = "tiny-vanilla"
@@ -418,6 +419,54 @@ def test_streaming_chat_with_usage_through_the_openai_client(served):
     assert whole.usage.prompt_tokens == len(b"# utils\ndef ")
 
 
+def test_token_logprobs_whole_streamed_and_through_the_openai_client(served):
+    """Each token the answer holds (its token_ids, the end-of-turn token included) has its
+    log-probability under the target; streamed chunks carry those of their tokens, and the
+    same seeded request gets the same numbers streamed or not, in both endpoints' shapes."""
+    body = {**SEEDED, "prompt": "def add(a, b):\n", "max_tokens": 24, "logprobs": 0}
+    whole = _complete(served.url, return_token_ids=True, **body)["choices"][0]
+    logprobs = whole["logprobs"]
+    ids = whole["token_ids"]
+    assert len(ids) == 24
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(ids)
+    assert logprobs["tokens"] == [ByteTokenizer().decode([t]) for t in ids]
+    assert whole["text"].isascii() and "".join(logprobs["tokens"]) == whole["text"]
+    assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(24)]
+    assert all(-50 < lp <= 0 for lp in logprobs["token_logprobs"])
+    assert min(logprobs["token_logprobs"]) < -0.1  # sampled at 0.9: not all certain
+    assert logprobs["top_logprobs"] == [
+        {t: lp} for t, lp in zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True)
+    ]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    with httpx.stream(
+        "POST", f"{served.url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
+        for event in sse_events(r):
+            if event != DONE and event["choices"][0]["logprobs"] is not None:
+                for key, values in streamed.items():
+                    values += event["choices"][0]["logprobs"][key]
+    assert streamed == {k: logprobs[k] for k in streamed}
+    # Chat: OpenAI's content entries, read by the OpenAI client.
+    chat = served.client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=0,
+        extra_body={"return_token_ids": True},
+    )
+    choice = chat.choices[0]
+    entries = choice.logprobs.content
+    assert len(entries) == len(choice.model_extra["token_ids"])
+    assert "".join(e.token for e in entries) == choice.message.content
+    assert all(e.bytes == list(e.token.encode()) and e.top_logprobs == [] for e in entries)
+    assert all(e.logprob <= 0 for e in entries)
+    # Not asked for: null, as before.
+    plain = _complete(served.url, prompt="x", max_tokens=2)
+    assert plain["choices"][0]["logprobs"] is None
+
+
 def test_a_shared_prompt_prefix_is_reported_as_cached_tokens(served):
     """The second prompt starting with the first one's 40 tokens maps their two full pages
     (16 tokens each) from the prefix cache: its usage and the metrics say so, streamed or not,
@@ -664,7 +713,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1", "at least 1 character"),
         ("completions", {"prompt": [1, "a"]}, "prompt.1", "valid integer"),
         ("completions", {"prompt": "x", "stream_options": {}}, "stream_options", "stream: true"),
-        ("chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
+        ("chat/completions", {"messages": CHAT, "top_logprobs": 5}, "top_logprobs", "5 is not"),
         (
             "chat/completions",
             {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"},
@@ -774,9 +823,9 @@ def test_bad_chat_bodies_and_routes_get_4xx(served):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
     r = httpx.post(
         f"{url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+        json={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
     )
-    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
     assert httpx.get(f"{url}/v1/completions").status_code == 405
     r = httpx.get(f"{url}/v2/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -255,13 +256,16 @@ class _Generation:
         self.hidden_ids = hidden_ids  # stop token ids: they end the text, they are not text
         self.metrics = metrics
         self.token_ids: list[int] = []
+        self.token_logprobs: list[float] = []  # one per token id
+        self.text_offset = 0  # where the next token's text starts (completions' logprobs)
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # the engine's count, known when it is done
         self.last_at: float | None = None  # when the previous tokens arrived
 
-    async def next_piece(self) -> tuple[str, list[int]] | None:
-        """The next (text, token ids) piece, or None once finished. Raises ApiError when the
-        engine failed or a drain shed the request, _ClientGone when the client left."""
+    async def next_piece(self) -> tuple[str, list[int], list[float]] | None:
+        """The next (text, token ids, their log-probabilities) piece, or None once finished.
+        Raises ApiError when the engine failed or a drain shed the request, _ClientGone when the
+        client left."""
         if self.finish_reason is not None:
             return None
         kind, payload, at = await self.live.queue.get()
@@ -270,13 +274,15 @@ class _Generation:
             if self.last_at is not None:  # the first token's wait is the time to first token
                 self.metrics.observe_tokens(len(kept), (at - self.last_at) / len(payload))
             self.last_at = at
-            return text, kept
+            logprobs = [] if payload.logprobs is None else payload.logprobs[: len(kept)]
+            self.token_logprobs += logprobs
+            return text, kept, logprobs
         if kind == "done":
             text = self.stops.feed(self.text.flush())
             text += self.stops.finish()
             self.finish_reason = "stop" if self.stops.matched else payload.finish_reason
             self.cached_tokens = payload.cached_tokens
-            return text, []
+            return text, [], []
         if kind == "error":
             raise ApiError(500, str(payload), kind="server_error", code="engine_failed")
         if kind == "shed":
@@ -357,7 +363,9 @@ async def _pump(index: int, gen: _Generation, merged: asyncio.Queue) -> None:
     merged.put_nowait((index, None))
 
 
-async def _next_event(merged: asyncio.Queue) -> tuple[int, tuple[str, list[int]] | None]:
+async def _next_event(
+    merged: asyncio.Queue,
+) -> tuple[int, tuple[str, list[int], list[float]] | None]:
     index, item = await merged.get()
     if isinstance(item, Exception):
         raise item
@@ -374,9 +382,38 @@ class _Shape:
     created: int
     model: str
     with_ids: bool
+    # A token's text, when the request asked for log-probabilities; None: it did not.
+    token_text: Callable[[int], str] | None = None
 
     def _ids(self, ids: list[int]) -> list[int] | None:
         return ids if self.with_ids else None
+
+    def logprobs(
+        self, gen: _Generation, ids: list[int], logprobs: list[float]
+    ) -> api.CompletionLogprobs | api.ChatLogprobs | None:
+        """The log-probabilities of a choice's tokens `ids`, in the endpoint's shape (None:
+        not asked for). Every token the choice's `token_ids` holds has one, an end-of-turn
+        token included."""
+        if self.token_text is None:
+            return None
+        texts = [self.token_text(t) for t in ids]
+        if self.chat:
+            return api.ChatLogprobs(
+                content=[
+                    api.TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+                    for t, lp in zip(texts, logprobs, strict=True)
+                ]
+            )
+        offsets = []
+        for t in texts:
+            offsets.append(gen.text_offset)
+            gen.text_offset += len(t)
+        return api.CompletionLogprobs(
+            tokens=texts,
+            token_logprobs=logprobs,
+            top_logprobs=[{t: lp} for t, lp in zip(texts, logprobs, strict=True)],
+            text_offset=offsets,
+        )
 
     def response(self, texts: list[str], gens: list[_Generation], usage: api.Usage) -> BaseModel:
         """The whole answer: one choice per generation, in index order."""
@@ -389,6 +426,7 @@ class _Shape:
                 index=index,
                 finish_reason=gen.reported_finish_reason,
                 token_ids=self._ids(gen.token_ids),
+                logprobs=self.logprobs(gen, gen.token_ids, gen.token_logprobs),
             )
             choices.append(
                 api.ChatChoice(message=_message(text, gen.output), **ending)
@@ -409,14 +447,23 @@ class _Shape:
         )
 
     def chunk(
-        self, index: int, text: str | Piece, ids: list[int], finish_reason: str | None = None
+        self,
+        index: int,
+        text: str | Piece,
+        ids: list[int],
+        finish_reason: str | None = None,
+        logprobs: api.CompletionLogprobs | api.ChatLogprobs | None = None,
     ) -> BaseModel:
         if self.chat:
             ending = finish_reason is not None and not text
             delta = api.ChatDelta() if ending else _delta(text)
             return self._chat_chunk(
                 api.ChatChunkChoice(
-                    index=index, delta=delta, finish_reason=finish_reason, token_ids=self._ids(ids)
+                    index=index,
+                    delta=delta,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    token_ids=self._ids(ids),
                 )
             )
         return api.Completion(
@@ -425,7 +472,11 @@ class _Shape:
             model=self.model,
             choices=[
                 api.CompletionChoice(
-                    index=index, text=text, finish_reason=finish_reason, token_ids=self._ids(ids)
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    token_ids=self._ids(ids),
                 )
             ],
         )
@@ -559,6 +610,10 @@ class OpenAIServer:
         # Prompts are measured against max_model_len here (a 400 for one that cannot fit), also
         # with a tokenizer that did not come from `load_tokenizer`.
         without_length_limit(model.tokenizer)
+        # A token's own text, as log-probabilities name it (special tokens by their names).
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda token: model.tokenizer.decode([token])
+        )
 
     # -- life cycle ------------------------------------------------------------------------------
     def drain(self, deadline_s: float | None = None) -> None:
@@ -746,6 +801,7 @@ class OpenAIServer:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 cache_salt=req.cache_salt,
+                logprobs=req.wants_logprobs,
             )
             for ids, limit in zip(prompts, limits, strict=True)
             for j in range(req.n)
@@ -878,6 +934,7 @@ class OpenAIServer:
             int(time.time()),
             self.model.name,
             req.return_token_ids,
+            self.token_text if req.wants_logprobs else None,
         )
 
         def usage() -> api.Usage:
@@ -930,7 +987,7 @@ class OpenAIServer:
         gens: list[_Generation],
         merged: asyncio.Queue,
         shape: _Shape,
-        first: tuple[int, tuple[str, list[int]] | None],
+        first: tuple[int, tuple[str, list[int], list[float]] | None],
         include_usage: bool,
         usage: Callable[[], api.Usage],
         finish: Callable[[], None],
@@ -948,10 +1005,11 @@ class OpenAIServer:
                 index, piece = event
                 gen = gens[index]
                 if piece is not None:
-                    text, ids = piece
+                    text, ids, logprobs = piece
                     part = gen.parse(text)
-                    if part or (ids and shape.with_ids):
-                        yield _sse(shape.dump(shape.chunk(index, part, ids)))
+                    if part or (ids and (shape.with_ids or shape.token_text is not None)):
+                        scores = shape.logprobs(gen, ids, logprobs)
+                        yield _sse(shape.dump(shape.chunk(index, part, ids, logprobs=scores)))
                 else:
                     ended += 1
                     if ended == len(gens):

@@ -181,6 +181,11 @@ class GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether each choice carries its tokens' log-probabilities."""
+        return False
+
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions. `prompt` is text or token ids, or a list of either: a list of one
@@ -190,7 +195,8 @@ class CompletionRequest(GenerationRequest):
     echo: Annotated[bool, _null_means(False), _only(False)] = False
     suffix: Annotated[str | None, _only(None, "")] = None
     best_of: Annotated[int | None, _only(None, 1)] = None
-    logprobs: Annotated[int | None, _only(None)] = None
+    # 0: each token's log-probability; alternatives (1 to 5 in OpenAI's API) are not offered.
+    logprobs: Annotated[int | None, _only(None, 0)] = None
 
     @field_validator("prompt")
     @classmethod
@@ -216,6 +222,10 @@ class CompletionRequest(GenerationRequest):
         """The Completions API's documented default (and vLLM's): 16 new tokens. Chat
         completions have none, and run to what the context leaves."""
         return 16
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 def _several(prompt: Any) -> bool:
@@ -346,8 +356,8 @@ class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: TokenCount | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    logprobs: Annotated[bool | None, _only(None, False)] = None
-    top_logprobs: Annotated[int | None, _only(None, 0)] = None
+    logprobs: bool | None = None  # each token's log-probability
+    top_logprobs: Annotated[int | None, _only(None, 0)] = None  # no alternatives
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     # "required" and a named function would need decoding constrained to the tools' schemas.
     tool_choice: (
@@ -390,6 +400,10 @@ class ChatCompletionRequest(GenerationRequest):
         return value
 
     @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    @property
     def calls_tools(self) -> bool:
         """Tools offered and the model left free to call them (OpenAI's default with tools)."""
         return bool(self.tools) and self.tool_choice != "none"
@@ -410,10 +424,32 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(BaseModel):
+    """The Completions API's (legacy) log-probabilities: one entry per token in each list;
+    `top_logprobs` holds the token itself (no alternatives are offered)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's text as UTF-8
+    top_logprobs: list[Any] = []  # no alternatives are offered
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
     token_ids: list[int] | None = None
 
@@ -461,7 +497,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
     token_ids: list[int] | None = None
 
@@ -492,7 +528,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None
 
