@@ -6,7 +6,8 @@ every [512, V] float32 array it writes is 311 MB: on a GPU the vocabulary side o
 memory traffic comparable to the target's weights (8 GB at 4B), more when rows filter. This
 compiles that side alone -- the lm head over the packed tokens (float32 logits, as
 `layers.Embed.attend` makes them), `filtered_logprobs` under per-token settings,
-`verify_packed` -- and reports, from XLA's optimised program:
+`verify_packed`, the committed tokens' `token_logprobs` -- and reports, from XLA's optimised
+program:
 
 - every [rows, V] array the round writes, every round (greedy and temperature-only rounds
   included) or only inside a conditional, and at most how much of them is read back;
@@ -157,20 +158,24 @@ def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device)
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
+    from dspark_jax.decoding.engine import _wanted_logprobs
     from dspark_jax.decoding.verify import verify_packed
-    from dspark_jax.sampling import RowSampling, filtered_logprobs
+    from dspark_jax.sampling import RowSampling, logprobs_and_argmax
 
     tokens = slots * (gamma + 1)
 
     def round_(hidden_td, head_vd, slot_t, temperature, top_k, top_p, drafts, draft_logp, rows,
-               lengths, keys, positions, stops):
+               lengths, keys, positions, stops, wanted):
         # The lm head as `layers.Embed.attend` computes it: inputs in the model's dtype,
         # float32 accumulated and returned.
         logits_tv = jnp.einsum("td,vd->tv", hidden_td, head_vd, preferred_element_type=jnp.float32)
         settings = RowSampling(temperature, top_k, top_p)
-        logp_tv = filtered_logprobs(logits_tv, settings.take(slot_t))
-        return verify_packed(drafts, draft_logp, logp_tv, rows, lengths, keys, positions,
-                             settings, stops)
+        logp_tv, argmax_t = logprobs_and_argmax(logits_tv, settings.take(slot_t))
+        result = verify_packed(drafts, draft_logp, logp_tv, rows, lengths, keys, positions,
+                               settings, stops)
+        # The committed tokens' own log-probabilities, as the engine reports them: in a
+        # conditional, run only when a live request asked (`engine._wanted_logprobs`).
+        return result, _wanted_logprobs(wanted, logits_tv, rows, result.tokens_bj, argmax_t)
 
     place = SingleDeviceSharding(device)
     shape = lambda dims, t: jax.ShapeDtypeStruct(dims, t, sharding=place)  # noqa: E731
@@ -180,6 +185,7 @@ def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device)
         shape((slots, gamma), jnp.int32), shape((slots, gamma, vocab), jnp.float32),
         shape((slots, gamma + 1), jnp.int32), shape((slots,), jnp.int32),
         shape((slots, 2), jnp.uint32), shape((slots,), jnp.int32), shape((slots, 4), jnp.int32),
+        shape((), jnp.bool_),
     )
     from dspark_jax.models.layers import compiler_options
 
