@@ -158,14 +158,14 @@ def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device)
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from dspark_jax.decoding.engine import _wanted_logprobs
+    from dspark_jax.decoding.engine import _scores
     from dspark_jax.decoding.verify import verify_packed
     from dspark_jax.sampling import RowSampling, logprobs_and_argmax
 
     tokens = slots * (gamma + 1)
 
     def round_(hidden_td, head_vd, slot_t, temperature, top_k, top_p, drafts, draft_logp, rows,
-               lengths, keys, positions, stops, wanted):
+               lengths, keys, positions, stops, level):
         # The lm head as `layers.Embed.attend` computes it: inputs in the model's dtype,
         # float32 accumulated and returned.
         logits_tv = jnp.einsum("td,vd->tv", hidden_td, head_vd, preferred_element_type=jnp.float32)
@@ -173,9 +173,9 @@ def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device)
         logp_tv, argmax_t = logprobs_and_argmax(logits_tv, settings.take(slot_t))
         result = verify_packed(drafts, draft_logp, logp_tv, rows, lengths, keys, positions,
                                settings, stops)
-        # The committed tokens' own log-probabilities, as the engine reports them: in a
-        # conditional, run only when a live request asked (`engine._wanted_logprobs`).
-        return result, _wanted_logprobs(wanted, logits_tv, rows, result.tokens_bj, argmax_t)
+        # The committed tokens' own log-probabilities (and alternatives), as the engine reports
+        # them: in a switch, run only when a live request asked (`engine._scores`).
+        return result, _scores(level, logits_tv, rows, result.tokens_bj, argmax_t)
 
     place = SingleDeviceSharding(device)
     shape = lambda dims, t: jax.ShapeDtypeStruct(dims, t, sharding=place)  # noqa: E731
@@ -185,7 +185,7 @@ def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device)
         shape((slots, gamma), jnp.int32), shape((slots, gamma, vocab), jnp.float32),
         shape((slots, gamma + 1), jnp.int32), shape((slots,), jnp.int32),
         shape((slots, 2), jnp.uint32), shape((slots,), jnp.int32), shape((slots, 4), jnp.int32),
-        shape((), jnp.bool_),
+        shape((), jnp.int32),
     )
     from dspark_jax.models.layers import compiler_options
 

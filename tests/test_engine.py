@@ -14,9 +14,12 @@ from fixture_models import VARIANTS, load_pair, reference_traces
 from dspark_jax.decoding.batching import Batcher, Observer, Request, generate
 from dspark_jax.decoding.engine import (
     COMPILE_WORKERS_ENV,
+    FAST_TOP_K,
+    TOP_LOGPROBS,
     Engine,
     EngineConfig,
     EngineError,
+    _top_k,
     default_compile_workers,
     warm_up_all,
 )
@@ -407,8 +410,11 @@ def test_requests_that_cannot_fit_are_refused(setup):
     [
         (Request([5, 6, 7, 8], 2.5), "max_new_tokens must be an integer"),
         (Request([5, 6, 7, 8], 4, sampling=0.7), "sampling must be a SamplingConfig"),
+        (Request([5, 6], 4, logprobs=1), "logprobs must be True or False"),
+        (Request([5, 6], 4, logprobs=True, top_logprobs=21), r"top_logprobs must be .* 0\.\.20"),
+        (Request([5, 6], 4, top_logprobs=2), "top_logprobs needs logprobs=True"),
     ],
-    ids=["float_max_new_tokens", "float_sampling"],
+    ids=["float_max_new_tokens", "float_sampling", "int_logprobs", "top_21", "top_alone"],
 )
 def test_a_malformed_request_is_refused_at_submit_and_stalls_nothing(setup, bad, fragment):
     """A float max_new_tokens, a top_k past int32 or a sampling that is no SamplingConfig used to
@@ -720,9 +726,17 @@ def _check_logprobs(target, prompts, results) -> None:
         seq = jnp.asarray(prompt + result.tokens, jnp.int32)[None]
         logp = jax.nn.log_softmax(target.logits(target(seq).hidden[0]), axis=-1)
         start, n = len(prompt), len(result.tokens)
-        want = np.asarray(logp[start - 1 : start - 1 + n])[np.arange(n), result.tokens]
+        rows = np.asarray(logp[start - 1 : start - 1 + n])
+        want = rows[np.arange(n), result.tokens]
         np.testing.assert_allclose(result.logprobs, want, atol=2e-4, rtol=1e-4)
         spread.append(np.min(want))
+        if result.top_logprobs is not None:  # the k likeliest at each place, likeliest first
+            assert len(result.top_logprobs) == n
+            k = len(result.top_logprobs[0])
+            ids = np.array([[i for i, _ in alts] for alts in result.top_logprobs])
+            values = np.array([[v for _, v in alts] for alts in result.top_logprobs])
+            np.testing.assert_array_equal(ids, np.argsort(-rows, axis=-1, kind="stable")[:, :k])
+            np.testing.assert_allclose(values, -np.sort(-rows, axis=-1)[:, :k], atol=2e-4)
     assert min(spread) < -0.5  # not all near 0, which a constant 0 would pass
 
 
@@ -743,9 +757,17 @@ def test_token_logprobs_are_the_targets_own(setup, sampling):
     unasked, _ = generate(spec, [dataclasses.replace(r, logprobs=False) for r in requests])
     assert [r.tokens for r in unasked] == [r.tokens for r in results]
     assert all(r.logprobs is None for r in unasked)
-    mixed = [dataclasses.replace(r, logprobs=i % 2 == 0) for i, r in enumerate(requests)]
+    # Beside requests that ask, one that does not still gets none; alternatives for the one
+    # that asks for them, its neighbour's token log-probabilities alone.
+    mixed = [
+        dataclasses.replace(r, logprobs=i != 1, top_logprobs=18 if i == 0 else 0)
+        for i, r in enumerate(requests)
+    ]
     mixed_results, _ = generate(spec, mixed)
     assert [r.logprobs is None for r in mixed_results] == [False, True, False]
+    assert [r.top_logprobs is None for r in mixed_results] == [False, True, True]
+    assert [len(alts) for alts in mixed_results[0].top_logprobs] == [18] * 40
+    assert [r.tokens for r in mixed_results] == [r.tokens for r in results]
     _check_logprobs(target, prompts[::2], mixed_results[::2])
 
 
@@ -755,6 +777,20 @@ def test_token_logprobs_of_plain_decoding():
     cfg = EngineConfig(
         num_slots=2, max_model_len=128, prefill_chunk=64, prefill_buckets=(64,), token_buckets=(2,)
     )
-    requests = [Request(p, max_new_tokens=24, sampling=T1, seed=3, logprobs=True) for p in prompts]
+    requests = [
+        Request(p, max_new_tokens=24, sampling=T1, seed=3, logprobs=True, top_logprobs=3)
+        for p in prompts
+    ]
     results, _ = generate(Engine(target, None, cfg), requests)
     _check_logprobs(target, prompts, results)
+
+
+def test_top_k_in_pieces_is_lax_top_k():
+    """Past FAST_TOP_K the alternatives come from two top-k pieces (XLA's GPU compiler sorts
+    whole rows for a larger k): the same values and ids as one top-k."""
+    x = jax.random.normal(jax.random.key(0), (6, 1000))
+    for k in (3, FAST_TOP_K, TOP_LOGPROBS):
+        values, ids = _top_k(x, k)
+        want_values, want_ids = jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(values, want_values)

@@ -49,7 +49,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspark_jax.decoding.engine import Engine, EngineError, PrefillItem
+from dspark_jax.decoding.engine import TOP_LOGPROBS, Engine, EngineError, PrefillItem
+from dspark_jax.errors import as_integer
 from dspark_jax.sampling import GREEDY, SamplingConfig
 
 
@@ -77,8 +78,11 @@ class Request:
     # so one tenant's time to first token cannot tell what another's prompts began with.
     cache_salt: str | None = None
     # Report each token's log-probability under the target (`Result.logprobs`, `Tokens`): a
-    # pass over the verified rows' logits in the rounds where some live request asks.
+    # pass over the verified rows' logits in the rounds where some live request asks; with
+    # `top_logprobs` (at most engine.TOP_LOGPROBS), also that many likeliest tokens at each
+    # place and theirs (a top-k over the vocabulary in those rounds).
     logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclasses.dataclass
@@ -96,6 +100,9 @@ class Result:
     # Each token's log-probability under the target's own distribution (before temperature and
     # filters; `engine.token_logprobs`), in `tokens` order; None unless the request asked.
     logprobs: list[float] | None = None
+    # Per token, the request's top_logprobs likeliest (token id, log-probability) pairs at its
+    # place, likeliest first; None unless it asked for alternatives.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def rounds(self) -> int:
@@ -110,11 +117,17 @@ class Result:
 class Tokens(list):
     """A "tokens" event's payload: the new token ids (a list, as ever) and, in `logprobs`, the
     log-probability of each under the target's own distribution (None unless the request asked:
-    `Request.logprobs`)."""
+    `Request.logprobs`), in `top_logprobs` the alternatives (`Result.top_logprobs`)."""
 
-    def __init__(self, ids: list[int], logprobs: list[float] | None = None):
+    def __init__(
+        self,
+        ids: list[int],
+        logprobs: list[float] | None = None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
+    ):
         super().__init__(ids)
         self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
 
 
 # (kind, payload): ("tokens", Tokens) any number of times, then ("done", Result). (The
@@ -171,6 +184,7 @@ class Handle:
     prefilled: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     verified: list[np.ndarray] = dataclasses.field(default_factory=list)
     accepted: list[np.ndarray] = dataclasses.field(default_factory=list)
     committed: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -406,6 +420,14 @@ class Batcher:
             raise EngineError(f"ignore_eos must be True or False, got {request.ignore_eos!r}")
         if not isinstance(request.logprobs, bool | np.bool_):
             raise EngineError(f"logprobs must be True or False, got {request.logprobs!r}")
+        most = min(TOP_LOGPROBS, self.engine.target_cfg.vocab_size)
+        top = as_integer(request.top_logprobs)
+        if top is None or not 0 <= top <= most:
+            raise EngineError(
+                f"top_logprobs must be an integer in 0..{most}, got {request.top_logprobs!r}"
+            )
+        if top and not request.logprobs:
+            raise EngineError("top_logprobs needs logprobs=True")
         if request.cache_salt is not None and not (
             isinstance(request.cache_salt, str) and request.cache_salt
         ):
@@ -617,7 +639,7 @@ class Batcher:
                     stop_tokens=handle.stop_ids,
                     seed=r.seed,
                     first=handle.prefilled == handle.cached_tokens,
-                    logprobs=bool(r.logprobs),
+                    logprobs=int(r.top_logprobs) if r.logprobs else -1,
                 )
             )
             budget -= take
@@ -704,11 +726,21 @@ class Batcher:
         """Reads the dispatched calls in the order they ran, all but the newest `keep`."""
         while len(self._unread) > keep:
             kind, out, who = self._unread[0]
+            # Alternatives are copied only when a request they were computed for wants them.
+            top = any(h is not None and h.request.top_logprobs for h in who)
             if kind == "prefill":
                 host = jax.device_get(
-                    (out.first_token_n, out.first_logprob_n, out.finished_n, out.stopped_n)
+                    (
+                        out.first_token_n,
+                        out.first_logprob_n,
+                        (out.first_top_ids_nk, out.first_top_logprobs_nk) if top else None,
+                        out.finished_n,
+                        out.stopped_n,
+                    )
                 )
             else:
+                if not top:
+                    out = dataclasses.replace(out, top_ids_sck=None, top_logprobs_sck=None)
                 host = jax.device_get(out)
             self._unread.popleft()  # on the host: from here on nothing waits to be interrupted
             if kind == "prefill":
@@ -716,14 +748,17 @@ class Batcher:
             else:
                 self._read_chunk(host, who)
 
-    def _read_prefill(self, first, first_logprob, finished, stopped, handles: list[Handle]) -> None:
+    def _read_prefill(
+        self, first, first_logprob, first_top, finished, stopped, handles: list[Handle]
+    ) -> None:
         now = time.monotonic()
         for i, handle in enumerate(handles):
             if handle.cancelled or handle.prefilled < len(handle.request.prompt_ids):
                 continue  # a later chunk of the same prompt is still to come
             handle.first_token_at = handle.last_token_at = now
             self.observer.on_first_token(now - handle.submitted)
-            self._deliver(handle, [int(first[i])], [float(first_logprob[i])])
+            top = None if first_top is None else (first_top[0][i : i + 1], first_top[1][i : i + 1])
+            self._deliver(handle, [int(first[i])], [float(first_logprob[i])], top)
             if finished[i]:
                 self._free(handle)
                 self._finish(handle, "stop" if stopped[i] else "length")
@@ -760,18 +795,36 @@ class Batcher:
                     handle,
                     host.tokens_sc[slot, :count].tolist(),
                     host.logprobs_sc[slot, :count].tolist(),
+                    None
+                    if host.top_ids_sck is None
+                    else (host.top_ids_sck[slot, :count], host.top_logprobs_sck[slot, :count]),
                 )
             if host.finished_s[slot]:
                 self._free(handle)
                 self._finish(handle, "stop" if host.stopped_s[slot] else "length")
 
-    def _deliver(self, handle: Handle, tokens: list[int], logprobs: list[float]) -> None:
+    def _deliver(
+        self,
+        handle: Handle,
+        tokens: list[int],
+        logprobs: list[float],
+        top: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """Hands the request its new tokens, with the log-probabilities it asked for (`top`:
+        the alternatives' ids and log-probabilities [tokens, TOP_LOGPROBS], when fetched)."""
         handle.tokens += tokens
-        if not handle.request.logprobs:
+        request = handle.request
+        if not request.logprobs:
             self._call(handle, "tokens", Tokens(tokens))
             return
         handle.logprobs += logprobs
-        self._call(handle, "tokens", Tokens(tokens, logprobs))
+        alternatives = None
+        if request.top_logprobs:
+            k = request.top_logprobs
+            ids, values = top[0][:, :k].tolist(), top[1][:, :k].tolist()
+            alternatives = [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+            handle.top_logprobs += alternatives
+        self._call(handle, "tokens", Tokens(tokens, logprobs, alternatives))
 
     def _free(self, handle: Handle) -> None:
         if handle.slot is not None:
@@ -802,6 +855,7 @@ class Batcher:
             latency_s=now - handle.submitted,
             cached_tokens=handle.cached_tokens,
             logprobs=list(handle.logprobs) if handle.request.logprobs else None,
+            top_logprobs=list(handle.top_logprobs) if handle.request.top_logprobs else None,
         )
         self._call(handle, "done", result)
 

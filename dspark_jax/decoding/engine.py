@@ -89,6 +89,12 @@ class EngineError(UserError):
         self.field = field
 
 
+# The most alternatives a token's log-probabilities come with (OpenAI's bound on top_logprobs),
+# and the most that XLA's GPU compiler finds in one kernel over a row (beyond, it sorts the row).
+TOP_LOGPROBS = 20
+FAST_TOP_K = 16
+
+
 def block_positions(gamma: int) -> int:
     """Cache positions a request may write past its last token: its final round verifies an
     anchor and gamma drafts there. A server sizes max_model_len this much above the prompt +
@@ -331,7 +337,9 @@ class SlotState:
     num_generated_s: jax.Array
     live_s: jax.Array  # holds a request that has not finished
     rounds_s: jax.Array  # rounds the request has run
-    logprobs_s: jax.Array  # bool: the request asked for its tokens' log-probabilities
+    # The request's log-probabilities: -1 none, else each token's and that many alternatives'
+    # (at most TOP_LOGPROBS).
+    logprobs_s: jax.Array
     policy_carry: Any
 
     def replace(self, **changes) -> SlotState:
@@ -349,6 +357,9 @@ class ChunkOutput:
 
     tokens_sc: jax.Array  # tokens committed this chunk, left-aligned, PAD_TOKEN after count_s
     logprobs_sc: jax.Array  # each token's log-probability under the target (`token_logprobs`)
+    # The TOP_LOGPROBS likeliest tokens where each was sampled, and their log-probabilities.
+    top_ids_sck: jax.Array
+    top_logprobs_sck: jax.Array
     count_s: jax.Array
     verified_sr: jax.Array  # per round of the chunk: drafts verified (-1: the slot did not run)
     accepted_sr: jax.Array  # drafts accepted (before stop truncation)
@@ -365,6 +376,8 @@ class ChunkOutput:
 class PrefillOutput:
     first_token_n: jax.Array  # the request's first token (sequences completing their prompt)
     first_logprob_n: jax.Array  # its log-probability under the target (`token_logprobs`)
+    first_top_ids_nk: jax.Array  # the likeliest first tokens (`top_logprobs`)
+    first_top_logprobs_nk: jax.Array
     finished_n: jax.Array  # the request ended with its first token
     stopped_n: jax.Array
 
@@ -385,7 +398,7 @@ class PrefillBatch:
     stop_nk: np.ndarray
     seed_n: np.ndarray  # uint32
     prompt_len_n: np.ndarray
-    logprobs_n: np.ndarray  # bool
+    logprobs_n: np.ndarray  # int32: the request's logprobs level (SlotState.logprobs_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +421,9 @@ class PrefillItem:
     stop_tokens: tuple[int, ...]
     seed: int
     first: bool | None = None  # installs the request; None: start == 0
-    logprobs: bool = False  # the decode rounds report its tokens' log-probabilities
+    # Log-probabilities the calls report for its tokens: -1 none, else each token's and that many
+    # alternatives' (SlotState.logprobs_s).
+    logprobs: int = -1
 
 
 def _check_sts(sts: StsArtifact, drafter: DSparkDrafter | None, fingerprint: str | None) -> None:
@@ -734,7 +749,7 @@ class Engine:
             num_generated_s=jnp.zeros((s,), jnp.int32),
             live_s=jnp.zeros((s,), bool),
             rounds_s=jnp.zeros((s,), jnp.int32),
-            logprobs_s=jnp.zeros((s,), bool),
+            logprobs_s=jnp.full((s,), -1, jnp.int32),
             policy_carry=self.policy.init_carry(s, max(self.gamma, 1)),
         )
 
@@ -922,7 +937,7 @@ class Engine:
         stop = np.full((n, cfg.max_stop_tokens), NO_STOP_TOKEN, np.int32)
         seed = np.zeros((n,), np.uint32)
         prompt_len = np.zeros((n,), np.int32)
-        logprobs = np.zeros((n,), bool)
+        logprobs = np.full((n,), -1, np.int32)
         at = 0
         for i, it in enumerate(items):
             c = len(it.tokens)
@@ -1268,8 +1283,11 @@ def _prefill(
     slot_rows = state.sampling_s.take(seq_slot_n).only(final_n)
     prompt_len_n = host["prompt_len_n"]
     first_keys = position_keys(state.keys_s[seq_slot_n], prompt_len_n, STREAM_RESIDUAL)
-    first_n, first_logprob_n = _sample_scored(
-        first_keys, target.logits(hidden_nd), slot_rows, jnp.any(final_n & host["logprobs_n"])
+    first_n, first_scores = _sample_scored(
+        first_keys,
+        target.logits(hidden_nd),
+        slot_rows,
+        jnp.max(jnp.where(final_n, host["logprobs_n"], -1)),
     )
     stopped_n = _is_stop(first_n, state.stop_sk[seq_slot_n])
     finished_n = stopped_n | (state.max_new_s[seq_slot_n] <= 1)
@@ -1284,7 +1302,7 @@ def _prefill(
         live_s=put(state.live_s, ~finished_n),
     )
     return state, PrefillOutput(
-        first_n, first_logprob_n, finished_n & final_n, stopped_n & final_n
+        first_n, *first_scores, finished_n & final_n, stopped_n & final_n
     )
 
 
@@ -1302,29 +1320,81 @@ def token_logprobs(logits_tv: jax.Array, rows, tokens, argmax_t: jax.Array) -> j
     return logits_tv[rows, jnp.clip(tokens, 0, vocab - 1)] - lse_t[rows]
 
 
-def _wanted_logprobs(wanted, logits_tv: jax.Array, rows, tokens, argmax_t) -> jax.Array:
-    """`token_logprobs` when `wanted` (a live slot asked for them), else zeros: a conditional,
-    so that rounds where no request asked skip the pass over the logits."""
+def _top_k(x_tv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` of each row in pieces of at most FAST_TOP_K: XLA's GPU compiler runs a top-k
+    that small as one kernel over each row, and any larger one as a sort of the whole
+    [rows, V] array. The next piece is the top of the rows with the previous pieces' entries
+    masked out."""
+    values, ids = [], []
+    while k > 0:
+        v_tk, i_tk = jax.lax.top_k(x_tv, min(k, FAST_TOP_K))
+        values.append(v_tk)
+        ids.append(i_tk)
+        k -= v_tk.shape[-1]
+        if k > 0:
+            x_tv = x_tv.at[jnp.arange(x_tv.shape[0])[:, None], i_tk].set(-jnp.inf)
+    return jnp.concatenate(values, axis=-1), jnp.concatenate(ids, axis=-1)
+
+
+def top_logprobs(logits_tv: jax.Array, rows, argmax_t: jax.Array, k: int = TOP_LOGPROBS):
+    """The `k` likeliest tokens at packed `rows` of the target's float32 logits and their
+    log-probabilities (as `token_logprobs`): ids [*rows, TOP_LOGPROBS] int32 and
+    log-probabilities, likeliest first, zeros past `k` (and past the vocabulary)."""
+    top_t = jnp.take_along_axis(logits_tv, argmax_t[:, None], axis=-1)
+    lse_t = top_t[:, 0] + jnp.log(jnp.sum(jnp.exp(logits_tv - top_t), axis=-1))
+    values_tk, ids_tk = _top_k(logits_tv, min(k, logits_tv.shape[-1]))
+    rows = jnp.clip(rows, 0, logits_tv.shape[0] - 1)
+    values_tk = values_tk - lse_t[:, None]
+    pad = ((0, 0), (0, TOP_LOGPROBS - values_tk.shape[-1]))
+    ids_tk, values_tk = jnp.pad(ids_tk, pad), jnp.pad(values_tk, pad)
+    return ids_tk[rows].astype(jnp.int32), values_tk[rows]
+
+
+def _scores(level, logits_tv: jax.Array, rows, tokens, argmax_t):
+    """(`token_logprobs`, `top_logprobs` ids, their log-probabilities) of `tokens` at `rows`
+    for the live requests' largest logprobs `level` (SlotState.logprobs_s): zeros where it is
+    -1, no alternatives (zeros) where it is 0. A switch, so that rounds where no live request
+    asked skip the passes over the logits, and only rounds where one asked for alternatives
+    run a top-k over the vocabulary: of FAST_TOP_K, or (past it) of TOP_LOGPROBS in two
+    pieces."""
     shape = jnp.shape(tokens)
-    return jax.lax.cond(
-        wanted,
-        lambda: token_logprobs(logits_tv, rows, tokens, argmax_t),
-        lambda: jnp.zeros(shape, jnp.float32),
+    none_k = (jnp.zeros(shape + (TOP_LOGPROBS,), jnp.int32),) * 2
+
+    def nothing():
+        return jnp.zeros(shape, jnp.float32), none_k[0], none_k[1].astype(jnp.float32)
+
+    def chosen():
+        return (
+            token_logprobs(logits_tv, rows, tokens, argmax_t),
+            none_k[0],
+            none_k[1].astype(jnp.float32),
+        )
+
+    def with_top(k):
+        return lambda: (token_logprobs(logits_tv, rows, tokens, argmax_t),) + top_logprobs(
+            logits_tv, rows, argmax_t, k
+        )
+
+    index = jnp.where(level > FAST_TOP_K, 3, jnp.clip(level + 1, 0, 2))
+    return jax.lax.switch(
+        index, [nothing, chosen, with_top(FAST_TOP_K), with_top(TOP_LOGPROBS)]
     )
 
 
-def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, wanted):
-    """`sample_tokens` of each row and, if `wanted`, the tokens' `token_logprobs`."""
+def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level):
+    """`sample_tokens` of each row and the tokens' `_scores` at logprobs `level`."""
     logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
     tokens_t = sample_from_logprobs(keys_t, logp_tv, rows.greedy, argmax_t)
     index_t = jnp.arange(tokens_t.shape[0])
-    return tokens_t, _wanted_logprobs(wanted, logits_tv, index_t, tokens_t, argmax_t)
+    return tokens_t, _scores(level, logits_tv, index_t, tokens_t, argmax_t)
 
 
 def _empty_output(num_slots: int, rounds: int, width: int, conf_k: int) -> ChunkOutput:
     return ChunkOutput(
         tokens_sc=jnp.full((num_slots, rounds * width), PAD_TOKEN, jnp.int32),
         logprobs_sc=jnp.zeros((num_slots, rounds * width), jnp.float32),
+        top_ids_sck=jnp.zeros((num_slots, rounds * width, TOP_LOGPROBS), jnp.int32),
+        top_logprobs_sck=jnp.zeros((num_slots, rounds * width, TOP_LOGPROBS), jnp.float32),
         count_s=jnp.zeros((num_slots,), jnp.int32),
         verified_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
         accepted_sr=jnp.full((num_slots, rounds), -1, jnp.int32),
@@ -1360,7 +1430,7 @@ def _commit(
     r,
     live_s,
     tokens_sj,
-    logprobs_sj,
+    scores,
     num_committed_s,
     stopped_s,
     next_anchor_s,
@@ -1384,7 +1454,9 @@ def _commit(
     record = lambda buf, v: buf.at[:, r].set(jnp.where(live_s, v, buf[:, r]))  # noqa: E731
     out = ChunkOutput(
         tokens_sc=out.tokens_sc.at[rows, cols].set(tokens_sj, mode="drop"),
-        logprobs_sc=out.logprobs_sc.at[rows, cols].set(logprobs_sj, mode="drop"),
+        logprobs_sc=out.logprobs_sc.at[rows, cols].set(scores[0], mode="drop"),
+        top_ids_sck=out.top_ids_sck.at[rows, cols].set(scores[1], mode="drop"),
+        top_logprobs_sck=out.top_logprobs_sck.at[rows, cols].set(scores[2], mode="drop"),
         count_s=out.count_s + kept_s,
         verified_sr=record(out.verified_sr, verified_s),
         accepted_sr=record(out.accepted_sr, accepted_s),
@@ -1552,19 +1624,18 @@ def _spec_round(
                 state.stop_sk,
             )
             # Token j of a slot's round (accepted draft, or the last) is sampled at its row j.
-            logprobs_sj = _wanted_logprobs(
-                jnp.any(state.logprobs_s & live_s), logits_tv, rows_sj, result.tokens_bj, argmax_t
-            )
+            level = jnp.max(jnp.where(live_s, state.logprobs_s, -1))
+            scores = _scores(level, logits_tv, rows_sj, result.tokens_bj, argmax_t)
             # Keys, values and the drafter's context of every verified token leave the branch
             # to be written after it (writing the pool inside a conditional copies it). Those of
             # rejected drafts land past the new length, where they are masked and overwritten.
             context_kv = drafter.packed_context_kv(fwd.taps, batch)
-            return paged.pad_kv(fwd.kv, top), paged.pad_kv(context_kv, top), result, logprobs_sj
+            return paged.pad_kv(fwd.kv, top), paged.pad_kv(context_kv, top), result, scores
 
         return run
 
     step_tokens = jnp.sum(count_s)
-    target_kv, context_kv, result, logprobs_sj = _switch_on_count(
+    target_kv, context_kv, result, scores = _switch_on_count(
         buckets, step_tokens, branch, None
     )
     target_cache = paged.write(target_cache, target_kv, full, after=result)
@@ -1578,7 +1649,7 @@ def _spec_round(
         r,
         live_s,
         result.tokens_bj,
-        logprobs_sj,
+        scores,
         result.num_committed_b,
         result.stopped_b,
         result.next_token_b,
@@ -1614,17 +1685,21 @@ def _plain_round(
             logits_tv = target.logits(fwd.hidden[:rows])
             keys_t = position_keys(state.keys_s[slot_t], start_s[slot_t] + 1, STREAM_RESIDUAL)
             rows_t = state.sampling_s.take(slot_t).only(valid_t)
-            wanted = jnp.any(state.logprobs_s & live_s)
-            next_t, logp_t = _sample_scored(keys_t, logits_tv, rows_t, wanted)
+            level = jnp.max(jnp.where(live_s, state.logprobs_s, -1))
+            next_t, scores_t = _sample_scored(keys_t, logits_tv, rows_t, level)
             to_s = jnp.where(valid_t, slot_t, top)  # padding rows write nowhere
             next_s = jnp.zeros((top,), next_t.dtype).at[to_s].set(next_t, mode="drop")
-            logp_s = jnp.zeros((top,), jnp.float32).at[to_s].set(logp_t, mode="drop")
-            return paged.pad_kv(fwd.kv, top), next_s, logp_s
+            # Each slot's scores as a round of one token: [slots, 1(, k)].
+            scores_s = tuple(
+                jnp.zeros((top, 1) + x.shape[1:], x.dtype).at[to_s, 0].set(x, mode="drop")
+                for x in scores_t
+            )
+            return paged.pad_kv(fwd.kv, top), next_s, scores_s
 
         return run
 
     step_tokens = jnp.sum(count_s)
-    target_kv, next_s, logp_s = _switch_on_count(buckets, step_tokens, branch, None)
+    target_kv, next_s, scores_s = _switch_on_count(buckets, step_tokens, branch, None)
     target_cache = paged.write(target_cache, target_kv, full, after=next_s)
     state = state.replace(target_pages=target_cache.pages)
     ones_s = jnp.ones_like(next_s)
@@ -1634,7 +1709,7 @@ def _plain_round(
         r,
         live_s,
         next_s[:, None],
-        logp_s[:, None],
+        scores_s,
         ones_s,
         _is_stop(next_s, state.stop_sk),
         next_s,
