@@ -462,6 +462,22 @@ def test_token_logprobs_whole_streamed_and_through_the_openai_client(served):
     assert "".join(e.token for e in entries) == choice.message.content
     assert all(e.bytes == list(e.token.encode()) and e.top_logprobs == [] for e in entries)
     assert all(e.logprob <= 0 for e in entries)
+    # With alternatives: as many as asked, likeliest first; greedy, the token is the first.
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    for e in chat.choices[0].logprobs.content:
+        values = [a.logprob for a in e.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+    # Completions' legacy dicts hold the alternatives and the token itself.
+    three = _complete(served.url, **{**body, "logprobs": 3})["choices"][0]["logprobs"]
+    assert three["token_logprobs"] == logprobs["token_logprobs"]  # the same seeded tokens
+    for token, lp, alternatives in zip(
+        three["tokens"], three["token_logprobs"], three["top_logprobs"], strict=True
+    ):
+        assert alternatives[token] == lp and lp <= max(alternatives.values())
+        assert 1 <= len(alternatives) <= 4  # byte tokens that decode alike share a key
     # Not asked for: null, as before.
     plain = _complete(served.url, prompt="x", max_tokens=2)
     assert plain["choices"][0]["logprobs"] is None
@@ -706,14 +722,19 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     [
         ("completions", {"prompt": "x", "n": 1.5}, "n", "valid integer"),
         ("completions", {"prompt": "x", "echo": True}, "echo", "true is not supported"),
-        ("completions", {"prompt": "x", "logprobs": 1}, "logprobs", "1 is not supported"),
+        ("completions", {"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
         ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "0.5"),
         ("completions", {"prompt": "x", "store": True}, "store", "true is not supported"),
         ("completions", {"prompt": "x", "stop": 5}, "stop", "a string or an array of strings"),
         ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1", "at least 1 character"),
         ("completions", {"prompt": [1, "a"]}, "prompt.1", "valid integer"),
         ("completions", {"prompt": "x", "stream_options": {}}, "stream_options", "stream: true"),
-        ("chat/completions", {"messages": CHAT, "top_logprobs": 5}, "top_logprobs", "5 is not"),
+        (
+            "chat/completions",
+            {"messages": CHAT, "top_logprobs": 5},
+            "top_logprobs",
+            "needs logprobs",
+        ),
         (
             "chat/completions",
             {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"},
@@ -823,7 +844,7 @@ def test_bad_chat_bodies_and_routes_get_4xx(served):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
     r = httpx.post(
         f"{url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
+        json={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
     )
     assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
     assert httpx.get(f"{url}/v1/completions").status_code == 405

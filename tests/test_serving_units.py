@@ -153,7 +153,7 @@ def test_schemas():
     for body in (
         b'{"prompt": "x", "stream_options": {"include_usage": true}}',
         b'{"prompt": "x", "echo": true}',
-        b'{"prompt": "x", "logprobs": 2}',
+        b'{"prompt": "x", "logprobs": 6}',
         b'{"prompt": "x", "top_k": -2}',
         b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
     ):

@@ -51,7 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dspark_jax.config import read_config_json
-from dspark_jax.decoding.batching import QueueFullError, Request
+from dspark_jax.decoding.batching import QueueFullError, Request, Tokens
 from dspark_jax.decoding.engine import Engine, EngineError
 from dspark_jax.errors import UserError
 from dspark_jax.sampling import SamplingConfig
@@ -256,13 +256,14 @@ class _Generation:
         self.hidden_ids = hidden_ids  # stop token ids: they end the text, they are not text
         self.metrics = metrics
         self.token_ids: list[int] = []
-        self.token_logprobs: list[float] = []  # one per token id
+        # One per token id, when asked: its log-probability and the alternatives asked for.
+        self.token_scores: list[Score] = []
         self.text_offset = 0  # where the next token's text starts (completions' logprobs)
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # the engine's count, known when it is done
         self.last_at: float | None = None  # when the previous tokens arrived
 
-    async def next_piece(self) -> tuple[str, list[int], list[float]] | None:
+    async def next_piece(self) -> tuple[str, list[int], list[Score]] | None:
         """The next (text, token ids, their log-probabilities) piece, or None once finished.
         Raises ApiError when the engine failed or a drain shed the request, _ClientGone when the
         client left."""
@@ -274,9 +275,9 @@ class _Generation:
             if self.last_at is not None:  # the first token's wait is the time to first token
                 self.metrics.observe_tokens(len(kept), (at - self.last_at) / len(payload))
             self.last_at = at
-            logprobs = [] if payload.logprobs is None else payload.logprobs[: len(kept)]
-            self.token_logprobs += logprobs
-            return text, kept, logprobs
+            scores = _scores(payload)[: len(kept)]
+            self.token_scores += scores
+            return text, kept, scores
         if kind == "done":
             text = self.stops.feed(self.text.flush())
             text += self.stops.finish()
@@ -337,6 +338,18 @@ class _Generation:
         return "abort", self.live.arrived
 
 
+# A token's log-probability and the (token id, log-probability) alternatives asked for.
+Score = tuple[float, list[tuple[int, float]]]
+
+
+def _scores(tokens: Tokens) -> list[Score]:
+    """The scores a tokens event carries (none when the request did not ask)."""
+    if tokens.logprobs is None:
+        return []
+    alternatives = tokens.top_logprobs or [[] for _ in tokens.logprobs]
+    return list(zip(tokens.logprobs, alternatives, strict=True))
+
+
 def _usage(prompt_tokens: int, gens: list[_Generation], n: int) -> api.Usage:
     """Each prompt counted once, every choice's tokens (OpenAI's usage with n > 1); a prompt's
     cached tokens are those its first choice found in the prefix cache."""
@@ -365,7 +378,7 @@ async def _pump(index: int, gen: _Generation, merged: asyncio.Queue) -> None:
 
 async def _next_event(
     merged: asyncio.Queue,
-) -> tuple[int, tuple[str, list[int], list[float]] | None]:
+) -> tuple[int, tuple[str, list[int], list[Score]] | None]:
     index, item = await merged.get()
     if isinstance(item, Exception):
         raise item
@@ -389,19 +402,25 @@ class _Shape:
         return ids if self.with_ids else None
 
     def logprobs(
-        self, gen: _Generation, ids: list[int], logprobs: list[float]
+        self, gen: _Generation, ids: list[int], scores: list[Score]
     ) -> api.CompletionLogprobs | api.ChatLogprobs | None:
         """The log-probabilities of a choice's tokens `ids`, in the endpoint's shape (None:
         not asked for). Every token the choice's `token_ids` holds has one, an end-of-turn
-        token included."""
+        token included, with the alternatives the request asked for."""
         if self.token_text is None:
             return None
         texts = [self.token_text(t) for t in ids]
         if self.chat:
+            entry = lambda text, lp: dict(token=text, logprob=lp, bytes=list(text.encode()))  # noqa: E731
             return api.ChatLogprobs(
                 content=[
-                    api.TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                    for t, lp in zip(texts, logprobs, strict=True)
+                    api.TokenLogprob(
+                        **entry(text, lp),
+                        top_logprobs=[
+                            api.TopLogprob(**entry(self.token_text(i), v)) for i, v in alternatives
+                        ],
+                    )
+                    for text, (lp, alternatives) in zip(texts, scores, strict=True)
                 ]
             )
         offsets = []
@@ -410,8 +429,12 @@ class _Shape:
             gen.text_offset += len(t)
         return api.CompletionLogprobs(
             tokens=texts,
-            token_logprobs=logprobs,
-            top_logprobs=[{t: lp} for t, lp in zip(texts, logprobs, strict=True)],
+            token_logprobs=[lp for lp, _ in scores],
+            # The alternatives asked for, and the token itself (as vLLM gives them).
+            top_logprobs=[
+                {**{self.token_text(i): v for i, v in alternatives}, text: lp}
+                for text, (lp, alternatives) in zip(texts, scores, strict=True)
+            ],
             text_offset=offsets,
         )
 
@@ -426,7 +449,7 @@ class _Shape:
                 index=index,
                 finish_reason=gen.reported_finish_reason,
                 token_ids=self._ids(gen.token_ids),
-                logprobs=self.logprobs(gen, gen.token_ids, gen.token_logprobs),
+                logprobs=self.logprobs(gen, gen.token_ids, gen.token_scores),
             )
             choices.append(
                 api.ChatChoice(message=_message(text, gen.output), **ending)
@@ -802,6 +825,7 @@ class OpenAIServer:
                 ignore_eos=req.ignore_eos,
                 cache_salt=req.cache_salt,
                 logprobs=req.wants_logprobs,
+                top_logprobs=req.alternatives,
             )
             for ids, limit in zip(prompts, limits, strict=True)
             for j in range(req.n)
@@ -987,7 +1011,7 @@ class OpenAIServer:
         gens: list[_Generation],
         merged: asyncio.Queue,
         shape: _Shape,
-        first: tuple[int, tuple[str, list[int], list[float]] | None],
+        first: tuple[int, tuple[str, list[int], list[Score]] | None],
         include_usage: bool,
         usage: Callable[[], api.Usage],
         finish: Callable[[], None],
@@ -1005,11 +1029,11 @@ class OpenAIServer:
                 index, piece = event
                 gen = gens[index]
                 if piece is not None:
-                    text, ids, logprobs = piece
+                    text, ids, scores = piece
                     part = gen.parse(text)
                     if part or (ids and (shape.with_ids or shape.token_text is not None)):
-                        scores = shape.logprobs(gen, ids, logprobs)
-                        yield _sse(shape.dump(shape.chunk(index, part, ids, logprobs=scores)))
+                        logprobs = shape.logprobs(gen, ids, scores)
+                        yield _sse(shape.dump(shape.chunk(index, part, ids, logprobs=logprobs)))
                 else:
                     ended += 1
                     if ended == len(gens):

@@ -4,7 +4,7 @@ Requests are validated strictly: unknown fields, wrong JSON types (a string wher
 belongs, 1 for true), non-finite numbers (`1e400` parses as infinity) and out-of-range values
 are refused with a 400 naming the field, instead of being coerced or failing deep inside the
 engine. Fields of the OpenAI API that this server does not implement are accepted only at their
-neutral value (`presence_penalty: 0`, `logprobs: null`, `store: false`, ...), so a client never
+neutral value (`presence_penalty: 0`, `echo: false`, `store: false`, ...), so a client never
 silently gets something other than what it asked for; fields with no effect on
 the answer (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`) are accepted and
 ignored. Chat `tools` with `tool_choice` "auto" or "none" are taken (the server needs a tool-call
@@ -186,6 +186,11 @@ class GenerationRequest(_Strict):
         """Whether each choice carries its tokens' log-probabilities."""
         return False
 
+    @property
+    def alternatives(self) -> int:
+        """How many likeliest tokens each token's log-probabilities come with."""
+        return 0
+
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions. `prompt` is text or token ids, or a list of either: a list of one
@@ -195,8 +200,8 @@ class CompletionRequest(GenerationRequest):
     echo: Annotated[bool, _null_means(False), _only(False)] = False
     suffix: Annotated[str | None, _only(None, "")] = None
     best_of: Annotated[int | None, _only(None, 1)] = None
-    # 0: each token's log-probability; alternatives (1 to 5 in OpenAI's API) are not offered.
-    logprobs: Annotated[int | None, _only(None, 0)] = None
+    # Each token's log-probability and that many alternatives' (OpenAI's bound, 5).
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -226,6 +231,10 @@ class CompletionRequest(GenerationRequest):
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def alternatives(self) -> int:
+        return self.logprobs or 0
 
 
 def _several(prompt: Any) -> bool:
@@ -357,7 +366,8 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: TokenCount | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     logprobs: bool | None = None  # each token's log-probability
-    top_logprobs: Annotated[int | None, _only(None, 0)] = None  # no alternatives
+    # ... and that many alternatives' (OpenAI's bound, 20; needs logprobs).
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     # "required" and a named function would need decoding constrained to the tools' schemas.
     tool_choice: (
@@ -404,6 +414,17 @@ class ChatCompletionRequest(GenerationRequest):
         return bool(self.logprobs)
 
     @property
+    def alternatives(self) -> int:
+        return self.top_logprobs or 0
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @property
     def calls_tools(self) -> bool:
         """Tools offered and the model left free to call them (OpenAI's default with tools)."""
         return bool(self.tools) and self.tool_choice != "none"
@@ -426,7 +447,7 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     """The Completions API's (legacy) log-probabilities: one entry per token in each list;
-    `top_logprobs` holds the token itself (no alternatives are offered)."""
+    `top_logprobs` holds the likeliest tokens asked for and the token itself."""
 
     tokens: list[str]
     token_logprobs: list[float]
@@ -434,11 +455,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]  # where each token's text starts in the choice's text
 
 
-class TokenLogprob(BaseModel):
+class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]  # the token's text as UTF-8
-    top_logprobs: list[Any] = []  # no alternatives are offered
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the likeliest tokens at its place, as many as asked
 
 
 class ChatLogprobs(BaseModel):
