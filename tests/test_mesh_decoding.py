@@ -47,14 +47,22 @@ def _mesh(data: int, fsdp: int, tensor: int):
 
 def _requests():
     """Greedy and seeded sampled requests of different lengths, more than there are slots (so
-    slots change hands)."""
+    slots change hands); two ask for log-probabilities, one with alternatives (the vocabulary
+    is split over `tensor`)."""
     samplings = (
         SamplingConfig(),
         SamplingConfig(temperature=1.0),
         SamplingConfig(temperature=0.7, top_p=0.9),
     )
     return [
-        Request(list(TEXT[: 11 + 7 * i]), 18 + 3 * i, seed=100 + i, sampling=samplings[i % 3])
+        Request(
+            list(TEXT[: 11 + 7 * i]),
+            18 + 3 * i,
+            seed=100 + i,
+            sampling=samplings[i % 3],
+            logprobs=i in (1, 2),
+            top_logprobs=4 if i == 2 else 0,
+        )
         for i in range(5)
     ]
 
@@ -92,7 +100,12 @@ def _generate(target, drafter, mesh):
     results, _ = generate(engine, _requests())
     assert engine.compiled_programs() == programs, "compiled after warm-up"
     assert all(r.tokens for r in results)
+    _SCORES[mesh is None].append([(r.logprobs, r.top_logprobs) for r in results])
     return [r.tokens for r in results], programs
+
+
+# Each engine's log-probabilities and alternatives per request: [single device?] -> runs.
+_SCORES: dict[bool, list] = {True: [], False: []}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +127,14 @@ def test_mesh_generates_the_single_device_tokens(pair, single_device, shape):
     expected, single_programs = single_device
     assert tokens == expected
     assert programs == single_programs
+    # The same log-probabilities and alternatives, the vocabulary split or not.
+    (single,), mesh_scores = _SCORES[True], _SCORES[False][-1]
+    for (lp, top), (want_lp, want_top) in zip(mesh_scores, single, strict=True):
+        assert (lp is None, top is None) == (want_lp is None, want_top is None)
+        if lp is not None:
+            np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+        if top is not None:
+            assert [[i for i, _ in alts] for alts in top] == [[i for i, _ in a] for a in want_top]
     # the page pools really are split by KV head, the slot rows by data
     engine = Engine(*pair, CFG, mesh=mesh)
     pool_spec = engine.state_shardings.target_pages[0].kv.spec
