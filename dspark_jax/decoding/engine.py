@@ -1306,16 +1306,20 @@ def _prefill(
     )
 
 
-def token_logprobs(logits_tv: jax.Array, rows, tokens, argmax_t: jax.Array) -> jax.Array:
-    """The log-probabilities of `tokens` at packed `rows` (same shapes) of the target's float32
-    logits, under the model's own distribution: before temperature, top-k and top-p, as
-    OpenAI's and vLLM's `logprobs` report them. `argmax_t` (each row's argmax, which the
-    sampling has found: `logprobs_and_argmax`) gives the shift, so this costs one more pass
-    over the rows' logits, a sum of exponentials, and a gather; padding rows and tokens read
-    row 0 / token 0."""
-    num_rows, vocab = logits_tv.shape
+def log_normalizer(logits_tv: jax.Array, argmax_t: jax.Array) -> jax.Array:
+    """Each row's log-sum-exp of the target's float32 logits: the model's own distribution,
+    before temperature, top-k and top-p. `argmax_t` (each row's argmax, which the sampling has
+    found: `logprobs_and_argmax`) gives the shift, so this is one pass over the rows, a sum of
+    exponentials."""
     top_t = jnp.take_along_axis(logits_tv, argmax_t[:, None], axis=-1)
-    lse_t = top_t[:, 0] + jnp.log(jnp.sum(jnp.exp(logits_tv - top_t), axis=-1))
+    return top_t[:, 0] + jnp.log(jnp.sum(jnp.exp(logits_tv - top_t), axis=-1))
+
+
+def token_logprobs(logits_tv: jax.Array, rows, tokens, lse_t: jax.Array) -> jax.Array:
+    """The log-probabilities of `tokens` at packed `rows` (same shapes) of the target's logits
+    whose `log_normalizer` is `lse_t`, as OpenAI's and vLLM's `logprobs` report them: a
+    gather; padding rows and tokens read row 0 / token 0."""
+    num_rows, vocab = logits_tv.shape
     rows = jnp.clip(rows, 0, num_rows - 1)
     return logits_tv[rows, jnp.clip(tokens, 0, vocab - 1)] - lse_t[rows]
 
@@ -1336,12 +1340,10 @@ def _top_k(x_tv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.concatenate(values, axis=-1), jnp.concatenate(ids, axis=-1)
 
 
-def top_logprobs(logits_tv: jax.Array, rows, argmax_t: jax.Array, k: int = TOP_LOGPROBS):
-    """The `k` likeliest tokens at packed `rows` of the target's float32 logits and their
+def top_logprobs(logits_tv: jax.Array, rows, lse_t: jax.Array, k: int = TOP_LOGPROBS):
+    """The `k` likeliest tokens at packed `rows` of the target's logits and their
     log-probabilities (as `token_logprobs`): ids [*rows, TOP_LOGPROBS] int32 and
     log-probabilities, likeliest first, zeros past `k` (and past the vocabulary)."""
-    top_t = jnp.take_along_axis(logits_tv, argmax_t[:, None], axis=-1)
-    lse_t = top_t[:, 0] + jnp.log(jnp.sum(jnp.exp(logits_tv - top_t), axis=-1))
     values_tk, ids_tk = _top_k(logits_tv, min(k, logits_tv.shape[-1]))
     rows = jnp.clip(rows, 0, logits_tv.shape[0] - 1)
     values_tk = values_tk - lse_t[:, None]
@@ -1358,22 +1360,23 @@ def _scores(level, logits_tv: jax.Array, rows, tokens, argmax_t):
     run a top-k over the vocabulary: of FAST_TOP_K, or (past it) of TOP_LOGPROBS in two
     pieces."""
     shape = jnp.shape(tokens)
-    none_k = (jnp.zeros(shape + (TOP_LOGPROBS,), jnp.int32),) * 2
+    no_ids = jnp.zeros(shape + (TOP_LOGPROBS,), jnp.int32)
+    no_values = jnp.zeros(shape + (TOP_LOGPROBS,), jnp.float32)
 
     def nothing():
-        return jnp.zeros(shape, jnp.float32), none_k[0], none_k[1].astype(jnp.float32)
+        return jnp.zeros(shape, jnp.float32), no_ids, no_values
 
     def chosen():
-        return (
-            token_logprobs(logits_tv, rows, tokens, argmax_t),
-            none_k[0],
-            none_k[1].astype(jnp.float32),
-        )
+        lse_t = log_normalizer(logits_tv, argmax_t)
+        return token_logprobs(logits_tv, rows, tokens, lse_t), no_ids, no_values
 
     def with_top(k):
-        return lambda: (token_logprobs(logits_tv, rows, tokens, argmax_t),) + top_logprobs(
-            logits_tv, rows, argmax_t, k
-        )
+        def run():
+            lse_t = log_normalizer(logits_tv, argmax_t)
+            chosen_logprobs = token_logprobs(logits_tv, rows, tokens, lse_t)
+            return (chosen_logprobs,) + top_logprobs(logits_tv, rows, lse_t, k)
+
+        return run
 
     index = jnp.where(level > FAST_TOP_K, 3, jnp.clip(level + 1, 0, 2))
     return jax.lax.switch(
