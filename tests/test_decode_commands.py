@@ -76,13 +76,17 @@ def test_several_prompts_and_turn_by_turn_context(capsys, tmp_path):
         "import os\n" + json.dumps({"turns": ["class Foo:\n", "    def bar(self):\n"]}) + "\n"
     )
     args = ["--prompts-file", str(prompts), "--prompt", "x = ", "--max-new-tokens", "12"]
-    data, out, err = _generate(capsys, tmp_path, "several", *args, "--max-num-seqs", "2")
+    data, out, err = _generate(
+        capsys, tmp_path, "several", *args, "--max-num-seqs", "2", "--logprobs"
+    )
     by_key = {(r["conversation"], r["turn"]): r for r in data["results"]}
     # --prompt comes before the file's prompts.
     assert sorted(by_key) == [(0, 0), (1, 0), (2, 0), (2, 1)]
     for r in data["results"]:
         assert r["text"] in out
         assert len(r["tokens"]) == 12 or r["finish_reason"] == "stop"
+        # --logprobs: one per token, the target's (tests/test_engine.py checks the values)
+        assert len(r["logprobs"]) == len(r["tokens"]) and max(r["logprobs"]) <= 0
     assert out.count("=== [") == 4 and "turn 2" in out
     # The byte model's "template" is plain concatenation: turn 2 sees turn 1 and its answer.
     first, second = by_key[(2, 0)], by_key[(2, 1)]
@@ -107,6 +111,9 @@ def test_token_id_prompts_and_bad_input(capsys, tmp_path):
     )
     (r,) = data["results"]
     assert r["prompt_ids"] == [100, 101, 102] and len(r["tokens"]) <= 5
+    assert "logprobs" not in r  # not asked for
+    assert main(["generate", *MODELS, "--token-ids", "1", "--logprobs"]) == 2
+    assert "--logprobs records them in --json" in capsys.readouterr().err
     assert main(["generate", *MODELS, "--token-ids", "1,x"]) == 2
     assert "--token-ids '1,x'" in capsys.readouterr().err
     assert main(["generate", *MODELS, "--prompt", "a", "--token-ids", "1"]) == 2

@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
     add_engine_arguments(parser)
     parser.add_argument("--json", metavar="OUT", help="write prompts, outputs and stats here")
+    parser.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="record each generated token's log-probability under the target (before "
+        "temperature and top-p) in --json",
+    )
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -104,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_sizes(args)
     check_policy_arguments(args)
+    if args.logprobs and not args.json:
+        raise UserError("--logprobs records them in --json: give --json OUT too")
     if args.json:
         inputs = {
             "--prompts-file": (args.prompts_file, "prompts"),
@@ -166,7 +174,13 @@ def run(args: argparse.Namespace) -> int:
 
     if id_prompts:
         requests = [
-            Request(ids, args.max_new_tokens, seed=args.seed + i, sampling=sampling)
+            Request(
+                ids,
+                args.max_new_tokens,
+                seed=args.seed + i,
+                sampling=sampling,
+                logprobs=args.logprobs,
+            )
             for i, ids in enumerate(id_prompts)
         ]
         results, timing = generate(
@@ -198,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
             on_tokens=stream,
             on_turn=None if single else on_turn,
             progress=not single,
+            logprobs=args.logprobs,
         )
         results, timing = run_.results(), run_.timing
         for t in run_.turns:
@@ -233,6 +248,7 @@ def _result_json(result) -> dict:
         "verified": result.verified.tolist(),
         "accepted": result.accepted.tolist(),
         "committed": result.committed.tolist(),
+        **({} if result.logprobs is None else {"logprobs": result.logprobs}),
     }
 
 
@@ -240,7 +256,10 @@ def _write_json(args, sampling, cfg, models, records, timing, stats, compile_s, 
     from dspark_jax.cli.run_settings import decoding_settings
 
     out = {
-        "settings": decoding_settings(args, models, cfg, sampling, policy),
+        "settings": {
+            **decoding_settings(args, models, cfg, sampling, policy),
+            "logprobs": args.logprobs,
+        },
         "timing": {
             "compile_s": compile_s,
             "prefill_s": timing.prefill_s,

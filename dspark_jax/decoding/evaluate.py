@@ -53,13 +53,14 @@ def _turn_request(
     sampling: SamplingConfig,
     seed: int,
     enable_thinking: bool,
+    logprobs: bool = False,
 ) -> Request:
     """The request answering `messages`' last turn; EngineError when it does not fit `engine`.
     One place for `answer_conversations` and `unfit_conversations`, so the check made before
     compiling is the one the run makes."""
     ids = encode_chat(tokenizer, messages, enable_thinking=enable_thinking)
     engine.check_request(ids, max_new_tokens, seed)
-    return Request(ids, max_new_tokens, seed=seed, sampling=sampling)
+    return Request(ids, max_new_tokens, seed=seed, sampling=sampling, logprobs=logprobs)
 
 
 def answer_conversations(
@@ -76,6 +77,7 @@ def answer_conversations(
     progress: bool = False,
     skip_unfit: bool = False,
     policy_index: int | None = None,
+    logprobs: bool = False,
 ) -> ConversationRun:
     """Answers every conversation turn by turn; see the module docstring.
 
@@ -85,6 +87,7 @@ def answer_conversations(
     and is listed in `skipped` (conversations and turns counted from 1, as the CLI labels
     answers). Request seeds are `seed + conversation * max_turns + turn`.
     `policy_index`: the member of the engine's `PolicySwitch` that runs (see `Batcher`).
+    `logprobs`: the answers' results carry their tokens' log-probabilities (`Request.logprobs`).
     """
     max_turns = max((len(c) for c in conversations), default=0)
     batcher = Batcher(
@@ -109,6 +112,7 @@ def answer_conversations(
                 sampling,
                 seed + c * max_turns + turn,
                 enable_thinking,
+                logprobs,
             )
         except EngineError as e:
             if not skip_unfit:
