@@ -794,3 +794,28 @@ def test_top_k_in_pieces_is_lax_top_k():
         want_values, want_ids = jax.lax.top_k(x, k)
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(values, want_values)
+
+
+def test_prompt_logprobs_over_chunks_and_past_the_prefix_cache(setup):
+    """A prompt's own log-probabilities (each token given those before it) come from its prefill
+    calls, chunk after chunk, and equal a whole-sequence forward's; a request asking for them
+    prefills its whole prompt even where the prefix cache holds it."""
+    _, target, _, spec = setup
+    prompt = list(b"def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n" * 2)
+    prompt += list(b"    return total / len(xs)\n")
+    assert len(prompt) > 2 * CFG.prefill_chunk  # three prefill calls
+    first, _ = generate(spec, [Request(prompt, 4)])  # caches the prompt's pages
+    asked = Request(prompt, 4, prompt_logprobs=3, logprobs=True)
+    (result, beside), _ = generate(spec, [asked, Request(prompt, 4)])
+    assert result.cached_tokens == 0 and beside.cached_tokens > 0
+    assert beside.prompt_logprobs is None
+    assert result.tokens == first[0].tokens
+    assert len(result.prompt_logprobs) == len(prompt) and result.prompt_logprobs[0] is None
+    seq = jnp.asarray(prompt, jnp.int32)[None]
+    rows = np.asarray(jax.nn.log_softmax(target.logits(target(seq).hidden[0]), axis=-1))
+    want = rows[np.arange(len(prompt) - 1), prompt[1:]]
+    np.testing.assert_allclose(result.prompt_logprobs[1:], want, atol=2e-4, rtol=1e-4)
+    assert result.prompt_top_logprobs[0] is None
+    ids = np.array([[i for i, _ in alts] for alts in result.prompt_top_logprobs[1:]])
+    np.testing.assert_array_equal(ids, np.argsort(-rows[:-1], axis=-1, kind="stable")[:, :3])
+    assert result.top_logprobs is None and len(result.logprobs) == len(result.tokens)

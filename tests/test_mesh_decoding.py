@@ -47,8 +47,8 @@ def _mesh(data: int, fsdp: int, tensor: int):
 
 def _requests():
     """Greedy and seeded sampled requests of different lengths, more than there are slots (so
-    slots change hands); two ask for log-probabilities, one with alternatives (the vocabulary
-    is split over `tensor`)."""
+    slots change hands); two ask for log-probabilities, one with alternatives, one for its
+    prompt's (the vocabulary is split over `tensor`)."""
     samplings = (
         SamplingConfig(),
         SamplingConfig(temperature=1.0),
@@ -62,6 +62,7 @@ def _requests():
             sampling=samplings[i % 3],
             logprobs=i in (1, 2),
             top_logprobs=4 if i == 2 else 0,
+            prompt_logprobs=2 if i == 3 else None,
         )
         for i in range(5)
     ]
@@ -100,7 +101,10 @@ def _generate(target, drafter, mesh):
     results, _ = generate(engine, _requests())
     assert engine.compiled_programs() == programs, "compiled after warm-up"
     assert all(r.tokens for r in results)
-    _SCORES[mesh is None].append([(r.logprobs, r.top_logprobs) for r in results])
+    _SCORES[mesh is None].append(
+        [(r.logprobs, r.top_logprobs) for r in results]
+        + [(r.prompt_logprobs[1:], r.prompt_top_logprobs[1:]) for r in results[3:4]]
+    )
     return [r.tokens for r in results], programs
 
 

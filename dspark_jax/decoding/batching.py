@@ -83,6 +83,11 @@ class Request:
     # place and theirs (a top-k over the vocabulary in those rounds).
     logprobs: bool = False
     top_logprobs: int = 0
+    # The prompt tokens' log-probabilities too (each after the first, given those before it),
+    # with that many alternatives (0 to engine.TOP_LOGPROBS); None: not asked. Such a request
+    # prefills its whole prompt (it maps no cached pages): the logits of every prompt row, in
+    # the prefill calls it is part of.
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -103,6 +108,10 @@ class Result:
     # Per token, the request's top_logprobs likeliest (token id, log-probability) pairs at its
     # place, likeliest first; None unless it asked for alternatives.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Per prompt token (the first has none: None), its log-probability and alternatives, when
+    # the request asked (`Request.prompt_logprobs`).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def rounds(self) -> int:
@@ -185,6 +194,10 @@ class Handle:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[float | None] = dataclasses.field(default_factory=lambda: [None])
+    prompt_top_logprobs: list = dataclasses.field(default_factory=lambda: [None])
+    # Packed rows (first row, count) of the prefill calls dispatched for its prompt, not yet read.
+    prompt_rows: collections.deque = dataclasses.field(default_factory=collections.deque)
     verified: list[np.ndarray] = dataclasses.field(default_factory=list)
     accepted: list[np.ndarray] = dataclasses.field(default_factory=list)
     committed: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -428,6 +441,13 @@ class Batcher:
             )
         if top and not request.logprobs:
             raise EngineError("top_logprobs needs logprobs=True")
+        prompt_top = request.prompt_logprobs
+        if prompt_top is not None and (
+            as_integer(prompt_top) is None or not 0 <= prompt_top <= most
+        ):
+            raise EngineError(
+                f"prompt_logprobs must be None or an integer in 0..{most}, got {prompt_top!r}"
+            )
         if request.cache_salt is not None and not (
             isinstance(request.cache_salt, str) and request.cache_salt
         ):
@@ -589,7 +609,12 @@ class Batcher:
             handle = self.waiting[0]
             r = handle.request
             prompt = np.asarray(r.prompt_ids, np.int32)
-            cached, pending = self.allocator.match(prompt, r.cache_salt)
+            # A request that asks for its prompt's log-probabilities prefills every token.
+            cached, pending = (
+                self.allocator.match(prompt, r.cache_salt)
+                if r.prompt_logprobs is None
+                else ([], [])
+            )
             if pending and self._worth_waiting(len(prompt), len(cached), pending):
                 break  # a request ahead is prefilling this prompt's next pages: map them after
             self.allocator.hold(cached)
@@ -640,6 +665,7 @@ class Batcher:
                     seed=r.seed,
                     first=handle.prefilled == handle.cached_tokens,
                     logprobs=int(r.top_logprobs) if r.logprobs else -1,
+                    **self._prompt_scoring(handle, take, sum(len(it.tokens) for it in items)),
                 )
             )
             budget -= take
@@ -664,6 +690,20 @@ class Batcher:
                 self.prefilling.appendleft(handle)  # the rest next call, ahead of the others
             handles.append(handle)
         return out, handles
+
+    @staticmethod
+    def _prompt_scoring(handle: Handle, take: int, row: int) -> dict[str, Any]:
+        """A prefill item's prompt log-probability fields, for its next `take` tokens at packed
+        `row`; notes the rows to read them from."""
+        r = handle.request
+        if r.prompt_logprobs is None:
+            return {}
+        start = handle.prefilled
+        handle.prompt_rows.append((row, len(r.prompt_ids[start + 1 : start + take + 1])))
+        return dict(
+            prompt_logprobs=int(r.prompt_logprobs),
+            next_tokens=np.asarray(r.prompt_ids[start + 1 : start + take + 1], np.int32),
+        )
 
     def _worth_waiting(self, prompt_len: int, written: int, pending: list[CachedPage]) -> bool:
         """Whether a request whose prompt runs into `pending` pages (after `written` mapped
@@ -729,6 +769,8 @@ class Batcher:
             # Alternatives are copied only when a request they were computed for wants them.
             top = any(h is not None and h.request.top_logprobs for h in who)
             if kind == "prefill":
+                prompt = [h.request.prompt_logprobs for h in who]
+                prompt_top = any(prompt)
                 host = jax.device_get(
                     (
                         out.first_token_n,
@@ -736,6 +778,10 @@ class Batcher:
                         (out.first_top_ids_nk, out.first_top_logprobs_nk) if top else None,
                         out.finished_n,
                         out.stopped_n,
+                        out.prompt_logprobs_t if any(p is not None for p in prompt) else None,
+                        (out.prompt_top_ids_tk, out.prompt_top_logprobs_tk)
+                        if prompt_top
+                        else None,
                     )
                 )
             else:
@@ -749,9 +795,29 @@ class Batcher:
                 self._read_chunk(host, who)
 
     def _read_prefill(
-        self, first, first_logprob, first_top, finished, stopped, handles: list[Handle]
+        self,
+        first,
+        first_logprob,
+        first_top,
+        finished,
+        stopped,
+        prompt_logprobs,
+        prompt_top,
+        handles: list[Handle],
     ) -> None:
         now = time.monotonic()
+        for handle in handles:
+            k = handle.request.prompt_logprobs
+            if k is None:
+                continue
+            row, count = handle.prompt_rows.popleft()
+            handle.prompt_logprobs += prompt_logprobs[row : row + count].tolist()
+            if k:
+                ids = prompt_top[0][row : row + count, :k].tolist()
+                values = prompt_top[1][row : row + count, :k].tolist()
+                handle.prompt_top_logprobs += [
+                    list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)
+                ]
         for i, handle in enumerate(handles):
             if handle.cancelled or handle.prefilled < len(handle.request.prompt_ids):
                 continue  # a later chunk of the same prompt is still to come
@@ -856,6 +922,12 @@ class Batcher:
             cached_tokens=handle.cached_tokens,
             logprobs=list(handle.logprobs) if handle.request.logprobs else None,
             top_logprobs=list(handle.top_logprobs) if handle.request.top_logprobs else None,
+            prompt_logprobs=None
+            if handle.request.prompt_logprobs is None
+            else list(handle.prompt_logprobs),
+            prompt_top_logprobs=list(handle.prompt_top_logprobs)
+            if handle.request.prompt_logprobs
+            else None,
         )
         self._call(handle, "done", result)
 

@@ -380,6 +380,12 @@ class PrefillOutput:
     first_top_logprobs_nk: jax.Array
     finished_n: jax.Array  # the request ended with its first token
     stopped_n: jax.Array
+    # Prompt log-probabilities, for calls where a sequence asked (PrefillItem.prompt_logprobs):
+    # row t's the log-probability of the prompt token after it (`next_tokens_t`), and the
+    # likeliest tokens there; zeros otherwise.
+    prompt_logprobs_t: jax.Array
+    prompt_top_ids_tk: jax.Array
+    prompt_top_logprobs_tk: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +405,8 @@ class PrefillBatch:
     seed_n: np.ndarray  # uint32
     prompt_len_n: np.ndarray
     logprobs_n: np.ndarray  # int32: the request's logprobs level (SlotState.logprobs_s)
+    prompt_logprobs_n: np.ndarray  # int32: the same for its prompt's tokens (-1: none)
+    next_tokens_t: np.ndarray  # int32 [width]: the prompt token after each row's (-1: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,6 +432,10 @@ class PrefillItem:
     # Log-probabilities the calls report for its tokens: -1 none, else each token's and that many
     # alternatives' (SlotState.logprobs_s).
     logprobs: int = -1
+    # The same for the prompt tokens after this chunk's: `next_tokens` holds them
+    # (prompt[start + 1 : start + len(tokens) + 1]).
+    prompt_logprobs: int = -1
+    next_tokens: np.ndarray | None = None
 
 
 def _check_sts(sts: StsArtifact, drafter: DSparkDrafter | None, fingerprint: str | None) -> None:
@@ -938,6 +950,8 @@ class Engine:
         seed = np.zeros((n,), np.uint32)
         prompt_len = np.zeros((n,), np.int32)
         logprobs = np.full((n,), -1, np.int32)
+        prompt_logprobs = np.full((n,), -1, np.int32)
+        next_tokens = np.full((width,), -1, np.int32)
         at = 0
         for i, it in enumerate(items):
             c = len(it.tokens)
@@ -963,6 +977,9 @@ class Engine:
             seed[i] = it.seed
             prompt_len[i] = it.prompt_len
             logprobs[i] = it.logprobs
+            prompt_logprobs[i] = it.prompt_logprobs
+            if it.next_tokens is not None:
+                next_tokens[at : at + len(it.next_tokens)] = it.next_tokens
             at += c
         cu[len(items) + 1 :] = at
         batch = TokenBatch(
@@ -989,6 +1006,8 @@ class Engine:
             seed,
             prompt_len,
             logprobs,
+            prompt_logprobs,
+            next_tokens,
         )
 
     @staticmethod
@@ -1301,8 +1320,26 @@ def _prefill(
         num_generated_s=put(state.num_generated_s, 1),
         live_s=put(state.live_s, ~finished_n),
     )
+    # The prompt's own log-probabilities: the logits of every row, only in calls that asked.
+    prompt_level = jnp.max(jnp.where(in_call_n, host["prompt_logprobs_n"], -1))
+    width = hidden_td.shape[0]
+
+    def prompt_scores():
+        logits_tv = target.logits(hidden_td)
+        argmax_t = jnp.argmax(logits_tv, axis=-1).astype(jnp.int32)
+        rows_t = jnp.arange(width)
+        return _scores(prompt_level, logits_tv, rows_t, host["next_tokens_t"], argmax_t)
+
+    def no_scores():
+        return (
+            jnp.zeros((width,), jnp.float32),
+            jnp.zeros((width, TOP_LOGPROBS), jnp.int32),
+            jnp.zeros((width, TOP_LOGPROBS), jnp.float32),
+        )
+
+    prompt_scores_t = jax.lax.cond(prompt_level >= 0, prompt_scores, no_scores)
     return state, PrefillOutput(
-        first_n, *first_scores, finished_n & final_n, stopped_n & final_n
+        first_n, *first_scores, finished_n & final_n, stopped_n & final_n, *prompt_scores_t
     )
 
 
