@@ -17,6 +17,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from fixture_models import fixture_dir, reference_traces
@@ -483,6 +484,41 @@ def test_token_logprobs_whole_streamed_and_through_the_openai_client(served):
     assert plain["choices"][0]["logprobs"] is None
 
 
+def test_echo_returns_the_prompt_and_its_tokens_log_probabilities(served):
+    """echo with logprobs (what evaluation harnesses send to score a text: max_tokens 1,
+    logprobs 1): the prompt's text and tokens come first, the first token without a
+    log-probability, each other with its own given those before it and the likeliest there."""
+    prompt = "def add(a, b):\n    return"
+    body = dict(prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    choice = _complete(served.url, return_token_ids=True, **body)["choices"][0]
+    logprobs = choice["logprobs"]
+    n = len(prompt.encode()) + 1
+    assert choice["text"].startswith(prompt) and len(choice["text"]) == n
+    assert logprobs["tokens"] == list(choice["text"])  # one byte per token, ASCII here
+    assert logprobs["text_offset"] == list(range(n))
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(-50 < lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    for token, lp, alternatives in zip(
+        logprobs["tokens"][1:],
+        logprobs["token_logprobs"][1:],
+        logprobs["top_logprobs"][1:],
+        strict=True,
+    ):
+        assert alternatives[token] == lp and lp <= max(alternatives.values()) + 1e-6
+    # Greedy: the answer's token is the likeliest after the prompt.
+    (last,) = [lp for t, lp in logprobs["top_logprobs"][-1].items() if t == logprobs["tokens"][-1]]
+    assert last == max(logprobs["top_logprobs"][-1].values())
+    # The same prompt again, now in the prefix cache: the same numbers (it prefills it all).
+    again = _complete(served.url, **body)["choices"][0]["logprobs"]
+    np.testing.assert_allclose(
+        again["token_logprobs"][1:], logprobs["token_logprobs"][1:], rtol=1e-5, atol=1e-6
+    )
+    # echo alone: the text, no log-probabilities.
+    plain = _complete(served.url, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain["choices"][0]["text"].startswith(prompt)
+    assert plain["choices"][0]["logprobs"] is None
+
+
 def test_a_shared_prompt_prefix_is_reported_as_cached_tokens(served):
     """The second prompt starting with the first one's 40 tokens maps their two full pages
     (16 tokens each) from the prefix cache: its usage and the metrics say so, streamed or not,
@@ -721,7 +757,12 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     "path, body, param, fragment",
     [
         ("completions", {"prompt": "x", "n": 1.5}, "n", "valid integer"),
-        ("completions", {"prompt": "x", "echo": True}, "echo", "true is not supported"),
+        (
+            "completions",
+            {"prompt": "x", "echo": True, "stream": True},
+            "echo",
+            "true is not supported with stream",
+        ),
         ("completions", {"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
         ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "0.5"),
         ("completions", {"prompt": "x", "store": True}, "store", "true is not supported"),

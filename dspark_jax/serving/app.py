@@ -261,6 +261,7 @@ class _Generation:
         self.text_offset = 0  # where the next token's text starts (completions' logprobs)
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # the engine's count, known when it is done
+        self.prompt_scores: list[Score | None] = []  # echoed prompt tokens' (first: None)
         self.last_at: float | None = None  # when the previous tokens arrived
 
     async def next_piece(self) -> tuple[str, list[int], list[Score]] | None:
@@ -283,6 +284,12 @@ class _Generation:
             text += self.stops.finish()
             self.finish_reason = "stop" if self.stops.matched else payload.finish_reason
             self.cached_tokens = payload.cached_tokens
+            if payload.prompt_logprobs is not None:
+                alternatives = payload.prompt_top_logprobs or [[]] * len(payload.prompt_logprobs)
+                self.prompt_scores = [
+                    None if lp is None else (lp, alts or [])
+                    for lp, alts in zip(payload.prompt_logprobs, alternatives, strict=True)
+                ]
             return text, [], []
         if kind == "error":
             raise ApiError(500, str(payload), kind="server_error", code="engine_failed")
@@ -397,6 +404,9 @@ class _Shape:
     with_ids: bool
     # A token's text, when the request asked for log-probabilities; None: it did not.
     token_text: Callable[[int], str] | None = None
+    # Completions' echo: each prompt's text and token ids, before its choices' answers.
+    echo: list[tuple[str, list[int]]] | None = None
+    n: int = 1
 
     def _ids(self, ids: list[int]) -> list[int] | None:
         return ids if self.with_ids else None
@@ -432,7 +442,7 @@ class _Shape:
             token_logprobs=[lp for lp, _ in scores],
             # The alternatives asked for, and the token itself (as vLLM gives them).
             top_logprobs=[
-                {**{self.token_text(i): v for i, v in alternatives}, text: lp}
+                {**self._alternatives(alternatives), text: lp}
                 for text, (lp, alternatives) in zip(texts, scores, strict=True)
             ],
             text_offset=offsets,
@@ -451,6 +461,10 @@ class _Shape:
                 token_ids=self._ids(gen.token_ids),
                 logprobs=self.logprobs(gen, gen.token_ids, gen.token_scores),
             )
+            if self.echo is not None:
+                prompt_text, prompt_ids = self.echo[index // self.n]
+                text = prompt_text + text
+                ending["logprobs"] = self._echoed(gen, prompt_ids)
             choices.append(
                 api.ChatChoice(message=_message(text, gen.output), **ending)
                 if self.chat
@@ -460,6 +474,33 @@ class _Shape:
         return answer(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+
+    def _echoed(self, gen: _Generation, prompt_ids: list[int]) -> api.CompletionLogprobs | None:
+        """An echoed choice's log-probabilities: its prompt's tokens (the first has none), then
+        its answer's, the text offsets running over both."""
+        if self.token_text is None:
+            return None
+        gen.text_offset = 0
+        texts = [self.token_text(t) for t in prompt_ids]
+        offsets = []
+        for t in texts:
+            offsets.append(gen.text_offset)
+            gen.text_offset += len(t)
+        answer = self.logprobs(gen, gen.token_ids, gen.token_scores)
+        tops: list[dict[str, float] | None] = [
+            None if score is None else {**self._alternatives(score[1]), text: score[0]}
+            for text, score in zip(texts, gen.prompt_scores, strict=True)
+        ]
+        return api.CompletionLogprobs(
+            tokens=texts + answer.tokens,
+            token_logprobs=[None if sc is None else sc[0] for sc in gen.prompt_scores]
+            + answer.token_logprobs,
+            top_logprobs=tops + answer.top_logprobs,
+            text_offset=offsets + answer.text_offset,
+        )
+
+    def _alternatives(self, alternatives: list[tuple[int, float]]) -> dict[str, float]:
+        return {self.token_text(i): v for i, v in alternatives}
 
     def opening(self, index: int) -> BaseModel | None:
         """A chat stream's first chunk of each choice announces the assistant role."""
@@ -826,9 +867,21 @@ class OpenAIServer:
                 cache_salt=req.cache_salt,
                 logprobs=req.wants_logprobs,
                 top_logprobs=req.alternatives,
+                prompt_logprobs=getattr(req, "prompt_logprobs", None),
             )
             for ids, limit in zip(prompts, limits, strict=True)
             for j in range(req.n)
+        ]
+
+    def _echo(
+        self, req: api.GenerationRequest, prompts: list[list[int]]
+    ) -> list[tuple[str, list[int]]] | None:
+        """Each prompt's text (as sent, or its ids decoded) and ids, for a completion's echo."""
+        if not getattr(req, "echo", False):
+            return None
+        return [
+            (given if isinstance(given, str) else self.model.tokenizer.decode(ids), ids)
+            for given, ids in zip(req.prompts, prompts, strict=True)
         ]
 
     def check_choices(self, req: api.GenerationRequest, prompts: int) -> None:
@@ -959,6 +1012,8 @@ class OpenAIServer:
             self.model.name,
             req.return_token_ids,
             self.token_text if req.wants_logprobs else None,
+            self._echo(req, prompts),
+            req.n,
         )
 
         def usage() -> api.Usage:

@@ -197,7 +197,8 @@ class CompletionRequest(GenerationRequest):
     is that prompt, a list of several asks for `n` choices of each (`prompts`)."""
 
     prompt: Prompt
-    echo: Annotated[bool, _null_means(False), _only(False)] = False
+    # The prompt before the answer (and, with logprobs, its tokens' log-probabilities).
+    echo: Flag = False
     suffix: Annotated[str | None, _only(None, "")] = None
     best_of: Annotated[int | None, _only(None, 1)] = None
     # Each token's log-probability and that many alternatives' (OpenAI's bound, 5).
@@ -235,6 +236,18 @@ class CompletionRequest(GenerationRequest):
     @property
     def alternatives(self) -> int:
         return self.logprobs or 0
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The alternatives of the prompt tokens' log-probabilities, echoed (None: none)."""
+        return self.logprobs if self.echo else None
+
+    @field_validator("echo")
+    @classmethod
+    def _not_streamed(cls, value, info: ValidationInfo):
+        if value and info.data.get("stream"):
+            raise ValueError("true is not supported with stream: true")
+        return value
 
 
 def _several(prompt: Any) -> bool:
@@ -450,8 +463,8 @@ class CompletionLogprobs(BaseModel):
     `top_logprobs` holds the likeliest tokens asked for and the token itself."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]  # where each token's text starts in the choice's text
 
 
