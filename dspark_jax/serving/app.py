@@ -867,7 +867,7 @@ class OpenAIServer:
                 cache_salt=req.cache_salt,
                 logprobs=req.wants_logprobs,
                 top_logprobs=req.alternatives,
-                prompt_logprobs=getattr(req, "prompt_logprobs", None),
+                prompt_logprobs=req.prompt_logprobs,
             )
             for ids, limit in zip(prompts, limits, strict=True)
             for j in range(req.n)
@@ -877,7 +877,7 @@ class OpenAIServer:
         self, req: api.GenerationRequest, prompts: list[list[int]]
     ) -> list[tuple[str, list[int]]] | None:
         """Each prompt's text (as sent, or its ids decoded) and ids, for a completion's echo."""
-        if not getattr(req, "echo", False):
+        if not req.echoes:
             return None
         return [
             (given if isinstance(given, str) else self.model.tokenizer.decode(ids), ids)

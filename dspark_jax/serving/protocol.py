@@ -191,6 +191,17 @@ class GenerationRequest(_Strict):
         """How many likeliest tokens each token's log-probabilities come with."""
         return 0
 
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The alternatives of the prompt tokens' log-probabilities, when they are returned
+        (completions' echo with logprobs); None: they are not."""
+        return None
+
+    @property
+    def echoes(self) -> bool:
+        """Whether each choice's text begins with its prompt (completions' echo)."""
+        return False
+
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions. `prompt` is text or token ids, or a list of either: a list of one
@@ -239,8 +250,11 @@ class CompletionRequest(GenerationRequest):
 
     @property
     def prompt_logprobs(self) -> int | None:
-        """The alternatives of the prompt tokens' log-probabilities, echoed (None: none)."""
         return self.logprobs if self.echo else None
+
+    @property
+    def echoes(self) -> bool:
+        return self.echo
 
     @field_validator("echo")
     @classmethod
