@@ -433,19 +433,11 @@ class _Shape:
                     for text, (lp, alternatives) in zip(texts, scores, strict=True)
                 ]
             )
-        offsets = []
-        for t in texts:
-            offsets.append(gen.text_offset)
-            gen.text_offset += len(t)
         return api.CompletionLogprobs(
             tokens=texts,
             token_logprobs=[lp for lp, _ in scores],
-            # The alternatives asked for, and the token itself (as vLLM gives them).
-            top_logprobs=[
-                {**self._alternatives(alternatives), text: lp}
-                for text, (lp, alternatives) in zip(texts, scores, strict=True)
-            ],
-            text_offset=offsets,
+            top_logprobs=[self._top(text, sc) for text, sc in zip(texts, scores, strict=True)],
+            text_offset=_offsets(gen, texts),
         )
 
     def response(self, texts: list[str], gens: list[_Generation], usage: api.Usage) -> BaseModel:
@@ -482,25 +474,25 @@ class _Shape:
             return None
         gen.text_offset = 0
         texts = [self.token_text(t) for t in prompt_ids]
-        offsets = []
-        for t in texts:
-            offsets.append(gen.text_offset)
-            gen.text_offset += len(t)
+        offsets = _offsets(gen, texts)
         answer = self.logprobs(gen, gen.token_ids, gen.token_scores)
-        tops: list[dict[str, float] | None] = [
-            None if score is None else {**self._alternatives(score[1]), text: score[0]}
-            for text, score in zip(texts, gen.prompt_scores, strict=True)
-        ]
         return api.CompletionLogprobs(
             tokens=texts + answer.tokens,
             token_logprobs=[None if sc is None else sc[0] for sc in gen.prompt_scores]
             + answer.token_logprobs,
-            top_logprobs=tops + answer.top_logprobs,
+            top_logprobs=[
+                self._top(text, score) for text, score in zip(texts, gen.prompt_scores, strict=True)
+            ]
+            + answer.top_logprobs,
             text_offset=offsets + answer.text_offset,
         )
 
-    def _alternatives(self, alternatives: list[tuple[int, float]]) -> dict[str, float]:
-        return {self.token_text(i): v for i, v in alternatives}
+    def _top(self, text: str, score: Score | None) -> dict[str, float] | None:
+        """A legacy `top_logprobs` entry: the alternatives asked for and the token itself (as
+        vLLM gives them); None for a token without a log-probability (an echoed first)."""
+        if score is None:
+            return None
+        return {**{self.token_text(i): v for i, v in score[1]}, text: score[0]}
 
     def opening(self, index: int) -> BaseModel | None:
         """A chat stream's first chunk of each choice announces the assistant role."""
@@ -562,6 +554,16 @@ class _Shape:
     def dump(self, model: BaseModel) -> dict[str, Any]:
         exclude = None if self.with_ids else {"choices": {"__all__": {"token_ids"}}}
         return model.model_dump(mode="json", exclude=exclude)
+
+
+def _offsets(gen: _Generation, texts: list[str]) -> list[int]:
+    """Where each of `texts` starts in the choice's text, from `gen.text_offset` on (advanced
+    past them)."""
+    offsets = []
+    for text in texts:
+        offsets.append(gen.text_offset)
+        gen.text_offset += len(text)
+    return offsets
 
 
 def _message(text: str, output: ChatOutput | None) -> api.AssistantMessage:
