@@ -2,9 +2,11 @@
 
 `--requests` requests, each the shared prefix (a system prompt, few-shot examples) plus
 `--tail` tokens of its own, arrive together and run through the continuously batched loop, in
-two scenarios: "after a carrier" -- a first request carrying the prefix has run alone before
-(the server's earlier traffic), so the prefix is cached -- and "together" -- nothing is cached
-and the requests share the prefix one of them is prefilling. Each is timed on one `Batcher`
+three scenarios: "after a carrier" -- a first request carrying the prefix has run alone before
+(the server's earlier traffic), so the prefix is cached -- "together" -- nothing is cached
+and the requests share the prefix one of them is prefilling -- and "next turn" -- the requests
+have each had a first turn answered (`--answer` tokens) and now send it back, answer included,
+with `--tail` tokens more, as a chat client sends the next turn. Each is timed on one `Batcher`
 with the prefix cache and on one without, alternated `--repeats` times: wall time, time in
 prefill calls, mean time to first token and the prompt tokens prefilled. Same requests, same
 engine; greedy, and each request's tokens are checked equal in both modes.
@@ -40,10 +42,11 @@ def _run(batcher: Batcher, requests: list[Request]) -> list[Result]:
     return results
 
 
-def _phase(engine: Engine, first: Request | None, rest: list[Request], caching: bool) -> dict:
+def _phase(engine: Engine, before: list[Request], timed, caching: bool) -> dict:
+    """Runs `before` (untimed), then times the requests `timed(their results)` makes."""
     batcher = Batcher(engine, timed=True, prefix_caching=caching)
-    if first is not None:
-        _run(batcher, [first])
+    earlier = _run(batcher, before) if before else []
+    rest = timed(earlier)
     prefill_s, prefill_calls = batcher.timing.prefill_s, batcher.timing.prefill_calls
     t0 = time.perf_counter()
     results = _run(batcher, rest)
@@ -65,6 +68,9 @@ def main() -> int:
     parser.add_argument("--requests", type=positive_int, default=16)
     parser.add_argument("--slots", type=positive_int, default=8)
     parser.add_argument("--new-tokens", type=positive_int, default=16)
+    parser.add_argument(
+        "--answer", type=positive_int, default=128, help="first-turn answer tokens (next turn)"
+    )
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -72,11 +78,16 @@ def main() -> int:
     use_compilation_cache()
     models = load_decoding_models(EMBEDDED_TARGET, EMBEDDED_DRAFT, progress=False)
     gamma = models.drafter.cfg.block_size
-    length = args.prefix + args.tail + args.new_tokens + gamma + 1
+    length = args.prefix + 2 * args.tail + args.answer + args.new_tokens + gamma + 1
+    max_model_len = -(-length // 16) * 16
     cfg = EngineConfig(
         num_slots=args.slots,
-        max_model_len=-(-length // 16) * 16,
+        max_model_len=max_model_len,
         page_size=16,
+        # What the slots reserve, and room beside it to keep every request's first turn cached
+        # while the others run (a pool only as large as the reservations evicts idle pages as
+        # soon as a request needs them).
+        num_pages=(args.slots + args.requests) * max_model_len // 16,
         rounds_per_chunk=8,
         prefill_chunk=512,
     )
@@ -85,18 +96,35 @@ def main() -> int:
     vocab = models.target.cfg.vocab_size
     prefix = [(7 * i + 11) % (vocab - 2) + 1 for i in range(args.prefix)]
 
-    def request(k: int) -> Request:
-        tail = [(13 * k + 5 * j + 3) % (vocab - 2) + 1 for j in range(args.tail)]
-        return Request(prefix + tail, args.new_tokens, seed=k, ignore_eos=True)
+    def tail(k: int) -> list[int]:
+        return [(13 * k + 5 * j + 3) % (vocab - 2) + 1 for j in range(args.tail)]
+
+    def request(k: int, new_tokens: int = args.new_tokens) -> Request:
+        return Request(prefix + tail(k), new_tokens, seed=k, ignore_eos=True)
 
     first, rest = request(0), [request(k) for k in range(1, args.requests + 1)]
-    scenarios = {"after a carrier": first, "together": None}
+    turns = [request(k, args.answer) for k in range(1, args.requests + 1)]
+
+    def next_turns(answered: list[Result]) -> list[Request]:
+        return [
+            Request(
+                list(t.prompt_ids) + a.tokens + tail(-k), args.new_tokens, seed=k, ignore_eos=True
+            )
+            for k, (t, a) in enumerate(zip(turns, answered, strict=True), 1)
+        ]
+
+    # (requests run before, untimed; the timed requests made from their results)
+    scenarios = {
+        "after a carrier": ([first], lambda _: rest),
+        "together": ([], lambda _: rest),
+        "next turn": (turns, next_turns),
+    }
     runs: dict[tuple[str, bool], list[dict]] = {
         (name, caching): [] for name in scenarios for caching in (False, True)
     }
     for _ in range(args.repeats):
         for (name, caching), cells in runs.items():
-            cells.append(_phase(engine, scenarios[name], rest, caching))
+            cells.append(_phase(engine, *scenarios[name], caching))
     same = all(runs[n, True][0]["tokens"] == runs[n, False][0]["tokens"] for n in scenarios)
     if not same:
         print("note: some request drew other tokens from cached pages (rounding; see the docs)")
@@ -108,7 +136,8 @@ def main() -> int:
         }
     print(
         f"{args.requests} requests of a {args.prefix}-token shared prefix + {args.tail} tokens "
-        f"each, {args.new_tokens} new tokens, {args.slots} slots; median of {args.repeats}; "
+        f"each, {args.new_tokens} new tokens, {args.slots} slots (next turn: after a first "
+        f"turn of {args.answer} tokens, {args.tail} more); median of {args.repeats}; "
         f"{jax.devices()[0].device_kind}"
     )
     print("| scenario | prefix cache | prompt tokens prefilled | prefill calls | prefill (s) | "

@@ -1164,14 +1164,15 @@ def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
     """Three requests of a 48-token prefix (three pages) + 4 tokens: after a carrier, with
     the cache each prefills its 4 own tokens, without it all 52; arriving together at two
     slots, the second copies the prefix the first is prefilling (one call of 512 tokens holds
-    both; waiting would take two) and the third, admitted when a slot frees, maps it; the same
-    tokens either way."""
+    both; waiting would take two) and the third, admitted when a slot frees, maps it; sending a
+    first turn (52 tokens, 40 answered) back with 4 tokens more, each maps the five full pages
+    of the 91 tokens whose K/V were written and prefills 16; the same tokens either way."""
     out = tmp_path / "prefix.json"
     cache = str(tmp_path / "cache")
     done = _script(
         "prefix_cache.py",
         *("--prefix", "48", "--tail", "4", "--requests", "3", "--slots", "2"),
-        *("--new-tokens", "4", "--repeats", "1", "--json", str(out)),
+        *("--new-tokens", "4", "--answer", "40", "--repeats", "1", "--json", str(out)),
         timeout=600,
         env={"DSPARK_JAX_COMPILATION_CACHE": cache, "JAX_COMPILATION_CACHE_DIR": cache},
     )
@@ -1182,5 +1183,7 @@ def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
     assert rows["after a carrier, without"]["prefilled"] == 3 * 52
     assert rows["together, with"]["prefilled"] == 2 * 52 + 4
     assert rows["together, without"]["prefilled"] == 3 * 52
+    assert rows["next turn, with"]["prefilled"] == 3 * (96 - 80)
+    assert rows["next turn, without"]["prefilled"] == 3 * 96
     assert result["same_tokens"] is True
     assert "| after a carrier | with | 12 |" in done.stdout

@@ -145,8 +145,9 @@ def test_a_request_after_a_shared_prompt_prefills_the_rest_and_draws_the_same(en
     _submit(batcher, first, results, "first")
     batcher.run_until_idle()
     assert results["first"].cached_tokens == 0
-    # Its six full prompt pages stay cached though nothing holds them.
-    assert batcher.allocator.cached == 6 and batcher.allocator.in_use == 0
+    # Its six full prompt pages stay cached though nothing holds them, and so does the seventh,
+    # which its answer filled (100 prompt tokens, 20 new: the K/V of the first 119 written).
+    assert batcher.allocator.cached == 7 and batcher.allocator.in_use == 0
     second = Request(_prompt("Name a prime number."), 24, seed=2, sampling=sampling)
     _submit(batcher, second, results, "second")
     batcher.run_until_idle()
@@ -200,7 +201,8 @@ def test_prompts_arriving_together_prefill_their_shared_pages_once(engine):
         _submit(batcher, r, results, i)
     batcher.run_until_idle()
     assert [results[i].cached_tokens for i in range(2)] == [0, 4 * PAGE]
-    assert batcher.allocator.cached == 5  # neither tail fills a page
+    # Neither prompt's tail fills a page; each answer fills the sixth (95 + 10 tokens).
+    assert batcher.allocator.cached == 5 + 2
     long = Request(_prompt("Summarise this: " + "lorem ipsum " * 7), 12, seed=5)
     assert len(long.prompt_ids) - 5 * PAGE > CFG.prefill_chunk
     _submit(batcher, long, results, "long")
@@ -231,6 +233,65 @@ def test_a_small_pool_evicts_idle_pages_and_every_answer_stays_the_same(engine):
     assert [r.tokens for r in cached] == [r.tokens for r in plain]
     assert sum(r.cached_tokens for r in cached) > 0
     assert all(r.cached_tokens == 0 for r in plain)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), T07], ids=["greedy", "T0.7-p0.9"])
+def test_a_follow_up_holding_a_prompt_and_its_answer_maps_the_answer_pages(engine, sampling):
+    """The next turn of a conversation sent whole (as a chat client or an agent sends it): the
+    first request's prompt, its answer and more. The follow-up maps every full page of the
+    first prompt and answer whose K/V were written -- all but the answer's last token's -- and
+    draws what it draws without the cache."""
+    batcher = Batcher(engine)
+    results = {}
+    first = Request(_prompt("Tell me about pages."), 40, seed=1, sampling=sampling, ignore_eos=True)
+    _submit(batcher, first, results, "first")
+    batcher.run_until_idle()
+    answer = results["first"].tokens
+    written = len(first.prompt_ids) + len(answer) - 1
+    assert (len(first.prompt_ids), len(answer), written // PAGE) == (108, 40, 9)
+    assert batcher.allocator.cached == 9 and batcher.allocator.in_use == 0
+    # Idle, the answer's pages are evicted before the prompt's: deepest first.
+    serials = [entry.serial for entry in batcher.allocator._idle.values()]
+    assert serials == sorted(serials, reverse=True)
+    follow = Request(
+        list(first.prompt_ids) + answer + list(b"\nAnd then?"), 24, seed=2, sampling=sampling
+    )
+    _submit(batcher, follow, results, "follow")
+    batcher.run_until_idle()
+    assert results["follow"].cached_tokens == 9 * PAGE
+    assert results["follow"].tokens == _uncached(engine, follow)
+    assert results["first"].tokens == _uncached(engine, first)
+    assert batcher.allocator.in_use == 0 and batcher.allocator.free == CFG.pool_pages
+
+
+def test_a_request_cancelled_mid_decode_leaves_the_pages_of_what_it_was_given(engine):
+    """Cancelled while a decode chunk for its slot is still running (one that writes on past
+    the tokens it was given): the pages entered hold only K/V that chunk does not touch, and a
+    follow-up built on the tokens given draws what it draws without the cache."""
+    batcher = Batcher(engine)
+    results, given = {}, []
+
+    def on_event(kind, payload):
+        if kind == "tokens":
+            given.extend(payload)
+        elif kind == "done":
+            results["long"] = payload
+
+    long = Request(_prompt("Count slowly."), 120, seed=3, ignore_eos=True)
+    handle = batcher.submit(long, on_event)
+    while len(given) < 30:
+        batcher.step()
+    assert [kind for kind, *_ in batcher._unread] == ["decode"]  # a chunk for it still runs
+    batcher.cancel(handle)
+    batcher.run_until_idle()
+    assert results["long"].finish_reason == "abort" and results["long"].tokens == given
+    assert batcher.allocator.in_use == 0 and batcher.allocator.free == CFG.pool_pages
+    written = len(long.prompt_ids) + len(given) - 1
+    follow = Request(list(long.prompt_ids) + given + list(b" Stop."), 20, seed=4, sampling=T07)
+    _submit(batcher, follow, results, "follow")
+    batcher.run_until_idle()
+    assert results["follow"].cached_tokens == written // PAGE * PAGE > 6 * PAGE
+    assert results["follow"].tokens == _uncached(engine, follow)
 
 
 def test_a_request_cancelled_while_prefilling_leaves_its_written_pages_cached(engine):

@@ -105,9 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep the full KV pages of prompts for later requests that start with the same "
-        "tokens (a shared system prompt, earlier turns of a chat), which then prefill only the "
-        "rest; idle cached pages are evicted as the pool needs them (default: on)",
+        help="keep the full KV pages of prompts and their answers for later requests that "
+        "start with the same tokens (a shared system prompt, earlier turns of a chat), which "
+        "then prefill only the rest; idle cached pages are evicted as the pool needs them "
+        "(default: on)",
     )
     engine.add_argument(
         "--draft-buckets",

@@ -5,9 +5,11 @@ reserve every page it may need (prompt + max new tokens + one block), so an admi
 always finish: nothing is preempted. Its prompt is prefilled in chunks packed with other prompts'
 chunks (`prefill_chunk` tokens per call), one prefill call between two decode chunks, so a long
 prompt never stalls the running requests for its whole length. Its pages return to the pool the
-moment it finishes or is cancelled -- except the full pages of its prompt, which the prefix
-cache keeps (`PageAllocator`): a later request starting with the same tokens maps them and
-prefills only the rest, and idle cached pages are evicted when the pool needs them.
+moment it finishes or is cancelled -- except the full pages of its prompt and of its answer,
+which the prefix cache keeps (`PageAllocator`): a later request starting with the same tokens (a
+shared system prompt, or the next turn of a conversation, which holds this prompt and answer)
+maps them and prefills only the rest, and idle cached pages are evicted when the pool needs
+them.
 
 Each `step()` dispatches the next prefill and decode chunk *before* reading what the previous
 decode chunk produced, so the device is busy while the host streams tokens. A decode chunk ends
@@ -190,6 +192,9 @@ class Handle:
         default_factory=collections.deque
     )
     cached_tokens: int = 0
+    # The prefix cache's entry for the last full page of its prompt (None: no full page or no
+    # caching), the parent of the first page of its answer when that enters the cache.
+    tail: CachedPage | None = None
     prefilled: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -210,10 +215,11 @@ class Handle:
 
 @dataclasses.dataclass(eq=False)
 class CachedPage:
-    """A full page of prompt K/V in the prefix cache, found by `key`: the serial of the cached
-    page before it (-1 for a prompt's first page) and the page's own tokens. `serial` names this
-    entry in its children's keys; serials are never reused, so a child whose parent was evicted
-    can never be matched behind another entry that took the parent's page id."""
+    """A full page of K/V in the prefix cache (a prompt's, or a prompt's and its answer's), found
+    by `key`: the serial of the cached page before it (-1 for a prompt's first page) and the
+    page's own tokens. `serial` names this entry in its children's keys; serials are never
+    reused, so a child whose parent was evicted can never be matched behind another entry that
+    took the parent's page id."""
 
     page: int
     serial: int
@@ -239,8 +245,10 @@ class PageAllocator:
     their common prefix once. A cached page that no request holds stays cached but
     idle; reservations take free pages first, then evict idle ones, least recently released
     first (a released request's last pages before its first, so a shared prefix outlives its
-    tails). Only pages wholly inside a prompt are cached: decoding writes at positions past the
-    prompt, so a cached page is never written again while it is cached."""
+    tails). When a request ends, the full pages of its prompt and answer past its prompt's
+    enter too, written (`Batcher._enter_answer_pages`). A page enters only where no round
+    writes again: a prompt's pages lie behind every position decoding writes, an answer's
+    behind the slot's last anchor, so a cached page is never written while it is cached."""
 
     def __init__(self, num_pages: int, page_size: int = 1, prefix_caching: bool = False):
         self.num_pages = num_pages
@@ -303,6 +311,10 @@ class PageAllocator:
         ready = next((i for i, e in enumerate(found) if not e.written), len(found))
         return found[:ready], found[ready:]
 
+    def entry(self, key: tuple[int | str, bytes]) -> CachedPage | None:
+        """The cached entry under `key`, if any."""
+        return self._cached.get(key)
+
     def hold(self, entries: Sequence[CachedPage]) -> None:
         for entry in entries:
             if entry.refs == 0:
@@ -335,6 +347,12 @@ class PageAllocator:
         entry = CachedPage(page, next(self._serials), key, refs=1)
         self._cached[key] = entry
         return entry, True
+
+
+def _parent(handle: Handle) -> int | str:
+    """The key parent of the handle's next page: the serial of its `tail`, or the root of its
+    salt."""
+    return _root(handle.request.cache_salt) if handle.tail is None else handle.tail.serial
 
 
 def _root(salt: str | None) -> int | str:
@@ -375,7 +393,7 @@ class Batcher:
     books its time in `timing` (offline measurement; the server runs untimed so the device
     never waits for the host). `policy_index`: for an engine built with a `PolicySwitch`, the
     member that chooses the verified lengths (else the first). `prefix_caching` keeps the full
-    pages of prompts' K/V for later requests that start with the same tokens (see
+    pages of prompts' and answers' K/V for later requests that start with the same tokens (see
     `PageAllocator`): they prefill only the rest.
     """
 
@@ -736,14 +754,48 @@ class Batcher:
         if not self.allocator.prefix_caching:
             return
         size = self.allocator.page_size
-        parent = cached[-1].serial if cached else _root(handle.request.cache_salt)
+        handle.tail = cached[-1] if cached else None
         for i in range(len(cached), len(prompt) // size):
             page = int(handle.pages[i])
-            entry, mine = self.allocator.add(parent, prompt[i * size : (i + 1) * size], page)
+            entry, mine = self.allocator.add(
+                _parent(handle), prompt[i * size : (i + 1) * size], page
+            )
             if mine:
                 handle.held.append(entry)
                 handle.writes.append((i, entry))
-            parent = entry.serial
+            handle.tail = entry
+
+    def _enter_answer_pages(self, handle: Handle) -> None:
+        """Enters the full pages of the ending request's prompt and answer past its prompt's
+        full pages in the prefix cache, written: the K/V of every committed token but the last
+        (the next round's anchor, which no round wrote) was written by the decode chunks that
+        produced them, all dispatched before the chunk that delivered them was read. A chunk
+        still in flight for the slot (a request cancelled mid-decode) writes only from the
+        device's anchor on, at or past the host's last delivered token, so no page entered here
+        is written again. A follow-up whose prompt holds this prompt and answer (the next turn
+        of a chat, an agent extending its transcript) maps them."""
+        allocator, r = self.allocator, handle.request
+        if not allocator.prefix_caching or not handle.tokens:
+            return
+        prompt_len = len(r.prompt_ids)
+        if handle.prefilled < prompt_len:
+            return
+        tail = handle.tail
+        if tail is not None and (not tail.written or allocator.entry(tail.key) is not tail):
+            return  # the chain it would hang from is gone (evicted) or was never written
+        size = allocator.page_size
+        sequence = np.concatenate(
+            [np.asarray(r.prompt_ids, np.int32), np.asarray(handle.tokens, np.int32)]
+        )
+        last = min((prompt_len + len(handle.tokens) - 1) // size, len(handle.pages))
+        for i in range(prompt_len // size, last):
+            entry, mine = allocator.add(
+                _parent(handle), sequence[i * size : (i + 1) * size], int(handle.pages[i])
+            )
+            if mine:
+                entry.written = True
+                handle.held.append(entry)  # `_free` lets go of it with the rest, deepest first
+            handle.tail = entry
 
     def _running(self) -> bool:
         return any(
@@ -893,6 +945,7 @@ class Batcher:
         self._call(handle, "tokens", Tokens(tokens, logprobs, alternatives))
 
     def _free(self, handle: Handle) -> None:
+        self._enter_answer_pages(handle)
         if handle.slot is not None:
             self.owners[handle.slot] = None
             self.free_slots.append(handle.slot)
