@@ -47,7 +47,12 @@ def rows_for(mix, rows: int) -> RowSampling:
     p = np.ones(rows, np.float32)
     chosen = np.linspace(0, rows - 1, count or rows).round().astype(int)
     t[chosen], k[chosen], p[chosen] = temperature, top_k, top_p
-    return RowSampling(temperature=jnp.asarray(t), top_k=jnp.asarray(k), top_p=jnp.asarray(p))
+    return RowSampling(
+        temperature=jnp.asarray(t),
+        top_k=jnp.asarray(k),
+        top_p=jnp.asarray(p),
+        min_p=jnp.zeros(rows, jnp.float32),
+    )
 
 
 def median_ms(calls: list, repeats: int) -> list[float]:

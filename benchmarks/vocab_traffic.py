@@ -169,7 +169,7 @@ def verification(slots: int, gamma: int, hidden: int, vocab: int, dtype, device)
         # The lm head as `layers.Embed.attend` computes it: inputs in the model's dtype,
         # float32 accumulated and returned.
         logits_tv = jnp.einsum("td,vd->tv", hidden_td, head_vd, preferred_element_type=jnp.float32)
-        settings = RowSampling(temperature, top_k, top_p)
+        settings = RowSampling(temperature, top_k, top_p, jnp.zeros_like(top_p))
         logp_tv, argmax_t = logprobs_and_argmax(logits_tv, settings.take(slot_t))
         result = verify_packed(drafts, draft_logp, logp_tv, rows, lengths, keys, positions,
                                settings, stops)

@@ -40,15 +40,19 @@ class SamplingConfigError(UserError):
 class SamplingConfig:
     """How tokens are sampled; hashable so it can be a static jit argument.
 
-    temperature 0 means greedy (argmax). top_k 0 and top_p 1.0 switch those filters off.
+    temperature 0 means greedy (argmax). top_k 0, top_p 1.0 and min_p 0 switch those filters
+    off. min_p keeps the tokens at least min_p times as likely as the likeliest (after
+    temperature, top-k and top-p, in Hugging Face's order; the likeliest is the same either
+    way).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             # A number (numpy's and JAX's scalars included), not a bool or a string like "0.7".
             try:
@@ -72,6 +76,8 @@ class SamplingConfig:
         object.__setattr__(self, "top_k", top_k)  # a numpy integer becomes a plain int
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingConfigError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -87,13 +93,14 @@ class RowSampling:
     """Per-row sampling settings as arrays (one row per request, or per token of a request).
 
     Shapes are the leading (batch) shape of the logits they filter. temperature 0 is greedy, top_k
-    0 and top_p 1 switch those filters off: the same meaning as `SamplingConfig`, as data, so one
-    compiled program serves every mix of settings.
+    0, top_p 1 and min_p 0 switch those filters off: the same meaning as `SamplingConfig`, as
+    data, so one compiled program serves every mix of settings.
     """
 
     temperature: jax.Array  # float32
     top_k: jax.Array  # int32
     top_p: jax.Array  # float32
+    min_p: jax.Array  # float32
 
     @classmethod
     def from_config(cls, cfg: SamplingConfig, shape: tuple[int, ...] = ()) -> RowSampling:
@@ -101,6 +108,7 @@ class RowSampling:
             temperature=jnp.full(shape, cfg.temperature, jnp.float32),
             top_k=jnp.full(shape, cfg.top_k, jnp.int32),
             top_p=jnp.full(shape, cfg.top_p, jnp.float32),
+            min_p=jnp.full(shape, cfg.min_p, jnp.float32),
         )
 
     def take(self, index) -> RowSampling:
@@ -126,6 +134,7 @@ class RowSampling:
             temperature=jnp.where(mask, self.temperature, 0.0),
             top_k=jnp.where(mask, self.top_k, 0),
             top_p=jnp.where(mask, self.top_p, 1.0),
+            min_p=jnp.where(mask, self.min_p, 0.0),
         )
 
 
@@ -369,11 +378,11 @@ def filtered_logprobs(logits_xv: jax.Array, cfg: SamplingConfig | RowSampling) -
     """Log-probabilities [..., V] (float32) of the distribution that sampling draws from.
 
     Greedy rows: 0 at the first argmax, -inf elsewhere. Others: logits / T, then top-k, then top-p
-    (nucleus), then log_softmax. `cfg` is one `SamplingConfig` for every row or a `RowSampling`
-    whose fields have the logits' leading shape (or a prefix of it, broadcast). The cutoff search
-    that the filters need covers only the rows that filter (`_filter_cutoffs`), and none when no
-    row does; every row gets bitwise the same result whichever other rows filter, so a row's
-    output never depends on its neighbours' settings.
+    (nucleus), then min-p, then log_softmax. `cfg` is one `SamplingConfig` for every row or a
+    `RowSampling` whose fields have the logits' leading shape (or a prefix of it, broadcast). The
+    cutoff search that top-k and top-p need covers only the rows that use them
+    (`_filter_cutoffs`), and none when no row does; every row gets bitwise the same result
+    whichever other rows filter, so a row's output never depends on its neighbours' settings.
     """
     return logprobs_and_argmax(logits_xv, cfg)[0]
 
@@ -398,6 +407,9 @@ def logprobs_and_argmax(
     cutoff_x1 = _filter_cutoffs(logits_xv, rows)
     best_x = jnp.argmax(logits_xv, axis=-1).astype(jnp.int32)
     top_x1 = jax.lax.stop_gradient(jnp.take_along_axis(scaled_xv, best_x[..., None], axis=-1))
+    # Min-p needs no search: p >= min_p * p_max is x / T >= max(x / T) + log(min_p), and top-k
+    # and top-p never drop the likeliest token (log 0 = -inf: off).
+    cutoff_x1 = jnp.maximum(cutoff_x1, top_x1 + jnp.log(rows.min_p)[..., None])
     # log_softmax's own steps (shift by the maximum, log of the sum of exps) on the kept values.
     shifted_xv = jnp.where(scaled_xv >= cutoff_x1, scaled_xv, -jnp.inf) - top_x1
     logp_xv = shifted_xv - jnp.log(jnp.sum(jnp.exp(shifted_xv), axis=-1, keepdims=True))

@@ -44,6 +44,7 @@ CFG = EngineConfig(
 GREEDY = SamplingConfig()
 T1 = SamplingConfig(temperature=1.0)
 T07_P09 = SamplingConfig(temperature=0.7, top_p=0.9)
+T1_MIN_P = SamplingConfig(temperature=1.0, min_p=0.3)
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -131,12 +132,15 @@ def test_settings_are_per_request(setup):
         Request(trace["prompt"], REFERENCE_NEW_TOKENS),
         *_mixed_requests(T1)[:2],
         _mixed_requests(T07_P09)[2],
+        _mixed_requests(T1_MIN_P)[1],
     ]
     together, _ = generate(spec, mixed)
     assert together[0].tokens[:96] == trace["output"]
-    for i in (1, 2, 3):
+    for i in (1, 2, 3, 4):
         alone, _ = generate(spec, [mixed[i]])
         assert alone[0].tokens == together[i].tokens
+    # The same request and seed without min-p draws otherwise: the setting reached its slot.
+    assert together[4].tokens != together[2].tokens
 
 
 def test_no_compilation_after_warmup(setup):
@@ -448,10 +452,11 @@ def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculativ
         def wrapped(*args):
             rows = rows_of(args)
             jax.debug.callback(
-                lambda t, k, p: seen.append((np.asarray(t), np.asarray(k), np.asarray(p))),
+                lambda *settings: seen.append(tuple(np.asarray(a) for a in settings)),
                 rows.temperature,
                 rows.top_k,
                 rows.top_p,
+                rows.min_p,
             )
             return fn(*args)
 
@@ -472,7 +477,7 @@ def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculativ
     target, drafter = load_pair("vanilla")
     cfg = dataclasses.replace(CFG, num_slots=8, token_buckets=(8, 16, 64), draft_buckets=None)
     engine = Engine(target, drafter if speculative else None, cfg)
-    fancy = SamplingConfig(temperature=1.3, top_k=5, top_p=0.8)
+    fancy = SamplingConfig(temperature=1.3, top_k=5, top_p=0.8, min_p=0.1)
     batcher = Batcher(engine)
     for i in range(7):  # each finishes at its first token
         batcher.submit(Request([5, 6, 7 + i], 1, seed=i, sampling=fancy), lambda k, p: 0)
@@ -481,10 +486,11 @@ def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculativ
     batcher.submit(Request([5, 6, 7], 24, ignore_eos=True), lambda k, p: 0)
     batcher.run_until_idle()
     assert seen  # the rounds (and the prefill's first token) went through the recorded calls
-    for temperature, top_k, top_p in seen:
+    for temperature, top_k, top_p, min_p in seen:
         np.testing.assert_array_equal(temperature, 0.0)
         np.testing.assert_array_equal(top_k, 0)
         np.testing.assert_array_equal(top_p, 1.0)
+        np.testing.assert_array_equal(min_p, 0.0)
 
 
 def test_plain_decoding_lm_head_follows_the_token_bucket():

@@ -216,6 +216,7 @@ def test_the_written_out_positions_sample_what_the_loop_samples(kind):
         temperature=jnp.array([0.0, 1.0, 0.7, 1.3, 0.0, 1.0], jnp.float32),
         top_k=jnp.array([0, 0, 20, 0, 5, 3], jnp.int32),
         top_p=jnp.array([1.0, 1.0, 1.0, 0.8, 0.9, 0.95], jnp.float32),
+        min_p=jnp.array([0.0, 0.1, 0.0, 0.05, 0.5, 0.0], jnp.float32),
     )
     graphdef, state = nnx.split(model)
 

@@ -51,8 +51,13 @@ NEW_TOKENS = 3
 
 T1 = SamplingConfig(temperature=1.0)
 T07_P09 = SamplingConfig(temperature=0.7, top_p=0.9)
+T1_MIN_P = SamplingConfig(temperature=1.0, min_p=0.1)
 # (prompt, number of samples, drafts verified per round) per sampling config.
-CASES = {T1: (b"rcname = sel", 65536, 1), T07_P09: (b"th socket ti", 20480, 2)}
+CASES = {
+    T1: (b"rcname = sel", 65536, 1),
+    T07_P09: (b"th socket ti", 20480, 2),
+    T1_MIN_P: (b"th socket ti", 32768, 2),
+}
 PROMPT_LEN = 12
 
 
@@ -186,8 +191,14 @@ def _chi_square(sampling, n=None):
 # test_scheduled_lossless's whole-sequence test samples at T=1 unfiltered.
 @pytest.mark.parametrize(
     "sampling",
-    [pytest.param(T1, marks=pytest.mark.slow), T07_P09],
-    ids=["T1", "T0.7-top_p0.9"],
+    [
+        pytest.param(T1, marks=pytest.mark.slow),
+        T07_P09,
+        # Min-p is one more cutoff in the same filter both sides apply; its default-run tests
+        # hold it per row (test_sampling.py) and per slot (test_engine.py).
+        pytest.param(T1_MIN_P, marks=pytest.mark.slow),
+    ],
+    ids=["T1", "T0.7-top_p0.9", "T1-min_p0.1"],
 )
 def test_speculative_sampling_matches_target(sampling):
     p_value, df, power, first_accept = _chi_square(sampling)

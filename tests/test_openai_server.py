@@ -298,6 +298,7 @@ def test_unseen_sampling_settings_compile_nothing(served):
         dict(temperature=0.123, top_p=0.77, top_k=5, seed=99),
         dict(temperature=1.87, top_p=0.31, seed=7),
         dict(temperature=0.0, top_k=3),
+        dict(temperature=0.9, min_p=0.2, seed=3),
     ]
     with concurrent.futures.ThreadPoolExecutor(len(mixes)) as pool:
         futures = [

@@ -179,6 +179,47 @@ def _sorted_cutoffs(x_v: np.ndarray, top_k: int, top_p: float) -> float:
     return max(kth, min(u for u, m in above.items() if m < top_p))
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_likeliest():
+    """Min-p after temperature, top-k and top-p (Hugging Face's order): a token stays when its
+    probability is at least min_p times the likeliest's (the likeliest is never filtered, so
+    the ratio is the same before and after the other filters), and what stays is
+    renormalised. Held to a float64 reference over rows mixing every filter: min_p 0 changes
+    nothing, 1 keeps the ties of the top."""
+    from dspark_jax.sampling import RowSampling, logprobs_and_argmax
+
+    rng = np.random.default_rng(11)
+    rows, vocab = 40, 500
+    x = rng.normal(scale=3.0, size=(rows, vocab)).astype(np.float32)
+    x[::5, :3] = x[::5].max(axis=-1, keepdims=True)  # three tokens tied at the top
+    temperature = rng.choice([0.5, 1.0, 1.7], rows).astype(np.float32)
+    top_k = rng.choice([0, 0, 40], rows).astype(np.int32)
+    top_p = rng.choice([1.0, 1.0, 0.8], rows).astype(np.float32)
+    min_p = rng.choice([0.0, 0.02, 0.1, 0.5, 1.0], rows).astype(np.float32)
+    settings = RowSampling(*(jnp.asarray(a) for a in (temperature, top_k, top_p, min_p)))
+    logp = np.asarray(jax.jit(logprobs_and_argmax)(jnp.asarray(x), settings)[0])
+    cut_by_min_p = []
+    for r in range(rows):
+        scaled = x[r] / temperature[r]  # float32, as the filters see it
+        others = scaled >= _sorted_cutoffs(scaled, int(top_k[r]), float(top_p[r]))
+        ratio = np.exp(scaled.astype(np.float64) - scaled.max())  # p / p_max
+        keep = others & (ratio >= min_p[r])
+        # Rounding decides a token within a hair of the threshold; none is checked there.
+        with np.errstate(divide="ignore"):  # log(0): min-p off, nothing near its threshold
+            clear = np.abs(np.log(ratio) - np.log(np.float64(min_p[r]))) > 1e-4
+        np.testing.assert_array_equal(np.isfinite(logp[r])[clear], keep[clear], err_msg=str(r))
+        want = np.log(ratio[keep] / ratio[keep].sum())
+        np.testing.assert_allclose(logp[r][keep], want, rtol=0, atol=2e-5, err_msg=str(r))
+        cut_by_min_p.append(int(others.sum() - keep.sum()))
+        if min_p[r] == 1.0:  # the ties of the top (the row's own maximum and its copies)
+            assert keep.sum() == (scaled == scaled.max()).sum() >= (3 if r % 5 == 0 else 1)
+        if min_p[r] == 0.0:
+            np.testing.assert_array_equal(keep, others)
+    # Every row at min_p 0.1 or more without top-p (which may leave only tokens near the top)
+    # lost tokens to min-p.
+    biting = [n for n, m, p in zip(cut_by_min_p, min_p, top_p, strict=True) if m >= 0.1 and p == 1]
+    assert len(biting) >= rows // 5 and min(biting) > 0
+
+
 def test_cutoffs_are_row_values_found_without_sorting():
     """Mixed per-row settings over rows with ties and -inf entries: each cutoff is the value a
     sort finds, and the compiled filter holds no sort (the costliest pass over [rows, V])."""
@@ -191,7 +232,10 @@ def test_cutoffs_are_row_values_found_without_sorting():
     top_k = rng.choice([0, 1, 2, 7, 50, vocab - 1, vocab, vocab + 5], size=rows).astype(np.int32)
     top_p = rng.choice([1.0, 0.999, 0.9, 0.5, 0.1, 1e-6], size=rows).astype(np.float32)
     settings = RowSampling(
-        temperature=jnp.ones(rows), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p)
+        temperature=jnp.ones(rows),
+        top_k=jnp.asarray(top_k),
+        top_p=jnp.asarray(top_p),
+        min_p=jnp.zeros(rows),
     )
     cut = jax.jit(_filter_cutoffs)
     got = np.asarray(cut(jnp.asarray(x), settings))[:, 0]
@@ -342,6 +386,7 @@ def test_cutoffs_in_any_block_are_the_whole_batch_cutoffs(block_batch, filters, 
             temperature=jnp.asarray(np.where(greedy, 0.0, 1.0), jnp.float32),
             top_k=jnp.asarray(k),
             top_p=jnp.asarray(p),
+            min_p=jnp.zeros(BLOCK_ROWS),
         )
         got = np.asarray(cutoffs(jnp.asarray(x), settings))
         np.testing.assert_array_equal(got, np.asarray(full_width(x, k, p, chosen)))
@@ -351,6 +396,7 @@ def test_cutoffs_in_any_block_are_the_whole_batch_cutoffs(block_batch, filters, 
             temperature=jnp.ones(BLOCK_ROWS),
             top_k=jnp.asarray(np.where(chosen, k, 3), jnp.int32),
             top_p=jnp.asarray(np.where(chosen, p, 0.5), jnp.float32),
+            min_p=jnp.zeros(BLOCK_ROWS),
         )
         np.testing.assert_array_equal(
             np.asarray(logp(x, settings))[chosen], np.asarray(logp(x, everyone))[chosen]
@@ -477,7 +523,7 @@ def test_cutoffs_follow_the_temperature_and_take_16_bit_logits():
     temperature = jnp.asarray(rng.choice([0.3, 0.7, 1.0, 1.7], size=rows), jnp.float32)
     top_k = jnp.asarray(rng.choice([0, 5, 100], size=rows), jnp.int32)
     top_p = jnp.asarray(rng.choice([1.0, 0.95, 0.5], size=rows), jnp.float32)
-    settings = RowSampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    settings = RowSampling(temperature, top_k, top_p, jnp.zeros_like(top_p))
     scaled = logits.astype(jnp.float32) / temperature[:, None]
     want = jax.jit(_row_cutoffs)(scaled, top_k, top_p)
     np.testing.assert_array_equal(jax.jit(_filter_cutoffs)(logits, settings), want)
@@ -514,6 +560,7 @@ def test_softmax_takes_its_maximum_from_the_argmax(dtype):
         temperature=jnp.asarray(rng.choice([0.0, 0.05, 0.7, 1.0, 3.3], size=rows), jnp.float32),
         top_k=jnp.asarray(rng.choice([0, 1, 5, 100], size=rows), jnp.int32),
         top_p=jnp.asarray(rng.choice([1.0, 0.9, 0.3], size=rows), jnp.float32),
+        min_p=jnp.zeros(rows),
     )
 
     def reference(logits, settings):

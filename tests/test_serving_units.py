@@ -155,11 +155,31 @@ def test_schemas():
         b'{"prompt": "x", "echo": true, "stream": true}',
         b'{"prompt": "x", "logprobs": 6}',
         b'{"prompt": "x", "top_k": -2}',
+        b'{"prompt": "x", "min_p": 1.5}',
+        b'{"prompt": "x", "min_p": -0.1}',
         b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
     ):
         schema = ChatCompletionRequest if b"messages" in body else CompletionRequest
         with pytest.raises(ValidationError):
             schema.model_validate_json(body)
+
+
+def test_sampling_defaults_come_from_the_models_generation_config(tmp_path):
+    """Fields a request leaves out follow generation_config.json (Qwen3's names temperature,
+    top_p and top_k; min_p where a model has it); a value out of range there is refused when
+    the server starts, not in every request."""
+    from dspark_jax.sampling import SamplingConfigError
+    from dspark_jax.serving.app import SamplingDefaults
+
+    assert SamplingDefaults.from_model_dir(tmp_path) == SamplingDefaults()
+    config = tmp_path / "generation_config.json"
+    config.write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05}')
+    assert SamplingDefaults.from_model_dir(tmp_path) == SamplingDefaults(0.6, 0.95, 20, 0.05)
+    config.write_text('{"temperature": 0.6, "min_p": 2}')
+    with pytest.raises(SamplingConfigError, match="min_p must be in"):
+        SamplingDefaults.from_model_dir(tmp_path)
+    req = CompletionRequest.model_validate_json(b'{"prompt": "x", "min_p": 0}')
+    assert req.min_p == 0.0
 
 
 def test_null_is_the_default_where_openai_allows_null():

@@ -82,6 +82,12 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0 = off)")
+    group.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens at least this fraction as likely as the likeliest (0 = off)",
+    )
     group.add_argument("--seed", type=int, default=0, help="base seed of the requests (default 0)")
     group.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default 256)")
     group.add_argument(
@@ -130,7 +136,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_model_len: int | N
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
-    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    return SamplingConfig(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
+    )
 
 
 def check_sizes(args: argparse.Namespace) -> None:

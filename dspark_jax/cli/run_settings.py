@@ -60,6 +60,7 @@ def decoding_settings(
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
         "thinking": args.thinking,

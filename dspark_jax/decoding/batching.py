@@ -678,6 +678,7 @@ class Batcher:
                     temperature=r.sampling.temperature,
                     top_k=r.sampling.top_k,
                     top_p=r.sampling.top_p,
+                    min_p=r.sampling.min_p,
                     max_new_tokens=r.max_new_tokens,
                     stop_tokens=handle.stop_ids,
                     seed=r.seed,

@@ -400,6 +400,7 @@ class PrefillBatch:
     temperature_n: np.ndarray
     top_k_n: np.ndarray
     top_p_n: np.ndarray
+    min_p_n: np.ndarray
     max_new_n: np.ndarray
     stop_nk: np.ndarray
     seed_n: np.ndarray  # uint32
@@ -428,6 +429,7 @@ class PrefillItem:
     max_new_tokens: int
     stop_tokens: tuple[int, ...]
     seed: int
+    min_p: float = 0.0
     first: bool | None = None  # installs the request; None: start == 0
     # Log-probabilities the calls report for its tokens: -1 none, else each token's and that many
     # alternatives' (SlotState.logprobs_s).
@@ -755,6 +757,7 @@ class Engine:
                 jnp.zeros((s,), jnp.float32),
                 jnp.zeros((s,), jnp.int32),
                 jnp.ones((s,), jnp.float32),
+                jnp.zeros((s,), jnp.float32),
             ),
             max_new_s=jnp.zeros((s,), jnp.int32),
             stop_sk=jnp.full((s, cfg.max_stop_tokens), NO_STOP_TOKEN, jnp.int32),
@@ -945,6 +948,7 @@ class Engine:
         temperature = np.zeros((n,), np.float32)
         top_k = np.zeros((n,), np.int32)
         top_p = np.ones((n,), np.float32)
+        min_p = np.zeros((n,), np.float32)
         max_new = np.zeros((n,), np.int32)
         stop = np.full((n, cfg.max_stop_tokens), NO_STOP_TOKEN, np.int32)
         seed = np.zeros((n,), np.uint32)
@@ -967,6 +971,7 @@ class Engine:
                 last_row[i] = at + c - 1
             page_rows[i, : len(it.page_row)] = it.page_row
             temperature[i], top_k[i], top_p[i] = it.temperature, it.top_k, it.top_p
+            min_p[i] = it.min_p
             max_new[i] = it.max_new_tokens
             if len(it.stop_tokens) > cfg.max_stop_tokens:
                 raise EngineError(
@@ -1001,6 +1006,7 @@ class Engine:
             temperature,
             top_k,
             top_p,
+            min_p,
             max_new,
             stop,
             seed,
@@ -1266,6 +1272,7 @@ def _prefill(
         put(sampling.temperature, host["temperature_n"]),
         put(sampling.top_k, host["top_k_n"]),
         put(sampling.top_p, host["top_p_n"]),
+        put(sampling.min_p, host["min_p_n"]),
     )
     installed_s = jnp.zeros((num_slots,), bool).at[install_n].set(True, mode="drop")
     state = state.replace(

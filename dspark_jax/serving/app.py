@@ -73,6 +73,7 @@ class SamplingDefaults:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> SamplingDefaults:
@@ -84,9 +85,10 @@ class SamplingDefaults:
             temperature=float(gen.get("temperature", cls.temperature)),
             top_p=float(gen.get("top_p", cls.top_p)),
             top_k=max(int(gen.get("top_k", cls.top_k)), 0),
+            min_p=float(gen.get("min_p", cls.min_p)),
         )
         # Out-of-range values in the model's file are refused at start-up, not per request.
-        SamplingConfig(defaults.temperature, defaults.top_k, defaults.top_p)
+        SamplingConfig(defaults.temperature, defaults.top_k, defaults.top_p, defaults.min_p)
         return defaults
 
 
@@ -856,6 +858,7 @@ class OpenAIServer:
             temperature=defaults.temperature if req.temperature is None else req.temperature,
             top_k=top_k,
             top_p=defaults.top_p if req.top_p is None else req.top_p,
+            min_p=defaults.min_p if req.min_p is None else req.min_p,
         )
         return [
             Request(

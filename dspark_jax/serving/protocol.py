@@ -13,7 +13,7 @@ Where the OpenAI API lets a field be null, null means its default. Fields that t
 several JSON types (`prompt`, `stop`, message `content`) pick the schema by the JSON type sent,
 so an error names one place and says one thing.
 
-Extensions shared with vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
+Extensions shared with vLLM: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
 (the generated token ids beside the text) and, for chat, `chat_template_kwargs`
 (`enable_thinking`).
 """
@@ -46,6 +46,7 @@ MAX_N = 128
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 # Any 64-bit integer, as OpenAI and vLLM take it, folded onto the engine's uint32 seeds (-1 is
 # 4294967295; seeds 2**32 apart draw alike).
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), AfterValidator(lambda seed: seed % 2**32)]
@@ -128,6 +129,7 @@ class GenerationRequest(_Strict):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
+    min_p: MinP | None = None
     seed: Seed | None = None
     stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
