@@ -825,3 +825,13 @@ def test_prompt_logprobs_over_chunks_and_past_the_prefix_cache(setup):
     ids = np.array([[i for i, _ in alts] for alts in result.prompt_top_logprobs[1:]])
     np.testing.assert_array_equal(ids, np.argsort(-rows[:-1], axis=-1, kind="stable")[:, :3])
     assert result.top_logprobs is None and len(result.logprobs) == len(result.tokens)
+    # A stream gets them with the first tokens (an echoed prompt comes before the answer).
+    events = []
+    batcher = Batcher(spec)
+    batcher.submit(asked, lambda kind, payload: events.append(payload))
+    batcher.run_until_idle()
+    *tokens, done = events
+    assert len(tokens) > 1 and done.prompt_logprobs[0] is None
+    assert tokens[0].prompt_logprobs == done.prompt_logprobs
+    assert tokens[0].prompt_top_logprobs == done.prompt_top_logprobs
+    assert all(e.prompt_logprobs is None and e.prompt_top_logprobs is None for e in tokens[1:])

@@ -520,6 +520,45 @@ def test_echo_returns_the_prompt_and_its_tokens_log_probabilities(served):
     assert plain["choices"][0]["logprobs"] is None
 
 
+def _streamed_choices(url: str, **body) -> dict[int, list[dict]]:
+    """A streamed completion's chunks' choices, by index."""
+    choices: dict[int, list[dict]] = {}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={"model": MODEL, "stream": True, **body}, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for event in sse_events(r):
+            if event != DONE:
+                for choice in event["choices"]:
+                    choices.setdefault(choice["index"], []).append(choice)
+    return choices
+
+
+def test_a_streamed_echo_sends_the_prompt_first_and_adds_up_to_the_whole_answer(served):
+    """Streamed, each choice's first chunk is its prompt (with logprobs: the prompt tokens',
+    offsets from 0), the answer's chunks follow with offsets running on; joined, the text and
+    the log-probability lists are the whole response's."""
+    prompt = "def add(a, b):\n    return"
+    body = dict(prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=2, n=2, seed=3)
+    whole = _complete(served.url, **body)["choices"]
+    streamed = _streamed_choices(served.url, **body)
+    assert sorted(streamed) == [0, 1]
+    for index, chunks in streamed.items():
+        first = chunks[0]
+        assert first["text"] == prompt and first["finish_reason"] is None
+        assert first["logprobs"]["text_offset"][0] == 0
+        assert first["logprobs"]["token_logprobs"][0] is None
+        assert len(first["logprobs"]["tokens"]) == len(prompt.encode())
+        assert chunks[-1]["finish_reason"] == whole[index]["finish_reason"] == "length"
+        assert "".join(c["text"] for c in chunks) == whole[index]["text"]
+        for field in ("tokens", "text_offset", "token_logprobs", "top_logprobs"):
+            joined = [x for c in chunks if c["logprobs"] for x in c["logprobs"][field]]
+            assert joined == whole[index]["logprobs"][field], field
+    # Echo alone, streamed: the prompt's text first, then the answer's, no log-probabilities.
+    plain = _streamed_choices(served.url, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain[0][0]["text"] == prompt and all(c["logprobs"] is None for c in plain[0])
+
+
 def test_a_shared_prompt_prefix_is_reported_as_cached_tokens(served):
     """The second prompt starting with the first one's 40 tokens maps their two full pages
     (16 tokens each) from the prefix cache: its usage and the metrics say so, streamed or not,
@@ -758,12 +797,6 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     "path, body, param, fragment",
     [
         ("completions", {"prompt": "x", "n": 1.5}, "n", "valid integer"),
-        (
-            "completions",
-            {"prompt": "x", "echo": True, "stream": True},
-            "echo",
-            "true is not supported with stream",
-        ),
         ("completions", {"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
         ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "0.5"),
         ("completions", {"prompt": "x", "store": True}, "store", "true is not supported"),

@@ -152,7 +152,6 @@ def test_schemas():
     assert chat.messages[0].text() == "ab" and chat.token_limit == 3
     for body in (
         b'{"prompt": "x", "stream_options": {"include_usage": true}}',
-        b'{"prompt": "x", "echo": true, "stream": true}',
         b'{"prompt": "x", "logprobs": 6}',
         b'{"prompt": "x", "top_k": -2}',
         b'{"prompt": "x", "min_p": 1.5}',

@@ -128,7 +128,10 @@ class Result:
 class Tokens(list):
     """A "tokens" event's payload: the new token ids (a list, as ever) and, in `logprobs`, the
     log-probability of each under the target's own distribution (None unless the request asked:
-    `Request.logprobs`), in `top_logprobs` the alternatives (`Result.top_logprobs`)."""
+    `Request.logprobs`), in `top_logprobs` the alternatives (`Result.top_logprobs`). A request
+    that asked for its prompt's log-probabilities (`Request.prompt_logprobs`) gets them with its
+    first token, in `prompt_logprobs` and `prompt_top_logprobs` (as `Result` has them), so a
+    stream can show the prompt before the answer; None in every other event."""
 
     def __init__(
         self,
@@ -139,6 +142,8 @@ class Tokens(list):
         super().__init__(ids)
         self.logprobs = logprobs
         self.top_logprobs = top_logprobs
+        self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 # (kind, payload): ("tokens", Tokens) any number of times, then ("done", Result). (The
@@ -933,17 +938,23 @@ class Batcher:
         the alternatives' ids and log-probabilities [tokens, TOP_LOGPROBS], when fetched)."""
         handle.tokens += tokens
         request = handle.request
-        if not request.logprobs:
-            self._call(handle, "tokens", Tokens(tokens))
-            return
-        handle.logprobs += logprobs
-        alternatives = None
-        if request.top_logprobs:
-            k = request.top_logprobs
-            ids, values = top[0][:, :k].tolist(), top[1][:, :k].tolist()
-            alternatives = [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
-            handle.top_logprobs += alternatives
-        self._call(handle, "tokens", Tokens(tokens, logprobs, alternatives))
+        event = Tokens(tokens)
+        if request.logprobs:
+            handle.logprobs += logprobs
+            event.logprobs = logprobs
+            if request.top_logprobs:
+                k = request.top_logprobs
+                ids, values = top[0][:, :k].tolist(), top[1][:, :k].tolist()
+                event.top_logprobs = [
+                    list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)
+                ]
+                handle.top_logprobs += event.top_logprobs
+        # The first tokens: the prompt has been read whole.
+        if request.prompt_logprobs is not None and len(handle.tokens) == len(tokens):
+            event.prompt_logprobs = list(handle.prompt_logprobs)
+            if request.prompt_logprobs:
+                event.prompt_top_logprobs = list(handle.prompt_top_logprobs)
+        self._call(handle, "tokens", event)
 
     def _free(self, handle: Handle) -> None:
         self._enter_answer_pages(handle)

@@ -274,6 +274,10 @@ class _Generation:
             return None
         kind, payload, at = await self.live.queue.get()
         if kind == "tokens":
+            if payload.prompt_logprobs is not None:
+                self.prompt_scores = _prompt_scores(
+                    payload.prompt_logprobs, payload.prompt_top_logprobs
+                )
             text, kept = self._tokens(payload)
             if self.last_at is not None:  # the first token's wait is the time to first token
                 self.metrics.observe_tokens(len(kept), (at - self.last_at) / len(payload))
@@ -287,11 +291,9 @@ class _Generation:
             self.finish_reason = "stop" if self.stops.matched else payload.finish_reason
             self.cached_tokens = payload.cached_tokens
             if payload.prompt_logprobs is not None:
-                alternatives = payload.prompt_top_logprobs or [[]] * len(payload.prompt_logprobs)
-                self.prompt_scores = [
-                    None if lp is None else (lp, alts or [])
-                    for lp, alts in zip(payload.prompt_logprobs, alternatives, strict=True)
-                ]
+                self.prompt_scores = _prompt_scores(
+                    payload.prompt_logprobs, payload.prompt_top_logprobs
+                )
             return text, [], []
         if kind == "error":
             raise ApiError(500, str(payload), kind="server_error", code="engine_failed")
@@ -357,6 +359,18 @@ def _scores(tokens: Tokens) -> list[Score]:
         return []
     alternatives = tokens.top_logprobs or [[] for _ in tokens.logprobs]
     return list(zip(tokens.logprobs, alternatives, strict=True))
+
+
+def _prompt_scores(
+    logprobs: list[float | None], alternatives: list[list[tuple[int, float]] | None] | None
+) -> list[Score | None]:
+    """The scores of a prompt's tokens (`Result.prompt_logprobs` and `prompt_top_logprobs`,
+    None where the request asked for no alternatives); None for its first token."""
+    alternatives = alternatives or [[]] * len(logprobs)
+    return [
+        None if lp is None else (lp, alts or [])
+        for lp, alts in zip(logprobs, alternatives, strict=True)
+    ]
 
 
 def _usage(prompt_tokens: int, gens: list[_Generation], n: int) -> api.Usage:
@@ -475,19 +489,41 @@ class _Shape:
         if self.token_text is None:
             return None
         gen.text_offset = 0
-        texts = [self.token_text(t) for t in prompt_ids]
-        offsets = _offsets(gen, texts)
+        prompt = self._prompt_logprobs(gen, prompt_ids)
         answer = self.logprobs(gen, gen.token_ids, gen.token_scores)
         return api.CompletionLogprobs(
-            tokens=texts + answer.tokens,
-            token_logprobs=[None if sc is None else sc[0] for sc in gen.prompt_scores]
-            + answer.token_logprobs,
+            tokens=prompt.tokens + answer.tokens,
+            token_logprobs=prompt.token_logprobs + answer.token_logprobs,
+            top_logprobs=prompt.top_logprobs + answer.top_logprobs,
+            text_offset=prompt.text_offset + answer.text_offset,
+        )
+
+    def _prompt_logprobs(self, gen: _Generation, prompt_ids: list[int]) -> api.CompletionLogprobs:
+        """The log-probabilities of an echoed prompt's tokens (the first has none), their text
+        offsets from the choice's current one."""
+        texts = [self.token_text(t) for t in prompt_ids]
+        return api.CompletionLogprobs(
+            tokens=texts,
+            token_logprobs=[None if sc is None else sc[0] for sc in gen.prompt_scores],
             top_logprobs=[
                 self._top(text, score) for text, score in zip(texts, gen.prompt_scores, strict=True)
-            ]
-            + answer.top_logprobs,
-            text_offset=offsets + answer.text_offset,
+            ],
+            text_offset=_offsets(gen, texts),
         )
+
+    def echo_chunk(self, index: int, gen: _Generation) -> BaseModel | None:
+        """A streamed completion's first chunk of choice `index` when it echoes: its prompt, and
+        with logprobs the prompt tokens' (they come with the choice's first tokens), its text
+        offsets from 0; None without echo."""
+        if self.echo is None:
+            return None
+        prompt_text, prompt_ids = self.echo[index // self.n]
+        logprobs = None
+        # (Unknown only for a choice that ended before its first token: aborted by a drain.)
+        if self.token_text is not None and len(gen.prompt_scores) == len(prompt_ids):
+            gen.text_offset = 0
+            logprobs = self._prompt_logprobs(gen, prompt_ids)
+        return self.chunk(index, prompt_text, [], logprobs=logprobs)
 
     def _top(self, text: str, score: Score | None) -> dict[str, float] | None:
         """A legacy `top_logprobs` entry: the alternatives asked for and the token itself (as
@@ -1084,10 +1120,15 @@ class OpenAIServer:
                 opening = shape.opening(index)
                 if opening is not None:
                     yield _sse(shape.dump(opening))
-            event, ended = first, 0
+            event, ended, echoed = first, 0, set()
             while True:
                 index, piece = event
                 gen = gens[index]
+                if index not in echoed:  # a choice's first event: its prompt first, if echoed
+                    echoed.add(index)
+                    echo = shape.echo_chunk(index, gen)
+                    if echo is not None:
+                        yield _sse(shape.dump(echo))
                 if piece is not None:
                     text, ids, scores = piece
                     part = gen.parse(text)

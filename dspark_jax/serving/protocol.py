@@ -4,7 +4,7 @@ Requests are validated strictly: unknown fields, wrong JSON types (a string wher
 belongs, 1 for true), non-finite numbers (`1e400` parses as infinity) and out-of-range values
 are refused with a 400 naming the field, instead of being coerced or failing deep inside the
 engine. Fields of the OpenAI API that this server does not implement are accepted only at their
-neutral value (`presence_penalty: 0`, `echo: false`, `store: false`, ...), so a client never
+neutral value (`presence_penalty: 0`, `best_of: 1`, `store: false`, ...), so a client never
 silently gets something other than what it asked for; fields with no effect on
 the answer (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`) are accepted and
 ignored. Chat `tools` with `tool_choice` "auto" or "none" are taken (the server needs a tool-call
@@ -257,13 +257,6 @@ class CompletionRequest(GenerationRequest):
     @property
     def echoes(self) -> bool:
         return self.echo
-
-    @field_validator("echo")
-    @classmethod
-    def _not_streamed(cls, value, info: ValidationInfo):
-        if value and info.data.get("stream"):
-            raise ValueError("true is not supported with stream: true")
-        return value
 
 
 def _several(prompt: Any) -> bool:
