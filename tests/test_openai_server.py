@@ -559,6 +559,27 @@ def test_a_streamed_echo_sends_the_prompt_first_and_adds_up_to_the_whole_answer(
     assert plain[0][0]["text"] == prompt and all(c["logprobs"] is None for c in plain[0])
 
 
+def test_the_next_chat_turn_maps_the_pages_of_the_answer_it_holds(served):
+    """A chat's second turn holds the first turn's prompt and answer, and the server kept the
+    answer's full pages as well as the prompt's: the second turn prefills only the rest (the
+    byte model renders a conversation as its messages' text, and the answer's text encodes to
+    the tokens generated)."""
+    url = f"{served.url}/v1/chat/completions"
+    body = dict(model=MODEL, temperature=0, ignore_eos=True, return_token_ids=True)
+    first = [{"role": "user", "content": "# Helpers for paths and files.\ndef "}]
+    one = httpx.post(url, json={**body, "messages": first, "max_tokens": 40}, timeout=120).json()
+    answer = one["choices"][0]["message"]["content"]
+    assert list(answer.encode()) == one["choices"][0]["token_ids"] and len(answer) == 40
+    prompt_len = one["usage"]["prompt_tokens"]
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "\n"}]
+    two = httpx.post(url, json={**body, "messages": second, "max_tokens": 4}, timeout=120).json()
+    assert two["usage"]["prompt_tokens"] == prompt_len + 40 + 1
+    # Every full page of the first turn's prompt and answer but the one holding the answer's
+    # last token, whose K/V no round wrote.
+    cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt_len + 40 - 1) // 16 * 16 > prompt_len // 16 * 16
+
+
 def test_a_shared_prompt_prefix_is_reported_as_cached_tokens(served):
     """The second prompt starting with the first one's 40 tokens maps their two full pages
     (16 tokens each) from the prefix cache: its usage and the metrics say so, streamed or not,
