@@ -759,16 +759,27 @@ class Batcher:
         cache, to be marked written as its prefill calls are dispatched."""
         if not self.allocator.prefix_caching:
             return
-        size = self.allocator.page_size
         handle.tail = cached[-1] if cached else None
-        for i in range(len(cached), len(prompt) // size):
-            page = int(handle.pages[i])
+        self._enter_pages(handle, prompt, len(cached), len(prompt) // self.allocator.page_size)
+
+    def _enter_pages(
+        self, handle: Handle, tokens: np.ndarray, first: int, end: int, written: bool = False
+    ) -> None:
+        """Enters pages first..end-1 of the handle's row, holding `tokens`' pages of the same
+        index, in the prefix cache behind its `tail`, which follows them. Those the cache did
+        not hold already become the handle's (`held`); pages yet to be written are noted in
+        `writes`, to be marked when the prefill call writing them is dispatched."""
+        size = self.allocator.page_size
+        for i in range(first, end):
             entry, mine = self.allocator.add(
-                _parent(handle), prompt[i * size : (i + 1) * size], page
+                _parent(handle), tokens[i * size : (i + 1) * size], int(handle.pages[i])
             )
             if mine:
-                handle.held.append(entry)
-                handle.writes.append((i, entry))
+                handle.held.append(entry)  # `_free` lets go of them, deepest first
+                if written:
+                    entry.written = True
+                else:
+                    handle.writes.append((i, entry))
             handle.tail = entry
 
     def _enter_answer_pages(self, handle: Handle) -> None:
@@ -781,27 +792,18 @@ class Batcher:
         is written again. A follow-up whose prompt holds this prompt and answer (the next turn
         of a chat, an agent extending its transcript) maps them."""
         allocator, r = self.allocator, handle.request
+        # No tokens: it ended before its prefill did, and has no answer.
         if not allocator.prefix_caching or not handle.tokens:
-            return
-        prompt_len = len(r.prompt_ids)
-        if handle.prefilled < prompt_len:
             return
         tail = handle.tail
         if tail is not None and (not tail.written or allocator.entry(tail.key) is not tail):
             return  # the chain it would hang from is gone (evicted) or was never written
-        size = allocator.page_size
+        size, prompt_len = allocator.page_size, len(r.prompt_ids)
         sequence = np.concatenate(
             [np.asarray(r.prompt_ids, np.int32), np.asarray(handle.tokens, np.int32)]
         )
         last = min((prompt_len + len(handle.tokens) - 1) // size, len(handle.pages))
-        for i in range(prompt_len // size, last):
-            entry, mine = allocator.add(
-                _parent(handle), sequence[i * size : (i + 1) * size], int(handle.pages[i])
-            )
-            if mine:
-                entry.written = True
-                handle.held.append(entry)  # `_free` lets go of it with the rest, deepest first
-            handle.tail = entry
+        self._enter_pages(handle, sequence, prompt_len // size, last, written=True)
 
     def _running(self) -> bool:
         return any(

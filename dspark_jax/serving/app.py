@@ -488,7 +488,6 @@ class _Shape:
         its answer's, the text offsets running over both."""
         if self.token_text is None:
             return None
-        gen.text_offset = 0
         prompt = self._prompt_logprobs(gen, prompt_ids)
         answer = self.logprobs(gen, gen.token_ids, gen.token_scores)
         return api.CompletionLogprobs(
@@ -500,7 +499,8 @@ class _Shape:
 
     def _prompt_logprobs(self, gen: _Generation, prompt_ids: list[int]) -> api.CompletionLogprobs:
         """The log-probabilities of an echoed prompt's tokens (the first has none), their text
-        offsets from the choice's current one."""
+        offsets from 0, where the choice's text starts; the answer's run on from there."""
+        gen.text_offset = 0
         texts = [self.token_text(t) for t in prompt_ids]
         return api.CompletionLogprobs(
             tokens=texts,
@@ -521,7 +521,6 @@ class _Shape:
         logprobs = None
         # (Unknown only for a choice that ended before its first token: aborted by a drain.)
         if self.token_text is not None and len(gen.prompt_scores) == len(prompt_ids):
-            gen.text_offset = 0
             logprobs = self._prompt_logprobs(gen, prompt_ids)
         return self.chunk(index, prompt_text, [], logprobs=logprobs)
 
