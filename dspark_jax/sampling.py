@@ -31,6 +31,9 @@ NO_STOP_TOKEN = -2  # the whole stop list of a request that ends only at its len
 # The engine holds top_k as int32; a k this large already keeps every token of any vocabulary.
 TOP_K_MAX = 2**31 - 1
 
+# OpenAI's range for presence_penalty and frequency_penalty (vLLM's too).
+PENALTY_MAX = 2.0
+
 
 class SamplingConfigError(UserError):
     """A sampling parameter is out of range."""
@@ -44,15 +47,26 @@ class SamplingConfig:
     off. min_p keeps the tokens at least min_p times as likely as the likeliest (after
     temperature, top-k and top-p, in Hugging Face's order; the likeliest is the same either
     way).
+
+    presence_penalty and frequency_penalty (OpenAI's, -2 to 2; 0 = off) lower the logit of each
+    token the request has generated so far: by presence_penalty once, and by frequency_penalty
+    per time it was generated; negative values raise it. They apply to the target's logits
+    before temperature and the filters, as OpenAI and vLLM apply them, and only in the engine,
+    which counts the request's tokens (an engine built with `EngineConfig.penalties`): the
+    functions here that take a config filter one row of logits and know no history, so they
+    refuse a config with penalties (`filters` is the config without them; `apply_penalties`
+    adjusts logits by given counts).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             # A number (numpy's and JAX's scalars included), not a bool or a string like "0.7".
             try:
@@ -78,10 +92,26 @@ class SamplingConfig:
             raise SamplingConfigError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_MAX <= value <= PENALTY_MAX:
+                raise SamplingConfigError(
+                    f"{name} must be in [{-PENALTY_MAX:g}, {PENALTY_MAX:g}] (0 = off), got {value}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on: the tokens depend on the request's history beyond its logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def filters(self) -> SamplingConfig:
+        """This config without its penalties: what filters each row of (penalised) logits."""
+        return dataclasses.replace(self, presence_penalty=0.0, frequency_penalty=0.0)
 
 
 GREEDY = SamplingConfig()
@@ -140,6 +170,12 @@ class RowSampling:
 
 def as_rows(cfg: SamplingConfig | RowSampling, shape: tuple[int, ...]) -> RowSampling:
     if isinstance(cfg, SamplingConfig):
+        if cfg.penalized:
+            raise SamplingConfigError(
+                "penalties depend on the tokens a request has generated, which a row of logits "
+                "does not know: adjust the logits with `apply_penalties` and filter them with "
+                "the config's `filters` (the engine does both)"
+            )
         return RowSampling.from_config(cfg, shape)
     return cfg.broadcast(shape) if cfg.temperature.shape != shape else cfg
 
@@ -418,6 +454,23 @@ def logprobs_and_argmax(
     return logp_xv, best_x
 
 
+def penalties(counts_xv: jax.Array, presence_x: jax.Array, frequency_x: jax.Array) -> jax.Array:
+    """What each row's penalties take off its logits [..., V] (float32): `counts_xv` (how many
+    times the row's request generated each token) times frequency_x, plus presence_x where the
+    count is positive (`SamplingConfig.presence_penalty`, `frequency_penalty`; OpenAI's
+    formula). Exactly 0 for a row whose penalties are 0."""
+    counts_xv = counts_xv.astype(jnp.float32)
+    return frequency_x[..., None] * counts_xv + presence_x[..., None] * (counts_xv > 0)
+
+
+def apply_penalties(
+    logits_xv: jax.Array, counts_xv: jax.Array, presence_x: jax.Array, frequency_x: jax.Array
+) -> jax.Array:
+    """float32 logits less their rows' `penalties`: what the filters then see. A row whose
+    penalties are 0 keeps its (float32) logits bitwise."""
+    return logits_xv.astype(jnp.float32) - penalties(counts_xv, presence_x, frequency_x)
+
+
 def categorical(keys_b: jax.Array, logprobs_bv: jax.Array) -> jax.Array:
     """One int32 token per row from unnormalised log-probabilities, row b with key b."""
     draw = jax.vmap(lambda key, logp_v: jax.random.categorical(key, logp_v))
@@ -455,7 +508,7 @@ def sample_tokens(
     Greedy rows take the first argmax and consume no randomness. Keys may be typed keys [B] or
     legacy uint32 keys [B, 2].
     """
-    if isinstance(cfg, SamplingConfig) and cfg.greedy:
+    if isinstance(cfg, SamplingConfig) and cfg.greedy and not cfg.penalized:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     rows = as_rows(cfg, logits_bv.shape[:-1])
     logprobs_bv, argmax_b = logprobs_and_argmax(logits_bv, rows)

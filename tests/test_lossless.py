@@ -31,6 +31,7 @@ are frequent: draft 1 is accepted in about 0.81 of rounds at T=1 and 0.45 at T=0
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from fixture_models import load_pair
@@ -40,7 +41,7 @@ from dspark_jax.decoding import verify as verify_module
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import FixedPolicy
-from dspark_jax.sampling import SamplingConfig, filtered_logprobs
+from dspark_jax.sampling import SamplingConfig, apply_penalties, filtered_logprobs
 
 ALPHA = 1e-3
 BATCH = 4096
@@ -52,16 +53,25 @@ NEW_TOKENS = 3
 T1 = SamplingConfig(temperature=1.0)
 T07_P09 = SamplingConfig(temperature=0.7, top_p=0.9)
 T1_MIN_P = SamplingConfig(temperature=1.0, min_p=0.1)
+# Penalties apply to the target's logits before temperature and top-p: after "ti", a second
+# "m" ("mmo", "mme": the likeliest cells unpenalised) pays them, which moves the mass and
+# which tokens top-p keeps. That each verified row counts the drafts before it is held token
+# for token by tests/test_penalties.py (its greedy traces part without it); here few samples
+# reach a row whose drafts repeat, so this test would hardly see that counting go.
+T07_P09_PENALISED = SamplingConfig(
+    temperature=0.7, top_p=0.9, presence_penalty=1.5, frequency_penalty=0.5
+)
 # (prompt, number of samples, drafts verified per round) per sampling config.
 CASES = {
     T1: (b"rcname = sel", 65536, 1),
     T07_P09: (b"th socket ti", 20480, 2),
     T1_MIN_P: (b"th socket ti", 32768, 2),
+    T07_P09_PENALISED: (b"th socket ti", 32768, 2),
 }
 PROMPT_LEN = 12
 
 
-def _engine_config(gamma):
+def _engine_config(gamma, penalties=False):
     """The cache holds the prompt, the new tokens and a last round's block. One token bucket
     (every slot verifying its anchor and `gamma` drafts) keeps compilation to one branch. One
     prefill call takes a prompt for every slot: requests finish after a round or two, so
@@ -76,6 +86,7 @@ def _engine_config(gamma):
         prefill_seqs=BATCH,
         prefill_buckets=(PROMPT_LEN * BATCH,),
         token_buckets=(BATCH * (gamma + 1),),
+        penalties=penalties,
     )
 
 
@@ -93,15 +104,40 @@ def target_logprobs_fn(sampling):
     return jax.jit(lambda ids_bt: filtered_logprobs(target.logits(target(ids_bt).hidden), sampling))
 
 
+@functools.cache
+def penalised_logprobs_fn(sampling):
+    """(ids [B, T], generated-token counts [B, V]) -> the filtered log-probabilities [B, V] of
+    the token after each row, its logits less the penalties of the row's generated tokens."""
+    target, _ = _models()
+
+    def fn(ids_bt, counts_bv):
+        logits_bv = target.logits(target(ids_bt).hidden[:, -1])
+        rows = ids_bt.shape[:1]
+        presence_b = jnp.full(rows, sampling.presence_penalty)
+        frequency_b = jnp.full(rows, sampling.frequency_penalty)
+        adjusted_bv = apply_penalties(logits_bv, counts_bv, presence_b, frequency_b)
+        return filtered_logprobs(adjusted_bv, sampling.filters)
+
+    return jax.jit(fn)
+
+
 def _next_logprobs(prefixes, sampling):
-    """[len(prefixes), V] filtered log-probabilities of the token after each prefix (one length).
+    """[len(prefixes), V] filtered log-probabilities of the token after each prefix (one length):
+    the prompt, then generated tokens, which a config's penalties count.
 
     Rows are padded to a power of two so that few batch shapes get compiled.
     """
     ids = np.asarray(prefixes, np.int32)
     padded = np.zeros((1 << (len(ids) - 1).bit_length(), ids.shape[1]), np.int32)
     padded[: len(ids)] = ids
-    return np.asarray(target_logprobs_fn(sampling)(padded)[: len(ids), -1], np.float64)
+    if not sampling.penalized:
+        return np.asarray(target_logprobs_fn(sampling)(padded)[: len(ids), -1], np.float64)
+    vocab = _models()[0].cfg.vocab_size
+    counts = np.zeros((len(padded), vocab), np.int32)
+    for row, generated in enumerate(ids[:, PROMPT_LEN:]):
+        np.add.at(counts[row], generated, 1)
+    logp = penalised_logprobs_fn(sampling)(padded, counts)
+    return np.asarray(logp[: len(ids)], np.float64)
 
 
 def _expected_cells(prompt, sampling, eos, min_prob):
@@ -142,7 +178,9 @@ def _cell_probabilities(prompt, cells, sampling):
 def _sample(sampling, prompt, num_samples, gamma):
     """The first NEW_TOKENS tokens of `num_samples` seeded requests, and every round's accepts."""
     target, drafter = _models()
-    engine = Engine(target, drafter, _engine_config(gamma), policy=FixedPolicy(gamma))
+    engine = Engine(
+        target, drafter, _engine_config(gamma, sampling.penalized), policy=FixedPolicy(gamma)
+    )
     requests = [
         Request(list(prompt), NEW_TOKENS, seed=i, sampling=sampling) for i in range(num_samples)
     ]
@@ -197,8 +235,11 @@ def _chi_square(sampling, n=None):
         # Min-p is one more cutoff in the same filter both sides apply; its default-run tests
         # hold it per row (test_sampling.py) and per slot (test_engine.py).
         pytest.param(T1_MIN_P, marks=pytest.mark.slow),
+        # Penalties: the default run holds greedy tokens to the penalised target exactly
+        # (test_penalties.py); this adds the draws, the residual and top-p under them.
+        pytest.param(T07_P09_PENALISED, marks=pytest.mark.slow),
     ],
-    ids=["T1", "T0.7-top_p0.9", "T1-min_p0.1"],
+    ids=["T1", "T0.7-top_p0.9", "T1-min_p0.1", "T0.7-top_p0.9-penalties"],
 )
 def test_speculative_sampling_matches_target(sampling):
     p_value, df, power, first_accept = _chi_square(sampling)

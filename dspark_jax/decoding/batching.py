@@ -684,6 +684,8 @@ class Batcher:
                     top_k=r.sampling.top_k,
                     top_p=r.sampling.top_p,
                     min_p=r.sampling.min_p,
+                    presence_penalty=r.sampling.presence_penalty,
+                    frequency_penalty=r.sampling.frequency_penalty,
                     max_new_tokens=r.max_new_tokens,
                     stop_tokens=handle.stop_ids,
                     seed=r.seed,

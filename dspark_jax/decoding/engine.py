@@ -72,7 +72,9 @@ from dspark_jax.sampling import (
     STREAM_RESIDUAL,
     RowSampling,
     SamplingConfig,
+    apply_penalties,
     logprobs_and_argmax,
+    penalties,
     position_keys,
     sample_from_logprobs,
 )
@@ -123,6 +125,12 @@ class EngineConfig:
     `stop_tokens` together. rounds_per_chunk: rounds per `decode_chunk` call. attention_impl:
     the paged attention path ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
     attention_interpret runs the Pallas paths in interpret mode (tests on CPU).
+    penalties: serve requests with presence or frequency penalties (`SamplingConfig`). The
+    state then counts each slot's generated tokens ([num_slots, vocabulary] int32), and the
+    decode program holds a second sampling of the verified rows, over penalised logits, that
+    runs in the rounds where some live request has a penalty (the other rounds run the same
+    sampling as without: they cost nothing but the counting). Off, a request with a penalty is
+    refused.
     """
 
     num_slots: int = 8
@@ -138,6 +146,7 @@ class EngineConfig:
     max_stop_tokens: int = 16
     attention_impl: str | None = None
     attention_interpret: bool = False
+    penalties: bool = False
 
     def __post_init__(self) -> None:
         # Sizes become array shapes: a float (64.5, or 64.0 from a division) would fail deep
@@ -153,11 +162,11 @@ class EngineConfig:
             if number < 1:
                 raise EngineError(f"{name} must be >= 1, got {value}")
             object.__setattr__(self, name, number)  # a numpy integer becomes a plain int
-        if not isinstance(self.attention_interpret, bool | np.bool_):
-            # "no" would count as true (Pallas in interpret mode: slow, and CPU-only in effect).
-            raise EngineError(
-                f"attention_interpret must be True or False, got {self.attention_interpret!r}"
-            )
+        for flag in ("attention_interpret", "penalties"):
+            # "no" would count as true (for attention_interpret, Pallas in interpret mode:
+            # slow, and CPU-only in effect).
+            if not isinstance(getattr(self, flag), bool | np.bool_):
+                raise EngineError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         for name, derived in (
             ("prefill_buckets", "derived from prefill_chunk"),
             ("token_buckets", "derived from the slots and the policy"),
@@ -341,6 +350,10 @@ class SlotState:
     # (at most TOP_LOGPROBS).
     logprobs_s: jax.Array
     policy_carry: Any
+    # With `EngineConfig.penalties` (else None): each slot's (presence, frequency) penalties
+    # [slots, 2] float32, and how many times its request generated each token [slots, V] int32.
+    penalties_s: jax.Array | None = None
+    counts_sv: jax.Array | None = None
 
     def replace(self, **changes) -> SlotState:
         return dataclasses.replace(self, **changes)
@@ -401,6 +414,7 @@ class PrefillBatch:
     top_k_n: np.ndarray
     top_p_n: np.ndarray
     min_p_n: np.ndarray
+    penalties_n2: np.ndarray  # float32 [N, 2]: presence, frequency
     max_new_n: np.ndarray
     stop_nk: np.ndarray
     seed_n: np.ndarray  # uint32
@@ -430,6 +444,8 @@ class PrefillItem:
     stop_tokens: tuple[int, ...]
     seed: int
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     first: bool | None = None  # installs the request; None: start == 0
     # Log-probabilities the calls report for its tokens: -1 none, else each token's and that many
     # alternatives' (SlotState.logprobs_s).
@@ -766,6 +782,10 @@ class Engine:
             rounds_s=jnp.zeros((s,), jnp.int32),
             logprobs_s=jnp.full((s,), -1, jnp.int32),
             policy_carry=self.policy.init_carry(s, max(self.gamma, 1)),
+            penalties_s=jnp.zeros((s, 2), jnp.float32) if cfg.penalties else None,
+            counts_sv=(
+                jnp.zeros((s, target.cfg.vocab_size), jnp.int32) if cfg.penalties else None
+            ),
         )
 
     def _check_runnable(self) -> None:
@@ -892,6 +912,13 @@ class Engine:
                 f"top_p=0.9); the default is greedy), got {sampling!r}",
                 "sampling",
             )
+        if sampling.penalized and not self.cfg.penalties:
+            raise EngineError(
+                "presence_penalty and frequency_penalty need an engine that counts each "
+                "request's tokens: build it with EngineConfig(penalties=True) (`dspark-jax "
+                "serve --penalties`; generate and eval turn it on when asked for penalties)",
+                "sampling",
+            )
         need = self.positions_needed(prompt_len, max_new_tokens)
         if need > self.cfg.max_model_len:
             raise EngineError(
@@ -949,6 +976,7 @@ class Engine:
         top_k = np.zeros((n,), np.int32)
         top_p = np.ones((n,), np.float32)
         min_p = np.zeros((n,), np.float32)
+        penalties_n2 = np.zeros((n, 2), np.float32)
         max_new = np.zeros((n,), np.int32)
         stop = np.full((n, cfg.max_stop_tokens), NO_STOP_TOKEN, np.int32)
         seed = np.zeros((n,), np.uint32)
@@ -972,6 +1000,7 @@ class Engine:
             page_rows[i, : len(it.page_row)] = it.page_row
             temperature[i], top_k[i], top_p[i] = it.temperature, it.top_k, it.top_p
             min_p[i] = it.min_p
+            penalties_n2[i] = it.presence_penalty, it.frequency_penalty
             max_new[i] = it.max_new_tokens
             if len(it.stop_tokens) > cfg.max_stop_tokens:
                 raise EngineError(
@@ -1007,6 +1036,7 @@ class Engine:
             top_k,
             top_p,
             min_p,
+            penalties_n2,
             max_new,
             stop,
             seed,
@@ -1287,6 +1317,11 @@ def _prefill(
         logprobs_s=put(state.logprobs_s, host["logprobs_n"]),
         policy_carry=policy.reset_slots(state.policy_carry, installed_s),
     )
+    if state.counts_sv is not None:
+        state = state.replace(
+            penalties_s=put(state.penalties_s, host["penalties_n2"]),
+            counts_sv=put(state.counts_sv, 0),
+        )
     target_cache, draft_cache = _caches(state, layouts)
 
     def forward(_):
@@ -1319,6 +1354,9 @@ def _prefill(
     finished_n = stopped_n | (state.max_new_s[seq_slot_n] <= 1)
     final_slot_n = jnp.where(final_n, seq_slot_n, num_slots)
     put = lambda a, v: a.at[final_slot_n].set(v, mode="drop")  # noqa: E731
+    if state.counts_sv is not None:  # the first token counts from the first round on
+        counts_sv = state.counts_sv.at[final_slot_n, first_n].add(1, mode="drop")
+        state = state.replace(counts_sv=counts_sv)
     state = state.replace(
         target_pages=target_cache.pages,
         draft_pages=None if draft_cache is None else draft_cache.pages,
@@ -1428,12 +1466,80 @@ def _scores(level, logits_tv: jax.Array, rows, tokens, argmax_t):
     )
 
 
-def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level):
-    """`sample_tokens` of each row and the tokens' `_scores` at logprobs `level`."""
-    logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
+def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level, penalized=None):
+    """`sample_tokens` of each row and the tokens' `_scores` at logprobs `level`. `penalized`:
+    (state, slot_t, valid_t) of rows that decode, whose requests' penalties apply
+    (`_penalized_logprobs`); None for a request's first token, which follows none of its own."""
+    if penalized is None:
+        logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
+        raw_argmax_t = argmax_t
+    else:
+        state, slot_t, valid_t = penalized
+        logp_tv, argmax_t, raw_argmax_t = _penalized_logprobs(
+            state, logits_tv, rows, slot_t, valid_t
+        )
     tokens_t = sample_from_logprobs(keys_t, logp_tv, rows.greedy, argmax_t)
     index_t = jnp.arange(tokens_t.shape[0])
-    return tokens_t, _scores(level, logits_tv, index_t, tokens_t, argmax_t)
+    return tokens_t, _scores(level, logits_tv, index_t, tokens_t, raw_argmax_t)
+
+
+def _any_penalty(state: SlotState) -> jax.Array:
+    """Some live request has a penalty (a traced bool)."""
+    return jnp.any(state.live_s[:, None] & (state.penalties_s != 0.0))
+
+
+def _penalized_logprobs(
+    state: SlotState, logits_tv, rows: RowSampling, slot_t, valid_t, drafts_tk=None, j_t=None
+):
+    """(`logprobs_and_argmax` of the verified rows, each row's argmax of the logits as they
+    came) with each row's penalties (`SlotState.penalties_s`) applied to its logits first.
+
+    Row t is slot slot_t's distribution after its request's counted tokens and, in a round that
+    verifies drafts, the first j_t of its drafts `drafts_tk` (the tokens between its anchor and
+    the row's place), which the target's distribution there follows as the plain step's would.
+    Without penalties in the engine this is `logprobs_and_argmax`; with them, a conditional
+    runs the penalised sampling only in rounds where some live request has a penalty, the
+    sampling as without in the others (both branches read the logits in place: no copy)."""
+    if state.counts_sv is None:
+        logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
+        return logp_tv, argmax_t, argmax_t
+
+    def plain():
+        logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
+        return logp_tv, argmax_t, argmax_t
+
+    def penalized():
+        counts_tv = state.counts_sv[slot_t]
+        if drafts_tk is not None:
+            k_k = jnp.arange(drafts_tk.shape[1])
+            before_tk = (k_k[None, :] < j_t[:, None]) & valid_t[:, None]
+            t_t1 = jnp.arange(counts_tv.shape[0])[:, None]
+            counts_tv = counts_tv.at[t_t1, drafts_tk].add(before_tk.astype(counts_tv.dtype))
+        penalty_t2 = jnp.where(valid_t[:, None], state.penalties_s[slot_t], 0.0)
+        adjusted_tv = apply_penalties(logits_tv, counts_tv, penalty_t2[:, 0], penalty_t2[:, 1])
+        logp_tv, argmax_t = logprobs_and_argmax(adjusted_tv, rows)
+        return logp_tv, argmax_t, jnp.argmax(logits_tv, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(_any_penalty(state), penalized, plain)
+
+
+def _draft_penalties(state: SlotState) -> jax.Array | None:
+    """What the drafter takes off each slot's logits [slots, V] (float32): its request's
+    penalties over the tokens counted before the round, so that its drafts follow the
+    penalised target more closely (any draft distribution keeps the target's exactly; this one
+    is accepted more often). None without penalties in the engine; zeros in rounds where no
+    live request has one."""
+    if state.counts_sv is None:
+        return None
+    shape = state.counts_sv.shape
+
+    def compute():
+        penalty_s2 = jnp.where(state.live_s[:, None], state.penalties_s, 0.0)
+        return penalties(state.counts_sv, penalty_s2[:, 0], penalty_s2[:, 1])
+
+    return jax.lax.cond(
+        _any_penalty(state), compute, lambda: jnp.zeros(shape, jnp.float32)
+    )
 
 
 def _empty_output(num_slots: int, rounds: int, width: int, conf_k: int) -> ChunkOutput:
@@ -1515,6 +1621,10 @@ def _commit(
         finished_s=out.finished_s | done_s,
         stopped_s=out.stopped_s | stopped_s,
     )
+    if state.counts_sv is not None:  # the tokens the request keeps count from the next round on
+        vocab = state.counts_sv.shape[1]
+        kept_sj = jnp.where(j < kept_s[:, None], tokens_sj, vocab)
+        state = state.replace(counts_sv=state.counts_sv.at[rows, kept_sj].add(1, mode="drop"))
     state = state.replace(
         lengths_s=jnp.where(live_s, new_len_s, state.lengths_s),
         anchor_s=jnp.where(live_s, next_anchor_s, state.anchor_s),
@@ -1546,9 +1656,12 @@ def _switch_on_count(buckets: tuple[int, ...], total, make_branch, operands=None
     return jax.lax.switch(index, branches, operands)
 
 
-def _draft_live(drafter, buckets, anchor_s, start_s, live_s, cache, keys_sk, sampling_s):
+def _draft_live(
+    drafter, buckets, anchor_s, start_s, live_s, cache, keys_sk, sampling_s, penalty_sv=None
+):
     """The drafter's block for the live slots: drafts [S, K], the log-probabilities they were
     sampled from [S, K, V] and the confidence logits [S, K] (None without a confidence head).
+    `penalty_sv` (`_draft_penalties`), where given, comes off each slot's draft logits.
 
     The drafter runs over the smallest slot bucket that holds the live slots, gathered live
     first in slot order (a `lax.switch` over the buckets: only the chosen branch runs), and its
@@ -1562,11 +1675,17 @@ def _draft_live(drafter, buckets, anchor_s, start_s, live_s, cache, keys_sk, sam
     def run(rows_r):  # the slots drafted, row by row (None: every slot in order)
         if rows_r is None:
             h = drafter.draft_hidden(anchor_s, start_s, live_s, cache)
-            block = drafter.sample_block(h, anchor_s, keys_sk, sampling_s)
+            block = drafter.sample_block(h, anchor_s, keys_sk, sampling_s, penalty_bv=penalty_sv)
             return block.tokens_bk, block.logprobs_bkv, block.conf_logits_bk
         anchor_r = anchor_s[rows_r]
         h = drafter.draft_hidden(anchor_r, start_s[rows_r], live_s[rows_r], cache, rows_r)
-        block = drafter.sample_block(h, anchor_r, keys_sk[rows_r], sampling_s.take(rows_r))
+        block = drafter.sample_block(
+            h,
+            anchor_r,
+            keys_sk[rows_r],
+            sampling_s.take(rows_r),
+            penalty_bv=None if penalty_sv is None else penalty_sv[rows_r],
+        )
 
         def to_slots(x_r):
             if x_r is None:
@@ -1622,7 +1741,7 @@ def _spec_round(
     sampling_s = state.sampling_s.only(live_s)
     drafts_sk, draft_logprobs_skv, conf_logits_sk = _draft_live(
         drafter, draft_buckets, state.anchor_s, start_s, live_s, draft_cache, draft_keys_sk,
-        sampling_s,
+        sampling_s, _draft_penalties(state),
     )
     conf_sk = (
         conf_logits_sk
@@ -1655,8 +1774,16 @@ def _spec_round(
             batch = full.head(width)
             fwd = target.paged_forward(tokens_t[:width], batch, target_cache, taps)
             logits_tv = target.logits(fwd.hidden)
-            logp_tv, argmax_t = logprobs_and_argmax(
-                logits_tv, sampling_s.take(batch.slot_t).only(batch.valid_t)
+            # Row t of a slot is its distribution after its anchor and its first j_t drafts.
+            j_t = jnp.clip(batch.pos_t - start_s[batch.slot_t], 0, gamma)
+            logp_tv, argmax_t, raw_argmax_t = _penalized_logprobs(
+                state,
+                logits_tv,
+                sampling_s.take(batch.slot_t).only(batch.valid_t),
+                batch.slot_t,
+                batch.valid_t,
+                drafts_sk[batch.slot_t],
+                j_t,
             )
             rows_sj = batch.cu_q_lens_n1[:-1, None] + jnp.arange(gamma + 1)[None, :]
             result = verify_packed(
@@ -1672,7 +1799,7 @@ def _spec_round(
             )
             # Token j of a slot's round (accepted draft, or the last) is sampled at its row j.
             level = jnp.max(jnp.where(live_s, state.logprobs_s, -1))
-            scores = _scores(level, logits_tv, rows_sj, result.tokens_bj, argmax_t)
+            scores = _scores(level, logits_tv, rows_sj, result.tokens_bj, raw_argmax_t)
             # Keys, values and the drafter's context of every verified token leave the branch
             # to be written after it (writing the pool inside a conditional copies it). Those of
             # rejected drafts land past the new length, where they are masked and overwritten.
@@ -1733,7 +1860,9 @@ def _plain_round(
             keys_t = position_keys(state.keys_s[slot_t], start_s[slot_t] + 1, STREAM_RESIDUAL)
             rows_t = state.sampling_s.take(slot_t).only(valid_t)
             level = jnp.max(jnp.where(live_s, state.logprobs_s, -1))
-            next_t, scores_t = _sample_scored(keys_t, logits_tv, rows_t, level)
+            next_t, scores_t = _sample_scored(
+                keys_t, logits_tv, rows_t, level, (state, slot_t, valid_t)
+            )
             to_s = jnp.where(valid_t, slot_t, top)  # padding rows write nowhere
             next_s = jnp.zeros((top,), next_t.dtype).at[to_s].set(next_t, mode="drop")
             # Each slot's scores as a round of one token: [slots, 1(, k)].

@@ -167,11 +167,14 @@ class DSparkDrafter(nnx.Module):
         keys_bk,
         sampling: SamplingConfig | RowSampling,
         unroll: bool | None = None,
+        penalty_bv: jax.Array | None = None,
     ) -> DraftBlock:
         """Left-to-right sampling with the Markov bias (`lax.scan` over block positions).
 
         keys_bk[:, k] is the key of draft slot k of each request (unused by greedy rows);
-        `sampling` is one config for all rows or per-row settings [B].
+        `sampling` is one config for all rows or per-row settings [B]. `penalty_bv` (float32
+        [B, V], the engine's `sampling.penalties` of each request's tokens), where given, comes
+        off every position's logits before they are filtered.
 
         `unroll` (None: for a GPU, `layers.target_backend()`) writes the positions out one
         after another. On a GPU a loop's step costs kernels of its own -- its test and counter,
@@ -201,6 +204,8 @@ class DSparkDrafter(nnx.Module):
             if head is not None:
                 bias_bv, state = head.step(head.embed_prev(prev_b, self.dtype), h_bd, state)
                 logits_bv = base_bv + bias_bv
+            if penalty_bv is not None:
+                logits_bv = logits_bv.astype(jnp.float32) - penalty_bv
             logprobs_bv, best_b = logprobs_and_argmax(logits_bv, rows_b)
             token_b = sample_from_logprobs(keys_b, logprobs_bv, rows_b.greedy, best_b)
             return (token_b, state), (token_b, logits_bv, logprobs_bv)
