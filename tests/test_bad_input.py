@@ -138,6 +138,7 @@ CLI_CASES = [
     ),
     ("generate --top-p 2 --max-new-tokens 4", "top_p must be in (0, 1]"),
     ("generate --min-p 1.5 --max-new-tokens 4", "min_p must be in [0, 1] (0 = off), got 1.5"),
+    ("generate --presence-penalty 3 --max-new-tokens 4", "presence_penalty must be in [-2, 2]"),
     ("generate --policy dspark", "invalid choice: 'dspark'"),
     ("generate --policy fixed --threshold 0.5", "--policy fixed would ignore it"),
     # The flag is named, not the policy's parameter alone ("threshold must lie in [0, 1]").

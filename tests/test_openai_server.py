@@ -819,7 +819,9 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     [
         ("completions", {"prompt": "x", "n": 1.5}, "n", "valid integer"),
         ("completions", {"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
-        ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "0.5"),
+        # This server runs without --penalties (test_serve_command.py's runs with).
+        ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "penalties"),
+        ("completions", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", "-2"),
         ("completions", {"prompt": "x", "store": True}, "store", "true is not supported"),
         ("completions", {"prompt": "x", "stop": 5}, "stop", "a string or an array of strings"),
         ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1", "at least 1 character"),

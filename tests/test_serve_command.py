@@ -162,6 +162,10 @@ def _openai_checks(url: str) -> None:
         (chat, True, dict(temperature=0.5, top_p=0.8, seed=3)),
         (chat, False, dict(temperature=0.5, top_p=0.8, seed=3)),
         (completion, True, dict(temperature=1.0, top_p=0.5, seed=4)),
+        # The server runs with --penalties.
+        (completion, True, dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5)),
+        (completion, False, dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5)),
+        (completion, False, dict(temperature=0.0)),
     ]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(fn, stream, **kw) for fn, stream, kw in jobs]
@@ -173,6 +177,7 @@ def _openai_checks(url: str) -> None:
     assert answers[0] == answers[1]
     assert answers[3] == answers[4]
     assert answers[5] == answers[6]
+    assert answers[8] == answers[9] != answers[10]  # the penalties change the greedy answer
 
 
 def _stream_until_done(url: str, first_token: list) -> dict:
@@ -199,6 +204,7 @@ def test_serve_openai_client_and_sigterm_drain(tmp_path):
         tmp_path,
         f"--max-model-len={MAX_MODEL_LEN}",
         "--reasoning-parser=qwen3",
+        "--penalties",
         env={"JAX_LOG_COMPILES": "1"},
     )
     try:

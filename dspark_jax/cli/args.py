@@ -88,6 +88,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="keep tokens at least this fraction as likely as the likeliest (0 = off)",
     )
+    group.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="lower each token the answer already holds by this (-2 to 2; 0 = off)",
+    )
+    group.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="lower each token by this per time the answer holds it (-2 to 2; 0 = off)",
+    )
     group.add_argument("--seed", type=int, default=0, help="base seed of the requests (default 0)")
     group.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default 256)")
     group.add_argument(
@@ -137,7 +149,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_model_len: int | N
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     return SamplingConfig(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
 
 
@@ -208,6 +225,8 @@ def engine_config(
         rounds_per_chunk=args.rounds_per_chunk,
         prefill_chunk=prefill,
         prefill_buckets=(prefill,),
+        # Each slot's tokens are counted only where the run asks for penalties.
+        penalties=any(getattr(args, f"{kind}_penalty", 0.0) for kind in ("presence", "frequency")),
     )
 
 

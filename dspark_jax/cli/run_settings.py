@@ -61,6 +61,8 @@ def decoding_settings(
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
         "min_p": sampling.min_p,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
         "thinking": args.thinking,

@@ -111,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: on)",
     )
     engine.add_argument(
+        "--penalties",
+        action="store_true",
+        help="take requests' presence_penalty and frequency_penalty: the engine counts each "
+        "slot's generated tokens (slots x vocabulary int32) and its decode program holds a "
+        "penalised sampling too, run only in rounds where a live request has a penalty (off: "
+        "nonzero penalties are a 400)",
+    )
+    engine.add_argument(
         "--draft-buckets",
         help="comma-separated slot counts the drafter runs over, live slots first (default: "
         "doublings from an eighth of --max-num-seqs, at least 4, up to it; --max-num-seqs alone "
@@ -299,6 +307,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         prefill_buckets=_buckets(args.prefill_buckets, "--prefill-buckets"),
         token_buckets=_buckets(args.token_buckets, "--token-buckets"),
         draft_buckets=_buckets(args.draft_buckets, "--draft-buckets"),
+        penalties=args.penalties,
     )
     if cfg.pool_pages < cfg.pages_per_slot:
         raise UserError(

@@ -889,11 +889,21 @@ class OpenAIServer:
         ]
         defaults = self.model.defaults
         top_k = defaults.top_k if req.top_k is None else max(req.top_k, 0)  # -1 means off
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) and not self.runner.engine.cfg.penalties:
+                raise ApiError(
+                    400,
+                    f"{name}: a penalty needs a server started with --penalties, which "
+                    "counts each request's tokens on the device (this one takes only 0)",
+                    param=name,
+                )
         sampling = SamplingConfig(
             temperature=defaults.temperature if req.temperature is None else req.temperature,
             top_k=top_k,
             top_p=defaults.top_p if req.top_p is None else req.top_p,
             min_p=defaults.min_p if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
         )
         return [
             Request(

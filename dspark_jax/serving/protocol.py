@@ -4,7 +4,7 @@ Requests are validated strictly: unknown fields, wrong JSON types (a string wher
 belongs, 1 for true), non-finite numbers (`1e400` parses as infinity) and out-of-range values
 are refused with a 400 naming the field, instead of being coerced or failing deep inside the
 engine. Fields of the OpenAI API that this server does not implement are accepted only at their
-neutral value (`presence_penalty: 0`, `best_of: 1`, `store: false`, ...), so a client never
+neutral value (`best_of: 1`, `store: false`, `logit_bias: {}`, ...), so a client never
 silently gets something other than what it asked for; fields with no effect on
 the answer (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`) are accepted and
 ignored. Chat `tools` with `tool_choice` "auto" or "none" are taken (the server needs a tool-call
@@ -54,7 +54,7 @@ TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
-Penalty = Annotated[float, Field(allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 def _json(value: Any, limit: int = 40) -> str:
@@ -145,8 +145,9 @@ class GenerationRequest(_Strict):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    presence_penalty: Annotated[Penalty | None, _only(None, 0.0)] = None
-    frequency_penalty: Annotated[Penalty | None, _only(None, 0.0)] = None
+    # Applied where the server runs with --penalties; without it, only 0 (or null) is taken.
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     logit_bias: Annotated[dict[str, float] | None, _only(None, {})] = None
     store: Annotated[bool | None, _only(None, False)] = None
     metadata: dict[str, str] | None = None
