@@ -229,11 +229,15 @@ def profile_chunk(engine: Engine, context: int, temperature: float, trace_dir: P
     return xla_profile.summarize(trace_dir, "jit_decode", wall, hlo_text=hlo_text)
 
 
-def time_chunks(engine: Engine, context: int, repeats: int, temperature: float):
+def time_chunks(engine: Engine, context: int, repeats: int, temperature: float, prepare=None):
     """(median seconds per round, committed tokens per request-round, programs built while
-    timing) with every slot live at `context` cached positions; `engine` is warmed up."""
+    timing) with every slot live at `context` cached positions; `engine` is warmed up.
+    `prepare` (state -> state), where given, sets what else the slots hold before the first
+    chunk."""
     slots = engine.cfg.num_slots
     state = filled_state(engine, context, temperature)
+    if prepare is not None:
+        state = prepare(state)
     # An untimed chunk: it also compiles the small eager ops that roll the slots back.
     state, out = engine.decode_chunk(_rolled_back(state, slots, context, 0))
     jax.block_until_ready(out.count_s)

@@ -72,7 +72,7 @@ profile_batches=1,8
 bench_stages="bandwidth decode_speed train_throughput throughput_c${levels%% *} cost_model"
 bench_stages+=" attention_paths profile"
 for c in ${levels#* }; do bench_stages+=" throughput_c$c"; done
-bench_stages+=" switch_cost sampling throughput targets"
+bench_stages+=" switch_cost sampling throughput targets penalties"
 test_stages="tests_core tests_rest"
 for name in $stages; do
   if [[ " tests bench preflight $test_stages $bench_stages " != *" $name "* ]]; then
@@ -291,6 +291,11 @@ if want throughput; then
 fi
 # The four aims (HBM floor, round/step, scheduler vs the rest, MFU): met, not met or missing.
 want targets && stage targets python3 benchmarks/gpu_targets.py "$out" --json "$out/targets.json"
+# What presence / frequency penalties cost a speculative round at the aim's level (off, on but
+# unused, on and used), after the aims' judge: the session's least urgent table.
+want penalties &&
+  stage penalties python3 benchmarks/penalties_cost.py --config "$size" --dtype "$dtype" \
+    --slots "$aim" --json "$out/penalties.json"
 
 # Last, where a reply that keeps only the end of the output still shows it: what ran, how long
 # each stage took (to plan the next call within the device's limit), and what failed.

@@ -1187,3 +1187,23 @@ def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
     assert rows["next turn, without"]["prefilled"] == 3 * 96
     assert result["same_tokens"] is True
     assert "| after a carrier | with | 12 |" in done.stdout
+
+
+def test_penalties_cost_times_three_cells_and_compiles_nothing_while_timing(tmp_path):
+    """benchmarks/penalties_cost.py on the tiny pair: off, on but unused, on and used, each
+    timed with nothing compiled while timing, the counts' bytes those of slots x vocabulary."""
+    out = tmp_path / "penalties.json"
+    done = _script(
+        "penalties_cost.py",
+        *("--config", "tiny", "--dtype", "float32", "--vocab", "512", "--slots", "2"),
+        *("--context", "32", "--rounds", "2", "--repeats", "1", "--json", str(out)),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["counts_bytes"] == 2 * 512 * 4
+    for cell in ("off", "on_unused", "on_used"):
+        assert result[f"{cell}_ms"] > 0
+        assert result[f"{cell}_compiles_while_timing"] == 0
+    assert result["on_used_over_off"] == result["on_used_ms"] / result["off_ms"]
+    assert "on_used" in done.stdout and "x off" in done.stdout

@@ -1,0 +1,145 @@
+"""What presence and frequency penalties cost a speculative round (`EngineConfig.penalties`).
+
+One random-weight pair (benchmarks/decode_speed.py's configs; `--vocab` overrides the
+vocabulary, where the penalties' cost lies), `--slots` slots all live at `--context` cached
+positions, rounds of a fixed gamma timed in compiled chunks as decode_speed.py times them. Three
+cells, in one process:
+
+- off: an engine without penalties (what every request without them ran before);
+- on, unused: an engine with penalties whose requests have none (its rounds take the sampling
+  as without; they add the counting of their committed tokens);
+- on, used: the same engine, every request with presence_penalty 1 and frequency_penalty 0.5
+  (the counts gathered for every verified row, the drafts before it added, the logits less the
+  penalties, and the drafter's logits less the penalties of the counted tokens).
+
+Reported: each cell's median milliseconds per round and its ratio to off, the seconds the
+engine's programs take to compile without and with penalties (no persistent cache: compiled
+here), and the bytes the counts hold.
+
+    python benchmarks/penalties_cost.py --config tiny --vocab 32768     # CPU
+    python benchmarks/penalties_cost.py --slots 64                      # Qwen3-4B shapes (GPU)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from decode_speed import CONFIGS, pair_configs, random_pair, time_chunks
+from provenance import (
+    CompileClock,
+    Parser,
+    measured,
+    output_file,
+    positive_int,
+    run_main,
+    write_json,
+)
+
+from dspark_jax.decoding.engine import Engine, EngineConfig
+
+PENALTIES = (1.0, 0.5)  # presence, frequency
+
+
+def run(args) -> dict:
+    target_cfg, drafter_cfg = pair_configs(args.config, args.dtype)
+    if args.vocab is not None:
+        target_cfg = dataclasses.replace(target_cfg, vocab_size=args.vocab)
+        drafter_cfg = dataclasses.replace(
+            drafter_cfg, model=dataclasses.replace(drafter_cfg.model, vocab_size=args.vocab)
+        )
+    gamma = drafter_cfg.block_size
+    target, drafter = random_pair(target_cfg, drafter_cfg, args.dtype, args.seed)
+    max_len = -(-(args.context + (args.rounds + 1) * (gamma + 1)) // 128) * 128
+    base = EngineConfig(
+        num_slots=args.slots,
+        max_model_len=max_len,
+        rounds_per_chunk=args.rounds,
+        prefill_chunk=16,
+        prefill_buckets=(16,),
+        token_buckets=(args.slots * (gamma + 1),),
+        draft_buckets=(args.slots,),
+    )
+    result = {
+        "benchmark": "penalties_cost",
+        **measured(),
+        "jax": jax.__version__,
+        "config": args.config,
+        "vocab": target_cfg.vocab_size,
+        "dtype": args.dtype,
+        "slots": args.slots,
+        "gamma": gamma,
+        "context": args.context,
+        "rounds_per_chunk": args.rounds,
+        "repeats": args.repeats,
+        "temperature": args.temperature,
+        "counts_bytes": args.slots * target_cfg.vocab_size * 4,
+    }
+    engines = {}
+    for name, penalties in (("off", False), ("on", True)):
+        engine = Engine(target, drafter, dataclasses.replace(base, penalties=penalties))
+        with CompileClock() as build:
+            engine.warm_up(workers=1)
+        result[f"compile_s_{name}"] = build.compile_s
+        engines[name] = engine
+        print(f"built the engine with penalties {name} in {build.wall_s:.0f} s", flush=True)
+    cells = (("off", "off", False), ("on_unused", "on", False), ("on_used", "on", True))
+    every = jnp.tile(jnp.asarray(PENALTIES, jnp.float32), (args.slots, 1))
+
+    def penalise(state):  # every slot's request with PENALTIES
+        return state.replace(penalties_s=every)
+
+    for cell, name, penalised in cells:
+        seconds, _, late = time_chunks(
+            engines[name], args.context, args.repeats, args.temperature,
+            penalise if penalised else None,
+        )
+        result[f"{cell}_ms"] = seconds * 1e3
+        result[f"{cell}_compiles_while_timing"] = late
+    for cell in ("on_unused", "on_used"):
+        result[f"{cell}_over_off"] = result[f"{cell}_ms"] / result["off_ms"]
+    return result
+
+
+def format_table(r: dict) -> str:
+    lines = [
+        f"{r['config']} (vocabulary {r['vocab']}), {r['dtype']}, {r['slots']} slots, gamma "
+        f"{r['gamma']}, context {r['context']}, T={r['temperature']:g}; counts "
+        f"{r['counts_bytes'] / 2**20:.1f} MiB",
+        f"{'cell':<10} {'ms/round':>9} {'x off':>6}",
+    ]
+    for cell in ("off", "on_unused", "on_used"):
+        ratio = 1.0 if cell == "off" else r[f"{cell}_over_off"]
+        lines.append(f"{cell:<10} {r[f'{cell}_ms']:>9.3f} {ratio:>6.3f}")
+    lines.append(
+        f"the engine's programs compile in {r['compile_s_off']:.1f} s off, "
+        f"{r['compile_s_on']:.1f} s on; {r['device']}, commit {r['commit']}, {r['date']}"
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="qwen3-4b")
+    parser.add_argument("--vocab", type=positive_int, help="vocabulary size (default: config's)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--slots", type=positive_int, default=8)
+    parser.add_argument("--context", type=positive_int, default=256)
+    parser.add_argument("--rounds", type=positive_int, default=8, help="rounds per timed chunk")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the result here too")
+    args = parser.parse_args()
+    if args.json:
+        output_file(args.json, "--json")
+    result = run(args)
+    print(format_table(result))
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
