@@ -449,7 +449,7 @@ def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculativ
     seen = []
 
     def record(fn, rows_of):
-        def wrapped(*args):
+        def wrapped(*args, **kwargs):
             rows = rows_of(args)
             jax.debug.callback(
                 lambda *settings: seen.append(tuple(np.asarray(a) for a in settings)),
@@ -458,7 +458,7 @@ def test_finished_requests_leave_no_sampling_work_behind(monkeypatch, speculativ
                 rows.top_p,
                 rows.min_p,
             )
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return wrapped
 
