@@ -1160,6 +1160,9 @@ def test_a_decode_chunk_compiled_for_an_h200_is_one_cuda_graph(tmp_path, monkeyp
         assert counts["round"] == {"conditionals": 0, "loops": 0, "graphs": 1}, counts
 
 
+# Slow (about a minute: the script builds and runs its engines in a process of its own): what
+# the benchmark measures is held in the default run by tests/test_prefix_cache.py.
+@pytest.mark.slow
 def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
     """Three requests of a 48-token prefix (three pages) + 4 tokens: after a carrier, with
     the cache each prefills its 4 own tokens, without it all 52; arriving together at two
@@ -1189,6 +1192,9 @@ def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
     assert "| after a carrier | with | 12 |" in done.stdout
 
 
+# Slow (40 s: two engines compiled in a process of its own): the penalties themselves are held
+# in the default run by tests/test_penalties.py.
+@pytest.mark.slow
 def test_penalties_cost_times_three_cells_and_compiles_nothing_while_timing(tmp_path):
     """benchmarks/penalties_cost.py on the tiny pair: off, on but unused, on and used, each
     timed with nothing compiled while timing, the counts' bytes those of slots x vocabulary."""
