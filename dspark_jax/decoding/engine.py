@@ -1500,13 +1500,13 @@ def _penalized_logprobs(
     Without penalties in the engine this is `logprobs_and_argmax`; with them, a conditional
     runs the penalised sampling only in rounds where some live request has a penalty, the
     sampling as without in the others (both branches read the logits in place: no copy)."""
-    if state.counts_sv is None:
-        logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
-        return logp_tv, argmax_t, argmax_t
 
     def plain():
         logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
         return logp_tv, argmax_t, argmax_t
+
+    if state.counts_sv is None:
+        return plain()
 
     def penalized():
         counts_tv = state.counts_sv[slot_t]
