@@ -33,6 +33,8 @@ TOP_K_MAX = 2**31 - 1
 
 # OpenAI's range for presence_penalty and frequency_penalty (vLLM's too).
 PENALTY_MAX = 2.0
+# OpenAI's range for a logit_bias value: -100 bans a token in effect, 100 all but forces it.
+LOGIT_BIAS_MAX = 100.0
 
 
 class SamplingConfigError(UserError):
@@ -56,6 +58,12 @@ class SamplingConfig:
     functions here that take a config filter one row of logits and know no history, so they
     refuse a config with penalties (`filters` is the config without them; `apply_penalties`
     adjusts logits by given counts).
+
+    logit_bias (OpenAI's) adds a value in [-100, 100] to the logits of chosen token ids before
+    temperature and the filters, at every token of the request: a mapping {token id: bias} (or
+    (id, bias) pairs), kept as pairs sorted by id. Like the penalties it is applied by the
+    engine (an engine built with `EngineConfig.max_logit_bias`), and the row functions here
+    refuse it.
     """
 
     temperature: float = 0.0
@@ -64,6 +72,7 @@ class SamplingConfig:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
@@ -98,10 +107,16 @@ class SamplingConfig:
                 raise SamplingConfigError(
                     f"{name} must be in [{-PENALTY_MAX:g}, {PENALTY_MAX:g}] (0 = off), got {value}"
                 )
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusted(self) -> bool:
+        """Penalties or a logit bias change the logits before the filters (the engine's work)."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def penalized(self) -> bool:
@@ -110,8 +125,50 @@ class SamplingConfig:
 
     @property
     def filters(self) -> SamplingConfig:
-        """This config without its penalties: what filters each row of (penalised) logits."""
-        return dataclasses.replace(self, presence_penalty=0.0, frequency_penalty=0.0)
+        """This config without its penalties and logit bias: what filters each row of
+        (adjusted) logits."""
+        return dataclasses.replace(
+            self, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=()
+        )
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """`SamplingConfig.logit_bias` as (token id, bias) pairs sorted by id, each checked."""
+    try:
+        items = list(bias.items()) if hasattr(bias, "items") else list(bias)
+    except TypeError:
+        raise SamplingConfigError(
+            f"logit_bias must map token ids to biases, got {bias!r}"
+        ) from None
+    pairs = {}
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise SamplingConfigError(
+                f"logit_bias must map token ids to biases, got the entry {item!r}"
+            )
+        token, value = item
+        token_id = as_integer(token)
+        if token_id is None or token_id < 0:
+            raise SamplingConfigError(
+                f"logit_bias keys must be token ids (integers >= 0), got {token!r}"
+            )
+        try:
+            if isinstance(value, bool | str | bytes):
+                raise TypeError
+            number = float(value)
+        except (TypeError, ValueError):
+            raise SamplingConfigError(
+                f"logit_bias[{token_id}] must be a number, got {value!r}"
+            ) from None
+        if not -LOGIT_BIAS_MAX <= number <= LOGIT_BIAS_MAX:  # NaN fails this too
+            raise SamplingConfigError(
+                f"logit_bias[{token_id}] must be in [{-LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
+                f"got {number}"
+            )
+        if token_id in pairs:
+            raise SamplingConfigError(f"logit_bias names token {token_id} twice")
+        pairs[token_id] = number
+    return tuple(sorted(pairs.items()))
 
 
 GREEDY = SamplingConfig()
@@ -175,6 +232,12 @@ def as_rows(cfg: SamplingConfig | RowSampling, shape: tuple[int, ...]) -> RowSam
                 "penalties depend on the tokens a request has generated, which a row of logits "
                 "does not know: adjust the logits with `apply_penalties` and filter them with "
                 "the config's `filters` (the engine does both)"
+            )
+        if cfg.logit_bias:
+            raise SamplingConfigError(
+                "a logit_bias is added to the logits before the filters: add it to the row "
+                "(`apply_logit_bias`) and filter it with the config's `filters` (the engine "
+                "does both)"
             )
         return RowSampling.from_config(cfg, shape)
     return cfg.broadcast(shape) if cfg.temperature.shape != shape else cfg
@@ -471,6 +534,26 @@ def apply_penalties(
     return logits_xv.astype(jnp.float32) - penalties(counts_xv, presence_x, frequency_x)
 
 
+def apply_logit_bias(logits_xv: jax.Array, ids_xk: jax.Array, bias_xk: jax.Array) -> jax.Array:
+    """float32 logits [..., V] plus each row's `SamplingConfig.logit_bias`, given as token ids
+    [..., K] and biases [..., K] (entries past a row's own pad with bias 0, which changes
+    nothing: a row without a bias keeps its float32 logits bitwise, -0.0 aside)."""
+    vocab = logits_xv.shape[-1]
+    k = ids_xk.shape[-1]
+    flat_xv = logits_xv.astype(jnp.float32).reshape(-1, vocab)
+    rows_x1 = jnp.arange(flat_xv.shape[0])[:, None]
+    flat_xv = flat_xv.at[rows_x1, ids_xk.reshape(-1, k)].add(
+        bias_xk.reshape(-1, k).astype(jnp.float32), mode="drop"
+    )
+    return flat_xv.reshape(logits_xv.shape)
+
+
+def logit_bias_rows(ids_xk: jax.Array, bias_xk: jax.Array, vocab: int) -> jax.Array:
+    """Each row's logit bias as a dense float32 row [..., V] (0 off its ids)."""
+    zeros = jnp.zeros((*ids_xk.shape[:-1], vocab), jnp.float32)
+    return apply_logit_bias(zeros, ids_xk, bias_xk)
+
+
 def categorical(keys_b: jax.Array, logprobs_bv: jax.Array) -> jax.Array:
     """One int32 token per row from unnormalised log-probabilities, row b with key b."""
     draw = jax.vmap(lambda key, logp_v: jax.random.categorical(key, logp_v))
@@ -508,7 +591,7 @@ def sample_tokens(
     Greedy rows take the first argmax and consume no randomness. Keys may be typed keys [B] or
     legacy uint32 keys [B, 2].
     """
-    if isinstance(cfg, SamplingConfig) and cfg.greedy and not cfg.penalized:
+    if isinstance(cfg, SamplingConfig) and cfg.greedy and not cfg.adjusted:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     rows = as_rows(cfg, logits_bv.shape[:-1])
     logprobs_bv, argmax_b = logprobs_and_argmax(logits_bv, rows)

@@ -43,3 +43,36 @@ def max_rel_err(actual, expected) -> float:
     """max |a - e| / max |e|: relative error on the tensor's scale (near-zero entries included)."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+_LOGITS_FNS: dict[int, object] = {}
+
+
+def _last_logits(target, max_len: int):
+    """seq [max_len] (padded past the prefix), index -> the target's logits there: one program
+    for every prefix (the model is causal, so the padding after it changes nothing)."""
+    import jax
+
+    key = (id(target), max_len)
+    if key not in _LOGITS_FNS:
+        _LOGITS_FNS[key] = jax.jit(lambda seq, i: target.logits(target(seq[None]).hidden[0, i]))
+    return _LOGITS_FNS[key]
+
+
+def adjusted_greedy_reference(target, prompt, sampling, new_tokens: int, max_len: int):
+    """Greedy tokens of the target run over each whole prefix (numpy, float64), its logits
+    less the `sampling`'s penalties for the tokens generated so far, plus its logit bias."""
+    logits_fn = _last_logits(target, max_len)
+    tokens: list[int] = []
+    for _ in range(new_tokens):
+        seq = np.zeros((max_len,), np.int32)
+        seq[: len(prompt) + len(tokens)] = list(prompt) + tokens
+        logits = np.asarray(logits_fn(seq, len(prompt) + len(tokens) - 1), np.float64)
+        counts = np.bincount(np.asarray(tokens, np.int64), minlength=logits.shape[-1])
+        logits = (
+            logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0)
+        )
+        for token, bias in sampling.logit_bias:
+            logits[token] += bias
+        tokens.append(int(np.argmax(logits)))
+    return tokens

@@ -41,7 +41,12 @@ from dspark_jax.decoding import verify as verify_module
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import FixedPolicy
-from dspark_jax.sampling import SamplingConfig, apply_penalties, filtered_logprobs
+from dspark_jax.sampling import (
+    SamplingConfig,
+    apply_logit_bias,
+    apply_penalties,
+    filtered_logprobs,
+)
 
 ALPHA = 1e-3
 BATCH = 4096
@@ -61,17 +66,23 @@ T1_MIN_P = SamplingConfig(temperature=1.0, min_p=0.1)
 T07_P09_PENALISED = SamplingConfig(
     temperature=0.7, top_p=0.9, presence_penalty=1.5, frequency_penalty=0.5
 )
+# A logit bias moves mass between the likeliest cells after "ti" ("m" down, "o" and "c" up)
+# before temperature and top-p, at every one of the tokens (the first, sampled at prefill, too).
+T07_P09_BIASED = SamplingConfig(
+    temperature=0.7, top_p=0.9, logit_bias={ord("m"): -1.0, ord("o"): 1.5, ord("c"): 0.75}
+)
 # (prompt, number of samples, drafts verified per round) per sampling config.
 CASES = {
     T1: (b"rcname = sel", 65536, 1),
     T07_P09: (b"th socket ti", 20480, 2),
     T1_MIN_P: (b"th socket ti", 32768, 2),
     T07_P09_PENALISED: (b"th socket ti", 32768, 2),
+    T07_P09_BIASED: (b"th socket ti", 32768, 2),
 }
 PROMPT_LEN = 12
 
 
-def _engine_config(gamma, penalties=False):
+def _engine_config(gamma, penalties=False, max_logit_bias=0):
     """The cache holds the prompt, the new tokens and a last round's block. One token bucket
     (every slot verifying its anchor and `gamma` drafts) keeps compilation to one branch. One
     prefill call takes a prompt for every slot: requests finish after a round or two, so
@@ -87,6 +98,7 @@ def _engine_config(gamma, penalties=False):
         prefill_buckets=(PROMPT_LEN * BATCH,),
         token_buckets=(BATCH * (gamma + 1),),
         penalties=penalties,
+        max_logit_bias=max_logit_bias,
     )
 
 
@@ -107,7 +119,8 @@ def target_logprobs_fn(sampling):
 @functools.cache
 def penalised_logprobs_fn(sampling):
     """(ids [B, T], generated-token counts [B, V]) -> the filtered log-probabilities [B, V] of
-    the token after each row, its logits less the penalties of the row's generated tokens."""
+    the token after each row, its logits less the penalties of the row's generated tokens, plus
+    the config's logit bias."""
     target, _ = _models()
 
     def fn(ids_bt, counts_bv):
@@ -116,6 +129,12 @@ def penalised_logprobs_fn(sampling):
         presence_b = jnp.full(rows, sampling.presence_penalty)
         frequency_b = jnp.full(rows, sampling.frequency_penalty)
         adjusted_bv = apply_penalties(logits_bv, counts_bv, presence_b, frequency_b)
+        if sampling.logit_bias:
+            ids_k, bias_k = (jnp.asarray(x) for x in zip(*sampling.logit_bias, strict=True))
+            shape = (rows[0], len(ids_k))
+            adjusted_bv = apply_logit_bias(
+                adjusted_bv, jnp.broadcast_to(ids_k, shape), jnp.broadcast_to(bias_k, shape)
+            )
         return filtered_logprobs(adjusted_bv, sampling.filters)
 
     return jax.jit(fn)
@@ -130,7 +149,7 @@ def _next_logprobs(prefixes, sampling):
     ids = np.asarray(prefixes, np.int32)
     padded = np.zeros((1 << (len(ids) - 1).bit_length(), ids.shape[1]), np.int32)
     padded[: len(ids)] = ids
-    if not sampling.penalized:
+    if not sampling.adjusted:
         return np.asarray(target_logprobs_fn(sampling)(padded)[: len(ids), -1], np.float64)
     vocab = _models()[0].cfg.vocab_size
     counts = np.zeros((len(padded), vocab), np.int32)
@@ -178,9 +197,8 @@ def _cell_probabilities(prompt, cells, sampling):
 def _sample(sampling, prompt, num_samples, gamma):
     """The first NEW_TOKENS tokens of `num_samples` seeded requests, and every round's accepts."""
     target, drafter = _models()
-    engine = Engine(
-        target, drafter, _engine_config(gamma, sampling.penalized), policy=FixedPolicy(gamma)
-    )
+    cfg = _engine_config(gamma, sampling.penalized, len(sampling.logit_bias))
+    engine = Engine(target, drafter, cfg, policy=FixedPolicy(gamma))
     requests = [
         Request(list(prompt), NEW_TOKENS, seed=i, sampling=sampling) for i in range(num_samples)
     ]
@@ -238,8 +256,11 @@ def _chi_square(sampling, n=None):
         # Penalties: the default run holds greedy tokens to the penalised target exactly
         # (test_penalties.py); this adds the draws, the residual and top-p under them.
         pytest.param(T07_P09_PENALISED, marks=pytest.mark.slow),
+        # Logit bias: the default run holds greedy tokens to the biased target exactly
+        # (test_logit_bias.py); this adds the draws, the residual and top-p under it.
+        pytest.param(T07_P09_BIASED, marks=pytest.mark.slow),
     ],
-    ids=["T1", "T0.7-top_p0.9", "T1-min_p0.1", "T0.7-top_p0.9-penalties"],
+    ids=["T1", "T0.7-top_p0.9", "T1-min_p0.1", "T0.7-top_p0.9-penalties", "T0.7-top_p0.9-bias"],
 )
 def test_speculative_sampling_matches_target(sampling):
     p_value, df, power, first_accept = _chi_square(sampling)

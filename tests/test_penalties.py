@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fixture_models import load_pair, reference_traces
+from fixture_models import adjusted_greedy_reference, load_pair, reference_traces
 
 from dspark_jax.decoding.batching import Batcher, Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
@@ -65,31 +65,7 @@ def prompts():
 def _reference(target, prompt, sampling, n=NEW_TOKENS):
     """Greedy tokens of the target run over each whole prefix, its logits less the penalties
     of the tokens generated so far (numpy, float64)."""
-    logits_fn = _last_logits(target)
-    tokens: list[int] = []
-    for _ in range(n):
-        seq = np.zeros((CFG.max_model_len,), np.int32)
-        seq[: len(prompt) + len(tokens)] = prompt + tokens
-        logits = np.asarray(logits_fn(seq, len(prompt) + len(tokens) - 1), np.float64)
-        counts = np.bincount(np.asarray(tokens, np.int64), minlength=logits.shape[-1])
-        adjusted = (
-            logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0)
-        )
-        tokens.append(int(np.argmax(adjusted)))
-    return tokens
-
-
-_LOGITS_FNS = {}
-
-
-def _last_logits(target):
-    """seq [L] (padded past the prefix), index -> the target's logits there: one program for
-    every prefix (the model is causal, so the padding after it changes nothing)."""
-    if id(target) not in _LOGITS_FNS:
-        _LOGITS_FNS[id(target)] = jax.jit(
-            lambda seq, i: target.logits(target(seq[None]).hidden[0, i])
-        )
-    return _LOGITS_FNS[id(target)]
+    return adjusted_greedy_reference(target, prompt, sampling, n, CFG.max_model_len)
 
 
 def test_apply_penalties_is_openais_formula():

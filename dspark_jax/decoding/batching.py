@@ -686,6 +686,7 @@ class Batcher:
                     min_p=r.sampling.min_p,
                     presence_penalty=r.sampling.presence_penalty,
                     frequency_penalty=r.sampling.frequency_penalty,
+                    logit_bias=r.sampling.logit_bias,
                     max_new_tokens=r.max_new_tokens,
                     stop_tokens=handle.stop_ids,
                     seed=r.seed,

@@ -72,6 +72,7 @@ from dspark_jax.sampling import (
     STREAM_RESIDUAL,
     RowSampling,
     SamplingConfig,
+    apply_logit_bias,
     apply_penalties,
     logprobs_and_argmax,
     penalties,
@@ -84,7 +85,8 @@ from dspark_jax.sharding import check_model_split, logical_sharding, state_shard
 class EngineError(UserError):
     """A request or setting the engine cannot serve as configured. `field`: the `Request` field
     at fault where there is one (`prompt_ids`, `stop_token_ids`, `max_new_tokens`, `seed`,
-    `sampling`), so a server can name the parameter of its own API that carried it."""
+    `sampling`, `logit_bias`), so a server can name the parameter of its own API that carried
+    it."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -131,6 +133,10 @@ class EngineConfig:
     runs in the rounds where some live request has a penalty (the other rounds run the same
     sampling as without: they cost nothing but the counting). Off, a request with a penalty is
     refused.
+    max_logit_bias: the most tokens a request's `SamplingConfig.logit_bias` may bias (0: none;
+    a request with a logit_bias is refused). The state then holds each slot's bias ids and
+    values ([num_slots, max_logit_bias] each), added to its logits in the same conditional
+    sampling as the penalties (run only in rounds where some live request adjusts its logits).
     """
 
     num_slots: int = 8
@@ -147,6 +153,7 @@ class EngineConfig:
     attention_impl: str | None = None
     attention_interpret: bool = False
     penalties: bool = False
+    max_logit_bias: int = 0
 
     def __post_init__(self) -> None:
         # Sizes become array shapes: a float (64.5, or 64.0 from a division) would fail deep
@@ -162,6 +169,13 @@ class EngineConfig:
             if number < 1:
                 raise EngineError(f"{name} must be >= 1, got {value}")
             object.__setattr__(self, name, number)  # a numpy integer becomes a plain int
+        bias = as_integer(self.max_logit_bias)
+        if bias is None or bias < 0:
+            raise EngineError(
+                f"max_logit_bias must be an integer >= 0 (0: no logit_bias), got "
+                f"{self.max_logit_bias!r}"
+            )
+        object.__setattr__(self, "max_logit_bias", bias)
         for flag in ("attention_interpret", "penalties"):
             # "no" would count as true (for attention_interpret, Pallas in interpret mode:
             # slow, and CPU-only in effect).
@@ -354,6 +368,10 @@ class SlotState:
     # [slots, 2] float32, and how many times its request generated each token [slots, V] int32.
     penalties_s: jax.Array | None = None
     counts_sv: jax.Array | None = None
+    # With `EngineConfig.max_logit_bias` K (else None): each slot's logit_bias as token ids
+    # [slots, K] int32 and biases [slots, K] float32 (unused entries: id 0, bias 0).
+    bias_ids_sk: jax.Array | None = None
+    bias_sk: jax.Array | None = None
 
     def replace(self, **changes) -> SlotState:
         return dataclasses.replace(self, **changes)
@@ -415,6 +433,8 @@ class PrefillBatch:
     top_p_n: np.ndarray
     min_p_n: np.ndarray
     penalties_n2: np.ndarray  # float32 [N, 2]: presence, frequency
+    bias_ids_nk: np.ndarray  # int32 [N, max(1, max_logit_bias)]: logit_bias token ids
+    bias_nk: np.ndarray  # float32, the same shape: their biases (0 past a request's own)
     max_new_n: np.ndarray
     stop_nk: np.ndarray
     seed_n: np.ndarray  # uint32
@@ -446,6 +466,7 @@ class PrefillItem:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # SamplingConfig.logit_bias's pairs
     first: bool | None = None  # installs the request; None: start == 0
     # Log-probabilities the calls report for its tokens: -1 none, else each token's and that many
     # alternatives' (SlotState.logprobs_s).
@@ -786,6 +807,12 @@ class Engine:
             counts_sv=(
                 jnp.zeros((s, target.cfg.vocab_size), jnp.int32) if cfg.penalties else None
             ),
+            bias_ids_sk=(
+                jnp.zeros((s, cfg.max_logit_bias), jnp.int32) if cfg.max_logit_bias else None
+            ),
+            bias_sk=(
+                jnp.zeros((s, cfg.max_logit_bias), jnp.float32) if cfg.max_logit_bias else None
+            ),
         )
 
     def _check_runnable(self) -> None:
@@ -885,7 +912,8 @@ class Engine:
         """Raises EngineError for a request this engine can never serve: token ids outside the
         vocabulary (the model would read past its embedding table), a max_new_tokens or seed
         that is not an integer (Python or numpy) in range, sampling that is not a
-        `SamplingConfig`, or more positions than max_model_len or pages than the pool holds.
+        `SamplingConfig` or that asks for penalties or a logit bias the engine does not hold,
+        or more positions than max_model_len or pages than the pool holds.
         Every entry point (the CLI, the server, `Batcher.submit`) validates requests here, so a
         request that passes cannot fail later inside the batching loop."""
         vocab = self.target_cfg.vocab_size
@@ -918,6 +946,24 @@ class Engine:
                 "request's tokens: build it with EngineConfig(penalties=True) (`dspark-jax "
                 "serve --penalties`; generate and eval turn it on when asked for penalties)",
                 "sampling",
+            )
+        bias = sampling.logit_bias
+        if len(bias) > self.cfg.max_logit_bias:
+            raise EngineError(
+                (
+                    f"a logit_bias of {len(bias)} tokens; this engine takes at most "
+                    f"{self.cfg.max_logit_bias} (EngineConfig.max_logit_bias, `dspark-jax serve "
+                    f"--max-logit-bias`)"
+                )
+                if self.cfg.max_logit_bias
+                else "logit_bias needs an engine that holds each request's biases: build it "
+                "with EngineConfig(max_logit_bias=N) (`dspark-jax serve --max-logit-bias N`)",
+                "logit_bias",
+            )
+        if bias and bias[-1][0] >= vocab:
+            raise EngineError(
+                f"logit_bias token {bias[-1][0]} is outside the vocabulary (0..{vocab - 1})",
+                "logit_bias",
             )
         need = self.positions_needed(prompt_len, max_new_tokens)
         if need > self.cfg.max_model_len:
@@ -977,6 +1023,8 @@ class Engine:
         top_p = np.ones((n,), np.float32)
         min_p = np.zeros((n,), np.float32)
         penalties_n2 = np.zeros((n, 2), np.float32)
+        bias_ids = np.zeros((n, max(1, cfg.max_logit_bias)), np.int32)
+        bias = np.zeros((n, max(1, cfg.max_logit_bias)), np.float32)
         max_new = np.zeros((n,), np.int32)
         stop = np.full((n, cfg.max_stop_tokens), NO_STOP_TOKEN, np.int32)
         seed = np.zeros((n,), np.uint32)
@@ -1001,6 +1049,13 @@ class Engine:
             temperature[i], top_k[i], top_p[i] = it.temperature, it.top_k, it.top_p
             min_p[i] = it.min_p
             penalties_n2[i] = it.presence_penalty, it.frequency_penalty
+            if len(it.logit_bias) > cfg.max_logit_bias:
+                raise EngineError(
+                    f"a logit_bias of {len(it.logit_bias)} tokens exceeds max_logit_bias "
+                    f"{cfg.max_logit_bias}"
+                )
+            for j, (token, value) in enumerate(it.logit_bias):
+                bias_ids[i, j], bias[i, j] = token, value
             max_new[i] = it.max_new_tokens
             if len(it.stop_tokens) > cfg.max_stop_tokens:
                 raise EngineError(
@@ -1037,6 +1092,8 @@ class Engine:
             top_p,
             min_p,
             penalties_n2,
+            bias_ids,
+            bias,
             max_new,
             stop,
             seed,
@@ -1322,6 +1379,11 @@ def _prefill(
             penalties_s=put(state.penalties_s, host["penalties_n2"]),
             counts_sv=put(state.counts_sv, 0),
         )
+    if state.bias_sk is not None:
+        state = state.replace(
+            bias_ids_sk=put(state.bias_ids_sk, host["bias_ids_nk"]),
+            bias_sk=put(state.bias_sk, host["bias_nk"]),
+        )
     target_cache, draft_cache = _caches(state, layouts)
 
     def forward(_):
@@ -1349,6 +1411,8 @@ def _prefill(
         target.logits(hidden_nd),
         slot_rows,
         jnp.max(jnp.where(final_n, host["logprobs_n"], -1)),
+        # A logit bias applies from the first token on (no penalty does: nothing is counted).
+        None if state.bias_sk is None else (state, seq_slot_n, final_n),
     )
     stopped_n = _is_stop(first_n, state.stop_sk[seq_slot_n])
     finished_n = stopped_n | (state.max_new_s[seq_slot_n] <= 1)
@@ -1466,16 +1530,16 @@ def _scores(level, logits_tv: jax.Array, rows, tokens, argmax_t):
     )
 
 
-def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level, penalized=None):
-    """`sample_tokens` of each row and the tokens' `_scores` at logprobs `level`. `penalized`:
-    (state, slot_t, valid_t) of rows that decode, whose requests' penalties apply
-    (`_penalized_logprobs`); None for a request's first token, which follows none of its own."""
-    if penalized is None:
+def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level, adjusted=None):
+    """`sample_tokens` of each row and the tokens' `_scores` at logprobs `level`. `adjusted`:
+    (state, slot_t, valid_t) of the rows, whose requests' penalties and logit bias apply
+    (`_adjusted_logprobs`); None: the logits as they are."""
+    if adjusted is None:
         logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
         raw_argmax_t = argmax_t
     else:
-        state, slot_t, valid_t = penalized
-        logp_tv, argmax_t, raw_argmax_t = _penalized_logprobs(
+        state, slot_t, valid_t = adjusted
+        logp_tv, argmax_t, raw_argmax_t = _adjusted_logprobs(
             state, logits_tv, rows, slot_t, valid_t
         )
     tokens_t = sample_from_logprobs(keys_t, logp_tv, rows.greedy, argmax_t)
@@ -1483,62 +1547,84 @@ def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level, penal
     return tokens_t, _scores(level, logits_tv, index_t, tokens_t, raw_argmax_t)
 
 
-def _any_penalty(state: SlotState) -> jax.Array:
-    """Some live request has a penalty (a traced bool)."""
-    return jnp.any(state.live_s[:, None] & (state.penalties_s != 0.0))
+def _adjusts_s(state: SlotState) -> jax.Array | None:
+    """[slots] bool: the slot's request has a penalty or a logit bias (None: the engine takes
+    neither)."""
+    parts = [x for x in (state.penalties_s, state.bias_sk) if x is not None]
+    if not parts:
+        return None
+    return jnp.any(jnp.concatenate([x != 0.0 for x in parts], axis=1), axis=1)
 
 
-def _penalized_logprobs(
+def _adjusted_logprobs(
     state: SlotState, logits_tv, rows: RowSampling, slot_t, valid_t, drafts_tk=None, j_t=None
 ):
-    """(`logprobs_and_argmax` of the verified rows, each row's argmax of the logits as they
-    came) with each row's penalties (`SlotState.penalties_s`) applied to its logits first.
+    """(`logprobs_and_argmax` of the rows, each row's argmax of the logits as they came) with
+    each row's penalties (`SlotState.penalties_s`) and logit bias (`SlotState.bias_sk`) applied
+    to its logits first.
 
     Row t is slot slot_t's distribution after its request's counted tokens and, in a round that
     verifies drafts, the first j_t of its drafts `drafts_tk` (the tokens between its anchor and
     the row's place), which the target's distribution there follows as the plain step's would.
-    Without penalties in the engine this is `logprobs_and_argmax`; with them, a conditional
-    runs the penalised sampling only in rounds where some live request has a penalty, the
-    sampling as without in the others (both branches read the logits in place: no copy)."""
+    Without penalties and logit bias in the engine this is `logprobs_and_argmax`; with them, a
+    conditional runs the adjusted sampling only when some valid row's request adjusts its
+    logits, the sampling as without otherwise (both branches read the logits in place: no
+    copy)."""
 
     def plain():
         logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
         return logp_tv, argmax_t, argmax_t
 
-    if state.counts_sv is None:
+    adjusts_s = _adjusts_s(state)
+    if adjusts_s is None:
         return plain()
 
-    def penalized():
-        counts_tv = state.counts_sv[slot_t]
-        if drafts_tk is not None:
-            k_k = jnp.arange(drafts_tk.shape[1])
-            before_tk = (k_k[None, :] < j_t[:, None]) & valid_t[:, None]
-            t_t1 = jnp.arange(counts_tv.shape[0])[:, None]
-            counts_tv = counts_tv.at[t_t1, drafts_tk].add(before_tk.astype(counts_tv.dtype))
-        penalty_t2 = jnp.where(valid_t[:, None], state.penalties_s[slot_t], 0.0)
-        adjusted_tv = apply_penalties(logits_tv, counts_tv, penalty_t2[:, 0], penalty_t2[:, 1])
+    def adjusted():
+        adjusted_tv = logits_tv.astype(jnp.float32)
+        if state.counts_sv is not None:
+            counts_tv = state.counts_sv[slot_t]
+            if drafts_tk is not None:
+                k_k = jnp.arange(drafts_tk.shape[1])
+                before_tk = (k_k[None, :] < j_t[:, None]) & valid_t[:, None]
+                t_t1 = jnp.arange(counts_tv.shape[0])[:, None]
+                counts_tv = counts_tv.at[t_t1, drafts_tk].add(before_tk.astype(counts_tv.dtype))
+            penalty_t2 = jnp.where(valid_t[:, None], state.penalties_s[slot_t], 0.0)
+            adjusted_tv = apply_penalties(
+                adjusted_tv, counts_tv, penalty_t2[:, 0], penalty_t2[:, 1]
+            )
+        if state.bias_sk is not None:
+            bias_tk = jnp.where(valid_t[:, None], state.bias_sk[slot_t], 0.0)
+            adjusted_tv = apply_logit_bias(adjusted_tv, state.bias_ids_sk[slot_t], bias_tk)
         logp_tv, argmax_t = logprobs_and_argmax(adjusted_tv, rows)
         return logp_tv, argmax_t, jnp.argmax(logits_tv, axis=-1).astype(jnp.int32)
 
-    return jax.lax.cond(_any_penalty(state), penalized, plain)
+    return jax.lax.cond(jnp.any(valid_t & adjusts_s[slot_t]), adjusted, plain)
 
 
-def _draft_penalties(state: SlotState) -> jax.Array | None:
+def _draft_adjustments(state: SlotState, vocab: int) -> jax.Array | None:
     """What the drafter takes off each slot's logits [slots, V] (float32): its request's
-    penalties over the tokens counted before the round, so that its drafts follow the
-    penalised target more closely (any draft distribution keeps the target's exactly; this one
-    is accepted more often). None without penalties in the engine; zeros in rounds where no
-    live request has one."""
-    if state.counts_sv is None:
+    penalties over the tokens counted before the round, less its logit bias, so that its drafts
+    follow the adjusted target more closely (any draft distribution keeps the target's exactly;
+    this one is accepted more often). None without penalties and logit bias in the engine;
+    zeros in rounds where no live request adjusts its logits."""
+    adjusts_s = _adjusts_s(state)
+    if adjusts_s is None:
         return None
-    shape = state.counts_sv.shape
+    shape = (state.live_s.shape[0], vocab)
 
     def compute():
-        penalty_s2 = jnp.where(state.live_s[:, None], state.penalties_s, 0.0)
-        return penalties(state.counts_sv, penalty_s2[:, 0], penalty_s2[:, 1])
+        live_s1 = state.live_s[:, None]
+        out_sv = jnp.zeros(shape, jnp.float32)
+        if state.counts_sv is not None:
+            penalty_s2 = jnp.where(live_s1, state.penalties_s, 0.0)
+            out_sv = penalties(state.counts_sv, penalty_s2[:, 0], penalty_s2[:, 1])
+        if state.bias_sk is not None:
+            bias_sk = jnp.where(live_s1, state.bias_sk, 0.0)
+            out_sv = apply_logit_bias(out_sv, state.bias_ids_sk, -bias_sk)
+        return out_sv
 
     return jax.lax.cond(
-        _any_penalty(state), compute, lambda: jnp.zeros(shape, jnp.float32)
+        jnp.any(state.live_s & adjusts_s), compute, lambda: jnp.zeros(shape, jnp.float32)
     )
 
 
@@ -1661,7 +1747,7 @@ def _draft_live(
 ):
     """The drafter's block for the live slots: drafts [S, K], the log-probabilities they were
     sampled from [S, K, V] and the confidence logits [S, K] (None without a confidence head).
-    `penalty_sv` (`_draft_penalties`), where given, comes off each slot's draft logits.
+    `penalty_sv` (`_draft_adjustments`), where given, comes off each slot's draft logits.
 
     The drafter runs over the smallest slot bucket that holds the live slots, gathered live
     first in slot order (a `lax.switch` over the buckets: only the chosen branch runs), and its
@@ -1741,7 +1827,7 @@ def _spec_round(
     sampling_s = state.sampling_s.only(live_s)
     drafts_sk, draft_logprobs_skv, conf_logits_sk = _draft_live(
         drafter, draft_buckets, state.anchor_s, start_s, live_s, draft_cache, draft_keys_sk,
-        sampling_s, _draft_penalties(state),
+        sampling_s, _draft_adjustments(state, target.cfg.vocab_size),
     )
     conf_sk = (
         conf_logits_sk
@@ -1776,7 +1862,7 @@ def _spec_round(
             logits_tv = target.logits(fwd.hidden)
             # Row t of a slot is its distribution after its anchor and its first j_t drafts.
             j_t = jnp.clip(batch.pos_t - start_s[batch.slot_t], 0, gamma)
-            logp_tv, argmax_t, raw_argmax_t = _penalized_logprobs(
+            logp_tv, argmax_t, raw_argmax_t = _adjusted_logprobs(
                 state,
                 logits_tv,
                 sampling_s.take(batch.slot_t).only(batch.valid_t),
