@@ -139,6 +139,17 @@ CLI_CASES = [
     ("generate --top-p 2 --max-new-tokens 4", "top_p must be in (0, 1]"),
     ("generate --min-p 1.5 --max-new-tokens 4", "min_p must be in [0, 1] (0 = off), got 1.5"),
     ("generate --presence-penalty 3 --max-new-tokens 4", "presence_penalty must be in [-2, 2]"),
+    (
+        'generate --logit-bias {{"5":101}} --max-new-tokens 4',
+        "logit_bias[5] must be in [-100, 100], got 101.0",
+    ),
+    ("generate --logit-bias [5] --max-new-tokens 4", "--logit-bias: expected a JSON object"),
+    ('generate --logit-bias {{"a":1}} --max-new-tokens 4', "keys are token ids (0, 1, 2, ...)"),
+    (
+        'generate --logit-bias {{"99999":1}} --max-new-tokens 4',
+        "logit_bias token 99999 is outside the vocabulary",
+    ),
+    ("serve --max-logit-bias -1", "--max-logit-bias must be in 0..1024 (0: no logit_bias), got -1"),
     ("generate --policy dspark", "invalid choice: 'dspark'"),
     ("generate --policy fixed --threshold 0.5", "--policy fixed would ignore it"),
     # The flag is named, not the policy's parameter alone ("threshold must lie in [0, 1]").

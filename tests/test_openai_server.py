@@ -822,6 +822,11 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         # This server runs without --penalties (test_serve_command.py's runs with).
         ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "penalties"),
         ("completions", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", "-2"),
+        # ... nor with --max-logit-bias.
+        ("completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "--max-logit-bias"),
+        ("completions", {"prompt": "x", "logit_bias": {"05": 1}}, "logit_bias.05", "pattern"),
+        ("completions", {"prompt": "x", "logit_bias": {"5": -101}}, "logit_bias.5", "-100"),
+        ("completions", {"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias.5", "number"),
         ("completions", {"prompt": "x", "store": True}, "store", "true is not supported"),
         ("completions", {"prompt": "x", "stop": 5}, "stop", "a string or an array of strings"),
         ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1", "at least 1 character"),

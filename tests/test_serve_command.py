@@ -166,6 +166,9 @@ def _openai_checks(url: str) -> None:
         (completion, True, dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5)),
         (completion, False, dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5)),
         (completion, False, dict(temperature=0.0)),
+        # ... and --max-logit-bias: byte 65 ("A") pushed up by 100 is every token.
+        (completion, True, dict(temperature=0.0, logit_bias={"65": 100})),
+        (completion, False, dict(temperature=0.8, seed=5, logit_bias={"65": 100, "32": -100})),
     ]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(fn, stream, **kw) for fn, stream, kw in jobs]
@@ -178,6 +181,7 @@ def _openai_checks(url: str) -> None:
     assert answers[3] == answers[4]
     assert answers[5] == answers[6]
     assert answers[8] == answers[9] != answers[10]  # the penalties change the greedy answer
+    assert answers[11] == answers[12] == ("A" * 32, "length")
 
 
 def _stream_until_done(url: str, first_token: list) -> dict:
@@ -205,6 +209,7 @@ def test_serve_openai_client_and_sigterm_drain(tmp_path):
         f"--max-model-len={MAX_MODEL_LEN}",
         "--reasoning-parser=qwen3",
         "--penalties",
+        "--max-logit-bias=2",
         env={"JAX_LOG_COMPILES": "1"},
     )
     try:

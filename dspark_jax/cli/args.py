@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from dspark_jax.calibration.sts import StsArtifact
 from dspark_jax.checkpoints.locate import DRAFT, TARGET
 from dspark_jax.cli import SPS_AUTO
-from dspark_jax.cli.argtypes import unit_interval
+from dspark_jax.cli.argtypes import logit_bias, unit_interval
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import (
@@ -100,6 +100,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="lower each token by this per time the answer holds it (-2 to 2; 0 = off)",
     )
+    group.add_argument(
+        "--logit-bias",
+        type=logit_bias,
+        default=None,
+        metavar="JSON",
+        help='add to chosen tokens\' logits, as the OpenAI API\'s logit_bias: a JSON object of '
+        'token ids to biases in [-100, 100] (\'{"1024": -100}\' all but bans token 1024)',
+    )
     group.add_argument("--seed", type=int, default=0, help="base seed of the requests (default 0)")
     group.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default 256)")
     group.add_argument(
@@ -155,6 +163,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
         min_p=args.min_p,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
+        logit_bias=getattr(args, "logit_bias", None) or (),
     )
 
 
@@ -227,6 +236,8 @@ def engine_config(
         prefill_buckets=(prefill,),
         # Each slot's tokens are counted only where the run asks for penalties.
         penalties=any(getattr(args, f"{kind}_penalty", 0.0) for kind in ("presence", "frequency")),
+        # ... and holds the biases only where it asks for a logit bias.
+        max_logit_bias=len(getattr(args, "logit_bias", None) or ()),
     )
 
 

@@ -26,3 +26,24 @@ def unit_interval(text: str) -> float:
     if not 0.0 <= value <= 1.0:  # nan fails too
         raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
     return value
+
+
+def logit_bias(text: str) -> dict[int, float]:
+    """A JSON object of token ids to biases, as the OpenAI API's `logit_bias` takes it
+    ('{"1024": -100, "42": 5}'); the ids and values are checked by `SamplingConfig`."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object of token ids to biases (\'{{"1024": -100}}\'), got {text!r}'
+        )
+    out = {}
+    for key, bias in value.items():
+        if not key.isdigit() or (len(key) > 1 and key[0] == "0"):
+            raise argparse.ArgumentTypeError(f"keys are token ids (0, 1, 2, ...), got {key!r}")
+        out[int(key)] = bias
+    return out

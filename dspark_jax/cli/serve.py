@@ -119,6 +119,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "nonzero penalties are a 400)",
     )
     engine.add_argument(
+        "--max-logit-bias",
+        type=int,
+        default=0,
+        metavar="N",
+        help="take requests' logit_bias of up to N tokens: each slot holds N token ids and "
+        "biases, added to its logits in a sampling branch run only in rounds where a live "
+        "request has one (default 0: a logit_bias is a 400)",
+    )
+    engine.add_argument(
         "--draft-buckets",
         help="comma-separated slot counts the drafter runs over, live slots first (default: "
         "doublings from an eighth of --max-num-seqs, at least 4, up to it; --max-num-seqs alone "
@@ -199,6 +208,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         value = positive[flag]
         if value > top:
             raise UserError(f"{flag} must be <= {top}, got {value}")
+    from dspark_jax.serving.protocol import MAX_LOGIT_BIAS  # what one request body may carry
+
+    if not 0 <= args.max_logit_bias <= MAX_LOGIT_BIAS:
+        raise UserError(
+            f"--max-logit-bias must be in 0..{MAX_LOGIT_BIAS} (0: no logit_bias), got "
+            f"{args.max_logit_bias}"
+        )
     if not (math.isfinite(args.read_timeout) and args.read_timeout > 0):
         raise UserError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
@@ -308,6 +324,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         token_buckets=_buckets(args.token_buckets, "--token-buckets"),
         draft_buckets=_buckets(args.draft_buckets, "--draft-buckets"),
         penalties=args.penalties,
+        max_logit_bias=args.max_logit_bias,
     )
     if cfg.pool_pages < cfg.pages_per_slot:
         raise UserError(

@@ -687,7 +687,7 @@ def _param_of(req: api.GenerationRequest, field: str | None) -> str | None:
         return "messages" if isinstance(req, api.ChatCompletionRequest) else "prompt"
     if field == "max_new_tokens":
         return req.token_limit_param
-    names = ("stop_token_ids", "seed", "cache_salt")
+    names = ("stop_token_ids", "seed", "cache_salt", "logit_bias")
     return field if field in names else None
 
 
@@ -897,6 +897,14 @@ class OpenAIServer:
                     "counts each request's tokens on the device (this one takes only 0)",
                     param=name,
                 )
+        bias = req.logit_bias or {}
+        if bias and not self.runner.engine.cfg.max_logit_bias:
+            raise ApiError(
+                400,
+                "logit_bias: needs a server started with --max-logit-bias N, which holds each "
+                "request's biases on the device (this one takes only {})",
+                param="logit_bias",
+            )
         sampling = SamplingConfig(
             temperature=defaults.temperature if req.temperature is None else req.temperature,
             top_k=top_k,
@@ -904,6 +912,7 @@ class OpenAIServer:
             min_p=defaults.min_p if req.min_p is None else req.min_p,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias={int(token): value for token, value in bias.items()},
         )
         return [
             Request(

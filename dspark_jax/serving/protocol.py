@@ -4,7 +4,7 @@ Requests are validated strictly: unknown fields, wrong JSON types (a string wher
 belongs, 1 for true), non-finite numbers (`1e400` parses as infinity) and out-of-range values
 are refused with a 400 naming the field, instead of being coerced or failing deep inside the
 engine. Fields of the OpenAI API that this server does not implement are accepted only at their
-neutral value (`best_of: 1`, `store: false`, `logit_bias: {}`, ...), so a client never
+neutral value (`best_of: 1`, `store: false`, `suffix: ""`, ...), so a client never
 silently gets something other than what it asked for; fields with no effect on
 the answer (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`) are accepted and
 ignored. Chat `tools` with `tool_choice` "auto" or "none" are taken (the server needs a tool-call
@@ -55,6 +55,17 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+# logit_bias: token ids as JSON object keys (no leading zeros, so no two keys name one token)
+# to biases in OpenAI's range. The engine's --max-logit-bias bounds the entries a request may
+# use; this bounds what a body may carry at all.
+MAX_LOGIT_BIAS = 1024
+LogitBias = Annotated[
+    dict[
+        Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+        Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)],
+    ],
+    Field(max_length=MAX_LOGIT_BIAS),
+]
 
 
 def _json(value: Any, limit: int = 40) -> str:
@@ -148,7 +159,8 @@ class GenerationRequest(_Strict):
     # Applied where the server runs with --penalties; without it, only 0 (or null) is taken.
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: Annotated[dict[str, float] | None, _only(None, {})] = None
+    # Applied where the server runs with --max-logit-bias; without it, only {} (or null).
+    logit_bias: LogitBias | None = None
     store: Annotated[bool | None, _only(None, False)] = None
     metadata: dict[str, str] | None = None
     service_tier: Annotated[str | None, _only(None, "auto", "default")] = None
