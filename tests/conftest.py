@@ -33,6 +33,54 @@ if not compilation_cache_off(os.environ["DSPARK_JAX_COMPILATION_CACHE"]):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DSPARK_JAX_COMPILATION_CACHE"])
 
 
+# Seconds the slowest test files take on the 2-core CI machine (sums of --durations, 2026-11-30),
+# only to order them: the two xdist workers take whole files (--dist loadfile) in collection
+# order (--no-loadscope-reorder), so the longest go first and the short ones fill in at the end
+# (longest-first list scheduling), instead of a long file starting last while the other worker
+# has nothing left. Files not named here follow, in their usual order; a stale number costs at
+# most some idle time at the end of a run, never a test.
+FILE_SECONDS = {
+    "test_engine.py": 576,
+    "test_benchmark_tools.py": 455,
+    "test_mesh_decoding.py": 350,
+    "test_scheduled_engine.py": 233,
+    "test_train_resume.py": 219,
+    "test_train_truth.py": 152,
+    "test_penalties.py": 130,
+    "test_attention.py": 123,
+    "test_decode_commands.py": 115,
+    "test_lossless.py": 113,
+    "test_verify.py": 112,
+    "test_python_api.py": 102,
+    "test_scheduled_lossless.py": 92,
+    "test_sampling.py": 92,
+    "test_serve_command.py": 90,
+    "test_logit_bias.py": 90,
+    "test_policy_switch.py": 85,
+    "test_prefix_cache.py": 82,
+    "test_calibrate_profile_cli.py": 81,
+    "test_sts_engine.py": 78,
+    "test_notebook.py": 75,
+    "test_policies.py": 70,
+    "test_bad_input.py": 66,
+    "test_gpu_lowering.py": 65,
+    "test_convert.py": 63,
+    "test_known_acceptance.py": 62,
+    "test_train_step.py": 56,
+    "test_train_tiny.py": 51,
+    "test_openai_server.py": 51,
+    "test_layout.py": 42,
+    "test_heads.py": 42,
+    "test_transformers_parity.py": 37,
+    "test_cli.py": 30,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    # A stable sort: each file's tests keep their order, and so do the files not named.
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

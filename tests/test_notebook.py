@@ -23,10 +23,22 @@ NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 # Form fields set for the kernel run, as papermill would inject parameters: the training notebook
 # trains two drafters for a test-sized number of CPU steps (its default, 300, takes ~6 minutes
-# here), still enough for held-out loss to fall and tau to rise. The slow set runs the default.
+# here), still enough for held-out loss to fall and tau to rise. Even so it is the longest test
+# of the default run (two minutes on the CI machine), so it runs with the slow set, beside the
+# default steps; the library calls it makes are held by test_python_api.py's training example
+# and tests/test_train_*.py in the default run.
 KERNEL_PARAMETERS = {"train_drafter": {"CPU_STEPS = 300  # @param": "CPU_STEPS = 40  # @param"}}
+SLOW_KERNEL_RUNS = {"train_drafter"}
 KERNEL_RUNS = [
-    *(pytest.param(p, KERNEL_PARAMETERS.get(p.stem, {}), id=p.stem) for p in NOTEBOOKS),
+    *(
+        pytest.param(
+            p,
+            KERNEL_PARAMETERS.get(p.stem, {}),
+            id=p.stem,
+            marks=[pytest.mark.slow] if p.stem in SLOW_KERNEL_RUNS else [],
+        )
+        for p in NOTEBOOKS
+    ),
     pytest.param(
         NOTEBOOK_DIR / "train_drafter.ipynb",
         {},
