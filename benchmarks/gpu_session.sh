@@ -291,11 +291,12 @@ if want throughput; then
 fi
 # The four aims (HBM floor, round/step, scheduler vs the rest, MFU): met, not met or missing.
 want targets && stage targets python3 benchmarks/gpu_targets.py "$out" --json "$out/targets.json"
-# What presence / frequency penalties cost a speculative round at the aim's level (off, on but
-# unused, on and used), after the aims' judge: the session's least urgent table.
+# What presence / frequency penalties and a logit bias of 16 tokens cost a speculative round at
+# the aim's level (off; each on but unused, and used), after the aims' judge: the session's least
+# urgent table.
 want penalties &&
   stage penalties python3 benchmarks/penalties_cost.py --config "$size" --dtype "$dtype" \
-    --slots "$aim" --json "$out/penalties.json"
+    --slots "$aim" --logit-bias 16 --json "$out/penalties.json"
 
 # Last, where a reply that keeps only the end of the output still shows it: what ran, how long
 # each stage took (to plan the next call within the device's limit), and what failed.

@@ -1,4 +1,5 @@
-"""What presence and frequency penalties cost a speculative round (`EngineConfig.penalties`).
+"""What presence and frequency penalties (`EngineConfig.penalties`) and a logit bias
+(`EngineConfig.max_logit_bias`) cost a speculative round.
 
 One random-weight pair (benchmarks/decode_speed.py's configs; `--vocab` overrides the
 vocabulary, where the penalties' cost lies), `--slots` slots all live at `--context` cached
@@ -10,14 +11,16 @@ cells, in one process:
   as without; they add the counting of their committed tokens);
 - on, used: the same engine, every request with presence_penalty 1 and frequency_penalty 0.5
   (the counts gathered for every verified row, the drafts before it added, the logits less the
-  penalties, and the drafter's logits less the penalties of the counted tokens).
+  penalties, and the drafter's logits less the penalties of the counted tokens);
+- with `--logit-bias K`, two more cells on an engine holding K biased tokens per slot (no
+  penalties): bias_unused (no request has a bias) and bias_used (every request biases K tokens).
 
-Reported: each cell's median milliseconds per round and its ratio to off, the seconds the
-engine's programs take to compile without and with penalties (no persistent cache: compiled
-here), and the bytes the counts hold.
+Reported: each cell's median milliseconds per round and its ratio to off, the seconds each
+engine's programs take to compile (no persistent cache: compiled here), and the bytes the counts
+hold.
 
-    python benchmarks/penalties_cost.py --config tiny --vocab 32768     # CPU
-    python benchmarks/penalties_cost.py --slots 64                      # Qwen3-4B shapes (GPU)
+    python benchmarks/penalties_cost.py --config tiny --vocab 32768 --logit-bias 16    # CPU
+    python benchmarks/penalties_cost.py --slots 64 --logit-bias 16     # Qwen3-4B shapes (GPU)
 """
 
 from __future__ import annotations
@@ -75,30 +78,44 @@ def run(args) -> dict:
         "repeats": args.repeats,
         "temperature": args.temperature,
         "counts_bytes": args.slots * target_cfg.vocab_size * 4,
+        "logit_bias": args.logit_bias,
     }
+    builds = [("off", {}), ("on", {"penalties": True})]
+    if args.logit_bias:
+        builds.append(("bias", {"max_logit_bias": args.logit_bias}))
     engines = {}
-    for name, penalties in (("off", False), ("on", True)):
-        engine = Engine(target, drafter, dataclasses.replace(base, penalties=penalties))
+    for name, changes in builds:
+        engine = Engine(target, drafter, dataclasses.replace(base, **changes))
         with CompileClock() as build:
             engine.warm_up(workers=1)
         result[f"compile_s_{name}"] = build.compile_s
         engines[name] = engine
-        print(f"built the engine with penalties {name} in {build.wall_s:.0f} s", flush=True)
-    cells = (("off", "off", False), ("on_unused", "on", False), ("on_used", "on", True))
+        print(f"built the engine '{name}' in {build.wall_s:.0f} s", flush=True)
     every = jnp.tile(jnp.asarray(PENALTIES, jnp.float32), (args.slots, 1))
+    # Every slot biases its own K tokens, spread over the vocabulary, by alternately -1 and +1.
+    k = max(args.logit_bias, 1)
+    ids = (jnp.arange(args.slots * k, dtype=jnp.int32) * 7919) % target_cfg.vocab_size
+    signs = jnp.where(jnp.arange(k) % 2 == 0, -1.0, 1.0)
 
     def penalise(state):  # every slot's request with PENALTIES
         return state.replace(penalties_s=every)
 
-    for cell, name, penalised in cells:
+    def bias(state):  # every slot's request with its K biases
+        return state.replace(
+            bias_ids_sk=ids.reshape(args.slots, k), bias_sk=jnp.tile(signs, (args.slots, 1))
+        )
+
+    cells = [("off", "off", None), ("on_unused", "on", None), ("on_used", "on", penalise)]
+    if args.logit_bias:
+        cells += [("bias_unused", "bias", None), ("bias_used", "bias", bias)]
+    for cell, name, prepare in cells:
         seconds, _, late = time_chunks(
-            engines[name], args.context, args.repeats, args.temperature,
-            penalise if penalised else None,
+            engines[name], args.context, args.repeats, args.temperature, prepare
         )
         result[f"{cell}_ms"] = seconds * 1e3
         result[f"{cell}_compiles_while_timing"] = late
-    for cell in ("on_unused", "on_used"):
-        result[f"{cell}_over_off"] = result[f"{cell}_ms"] / result["off_ms"]
+        if cell != "off":
+            result[f"{cell}_over_off"] = result[f"{cell}_ms"] / result["off_ms"]
     return result
 
 
@@ -107,14 +124,17 @@ def format_table(r: dict) -> str:
         f"{r['config']} (vocabulary {r['vocab']}), {r['dtype']}, {r['slots']} slots, gamma "
         f"{r['gamma']}, context {r['context']}, T={r['temperature']:g}; counts "
         f"{r['counts_bytes'] / 2**20:.1f} MiB",
-        f"{'cell':<10} {'ms/round':>9} {'x off':>6}",
+        f"{'cell':<11} {'ms/round':>9} {'x off':>6}",
     ]
-    for cell in ("off", "on_unused", "on_used"):
+    cells = ("off", "on_unused", "on_used", "bias_unused", "bias_used")
+    for cell in (c for c in cells if f"{c}_ms" in r):
         ratio = 1.0 if cell == "off" else r[f"{cell}_over_off"]
-        lines.append(f"{cell:<10} {r[f'{cell}_ms']:>9.3f} {ratio:>6.3f}")
+        lines.append(f"{cell:<11} {r[f'{cell}_ms']:>9.3f} {ratio:>6.3f}")
+    bias = f", {r['compile_s_bias']:.1f} s with a logit bias" if "compile_s_bias" in r else ""
     lines.append(
         f"the engine's programs compile in {r['compile_s_off']:.1f} s off, "
-        f"{r['compile_s_on']:.1f} s on; {r['device']}, commit {r['commit']}, {r['date']}"
+        f"{r['compile_s_on']:.1f} s with penalties{bias}; {r['device']}, commit "
+        f"{r['commit']}, {r['date']}"
     )
     return "\n".join(lines)
 
@@ -130,8 +150,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--logit-bias",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time an engine whose slots hold K biased tokens each (default 0: not)",
+    )
     parser.add_argument("--json", help="write the result here too")
     args = parser.parse_args()
+    if args.logit_bias < 0:
+        parser.error(f"--logit-bias must be >= 0, got {args.logit_bias}")
     if args.json:
         output_file(args.json, "--json")
     result = run(args)

@@ -1192,24 +1192,29 @@ def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
     assert "| after a carrier | with | 12 |" in done.stdout
 
 
-# Slow (40 s: two engines compiled in a process of its own): the penalties themselves are held
-# in the default run by tests/test_penalties.py.
+# Slow (60 s: three engines compiled in a process of its own): the penalties and the logit bias
+# themselves are held in the default run by tests/test_penalties.py and test_logit_bias.py.
 @pytest.mark.slow
-def test_penalties_cost_times_three_cells_and_compiles_nothing_while_timing(tmp_path):
-    """benchmarks/penalties_cost.py on the tiny pair: off, on but unused, on and used, each
-    timed with nothing compiled while timing, the counts' bytes those of slots x vocabulary."""
+def test_penalties_cost_times_five_cells_and_compiles_nothing_while_timing(tmp_path):
+    """benchmarks/penalties_cost.py on the tiny pair: off, penalties on but unused and used, a
+    logit bias held but unused and used, each timed with nothing compiled while timing, the
+    counts' bytes those of slots x vocabulary."""
     out = tmp_path / "penalties.json"
     done = _script(
         "penalties_cost.py",
         *("--config", "tiny", "--dtype", "float32", "--vocab", "512", "--slots", "2"),
-        *("--context", "32", "--rounds", "2", "--repeats", "1", "--json", str(out)),
+        *("--context", "32", "--rounds", "2", "--repeats", "1", "--logit-bias", "3"),
+        *("--json", str(out)),
         timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    assert result["counts_bytes"] == 2 * 512 * 4
-    for cell in ("off", "on_unused", "on_used"):
+    assert result["counts_bytes"] == 2 * 512 * 4 and result["logit_bias"] == 3
+    cells = ("off", "on_unused", "on_used", "bias_unused", "bias_used")
+    for cell in cells:
         assert result[f"{cell}_ms"] > 0
         assert result[f"{cell}_compiles_while_timing"] == 0
-    assert result["on_used_over_off"] == result["on_used_ms"] / result["off_ms"]
-    assert "on_used" in done.stdout and "x off" in done.stdout
+    for cell in cells[1:]:
+        assert result[f"{cell}_over_off"] == result[f"{cell}_ms"] / result["off_ms"]
+        assert cell in done.stdout
+    assert "x off" in done.stdout and "with a logit bias" in done.stdout
