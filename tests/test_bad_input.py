@@ -145,6 +145,8 @@ CLI_CASES = [
     ),
     ("generate --logit-bias [5] --max-new-tokens 4", "--logit-bias: expected a JSON object"),
     ('generate --logit-bias {{"a":1}} --max-new-tokens 4', "keys are token ids (0, 1, 2, ...)"),
+    ('generate --logit-bias {{"²":1}} --max-new-tokens 4', "keys are token ids (0, 1, 2, ...)"),
+    ('generate --logit-bias {{"07":1}} --max-new-tokens 4', "keys are token ids (0, 1, 2, ...)"),
     (
         'generate --logit-bias {{"99999":1}} --max-new-tokens 4',
         "logit_bias token 99999 is outside the vocabulary",

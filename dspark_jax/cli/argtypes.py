@@ -43,7 +43,8 @@ def logit_bias(text: str) -> dict[int, float]:
         )
     out = {}
     for key, bias in value.items():
-        if not key.isdigit() or (len(key) > 1 and key[0] == "0"):
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+        if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0"):
             raise argparse.ArgumentTypeError(f"keys are token ids (0, 1, 2, ...), got {key!r}")
         out[int(key)] = bias
     return out
