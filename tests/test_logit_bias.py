@@ -158,6 +158,30 @@ def test_requests_without_a_bias_do_not_see_the_others(models, spec, prompts):
     assert 32 not in mixed[2].tokens + mixed[3].tokens
 
 
+def test_gathered_drafter_rows_take_their_own_slots_adjustments(models, prompts, biases):
+    """The drafter runs over the smallest slot bucket of the live slots, gathered live first,
+    and each gathered row takes its own slot's penalties and bias: a request that drafts from
+    slot 1 or 2 once the short request in slot 0 is done (rows 0 and 1 of a bucket of 1 or 2)
+    gets the same drafts, hence the same verified and accepted lengths and tokens, as alone in
+    slot 0."""
+    cfg = dataclasses.replace(CFG, penalties=True, draft_buckets=(1, 2, 4))
+    gathered = Engine(*models, cfg)
+    assert gathered.draft_buckets == (1, 2, 4)
+    sampled = dataclasses.replace(biases[2], temperature=0.9, top_p=0.95)
+    adjusted = [
+        Request(prompts[2], NEW_TOKENS, seed=3, sampling=sampled),
+        Request(prompts[1], NEW_TOKENS // 2, sampling=biases[1]),
+    ]
+    mixed, _ = generate(gathered, [Request(prompts[0], 4)] + adjusted)
+    for request, got in zip(adjusted, mixed[1:], strict=True):
+        alone, _ = generate(gathered, [request])
+        assert got.tokens == alone[0].tokens
+        np.testing.assert_array_equal(got.verified, alone[0].verified)
+        np.testing.assert_array_equal(got.accepted, alone[0].accepted)
+    # The adjusted drafts are taken: the rounds do not end at the first draft.
+    assert np.mean(np.concatenate([r.accepted for r in mixed[1:]])) > 0.5
+
+
 def test_no_program_compiles_after_warm_up(spec, prompts, biases):
     spec.warm_up()
     before = spec.compiled_programs()

@@ -1601,31 +1601,41 @@ def _adjusted_logprobs(
     return jax.lax.cond(jnp.any(valid_t & adjusts_s[slot_t]), adjusted, plain)
 
 
-def _draft_adjustments(state: SlotState, vocab: int) -> jax.Array | None:
-    """What the drafter takes off each slot's logits [slots, V] (float32): its request's
-    penalties over the tokens counted before the round, less its logit bias, so that its drafts
-    follow the adjusted target more closely (any draft distribution keeps the target's exactly;
-    this one is accepted more often). None without penalties and logit bias in the engine;
-    zeros in rounds where no live request adjusts its logits."""
+def _draft_adjustments(state: SlotState, vocab: int):
+    """None without penalties and logit bias in the engine; otherwise a function of drafted
+    slots `rows_r` ([R] slot ids, None: every slot in order) giving what the drafter takes off
+    their logits [R, V] (float32): each request's penalties over the tokens counted before the
+    round, less its logit bias, so that its drafts follow the adjusted target more closely (any
+    draft distribution keeps the target's exactly; this one is accepted more often). Zeros in
+    rounds where no live request adjusts its logits. Only the drafted rows are computed, so the
+    cost follows the live slots' bucket, not the engine's slots."""
     adjusts_s = _adjusts_s(state)
     if adjusts_s is None:
         return None
-    shape = (state.live_s.shape[0], vocab)
 
-    def compute():
-        live_s1 = state.live_s[:, None]
-        out_sv = jnp.zeros(shape, jnp.float32)
-        if state.counts_sv is not None:
-            penalty_s2 = jnp.where(live_s1, state.penalties_s, 0.0)
-            out_sv = penalties(state.counts_sv, penalty_s2[:, 0], penalty_s2[:, 1])
-        if state.bias_sk is not None:
-            bias_sk = jnp.where(live_s1, state.bias_sk, 0.0)
-            out_sv = apply_logit_bias(out_sv, state.bias_ids_sk, -bias_sk)
-        return out_sv
+    def of_rows(rows_r):
+        def take(x_s):
+            return x_s if rows_r is None else x_s[rows_r]
 
-    return jax.lax.cond(
-        jnp.any(state.live_s & adjusts_s), compute, lambda: jnp.zeros(shape, jnp.float32)
-    )
+        live_r = take(state.live_s)
+        shape = (live_r.shape[0], vocab)
+
+        def compute():
+            live_r1 = live_r[:, None]
+            out_rv = jnp.zeros(shape, jnp.float32)
+            if state.counts_sv is not None:
+                penalty_r2 = jnp.where(live_r1, take(state.penalties_s), 0.0)
+                out_rv = penalties(take(state.counts_sv), penalty_r2[:, 0], penalty_r2[:, 1])
+            if state.bias_sk is not None:
+                bias_rk = jnp.where(live_r1, take(state.bias_sk), 0.0)
+                out_rv = apply_logit_bias(out_rv, take(state.bias_ids_sk), -bias_rk)
+            return out_rv
+
+        return jax.lax.cond(
+            jnp.any(live_r & take(adjusts_s)), compute, lambda: jnp.zeros(shape, jnp.float32)
+        )
+
+    return of_rows
 
 
 def _empty_output(num_slots: int, rounds: int, width: int, conf_k: int) -> ChunkOutput:
@@ -1743,11 +1753,12 @@ def _switch_on_count(buckets: tuple[int, ...], total, make_branch, operands=None
 
 
 def _draft_live(
-    drafter, buckets, anchor_s, start_s, live_s, cache, keys_sk, sampling_s, penalty_sv=None
+    drafter, buckets, anchor_s, start_s, live_s, cache, keys_sk, sampling_s, adjustments=None
 ):
     """The drafter's block for the live slots: drafts [S, K], the log-probabilities they were
     sampled from [S, K, V] and the confidence logits [S, K] (None without a confidence head).
-    `penalty_sv` (`_draft_adjustments`), where given, comes off each slot's draft logits.
+    `adjustments` (`_draft_adjustments`), where given, gives what comes off the drafted rows'
+    logits.
 
     The drafter runs over the smallest slot bucket that holds the live slots, gathered live
     first in slot order (a `lax.switch` over the buckets: only the chosen branch runs), and its
@@ -1761,6 +1772,7 @@ def _draft_live(
     def run(rows_r):  # the slots drafted, row by row (None: every slot in order)
         if rows_r is None:
             h = drafter.draft_hidden(anchor_s, start_s, live_s, cache)
+            penalty_sv = None if adjustments is None else adjustments(None)
             block = drafter.sample_block(h, anchor_s, keys_sk, sampling_s, penalty_bv=penalty_sv)
             return block.tokens_bk, block.logprobs_bkv, block.conf_logits_bk
         anchor_r = anchor_s[rows_r]
@@ -1770,7 +1782,7 @@ def _draft_live(
             anchor_r,
             keys_sk[rows_r],
             sampling_s.take(rows_r),
-            penalty_bv=None if penalty_sv is None else penalty_sv[rows_r],
+            penalty_bv=None if adjustments is None else adjustments(rows_r),
         )
 
         def to_slots(x_r):
