@@ -792,14 +792,19 @@ def test_token_logprobs_of_plain_decoding():
 
 
 def test_top_k_in_pieces_is_lax_top_k():
-    """Past FAST_TOP_K the alternatives come from two top-k pieces (XLA's GPU compiler sorts
-    whole rows for a larger k): the same values and ids as one top-k."""
+    """Past FAST_TOP_K the alternatives come one by one after a top-k of FAST_TOP_K (XLA's GPU
+    compiler sorts whole rows for a larger k): the same values and ids as one top-k."""
     x = jax.random.normal(jax.random.key(0), (6, 1000))
-    for k in (3, FAST_TOP_K, TOP_LOGPROBS):
-        values, ids = _top_k(x, k)
-        want_values, want_ids = jax.lax.top_k(x, k)
-        np.testing.assert_array_equal(ids, want_ids)
-        np.testing.assert_array_equal(values, want_values)
+    # Ties (a few distinct values, as bfloat16 logits have), a row with fewer finite entries
+    # than TOP_LOGPROBS, and a row of equal values: the lower id first, as lax.top_k.
+    ties = jnp.round(x * 2) / 2
+    ties = ties.at[1, 12:].set(-jnp.inf).at[2].set(1.0)
+    for x_tv in (x, ties):
+        for k in (3, FAST_TOP_K, TOP_LOGPROBS):
+            values, ids = _top_k(x_tv, k)
+            want_values, want_ids = jax.lax.top_k(x_tv, k)
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_array_equal(values, want_values)
 
 
 def test_prompt_logprobs_over_chunks_and_past_the_prefix_cache(setup):

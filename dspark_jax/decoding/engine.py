@@ -1471,18 +1471,24 @@ def token_logprobs(logits_tv: jax.Array, rows, tokens, lse_t: jax.Array) -> jax.
 
 
 def _top_k(x_tv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k` of each row in pieces of at most FAST_TOP_K: XLA's GPU compiler runs a top-k
-    that small as one kernel over each row, and any larger one as a sort of the whole
-    [rows, V] array. The next piece is the top of the rows with the previous pieces' entries
-    masked out."""
-    values, ids = [], []
-    while k > 0:
-        v_tk, i_tk = jax.lax.top_k(x_tv, min(k, FAST_TOP_K))
-        values.append(v_tk)
-        ids.append(i_tk)
-        k -= v_tk.shape[-1]
-        if k > 0:
-            x_tv = x_tv.at[jnp.arange(x_tv.shape[0])[:, None], i_tk].set(-jnp.inf)
+    """`lax.top_k` of each row (the larger of equal values first, then the lower id): XLA's GPU
+    compiler runs a top-k of at most FAST_TOP_K as one kernel over each row, and any larger
+    one as a sort of the whole [rows, V] array. So past FAST_TOP_K each further entry is the
+    largest of the row's entries after the last one taken (smaller, or equal at a higher id):
+    two reductions over the rows that read them and write nothing of their size (masking the
+    taken ids out of a copy for a second top-k wrote two [rows, V] arrays)."""
+    values_tk, ids_tk = jax.lax.top_k(x_tv, min(k, FAST_TOP_K))
+    values, ids = [values_tk], [ids_tk]
+    last_v, last_i = values_tk[:, -1:], ids_tk[:, -1:]
+    col_v = jnp.arange(x_tv.shape[-1], dtype=ids_tk.dtype)[None, :]
+    for _ in range(k - values_tk.shape[-1]):
+        after_tv = (x_tv < last_v) | ((x_tv == last_v) & (col_v > last_i))
+        last_v = jnp.max(jnp.where(after_tv, x_tv, -jnp.inf), axis=-1, keepdims=True)
+        # The lowest id after the last one that holds that value (argmax: the first True).
+        last_i = jnp.argmax(after_tv & (x_tv == last_v), axis=-1, keepdims=True)
+        last_i = last_i.astype(ids_tk.dtype)
+        values.append(last_v)
+        ids.append(last_i)
     return jnp.concatenate(values, axis=-1), jnp.concatenate(ids, axis=-1)
 
 
