@@ -74,6 +74,12 @@ def main() -> int:
         help="slot counts the drafter's block runs over, ending at --slots (default: the "
         "engine's, EngineConfig.slot_buckets; e.g. the slot count alone: one drafter branch)",
     )
+    parser.add_argument(
+        "--token-buckets",
+        type=positive_ints,
+        help="token counts the packed verification is padded to, one compiled branch each "
+        "(default: the engine's, derived from the slots and the policy)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--plain", action="store_true", help="no drafter: plain decoding")
     parser.add_argument(
@@ -107,6 +113,8 @@ def main() -> int:
         )
     if args.draft_buckets and args.plain:
         parser.error("--draft-buckets needs a drafter: drop --plain")
+    if args.token_buckets and args.plain:
+        parser.error("--token-buckets: plain decoding packs one token per slot (--slots)")
     if args.hlo and not args.compile:
         parser.error("--hlo needs --compile (it writes the compiled programs)")
     if args.json:
@@ -152,7 +160,7 @@ def _measure(args, pair: tuple[str, str]) -> int:
         prefill_seqs=8,
         prefill_buckets=prefill_buckets,
         # Plain decoding packs one token per slot: one bucket, as the benchmarks build it.
-        token_buckets=(args.slots,) if args.plain else None,
+        token_buckets=(args.slots,) if args.plain else args.token_buckets,
         draft_buckets=args.draft_buckets,
         attention_impl="pallas_gpu" if platforms or mesh is not None else None,
     )
