@@ -542,10 +542,28 @@ def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
     assert read_turns(path) == [["hi", "again"]]
 
 
-def test_out_of_vocabulary_ids_are_refused_before_compiling(capsys):
-    rc, lines = _run(["generate", "--token-ids", "1,4096", "--max-new-tokens", "4"], capsys)
-    assert rc == 2 and len(lines) == 1
-    assert "--token-ids 1 4096" in lines[0] and "vocabulary" in lines[0]
+@pytest.mark.parametrize(
+    "command, fragment",
+    [
+        ("generate --token-ids 1,4096 --max-new-tokens 4", "--token-ids 1 4096: prompt ids"),
+        ('generate --logit-bias {{"4096":1}} --max-new-tokens 4', "logit_bias token 4096 is"),
+        # eval compiled both engines (and, on a GPU model, spent minutes) before its first turn
+        # refused the bias.
+        ('eval --logit-bias {{"4096":1}} --out {out} {two_turns}', "logit_bias token 4096 is"),
+    ],
+)
+def test_out_of_vocabulary_ids_are_refused_before_compiling(
+    command, fragment, bad_files, tmp_path, monkeypatch, capsys
+):
+    def compile_(self):
+        raise AssertionError("compiled before refusing the request")
+
+    monkeypatch.setattr(Engine, "warm_up", compile_)
+    argv = command.format(out=tmp_path / "results", two_turns=bad_files["two_turns"]).split()
+    rc, lines = _run(argv, capsys)
+    assert rc == 2 and len(lines) == 1, lines
+    assert fragment in lines[0] and "0..4095" in lines[0], lines[0]
+    assert not (tmp_path / "results").exists()
 
 
 # -- 3. damaged weights never run --------------------------------------------------------------

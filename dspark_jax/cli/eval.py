@@ -192,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
     spec = build_engine(models, args, cfg)
     _check_something_fits(args, datasets, spec, models.tokenizer)
     plain = None if args.no_plain else build_engine(models, args, cfg, speculative=False)
+    for engine in (spec, plain):  # refused before compiling, not at the first turn
+        if engine is not None:
+            engine.check_sampling(sampling)
     start = time.perf_counter()
     for engine in (spec, plain):
         if engine is not None:

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         )
     check_kv_pages(args, cfg, positions)
     engine = build_engine(models, args, cfg)
+    engine.check_sampling(sampling)  # a bias outside the vocabulary: refused before compiling
     for i, ids in enumerate(id_prompts):
         try:
             engine.check_request(ids, args.max_new_tokens, args.seed + i)

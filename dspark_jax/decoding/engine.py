@@ -901,6 +901,44 @@ class Engine:
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return -(-self.positions_needed(prompt_len, max_new_tokens) // self.cfg.page_size)
 
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """Raises EngineError for sampling this engine cannot apply: not a `SamplingConfig`,
+        penalties or more logit-bias tokens than it holds, or a bias on a token outside the
+        vocabulary. Part of `check_request`; the commands call it alone before compiling, since
+        a text prompt's ids are only known once its turn comes."""
+        vocab = self.target_cfg.vocab_size
+        if not isinstance(sampling, SamplingConfig):
+            raise EngineError(
+                f"sampling must be a SamplingConfig (e.g. SamplingConfig(temperature=0.7, "
+                f"top_p=0.9); the default is greedy), got {sampling!r}",
+                "sampling",
+            )
+        if sampling.penalized and not self.cfg.penalties:
+            raise EngineError(
+                "presence_penalty and frequency_penalty need an engine that counts each "
+                "request's tokens: build it with EngineConfig(penalties=True) (`dspark-jax "
+                "serve --penalties`; generate and eval turn it on when asked for penalties)",
+                "sampling",
+            )
+        bias = sampling.logit_bias
+        if len(bias) > self.cfg.max_logit_bias:
+            raise EngineError(
+                (
+                    f"a logit_bias of {len(bias)} tokens; this engine takes at most "
+                    f"{self.cfg.max_logit_bias} (EngineConfig.max_logit_bias, `dspark-jax serve "
+                    f"--max-logit-bias`)"
+                )
+                if self.cfg.max_logit_bias
+                else "logit_bias needs an engine that holds each request's biases: build it "
+                "with EngineConfig(max_logit_bias=N) (`dspark-jax serve --max-logit-bias N`)",
+                "logit_bias",
+            )
+        if bias and bias[-1][0] >= vocab:
+            raise EngineError(
+                f"logit_bias token {bias[-1][0]} is outside the vocabulary (0..{vocab - 1})",
+                "logit_bias",
+            )
+
     def check_request(
         self,
         prompt_ids: Sequence[int],
@@ -934,37 +972,7 @@ class Engine:
             raise EngineError(f"seed must be an integer in 0..{2**32 - 1}, got {seed!r}", "seed")
         if not 0 <= seed < 2**32:
             raise EngineError(f"seed must lie in 0..{2**32 - 1}, got {seed}", "seed")
-        if not isinstance(sampling, SamplingConfig):
-            raise EngineError(
-                f"sampling must be a SamplingConfig (e.g. SamplingConfig(temperature=0.7, "
-                f"top_p=0.9); the default is greedy), got {sampling!r}",
-                "sampling",
-            )
-        if sampling.penalized and not self.cfg.penalties:
-            raise EngineError(
-                "presence_penalty and frequency_penalty need an engine that counts each "
-                "request's tokens: build it with EngineConfig(penalties=True) (`dspark-jax "
-                "serve --penalties`; generate and eval turn it on when asked for penalties)",
-                "sampling",
-            )
-        bias = sampling.logit_bias
-        if len(bias) > self.cfg.max_logit_bias:
-            raise EngineError(
-                (
-                    f"a logit_bias of {len(bias)} tokens; this engine takes at most "
-                    f"{self.cfg.max_logit_bias} (EngineConfig.max_logit_bias, `dspark-jax serve "
-                    f"--max-logit-bias`)"
-                )
-                if self.cfg.max_logit_bias
-                else "logit_bias needs an engine that holds each request's biases: build it "
-                "with EngineConfig(max_logit_bias=N) (`dspark-jax serve --max-logit-bias N`)",
-                "logit_bias",
-            )
-        if bias and bias[-1][0] >= vocab:
-            raise EngineError(
-                f"logit_bias token {bias[-1][0]} is outside the vocabulary (0..{vocab - 1})",
-                "logit_bias",
-            )
+        self.check_sampling(sampling)
         need = self.positions_needed(prompt_len, max_new_tokens)
         if need > self.cfg.max_model_len:
             raise EngineError(
