@@ -364,7 +364,7 @@ def test_converted_decode_speed_matches_safetensors(converted):
 # -- 2. one prompt validation for every entry point --------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_pair():
-    """The tiny pair, loaded once; engines built on it here are never compiled."""
+    """The tiny pair, loaded once; engines built on it here are rarely compiled."""
     return load_decoding_models(TINY_TARGET, TINY_DRAFT, progress=False)
 
 
@@ -936,7 +936,11 @@ def test_release_converts_an_integer_mask_on_the_host(tiny_pair):
     """A 0/1 integer mask was cast on the device: one more program, compiled after warm-up."""
     from compile_events import compile_threads
 
-    engine = Engine(tiny_pair.target, None, EngineConfig(num_slots=2, max_model_len=64))
+    # One prefill and one verification bucket: the fewest programs that warm-up compiles.
+    cfg = EngineConfig(
+        num_slots=2, max_model_len=64, prefill_chunk=16, prefill_buckets=(16,), token_buckets=(2,)
+    )
+    engine = Engine(tiny_pair.target, None, cfg)
     engine.warm_up()
     state = engine.init_state()
     freed = []

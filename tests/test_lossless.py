@@ -97,6 +97,9 @@ def _engine_config(gamma, penalties=False, max_logit_bias=0):
         prefill_seqs=BATCH,
         prefill_buckets=(PROMPT_LEN * BATCH,),
         token_buckets=(BATCH * (gamma + 1),),
+        # One drafter branch (each more is seconds of compiling): the samples fill every slot in
+        # each wave, so smaller slot buckets would not be used.
+        draft_buckets=(BATCH,),
         penalties=penalties,
         max_logit_bias=max_logit_bias,
     )

@@ -53,6 +53,7 @@ CFG = EngineConfig(
     prefill_seqs=BATCH,
     prefill_buckets=(len(PROMPT) * BATCH,),
     token_buckets=(BATCH * 8,),
+    draft_buckets=(BATCH,),  # one drafter branch: the samples fill every slot in each wave
 )
 # SPS(B) = 1 / (2R + B) for R = 4096 requests: admitting a candidate pays off while its survival
 # exceeds tau / (2R + B), about 1/3 at first, so lengths spread over 0..gamma.
@@ -74,6 +75,9 @@ SEQ_CFG = EngineConfig(
     prefill_seqs=SLOTS,
     prefill_buckets=(len(PROMPT) * SLOTS,),
     token_buckets=(SLOTS * 8,),
+    # One drafter branch (each more is seconds of compiling): the slots stay full until the
+    # last wave.
+    draft_buckets=(SLOTS,),
 )
 SPS_SEQ = 1.0 / (2 * SLOTS + np.arange(SLOTS * 8 + 1))
 
