@@ -190,11 +190,54 @@ def test_gpu_session_compiles_the_aims_serving_level_beside_the_first_tests(tmp_
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_preflight_falls_back_to_the_first_setting_that_decodes(tmp_path):
-    """gpu_preflight.py decodes on the embedded pair in a child process per setting: here the
-    settings as given cannot (an unreadable DSPARK_JAX_GRAPH_LOOPS), the first fallback
-    (DSPARK_JAX_GRAPH_LOOPS=0) decodes, so it is what the session is told to export, the
-    status is 1, and the JSON keeps the failing setting's error. About 20 s."""
+# A child that decodes only with the loops out of CUDA graphs, and fails as the engine does on
+# an unreadable setting otherwise.
+STAND_IN_CHILD = """
+import json, os, sys
+if os.environ.get("DSPARK_JAX_GRAPH_LOOPS") != "0":
+    sys.exit("UserError: DSPARK_JAX_GRAPH_LOOPS='yes': expected 0 (off) or 1 (on)")
+print("PREFLIGHT " + json.dumps({"greedy_tokens": [7] * 24}))
+"""
+
+
+def test_preflight_falls_back_to_the_first_setting_that_decodes(tmp_path, monkeypatch, capsys):
+    """gpu_preflight.py runs a child process per setting: the settings as given, then the
+    fallbacks in order until one decodes. Here the child is a stand-in that decodes only with
+    DSPARK_JAX_GRAPH_LOOPS=0 (the real child, the embedded pair decoding, is the slow test
+    below): the settings as given fail, the first fallback decodes, so it is what the session
+    is told to export, the status is 1, and the JSON keeps the failing setting's error."""
+    import gpu_preflight
+
+    child = tmp_path / "child.py"
+    child.write_text(STAND_IN_CHILD)
+    monkeypatch.setattr(gpu_preflight, "__file__", str(child))
+    monkeypatch.setenv("DSPARK_JAX_GRAPH_LOOPS", "yes")
+    monkeypatch.delenv("DSPARK_JAX_ATTENTION", raising=False)
+    env_file, report = tmp_path / "preflight.env", tmp_path / "preflight.json"
+    monkeypatch.setattr(
+        sys, "argv", ["gpu_preflight.py", "--env", str(env_file), "--json", str(report)]
+    )
+    assert gpu_preflight.main() == 1
+    assert env_file.read_text() == "export DSPARK_JAX_GRAPH_LOOPS=0\n"
+    result = json.loads(report.read_text())
+    assert result["given"] == {"DSPARK_JAX_GRAPH_LOOPS": "yes"}
+    assert result["chosen"] == {"DSPARK_JAX_GRAPH_LOOPS": "0"}
+    tried = result["tried"]
+    assert [(t["env"], t["ok"], t["returncode"]) for t in tried] == [
+        ({}, False, 1),
+        ({"DSPARK_JAX_GRAPH_LOOPS": "0"}, True, 0),
+    ]
+    assert "DSPARK_JAX_GRAPH_LOOPS='yes'" in tried[0]["error"] and tried[0]["seen"] is None
+    assert tried[1]["seen"] == {"greedy_tokens": [7] * 24} and tried[1]["error"] is None
+    out = capsys.readouterr().out
+    assert "the settings as given: FAILED" in out
+    assert "the session goes on with DSPARK_JAX_GRAPH_LOOPS=0" in out
+
+
+@pytest.mark.slow
+def test_preflight_decodes_the_embedded_pair_under_the_first_fallback(tmp_path):
+    """The same run with the real child: the embedded pair decodes under the fallback. About
+    30 s alone, 90 s beside another test worker on two cores."""
     env_file, report = tmp_path / "preflight.env", tmp_path / "preflight.json"
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu_preflight.py"), "--env", str(env_file),
