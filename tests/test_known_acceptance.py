@@ -41,7 +41,16 @@ def _accepted_counts(models, sampling) -> tuple[np.ndarray, np.ndarray]:
     if sampling in _RUNS:
         return _RUNS[sampling]
     target, drafter = models
-    cfg = EngineConfig(num_slots=8, max_model_len=512, prefill_chunk=16, prefill_buckets=(16,))
+    # One verification and one drafter branch: every round verifies all 8 slots' blocks until
+    # the last requests end, so smaller buckets would hardly run (and each compiles for seconds).
+    cfg = EngineConfig(
+        num_slots=8,
+        max_model_len=512,
+        prefill_chunk=16,
+        prefill_buckets=(16,),
+        token_buckets=(8 * (GAMMA + 1),),
+        draft_buckets=(8,),
+    )
     engine = Engine(target, drafter, cfg)  # fixed gamma: every draft is verified
     requests = [
         Request(list(range(2, 10)), 200, seed=i, sampling=sampling, ignore_eos=True)
