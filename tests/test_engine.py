@@ -592,7 +592,16 @@ def _trace_prefix(variant, impl, interpret, num_tokens):
     `num_tokens` long."""
     target, drafter = load_pair(variant)
     traces = reference_traces(variant)["traces"][:2]
-    cfg = dataclasses.replace(CFG, attention_impl=impl, attention_interpret=interpret)
+    # Two slots, one verification and one drafter branch: the two requests run side by side to
+    # the end, and each branch compiles (and interprets) the attention path once more.
+    cfg = dataclasses.replace(
+        CFG,
+        num_slots=2,
+        token_buckets=(2 * (drafter.cfg.block_size + 1),),
+        draft_buckets=(2,),
+        attention_impl=impl,
+        attention_interpret=interpret,
+    )
     requests = [Request(t["prompt"], max_new_tokens=num_tokens) for t in traces]
     results, _ = generate(Engine(target, drafter, cfg), requests)
     return traces, results
