@@ -2,6 +2,7 @@ import os
 import shutil
 import tempfile
 
+import compile_report
 import pytest
 
 from dspark_jax.cli import compilation_cache_off
@@ -74,6 +75,19 @@ FILE_SECONDS = {
     "test_transformers_parity.py": 37,
     "test_cli.py": 30,
 }
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--compile-report",
+        metavar="PATH",
+        help="write each test's wall, XLA compile and cache figures to PATH (JSON lines) and "
+        "print the files that take longest (tests/compile_report.py)",
+    )
+
+
+def pytest_configure(config):
+    compile_report.register(config)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,129 @@
+"""`pytest --compile-report PATH`: where the test run's time goes, per test and per file.
+
+On the CPU most of a test's time is XLA compiling the engine's programs, not running them. This
+plugin (registered by conftest.py when the option is given) listens to JAX's monitoring events
+in each test process and writes one JSON line per test to PATH: its wall seconds, XLA's
+backend-compile seconds (several compile threads may add up to more than the wall time), tracing
+and lowering seconds, and the persistent cache's hits and misses. At the end it prints the
+totals and the files that compile the most. Programs compiled by child processes a test starts
+(the README example, the notebooks, commands run as scripts) are not seen: those tests show wall
+time only.
+
+With xdist each worker writes PATH.<worker> as it goes; the main process joins them into PATH.
+"""
+
+import collections
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+# JAX's event names (jax/_src/compiler.py, compilation_cache.py, dispatch.py) -> our keys.
+DURATIONS = {
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+}
+EVENTS = {
+    "/jax/compilation_cache/cache_hits": "cache_hits",
+    "/jax/compilation_cache/cache_misses": "cache_misses",
+}
+FIELDS = ("wall_s", *DURATIONS.values(), *EVENTS.values())
+
+
+class CompileReport:
+    def __init__(self, path: Path, worker: str | None):
+        self.path = path
+        self.worker = worker
+        self.current: collections.Counter | None = None
+        self.lock = threading.Lock()
+        self.listening = False
+
+    # -- in each process that runs tests ---------------------------------------------------
+
+    def _listen(self):
+        import jax  # not before: conftest.py sets the environment JAX reads on import
+
+        def on_duration(name, seconds, **kwargs):
+            key = DURATIONS.get(name)
+            with self.lock:
+                if key is not None and self.current is not None:
+                    self.current[key] += seconds
+
+        def on_event(name, **kwargs):
+            key = EVENTS.get(name)
+            with self.lock:
+                if key is not None and self.current is not None:
+                    self.current[key] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        jax.monitoring.register_event_listener(on_event)
+        self.listening = True
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        if not self.listening:
+            self._listen()
+        counts = collections.Counter()
+        with self.lock:
+            self.current = counts
+        start = time.perf_counter()
+        yield
+        counts["wall_s"] = time.perf_counter() - start
+        with self.lock:
+            self.current = None
+        row = {"test": item.nodeid, **{k: round(counts[k], 3) for k in FIELDS}}
+        part = self.path.with_name(f"{self.path.name}.{self.worker}") if self.worker else self.path
+        with part.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+    # -- in the main process ---------------------------------------------------------------
+
+    def pytest_sessionfinish(self, session):
+        if self.worker is not None:
+            return
+        parts = sorted(self.path.parent.glob(f"{self.path.name}.gw*"))
+        if parts:
+            with self.path.open("a", encoding="utf-8") as out:
+                for part in parts:
+                    out.write(part.read_text(encoding="utf-8"))
+                    part.unlink()
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.worker is not None or not self.path.is_file():
+            return
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        write = terminalreporter.write_line
+        terminalreporter.section("compile report")
+        totals = {k: sum(r[k] for r in rows) for k in FIELDS}
+        write(
+            f"{len(rows)} tests, {totals['wall_s']:.0f} s in tests: XLA compiling "
+            f"{totals['compile_s']:.0f} s, tracing and lowering "
+            f"{totals['trace_s'] + totals['lower_s']:.0f} s; persistent cache "
+            f"{totals['cache_hits']:.0f} hits, {totals['cache_misses']:.0f} misses "
+            f"(compiles of child processes not counted)"
+        )
+        files = collections.defaultdict(collections.Counter)
+        for r in rows:
+            files[r["test"].split("::", 1)[0]].update({k: r[k] for k in ("wall_s", "compile_s")})
+        write(f"{'wall s':>8} {'compile s':>9}  file (the {min(15, len(files))} slowest)")
+        for name, c in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])[:15]:
+            write(f"{c['wall_s']:8.0f} {c['compile_s']:9.0f}  {name}")
+        write(f"per test: {self.path}")
+
+
+def register(config):
+    """Called by conftest.py's pytest_configure."""
+    path = config.getoption("compile_report")
+    if path is None:
+        return
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:  # a fresh report for each run (workers only append)
+        for stale in (path, *path.parent.glob(f"{path.name}.gw*")):
+            stale.unlink(missing_ok=True)
+    config.pluginmanager.register(CompileReport(path, worker), "compile-report")
