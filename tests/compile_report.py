@@ -14,7 +14,6 @@ With xdist each worker writes PATH.<worker> as it goes; the main process joins t
 
 import collections
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -122,7 +121,9 @@ def register(config):
         return
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    # xdist hands each worker its id in `config.workerinput` (its PYTEST_XDIST_WORKER variable
+    # also reaches any pytest a test starts, which is not a worker).
+    worker = getattr(config, "workerinput", {}).get("workerid")
     if worker is None:  # a fresh report for each run (workers only append)
         for stale in (path, *path.parent.glob(f"{path.name}.gw*")):
             stale.unlink(missing_ok=True)

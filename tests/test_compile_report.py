@@ -16,7 +16,14 @@ def test_the_report_counts_a_tests_compiles(tmp_path):
     one = "tests/test_sampling.py::test_sample_tokens_matches_filtered_distribution"
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2", one]
     # This run's persistent cache may hold the sampler already (a hit compiles nothing).
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    # Nor may this run's own options (PYTEST_ADDOPTS: a --compile-report of its own) or xdist
+    # worker variables reach it.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAX_COMPILATION_CACHE_DIR", "PYTEST_ADDOPTS")
+        and not k.startswith("PYTEST_XDIST")
+    }
     env["DSPARK_JAX_COMPILATION_CACHE"] = "off"
     done = subprocess.run(
         [*argv, "--compile-report", str(report)],
