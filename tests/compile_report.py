@@ -9,11 +9,16 @@ totals and the files that compile the most. Programs compiled by child processes
 (the README example, the notebooks, commands run as scripts) are not seen: those tests show wall
 time only.
 
-With xdist each worker writes PATH.<worker> as it goes; the main process joins them into PATH.
+Each process that runs tests writes its rows as it goes into a folder of parts private to this
+run (xdist workers learn it from the main process through `workerinput`, not the environment,
+so a pytest that a test starts cannot write into or clear this run's report); at the end the
+main process writes PATH from them and removes the folder.
 """
 
 import collections
 import json
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,9 +39,10 @@ FIELDS = ("wall_s", *DURATIONS.values(), *EVENTS.values())
 
 
 class CompileReport:
-    def __init__(self, path: Path, worker: str | None):
+    def __init__(self, path: Path, parts: Path, worker: str | None):
         self.path = path
-        self.worker = worker
+        self.parts = parts  # this run's folder of per-process rows
+        self.worker = worker  # None in the main process
         self.current: collections.Counter | None = None
         self.lock = threading.Lock()
         self.listening = False
@@ -75,21 +81,22 @@ class CompileReport:
         with self.lock:
             self.current = None
         row = {"test": item.nodeid, **{k: round(counts[k], 3) for k in FIELDS}}
-        part = self.path.with_name(f"{self.path.name}.{self.worker}") if self.worker else self.path
-        with part.open("a", encoding="utf-8") as f:
+        with (self.parts / f"{self.worker or 'main'}.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
     # -- in the main process ---------------------------------------------------------------
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node):
+        """xdist, in the main process: tell a worker where this run's parts go."""
+        node.workerinput["compile_report_parts"] = str(self.parts)
+
     def pytest_sessionfinish(self, session):
         if self.worker is not None:
             return
-        parts = sorted(self.path.parent.glob(f"{self.path.name}.gw*"))
-        if parts:
-            with self.path.open("a", encoding="utf-8") as out:
-                for part in parts:
-                    out.write(part.read_text(encoding="utf-8"))
-                    part.unlink()
+        rows = "".join(p.read_text(encoding="utf-8") for p in sorted(self.parts.glob("*.jsonl")))
+        self.path.write_text(rows, encoding="utf-8")
+        shutil.rmtree(self.parts, ignore_errors=True)
 
     def pytest_terminal_summary(self, terminalreporter):
         if self.worker is not None or not self.path.is_file():
@@ -120,11 +127,10 @@ def register(config):
     if path is None:
         return
     path = Path(path).resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # xdist hands each worker its id in `config.workerinput` (its PYTEST_XDIST_WORKER variable
-    # also reaches any pytest a test starts, which is not a worker).
-    worker = getattr(config, "workerinput", {}).get("workerid")
-    if worker is None:  # a fresh report for each run (workers only append)
-        for stale in (path, *path.parent.glob(f"{path.name}.gw*")):
-            stale.unlink(missing_ok=True)
-    config.pluginmanager.register(CompileReport(path, worker), "compile-report")
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:  # the main process (or the only one, with -n 0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        parts, worker = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)), None
+    else:
+        parts, worker = Path(workerinput["compile_report_parts"]), workerinput["workerid"]
+    config.pluginmanager.register(CompileReport(path, parts, worker), "compile-report")

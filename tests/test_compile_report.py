@@ -10,9 +10,10 @@ TESTS = Path(__file__).parent
 
 
 def test_the_report_counts_a_tests_compiles(tmp_path):
-    report = tmp_path / "reports" / "run.jsonl"  # a folder that does not exist yet
-    report.with_name("run.jsonl.gw5").parent.mkdir()
-    report.with_name("run.jsonl.gw5").write_text("stale\n")  # left by a killed run
+    report = tmp_path / "reports" / "run.jsonl"
+    report.parent.mkdir()
+    other = report.with_name("run.jsonl.gw0")  # a file of the old layout: not this run's
+    other.write_text("another run\n")
     one = "tests/test_sampling.py::test_sample_tokens_matches_filtered_distribution"
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2", one]
     # This run's persistent cache may hold the sampler already (a hit compiles nothing).
@@ -38,5 +39,7 @@ def test_the_report_counts_a_tests_compiles(tmp_path):
     assert row["test"] == one
     # It jits the sampler: XLA compiled, in less time than the test took (one compile thread).
     assert 0 < row["compile_s"] < row["wall_s"] and row["lower_s"] > 0
-    assert not list(report.parent.glob("run.jsonl.gw*"))  # the workers' parts were joined
+    # The workers' parts were joined and their folder removed; nothing else was touched.
+    assert sorted(p.name for p in report.parent.iterdir()) == ["run.jsonl", "run.jsonl.gw0"]
+    assert other.read_text() == "another run\n"
     assert "1 tests," in done.stdout and "tests/test_sampling.py" in done.stdout
