@@ -4,10 +4,12 @@ On the CPU most of a test's time is XLA compiling the engine's programs, not run
 plugin (registered by conftest.py when the option is given) listens to JAX's monitoring events
 in each test process and writes one JSON line per test to PATH: its wall seconds, XLA's
 backend-compile seconds (several compile threads may add up to more than the wall time), tracing
-and lowering seconds, and the persistent cache's hits and misses. At the end it prints the
-totals and the files that compile the most. Programs compiled by child processes a test starts
-(the README example, the notebooks, commands run as scripts) are not seen: those tests show wall
-time only.
+and lowering seconds, the persistent cache's hits and misses, and each program XLA compiled
+rather than loaded from that cache (its name and seconds). At the end it prints the totals, the
+files that compile the most, and the programs whose compiles cost the most, with how many files
+compiled each: a name many files compile is an engine each file builds for a configuration of
+its own. Programs compiled by child processes a test starts (the README example, the notebooks,
+commands run as scripts) are not seen: those tests show wall time only.
 
 Each process that runs tests writes its rows as it goes into a folder of parts private to this
 run (xdist workers learn it from the main process through `workerinput`, not the environment,
@@ -36,6 +38,7 @@ EVENTS = {
     "/jax/compilation_cache/cache_misses": "cache_misses",
 }
 FIELDS = ("wall_s", *DURATIONS.values(), *EVENTS.values())
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileReport:
@@ -44,6 +47,8 @@ class CompileReport:
         self.parts = parts  # this run's folder of per-process rows
         self.worker = worker  # None in the main process
         self.current: collections.Counter | None = None
+        self.compiled: list | None = None  # the current test's [program, seconds]
+        self.local = threading.local()  # a compile thread's cache hit, seen before its end
         self.lock = threading.Lock()
         self.listening = False
 
@@ -54,12 +59,21 @@ class CompileReport:
 
         def on_duration(name, seconds, **kwargs):
             key = DURATIONS.get(name)
+            # A backend compile that read the persistent cache (its hit event fires on the same
+            # thread, inside the compile's span) loaded a program; any other one compiled it.
+            loaded = name == BACKEND_COMPILE and getattr(self.local, "hit", False)
+            if name == BACKEND_COMPILE:
+                self.local.hit = False
             with self.lock:
                 if key is not None and self.current is not None:
                     self.current[key] += seconds
+                if name == BACKEND_COMPILE and not loaded and self.compiled is not None:
+                    self.compiled.append([kwargs.get("fun_name", "?"), round(seconds, 3)])
 
         def on_event(name, **kwargs):
             key = EVENTS.get(name)
+            if key == "cache_hits":
+                self.local.hit = True
             with self.lock:
                 if key is not None and self.current is not None:
                     self.current[key] += 1
@@ -72,15 +86,16 @@ class CompileReport:
     def pytest_runtest_protocol(self, item, nextitem):
         if not self.listening:
             self._listen()
-        counts = collections.Counter()
+        counts, compiled = collections.Counter(), []
         with self.lock:
-            self.current = counts
+            self.current, self.compiled = counts, compiled
         start = time.perf_counter()
         yield
         counts["wall_s"] = time.perf_counter() - start
         with self.lock:
-            self.current = None
+            self.current = self.compiled = None
         row = {"test": item.nodeid, **{k: round(counts[k], 3) for k in FIELDS}}
+        row["compiled"] = compiled
         with (self.parts / f"{self.worker or 'main'}.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -118,6 +133,18 @@ class CompileReport:
         write(f"{'wall s':>8} {'compile s':>9}  file (the {min(15, len(files))} slowest)")
         for name, c in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])[:15]:
             write(f"{c['wall_s']:8.0f} {c['compile_s']:9.0f}  {name}")
+        programs = collections.defaultdict(lambda: [0, 0.0, set()])  # compiles, s, files
+        for r in rows:
+            for name, seconds in r.get("compiled", ()):
+                entry = programs[name]
+                entry[0] += 1
+                entry[1] += seconds
+                entry[2].add(r["test"].split("::", 1)[0])
+        if programs:
+            write(f"{'compiles':>8} {'files':>5} {'compile s':>9}  program (the 10 costliest)")
+            costliest = sorted(programs.items(), key=lambda kv: -kv[1][1])[:10]
+            for name, (n, seconds, where) in costliest:
+                write(f"{n:8d} {len(where):5d} {seconds:9.0f}  {name}")
         write(f"per test: {self.path}")
 
 
