@@ -371,10 +371,19 @@ def test_decode_speed_compile_only_needs_the_compilation_cache():
     _one_line_error(done, "--compile-only fills the persistent compilation cache, which is off")
 
 
+# The persistent cache's entries of the random weights' fill (decode_speed._random_normalish).
+WEIGHT_FILL = "jit__random_normalish-"
+
+
 def test_decode_speed_compile_only_leaves_the_run_nothing_to_compile(tmp_path):
     """decode_speed.py --compile-only (run beside the GPU session's first tests) builds every
     engine's programs into the persistent cache and writes no table; the run with the same
-    config, batch sizes, context and rounds then adds nothing there. About 20 s."""
+    config, batch sizes, context and rounds then adds nothing there. About 20 s.
+
+    Both runs fill the random weights with the same small program (`_random_normalish`, one per
+    shape), which compiles in about a second: JAX keeps only programs that took at least 1 s,
+    so one run or the other may keep it (a busier machine, a slower compile), and it is not
+    what --compile-only is for. Everything else the run added would be a miss."""
     cache = tmp_path / "cache"
     env = {"DSPARK_JAX_COMPILATION_CACHE": str(cache), "JAX_COMPILATION_CACHE_DIR": str(cache)}
     args = ["--config", "tiny", "--dtype", "float32", "--batch-sizes", "1", "--rounds", "2",
@@ -388,7 +397,7 @@ def test_decode_speed_compile_only_leaves_the_run_nothing_to_compile(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((tmp_path / "d.json").read_text())["rows"]
     added = {p.name for p in cache.iterdir()} - ahead
-    assert not added, added
+    assert not {name for name in added if not name.startswith(WEIGHT_FILL)}, added
 
 
 @pytest.mark.slow
@@ -396,7 +405,9 @@ def test_throughput_compile_only_leaves_the_run_nothing_to_compile(tmp_path):
     """--compile-only (what gpu_session.sh runs beside the first tests) builds every program a
     level compiles before timing into the persistent cache; the run with the same arguments
     then adds nothing there but its switch engine's init program, the one that writes the
-    measured SPS table into the state. About a minute."""
+    measured SPS table into the state (and maybe the random weights' fill, kept by whichever
+    run took a second or more to compile it: see the decode_speed test above). About a
+    minute."""
     cache = tmp_path / "cache"
     # JAX's own setting (which the test session sets for its processes) wins over ours.
     env = {"DSPARK_JAX_COMPILATION_CACHE": str(cache), "JAX_COMPILATION_CACHE_DIR": str(cache)}
@@ -412,7 +423,7 @@ def test_throughput_compile_only_leaves_the_run_nothing_to_compile(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((tmp_path / "t.json").read_text())["rows"]
     added = {p.name for p in cache.iterdir()} - ahead
-    assert len(added) <= 1, added
+    assert len({name for name in added if not name.startswith(WEIGHT_FILL)}) <= 1, added
 
 
 def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):
