@@ -11,9 +11,27 @@ import numpy as np
 from dspark_jax.checkpoints.convert import drafter_from_torch, target_from_torch
 from dspark_jax.checkpoints.safetensors_io import SafetensorsFolder
 from dspark_jax.config import DrafterConfig, Qwen3Config, read_config_json
+from dspark_jax.decoding.engine import EngineConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ("vanilla", "gated")
+
+# The engine configuration tests/test_logit_bias.py and tests/test_penalties.py share, both
+# adjustments on: the speculative, plain and 2x1x2-mesh engines of the gated pair are then the
+# same programs in both files, and the file that runs second finds them in the run's persistent
+# cache (each file had compiled its own: some 200 s of the CI machine's compiling). A request
+# without a penalty or a bias gets its logits bitwise (both add zeros), so each file's checks
+# hold as on an engine with only its own adjustment.
+ADJUSTED_CFG = EngineConfig(
+    num_slots=4,
+    max_model_len=160,
+    page_size=16,
+    prefill_chunk=64,
+    prefill_buckets=(64,),
+    token_buckets=(8, 32),
+    penalties=True,
+    max_logit_bias=3,
+)
 
 
 def fixture_dir(variant: str) -> Path:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fixture_models import adjusted_greedy_reference, load_pair, reference_traces
+from fixture_models import ADJUSTED_CFG, adjusted_greedy_reference, load_pair, reference_traces
 
 from dspark_jax.decoding.batching import Batcher, Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
@@ -27,15 +27,7 @@ from dspark_jax.sharding import MeshConfig, make_mesh
 
 VARIANT = "gated"
 NEW_TOKENS = 32
-CFG = EngineConfig(
-    num_slots=4,
-    max_model_len=160,
-    page_size=16,
-    prefill_chunk=64,
-    prefill_buckets=(64,),
-    token_buckets=(8, 32),
-    max_logit_bias=3,
-)
+CFG = ADJUSTED_CFG  # a logit bias of up to 3 tokens, and penalties (test_penalties.py's)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +111,8 @@ def test_apply_logit_bias_adds_each_rows_biases_at_its_ids():
 
 def test_greedy_tokens_follow_the_biased_target(models, spec, prompts, unbiased, biases):
     target, _ = models
-    # Without a drafter, and counting tokens for penalties too: the third request has both.
-    plain = Engine(target, None, dataclasses.replace(CFG, penalties=True))
+    # Without a drafter; counting tokens for penalties too: the third request has both.
+    plain = Engine(target, None, CFG)
     requests = [Request(p, NEW_TOKENS, sampling=s) for p, s in zip(prompts, biases, strict=True)]
     want = [_reference(target, r.prompt_ids, r.sampling) for r in requests]
     assert want[0][0] != unbiased[0][0]  # the bias reaches the first token (prefill's)
@@ -164,7 +156,7 @@ def test_gathered_drafter_rows_take_their_own_slots_adjustments(models, prompts,
     slot 1 or 2 once the short request in slot 0 is done (rows 0 and 1 of a bucket of 1 or 2)
     gets the same drafts, hence the same verified and accepted lengths and tokens, as alone in
     slot 0."""
-    cfg = dataclasses.replace(CFG, penalties=True, draft_buckets=(1, 2, 4))
+    cfg = dataclasses.replace(CFG, draft_buckets=(1, 2, 4))
     gathered = Engine(*models, cfg)
     assert gathered.draft_buckets == (1, 2, 4)
     sampled = dataclasses.replace(biases[2], temperature=0.9, top_p=0.95)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fixture_models import adjusted_greedy_reference, load_pair, reference_traces
+from fixture_models import ADJUSTED_CFG, adjusted_greedy_reference, load_pair, reference_traces
 
 from dspark_jax.decoding.batching import Batcher, Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
@@ -30,15 +30,7 @@ from dspark_jax.sharding import MeshConfig, make_mesh
 
 VARIANT = "gated"  # a drafter with a Markov head: the penalties add to its bias
 NEW_TOKENS = 40
-CFG = EngineConfig(
-    num_slots=4,
-    max_model_len=160,
-    page_size=16,
-    prefill_chunk=64,
-    prefill_buckets=(64,),
-    token_buckets=(8, 32),
-    penalties=True,
-)
+CFG = ADJUSTED_CFG  # penalties on (and a logit bias of up to 3 tokens: test_logit_bias.py's)
 PENALISED = (
     SamplingConfig(presence_penalty=1.0, frequency_penalty=0.5),
     SamplingConfig(frequency_penalty=1.5),
