@@ -28,10 +28,19 @@ SHARED = list(
 T07 = SamplingConfig(temperature=0.7, top_p=0.9)
 
 
+# Plain decoding packs one token per live slot: two small buckets, as tests/test_engine.py's
+# plain engines, whose programs this file's then finds in the run's persistent cache (its
+# speculative engine is test_engine.py's `CFG` already).
+PLAIN_CFG = dataclasses.replace(CFG, token_buckets=(2, 4))
+
+
 @pytest.fixture(scope="module", params=["spec", "plain"])
 def engine(request):
     target, drafter = load_pair("vanilla")
-    engine = Engine(target, drafter if request.param == "spec" else None, CFG)
+    if request.param == "spec":
+        engine = Engine(target, drafter, CFG)
+    else:
+        engine = Engine(target, None, PLAIN_CFG)
     engine.warm_up()
     engine.models = (target, drafter if request.param == "spec" else None)  # for other pools
     return engine
@@ -216,7 +225,7 @@ def test_prompts_arriving_together_prefill_their_shared_pages_once(engine):
 def test_a_small_pool_evicts_idle_pages_and_every_answer_stays_the_same(engine):
     """A pool of 40 pages (a request needs up to 13): cached pages are evicted for new
     requests, shared prefixes of different lengths come and go, and every page comes back."""
-    small = Engine(*engine.models, dataclasses.replace(CFG, num_pages=40))
+    small = Engine(*engine.models, dataclasses.replace(engine.cfg, num_pages=40))
     rng = np.random.default_rng(0)
     stems = [SHARED[:40], SHARED, list(b"Translate into French: ") * 3]
     requests = [
