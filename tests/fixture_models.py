@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -15,6 +16,23 @@ from dspark_jax.decoding.engine import EngineConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ("vanilla", "gated")
+
+# The engine configurations tests/test_engine.py and tests/test_prefix_cache.py share: the
+# speculative engine (the drafter over 2 or 4 rows; the default for 4 slots is one bucket of 4)
+# and the plain one, which packs one token per live slot, so (8, 16, 32) would compile two
+# branches it never runs. The file that runs second finds their programs in the run's
+# persistent cache.
+TRACE_CFG = EngineConfig(
+    num_slots=4,
+    max_model_len=256,
+    page_size=16,
+    rounds_per_chunk=8,
+    prefill_chunk=64,
+    prefill_buckets=(32, 64),
+    token_buckets=(8, 16, 32),
+    draft_buckets=(2, 4),
+)
+TRACE_PLAIN_CFG = dataclasses.replace(TRACE_CFG, token_buckets=(2, 4))
 
 # The engine configuration tests/test_logit_bias.py and tests/test_penalties.py share, both
 # adjustments on: the speculative, plain and 2x1x2-mesh engines of the gated pair are then the

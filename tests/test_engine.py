@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compile_events import compile_threads
-from fixture_models import VARIANTS, load_pair, reference_traces
+from fixture_models import (
+    TRACE_CFG,
+    TRACE_PLAIN_CFG,
+    VARIANTS,
+    load_pair,
+    reference_traces,
+)
 
 from dspark_jax.decoding.batching import Batcher, Observer, Request, generate
 from dspark_jax.decoding.engine import (
@@ -30,20 +36,7 @@ from dspark_jax.sampling import SamplingConfig
 
 # The reference counts its 96 tokens after the first one, then keeps the first 96 overall.
 REFERENCE_NEW_TOKENS = 97
-CFG = EngineConfig(
-    num_slots=4,
-    max_model_len=256,
-    page_size=16,
-    rounds_per_chunk=8,
-    prefill_chunk=64,
-    prefill_buckets=(32, 64),
-    token_buckets=(8, 16, 32),
-    # The drafter over 2 or 4 rows (the default for 4 slots is one bucket of 4).
-    draft_buckets=(2, 4),
-)
-# Plain decoding packs one token per live slot: (8, 16, 32) would compile two branches it never
-# runs.
-PLAIN_CFG = dataclasses.replace(CFG, token_buckets=(2, 4))
+CFG, PLAIN_CFG = TRACE_CFG, TRACE_PLAIN_CFG  # shared with tests/test_prefix_cache.py
 GREEDY = SamplingConfig()
 T1 = SamplingConfig(temperature=1.0)
 T07_P09 = SamplingConfig(temperature=0.7, top_p=0.9)

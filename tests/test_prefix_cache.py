@@ -5,33 +5,18 @@ import dataclasses
 
 import numpy as np
 import pytest
-from fixture_models import load_pair
+from fixture_models import TRACE_CFG, TRACE_PLAIN_CFG, load_pair
 
 from dspark_jax.decoding.batching import Batcher, PageAllocator, Request, generate
-from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
+from dspark_jax.decoding.engine import Engine, EngineError
 from dspark_jax.sampling import SamplingConfig
 
-PAGE = 16
-CFG = EngineConfig(
-    num_slots=4,
-    max_model_len=256,
-    page_size=PAGE,
-    rounds_per_chunk=8,
-    prefill_chunk=64,
-    prefill_buckets=(32, 64),
-    token_buckets=(8, 16, 32),
-    draft_buckets=(2, 4),
-)
+CFG = TRACE_CFG  # tests/test_engine.py's engines: their programs are cache hits here
+PAGE = CFG.page_size
 SHARED = list(
     b"You are a careful assistant. Answer in one short paragraph, and cite the line you used.\n"
 )  # 88 tokens: five full pages
 T07 = SamplingConfig(temperature=0.7, top_p=0.9)
-
-
-# Plain decoding packs one token per live slot: two small buckets, as tests/test_engine.py's
-# plain engines, whose programs this file's then finds in the run's persistent cache (its
-# speculative engine is test_engine.py's `CFG` already).
-PLAIN_CFG = dataclasses.replace(CFG, token_buckets=(2, 4))
 
 
 @pytest.fixture(scope="module", params=["spec", "plain"])
@@ -40,7 +25,7 @@ def engine(request):
     if request.param == "spec":
         engine = Engine(target, drafter, CFG)
     else:
-        engine = Engine(target, None, PLAIN_CFG)
+        engine = Engine(target, None, TRACE_PLAIN_CFG)
     engine.warm_up()
     engine.models = (target, drafter if request.param == "spec" else None)  # for other pools
     return engine
