@@ -89,17 +89,26 @@ def _requests(temperature):
     ]
 
 
+# The one switch the engine tests below build (one decode program for all of them): a
+# threshold, the asynchronous scheduler, a fixed length, and the two members the selection
+# test adds, a cumulative threshold and the prefix scheduler.
+SWITCH_MEMBERS = (
+    policies.ThresholdPolicy(0.5),
+    policies.AsyncSchedulePolicy(PROFILE),
+    policies.FixedPolicy(3),
+    policies.ThresholdPolicy(0.3, cumulative=True),
+    policies.PrefixSchedulePolicy(PROFILE),
+)
+
+
 def test_each_member_runs_as_its_own_engine_without_recompiling():
     """Sampled at T=1, so the tokens depend on every verified length; the switch engine's
-    results under member i equal an engine built with member i alone, and selecting the other
-    members compiles nothing after the first run."""
+    results under member i equal an engine built with member i alone (for a threshold, the
+    asynchronous scheduler and a fixed length), and selecting the other members compiles
+    nothing after the first run."""
     target, drafter = load_pair("vanilla")
-    members = (
-        policies.ThresholdPolicy(0.5),
-        policies.AsyncSchedulePolicy(PROFILE),
-        policies.FixedPolicy(3),
-    )
-    switch = Engine(target, drafter, CFG, policy=policies.PolicySwitch(members))
+    members = SWITCH_MEMBERS[:3]
+    switch = Engine(target, drafter, CFG, policy=policies.PolicySwitch(SWITCH_MEMBERS))
     assert switch.token_buckets == PROFILE.buckets
     switch.warm_up()
     programs = switch.compiled_programs()
@@ -157,12 +166,7 @@ def test_selecting_any_member_after_warm_up_compiles_nothing():
     on the host and moves them explicitly: no program at all compiles after warm_up, not even
     the small eager ones a carry built with jnp ops needs."""
     target, drafter = load_pair("vanilla")
-    members = (
-        policies.ThresholdPolicy(0.5),
-        policies.ThresholdPolicy(0.3, cumulative=True),
-        policies.PrefixSchedulePolicy(PROFILE),
-        policies.AsyncSchedulePolicy(PROFILE),
-    )
+    members = SWITCH_MEMBERS
     engine = Engine(target, drafter, CFG, policy=policies.PolicySwitch(members))
     engine.warm_up()
     programs = engine.compiled_programs()

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from compile_events import compile_threads
-from fixture_models import load_pair, reference_traces
+from fixture_models import VARIANTS_GATED_SLOW, load_pair, reference_traces
 from test_scheduler import _reference_alg1, _survival
 
 from dspark_jax.calibration.sts import StsArtifact, StsArtifactMismatchError
@@ -63,7 +63,7 @@ def test_greedy_output_is_the_target_greedy_output(policy):
     assert 0 < verified.mean() < drafter.cfg.block_size  # the policy really cuts blocks short
 
 
-@pytest.mark.parametrize("variant", ["vanilla", "gated"])
+@pytest.mark.parametrize("variant", VARIANTS_GATED_SLOW)
 def test_engine_lengths_are_algorithm_1_and_greedy_is_exact(variant):
     """Each round's verified lengths equal the paper's Algorithm 1 loop (which asserts that it
     never admits position j of a request before j-1) run on that round's confidences after STS,
