@@ -104,6 +104,15 @@ class ByteTokenizer:
             raise ValueError(f"negative token id in {ids}")
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_string(self, token: int) -> str:
+        """A token's own name: a printable ASCII byte as itself, any other byte as <0xNN> (the
+        byte-fallback notation of SentencePiece vocabularies), the special ids by role."""
+        if 32 <= token < 127:
+            return chr(token)
+        if 0 <= token < 256:
+            return f"<0x{token:02X}>"
+        return {256: "<eos>", 257: "<mask>"}.get(token, f"<unused{token}>")
+
     def render_chat(self, messages: Sequence[Message]) -> str:
         """The plain concatenation of the message contents (the byte models know no chat format)."""
         return "".join(_content(m, i) for i, m in enumerate(messages))
@@ -217,6 +226,33 @@ def decode_text(tokenizer: Tokenizer, ids: Sequence[int], stop_tokens: Sequence[
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.decode(ids)
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a completion prompt; `add_special_tokens` adds what a Hugging Face tokenizer
+    puts around a text (its BOS, where it has one), as `tokenizer.encode` does by default. The
+    byte tokenizer adds nothing."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def token_strings(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each id's token as the vocabulary names it (a byte-level BPE token reads "Ġdef"), not
+    its decoded text."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return [tokenizer.token_string(int(i)) for i in ids]
+    names = tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+    return ["" if name is None else str(name) for name in names]
+
+
+def decode_all(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """Text of any ids with the special tokens written out (a rendered chat prompt decodes to
+    the template's text): the inverse of `encode_text` and `encode_chat`. The byte tokenizer's
+    special ids have no text and are skipped."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.decode(ids)
+    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def stop_token_ids(

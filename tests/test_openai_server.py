@@ -421,6 +421,25 @@ def test_streaming_chat_with_usage_through_the_openai_client(served):
     assert whole.usage.prompt_tokens == len(b"# utils\ndef ")
 
 
+def test_tokenize_counts_the_prompt_tokens_a_request_is_charged(served):
+    """/tokenize on the serving engine: its count is the usage's prompt_tokens of the same chat
+    and completion, its limit the one /v1/models advertises; /detokenize gives the text back."""
+    messages = [{"role": "system", "content": "# utils\n"}, {"role": "user", "content": "def "}]
+    prompt = "import os\n"
+    forms = (({"messages": messages}, "chat/completions"), ({"prompt": prompt}, "completions"))
+    for form, path in forms:
+        counted = httpx.post(f"{served.url}/tokenize", json={"model": MODEL, **form}, timeout=30)
+        assert counted.status_code == 200, counted.text
+        body = httpx.post(
+            f"{served.url}/v1/{path}", json={"model": MODEL, **form, "max_tokens": 1}, timeout=120
+        ).json()
+        assert counted.json()["count"] == body["usage"]["prompt_tokens"]
+        (card,) = httpx.get(f"{served.url}/v1/models", timeout=30).json()["data"]
+        assert counted.json()["max_model_len"] == card["max_model_len"]
+    back = httpx.post(f"{served.url}/detokenize", json={"tokens": list(b"def f")}, timeout=30)
+    assert back.json() == {"prompt": "def f"}
+
+
 def test_token_logprobs_whole_streamed_and_through_the_openai_client(served):
     """Each token the answer holds (its token_ids, the end-of-turn token included) has its
     log-probability under the target; streamed chunks carry those of their tokens, and the

@@ -29,6 +29,7 @@ from dspark_jax.serving.protocol import (
     ChatCompletionRequest,
     ChatDelta,
     CompletionRequest,
+    DetokenizeRequest,
 )
 from dspark_jax.serving.runtime import EngineRunner
 from dspark_jax.serving.text_stream import StopStrings, TextStream
@@ -668,3 +669,109 @@ def test_open_connections_leave_out_those_closing():
     assert open_connections(state) == 2
     state.connections.append(SimpleNamespace())  # made, transport not yet set
     assert open_connections(state) == 3
+
+
+def _warming_server(tokenizer, vocab_size: int | None):
+    """An HTTP server still in warm-up (its engine waits for `engine.done`), the model's context
+    2040 tokens: what answers there needs no engine."""
+    engine = _WarmingEngine()
+    model = ServedModel("m", tokenizer, 2040, (tokenizer.eos_token_id,), vocab_size=vocab_size)
+    app_server = OpenAIServer(EngineRunner(engine, max_waiting=4), model, ServingMetrics(1, 1, 0))
+    server = HttpServer(app_server, bind_socket("127.0.0.1", 0), log_level="critical").start()
+    assert wait_until(lambda: server.started, 30, interval=0.01)
+    host, port = server.address
+    return engine, app_server, server, f"http://{host}:{port}"
+
+
+def test_tokenize_counts_what_the_generation_endpoints_give_the_model(monkeypatch):
+    """vLLM's /tokenize: a prompt's ids as /v1/completions encodes it, a conversation's as
+    /v1/chat/completions renders it, with the context they count against and, on request, the
+    tokens' names; answered during warm-up (no engine work). /detokenize inverts it, special
+    tokens written out."""
+    monkeypatch.setattr(runtime, "Batcher", _IdleBatcher)
+    tokenizer = load_tokenizer(EMBEDDED_TARGET)
+    engine, app_server, server, base = _warming_server(tokenizer, vocab_size=4096)
+
+    def post(path: str, **body) -> dict:
+        r = httpx.post(f"{base}{path}", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def generation_ids(schema, **body) -> list[int]:
+        (ids,) = asyncio.run(app_server.encode_prompts(schema.model_validate(body)))
+        return ids
+
+    try:
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 503  # still warming up
+        text = "def f(x):\n    return x"
+        ids = generation_ids(CompletionRequest, prompt=text)
+        assert post("/tokenize", prompt=text) == {
+            "count": len(ids), "max_model_len": 2040, "tokens": ids, "token_strs": None,
+        }  # fmt: skip
+        named = post("/tokenize", prompt=text, return_token_strs=True)["token_strs"]
+        assert named == tokenizer.convert_ids_to_tokens(ids) and len(named) == len(ids)
+        assert "".join(named) == text.replace(" ", "Ġ").replace("\n", "Ċ")  # byte-level names
+        # The conversation as chat renders it; without the generation prompt, a prefix of it
+        # short of the assistant header; thinking on renders no empty think block.
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        chat_ids = generation_ids(ChatCompletionRequest, messages=messages)
+        chat = post("/tokenize", messages=messages)
+        assert chat["tokens"] == chat_ids and chat["count"] == len(chat_ids)
+        bare = post("/tokenize", messages=messages, add_generation_prompt=False)["tokens"]
+        assert 0 < len(bare) < len(chat_ids) and chat_ids[: len(bare)] == bare
+        assert tokenizer.decode(chat_ids[len(bare) :]).startswith("<|im_start|>assistant\n")
+        thinking = {"enable_thinking": True}
+        assert post("/tokenize", messages=messages, chat_template_kwargs=thinking)[
+            "tokens"
+        ] == generation_ids(ChatCompletionRequest, messages=messages, chat_template_kwargs=thinking)
+        assert len(generation_ids(
+            ChatCompletionRequest, messages=messages, chat_template_kwargs=thinking
+        )) < len(chat_ids)  # fmt: skip
+        # /detokenize gives the template's text back, control tokens and all.
+        back = post("/detokenize", tokens=chat_ids)["prompt"]
+        assert back.startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi")
+        assert post("/tokenize", prompt=back, add_special_tokens=False)["tokens"] == chat_ids
+        assert post("/detokenize", tokens=ids) == {"prompt": text}
+        assert post("/detokenize", tokens=[]) == {"prompt": ""}
+        # Refusals: a 4xx naming the field, in the OpenAI error shape.
+        user = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {"name": "f"}}
+        for path, body, status, param, fragment in [
+            ("/tokenize", {}, 400, "prompt", "Field required"),
+            ("/tokenize", {"prompt": 7}, 400, "prompt", "valid string"),
+            ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, 400,
+             "add_generation_prompt", "Extra inputs are not permitted"),
+            ("/tokenize", {"messages": []}, 400, "messages", "at least 1 item"),
+            ("/tokenize", {"messages": user, "add_special_tokens": True}, 400,
+             "add_special_tokens", "not supported by this server"),
+            ("/tokenize", {"messages": user, "tools": [tool]}, 400, "tools",
+             "does not render tools"),
+            ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model", "serves 'm'"),
+            ("/detokenize", {"tokens": [1, 4096]}, 400, "tokens.1",
+             "token 4096 is outside the vocabulary (0..4095)"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens.0", "greater than or equal to 0"),
+            ("/detokenize", {"tokens": "1,2"}, 400, "tokens", "valid array"),
+        ]:  # fmt: skip
+            r = httpx.post(f"{base}{path}", json=body, timeout=30)
+            error = r.json()["error"]
+            assert (r.status_code, error["param"]) == (status, param), (body, r.text)
+            assert fragment in error["message"], (body, error)
+        assert httpx.post(f"{base}/tokenize", content=b"", timeout=30).status_code == 400
+    finally:
+        engine.done.set()
+        server.shutdown(30)
+
+
+def test_byte_tokens_are_named_in_byte_fallback_notation():
+    """The byte models' tokens have no vocabulary names: printable ASCII is itself, any other
+    byte <0xNN>, the special ids by role; their text skips the special ids."""
+    server = _chat_server(ByteTokenizer())
+    req = server.parse_tokenize(b'{"prompt": "a\\n\\u00e9", "return_token_strs": true}')
+    answer = asyncio.run(server.tokenize(req))
+    assert answer.tokens == [97, 10, 0xC3, 0xA9]
+    assert answer.token_strs == ["a", "<0x0A>", "<0xC3>", "<0xA9>"]
+    assert ByteTokenizer().token_string(256) == "<eos>"
+    assert ByteTokenizer().token_string(257) == "<mask>"
+    assert ByteTokenizer().token_string(260) == "<unused260>"
+    detokenize = server.parse(DetokenizeRequest, b'{"tokens": [104, 256, 105]}')
+    assert asyncio.run(server.detokenize(detokenize)).prompt == "hi"

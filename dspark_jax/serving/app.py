@@ -3,7 +3,8 @@
 Endpoints: `GET /v1/models` and `GET /v1/models/{id}`, `POST /v1/completions`,
 `POST /v1/chat/completions` (streaming as server-sent events in the OpenAI chunk format, ending
 with `data: [DONE]`), `GET` or `HEAD /health` (503 until warm-up has compiled every program, and
-again while draining) and `GET /metrics` (Prometheus text).
+again while draining), `GET /metrics` (Prometheus text), and vLLM's `POST /tokenize` and
+`POST /detokenize` (the token ids a prompt or a conversation becomes, and back; no engine work).
 
 A request's path: the body is read with a size limit and a deadline (a body shorter than its
 Content-Length gets 408 instead of holding the connection), validated by the strict schemas of
@@ -38,7 +39,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi import FastAPI
@@ -60,9 +61,18 @@ from dspark_jax.serving.chat_output import ChatOutput, Piece, opens_reasoning
 from dspark_jax.serving.metrics import ServingMetrics
 from dspark_jax.serving.runtime import EngineRunner, ServiceUnavailable
 from dspark_jax.serving.text_stream import StopStrings, TextStream
-from dspark_jax.tokenizer import encode_chat, renders_tools, without_length_limit
+from dspark_jax.tokenizer import (
+    decode_all,
+    encode_chat,
+    encode_text,
+    renders_tools,
+    token_strings,
+    without_length_limit,
+)
 
 log = logging.getLogger(__name__)
+
+RequestBody = TypeVar("RequestBody", bound=BaseModel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +117,8 @@ class ServedModel:
     # TOOL_CALL_PARSERS.
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # The target's vocabulary (its embedding rows), which /detokenize holds ids to; None: unchecked.
+    vocab_size: int | None = None
 
     @classmethod
     def of_engine(
@@ -126,6 +138,7 @@ class ServedModel:
             defaults,
             reasoning_parser,
             tool_call_parser,
+            engine.target_cfg.vocab_size,
         )
 
 
@@ -804,7 +817,7 @@ class OpenAIServer:
             raise _ClientGone from None
         return bytes(body)
 
-    def parse(self, schema: type[api.GenerationRequest], body: bytes) -> api.GenerationRequest:
+    def parse(self, schema: type[RequestBody], body: bytes) -> RequestBody:
         if not body:
             raise ApiError(400, "a JSON body is required")
         try:
@@ -821,27 +834,97 @@ class OpenAIServer:
         of a completion's prompts."""
         tokenizer = self.model.tokenizer
         if isinstance(req, api.ChatCompletionRequest):
-            messages = [m.template_message() for m in req.messages]
             tools = None
             if req.calls_tools:
                 self._check_tools()
-                tools = [tool.model_dump(exclude_none=True) for tool in req.tools]
-
-            def render() -> list[int]:
-                return encode_chat(
-                    tokenizer, messages, enable_thinking=req.enable_thinking, tools=tools
-                )
-
-            try:
-                return [await run_in_threadpool(render)]
-            except (UserError, jinja2.TemplateError) as e:
-                raise ApiError(400, f"the chat template refused the messages: {e}") from None
+                tools = req.tools
+            return [await self._render_chat(req.messages, req.enable_thinking, tools)]
         return [
-            await run_in_threadpool(tokenizer.encode, prompt)
+            await run_in_threadpool(encode_text, tokenizer, prompt)
             if isinstance(prompt, str)
             else list(prompt)
             for prompt in req.prompts
         ]
+
+    async def _render_chat(
+        self,
+        messages: list[api.ChatMessage],
+        enable_thinking: bool,
+        tools: list[api.Tool] | None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The token ids of `messages` rendered with the chat template (off the event loop)."""
+        template_messages = [m.template_message() for m in messages]
+        tool_specs = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+        def render() -> list[int]:
+            return encode_chat(
+                self.model.tokenizer,
+                template_messages,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking,
+                tools=tool_specs,
+            )
+
+        try:
+            return await run_in_threadpool(render)
+        except (UserError, jinja2.TemplateError) as e:
+            raise ApiError(400, f"the chat template refused the messages: {e}") from None
+
+    # -- token counting (vLLM's /tokenize and /detokenize) -------------------------------------
+    def parse_tokenize(
+        self, body: bytes
+    ) -> api.TokenizeCompletionRequest | api.TokenizeChatRequest:
+        """A /tokenize body: the chat form when it carries `messages`, else the prompt form
+        (vLLM's two), so that an error speaks of one form's fields."""
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            data = None  # `parse` words what is wrong with it
+        chat = isinstance(data, dict) and "messages" in data
+        return self.parse(api.TokenizeChatRequest if chat else api.TokenizeCompletionRequest, body)
+
+    async def tokenize(
+        self, req: api.TokenizeCompletionRequest | api.TokenizeChatRequest
+    ) -> api.TokenizeResponse:
+        """The token ids the model would be given for a prompt or a conversation (and their
+        names), with the context they are measured against. Needs no engine: it answers during
+        warm-up too."""
+        tokenizer = self.model.tokenizer
+        if isinstance(req, api.TokenizeChatRequest):
+            if req.tools and not renders_tools(tokenizer):
+                raise ApiError(
+                    400,
+                    f"the chat template of {self.model.name} does not render tools",
+                    param="tools",
+                )
+            ids = await self._render_chat(
+                req.messages, req.enable_thinking, req.tools, req.add_generation_prompt
+            )
+        else:
+            ids = await run_in_threadpool(
+                encode_text, tokenizer, req.prompt, req.add_special_tokens
+            )
+        return api.TokenizeResponse(
+            count=len(ids),
+            max_model_len=self.model.max_model_len,
+            tokens=ids,
+            token_strs=token_strings(tokenizer, ids) if req.return_token_strs else None,
+        )
+
+    async def detokenize(self, req: api.DetokenizeRequest) -> api.DetokenizeResponse:
+        """The text of token ids, special tokens written out: /tokenize's inverse."""
+        vocab = self.model.vocab_size
+        if vocab is not None:
+            for index, token in enumerate(req.tokens):
+                if token >= vocab:
+                    raise ApiError(
+                        400,
+                        f"token {token} is outside the vocabulary (0..{vocab - 1})",
+                        param=f"tokens.{index}",
+                    )
+        text = await run_in_threadpool(decode_all, self.model.tokenizer, req.tokens)
+        return api.DetokenizeResponse(prompt=text)
 
     def _check_tools(self) -> None:
         """Raises ApiError unless this server can offer tools to the model and read its calls."""
@@ -1304,12 +1387,35 @@ def create_app(
     async def model(name: str):
         return JSONResponse(server.model_card(name).model_dump(mode="json"))
 
-    async def endpoint(http: HttpRequest, schema, chat: bool) -> Response:
+    async def with_body(http: HttpRequest, answer) -> Response:
+        """`answer(body)` once the body has arrived; nothing for a client that went away."""
         try:
             body = await server.read_body(http)
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        return await server.generate(http, server.parse(schema, body), chat)
+        return await answer(body)
+
+    async def endpoint(http: HttpRequest, schema, chat: bool) -> Response:
+        async def answer(body: bytes) -> Response:
+            return await server.generate(http, server.parse(schema, body), chat)
+
+        return await with_body(http, answer)
+
+    async def as_json(reply) -> Response:
+        return JSONResponse((await reply).model_dump(mode="json"))
+
+    @app.post("/tokenize")
+    async def tokenize(http: HttpRequest) -> Response:
+        return await with_body(
+            http, lambda body: as_json(server.tokenize(server.parse_tokenize(body)))
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(http: HttpRequest) -> Response:
+        return await with_body(
+            http,
+            lambda body: as_json(server.detokenize(server.parse(api.DetokenizeRequest, body))),
+        )
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):

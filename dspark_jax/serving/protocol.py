@@ -465,6 +465,55 @@ class ChatCompletionRequest(GenerationRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+# -- token counting (vLLM's /tokenize and /detokenize) -------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a `prompt`: its token ids as /v1/completions reads the same text."""
+
+    model: str | None = None
+    prompt: str
+    # What /v1/completions does (a Hugging Face tokenizer's BOS, where it has one; Qwen3's has
+    # none); false counts the text alone.
+    add_special_tokens: Annotated[bool, _null_means(True)] = True
+    return_token_strs: Flag = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with `messages`: the prompt /v1/chat/completions would give the model."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # False renders the conversation without the assistant header that opens the answer.
+    add_generation_prompt: Annotated[bool, _null_means(True)] = True
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    return_token_strs: Flag = False
+    # The template writes the special tokens itself; vLLM's neutral values of its other fields.
+    add_special_tokens: Annotated[bool | None, _only(None, False)] = None
+    continue_final_message: Annotated[bool | None, _only(None, False)] = None
+
+    @property
+    def enable_thinking(self) -> bool:
+        return self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: the text of token ids, special tokens written out."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # -- responses -----------------------------------------------------------------------------------
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
