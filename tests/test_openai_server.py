@@ -722,6 +722,45 @@ def test_streamed_choices_carry_their_index_and_end_one_by_one(served):
     assert texts[0] != texts[1]
 
 
+def test_continuous_usage_counts_the_tokens_sent_so_far(served):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, its
+    completion tokens those of the chunks sent up to it (both choices'), the last one the
+    stream's final usage."""
+    body = {
+        "model": MODEL,
+        "prompt": "def ",
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 3,
+        "max_tokens": 25,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = list(sse_events(r))
+    assert events[-1] == DONE
+    final = events[-2]["usage"]
+    chunks = events[:-2]
+    assert len(chunks) > 4 and final["completion_tokens"] == 50
+    sent = 0
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        sent += len(choice["token_ids"] or [])
+        assert chunk["usage"]["completion_tokens"] == sent
+        assert chunk["usage"]["prompt_tokens"] == final["prompt_tokens"] == 4
+        assert chunk["usage"]["total_tokens"] == 4 + sent
+    assert chunks[-1]["usage"] == final
+    # Without include_usage there is no usage to send continuously: refused, not ignored.
+    body["stream_options"] = {"continuous_usage_stats": True}
+    r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    assert "needs include_usage: true" in r.json()["error"]["message"]
+
+
 def test_client_disconnect_cancels_its_request(served):
     before = metrics(served.url).get("dspark:request_success_total{finished_reason=abort}", 0)
     # 480 tokens take several tenths of a second even on a fast host: both give up long before.

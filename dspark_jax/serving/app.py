@@ -1175,7 +1175,9 @@ class OpenAIServer:
             finish()
             raise
         return StreamingResponse(
-            self._stream(gens, merged, shape, first, req.include_usage, usage, finish),
+            self._stream(
+                gens, merged, shape, first, req.include_usage, req.continuous_usage, usage, finish
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -1210,17 +1212,32 @@ class OpenAIServer:
         shape: _Shape,
         first: tuple[int, tuple[str, list[int], list[Score]] | None],
         include_usage: bool,
+        continuous_usage: bool,
         usage: Callable[[], api.Usage],
         finish: Callable[[], None],
     ) -> AsyncIterator[bytes]:
         """Each choice's chunks as they come, each naming its choice's index; every choice ends
         with a chunk holding its finish reason, the stream with the usage (if asked) and
-        [DONE]."""
+        [DONE]. With `continuous_usage` every chunk also carries the usage so far: the tokens
+        of the pieces sent up to it, every choice's."""
+        sent = 0
+
+        def event_bytes(chunk: api.Completion | api.ChatCompletionChunk) -> bytes:
+            if continuous_usage:
+                whole = usage()
+                chunk.usage = whole.model_copy(
+                    update={
+                        "completion_tokens": sent,
+                        "total_tokens": whole.prompt_tokens + sent,
+                    }
+                )
+            return _sse(shape.dump(chunk))
+
         try:
             for index in range(len(gens)):
                 opening = shape.opening(index)
                 if opening is not None:
-                    yield _sse(shape.dump(opening))
+                    yield event_bytes(opening)
             event, ended, echoed = first, 0, set()
             while True:
                 index, piece = event
@@ -1229,22 +1246,23 @@ class OpenAIServer:
                     echoed.add(index)
                     echo = shape.echo_chunk(index, gen)
                     if echo is not None:
-                        yield _sse(shape.dump(echo))
+                        yield event_bytes(echo)
                 if piece is not None:
                     text, ids, scores = piece
+                    sent += len(ids)
                     part = gen.parse(text)
                     if part or (ids and (shape.with_ids or shape.token_text is not None)):
                         logprobs = shape.logprobs(gen, ids, scores)
-                        yield _sse(shape.dump(shape.chunk(index, part, ids, logprobs=logprobs)))
+                        yield event_bytes(shape.chunk(index, part, ids, logprobs=logprobs))
                 else:
                     ended += 1
                     if ended == len(gens):
                         finish()  # the request is over (and counted) before its client hears so
                     part = gen.parse_end()
                     if part:
-                        yield _sse(shape.dump(shape.chunk(index, part, [])))
+                        yield event_bytes(shape.chunk(index, part, []))
                     reason = gen.reported_finish_reason
-                    yield _sse(shape.dump(shape.chunk(index, "", [], reason)))
+                    yield event_bytes(shape.chunk(index, "", [], reason))
                     if ended == len(gens):
                         break
                 event = await _next_event(merged)

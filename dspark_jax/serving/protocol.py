@@ -14,8 +14,8 @@ several JSON types (`prompt`, `stop`, message `content`) pick the schema by the 
 so an error names one place and says one thing.
 
 Extensions shared with vLLM: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
-(the generated token ids beside the text) and, for chat, `chat_template_kwargs`
-(`enable_thinking`).
+(the generated token ids beside the text), `stream_options.continuous_usage_stats` and, for chat,
+`chat_template_kwargs` (`enable_thinking`); and vLLM's /tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -130,6 +130,15 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: Flag = False
+    # vLLM's: every chunk also carries the usage so far (with include_usage, as there).
+    continuous_usage_stats: Flag = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _with_usage(cls, value: bool, info: ValidationInfo):
+        if value and not info.data.get("include_usage"):
+            raise ValueError("needs include_usage: true")
+        return value
 
 
 class GenerationRequest(_Strict):
@@ -195,6 +204,11 @@ class GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def wants_logprobs(self) -> bool:
