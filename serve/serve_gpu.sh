@@ -7,6 +7,8 @@
 #
 # With no MODEL it serves the small pair embedded in the package (a smoke test), at its own
 # context; a MODEL gets 4096-token requests (MAX_MODEL_LEN overrides).
+# It listens on every interface (HOST=0.0.0.0): export DSPARK_JAX_API_KEY so that clients
+# need that key (docs/serving.md, "API key").
 set -euo pipefail
 
 MODEL=${MODEL:-}                 # a converted folder holding target/ and draft/

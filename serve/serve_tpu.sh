@@ -7,6 +7,8 @@
 # A model whose parameters take more than 75% of one chip (Qwen3-8B on v5e's 16 GB) is split
 # on the mesh's tensor axis over as many of the host's chips as its head counts divide; MESH=data,fsdp,tensor chooses another
 # mesh (docs/engine.md, "On a mesh").
+# It listens on every interface (HOST=0.0.0.0): export DSPARK_JAX_API_KEY so that clients
+# need that key (docs/serving.md, "API key").
 set -euo pipefail
 
 MODEL=${MODEL:?set MODEL to a converted folder holding target/ and draft/}

@@ -64,6 +64,7 @@ def _args(*argv: str) -> argparse.Namespace:
         (["--prefill-buckets", "0"], "positive integers"),
         (["--max-num-seqs", "8", "--draft-buckets", "2,4"], "must end at --max-num-seqs 8"),
         (["--no-draft", "--draft-buckets", "8"], "--draft-buckets needs a drafter"),
+        (["--api-key", " "], "--api-key is empty; give a key"),
     ],
 )
 def test_bad_settings_are_refused_before_loading(argv, fragment):
@@ -103,6 +104,8 @@ def _start(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.P
     )
     line = proc.stdout.readline()
     assert "serving tiny-vanilla" in line, (line, (tmp_path / "serve.log").read_text())
+    keyed = env is not None and command.API_KEY_ENV in env
+    assert ("/v1 (API key required) -- " in line) is keyed, line
     caching = "off" if "--no-prefix-caching" in flags else "on"
     parser = "; reasoning parser qwen3" if "--reasoning-parser=qwen3" in flags else ""
     assert f"prefix caching {caching}{parser})" in line, line
@@ -334,12 +337,27 @@ def test_a_second_ctrl_c_aborts_running_requests_at_once(tmp_path):
     assert waited < 15
 
 
+def test_the_api_key_comes_from_the_flag_or_else_the_environment(monkeypatch):
+    monkeypatch.delenv(command.API_KEY_ENV, raising=False)
+    assert command.api_key(_args()) is None
+    monkeypatch.setenv(command.API_KEY_ENV, "")  # empty is unset
+    assert command.api_key(_args()) is None
+    monkeypatch.setenv(command.API_KEY_ENV, "from-env")
+    assert command.api_key(_args()) == "from-env"
+    assert command.api_key(_args("--api-key", "from-flag")) == "from-flag"
+
+
 def test_ctrl_c_during_warm_up_exits_promptly(tmp_path):
     """Warm-up cannot be interrupted mid-compilation; Ctrl-C still ends the process at once
-    (after --drain-timeout), with status 0 and no traceback."""
-    proc, url = _start(tmp_path, "--drain-timeout=1")
+    (after --drain-timeout), with status 0 and no traceback. (Its server takes its API key from
+    the environment: the startup line says a key is required, and a request without it gets
+    401 while /health answers.)"""
+    proc, url = _start(tmp_path, "--drain-timeout=1", env={command.API_KEY_ENV: "k3y"})
     try:
         assert wait_until(lambda: _health(url) == 503, 120, interval=0.05)
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
+        keyed = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k3y"}, timeout=5)
+        assert keyed.status_code == 200
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0

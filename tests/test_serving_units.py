@@ -775,3 +775,49 @@ def test_byte_tokens_are_named_in_byte_fallback_notation():
     assert ByteTokenizer().token_string(260) == "<unused260>"
     detokenize = server.parse(DetokenizeRequest, b'{"tokens": [104, 256, 105]}')
     assert asyncio.run(server.detokenize(detokenize)).prompt == "hi"
+
+
+def test_an_api_key_is_asked_of_every_request_but_probes_and_scrapes(monkeypatch):
+    """--api-key: a request without `Authorization: Bearer <key>` (or with another key) gets
+    OpenAI's 401 invalid_api_key, counted, the key it sent not echoed; /health and /metrics
+    answer without one; an OpenAI client given the key as its api_key gets in."""
+    monkeypatch.setattr(runtime, "Batcher", _IdleBatcher)
+    model = ServedModel("m", ByteTokenizer(), 64, (256,))
+    metrics = ServingMetrics(1, 1, 0)
+    app_server = OpenAIServer(EngineRunner(StandInEngine(), max_waiting=4), model, metrics)
+    server = HttpServer(
+        app_server, bind_socket("127.0.0.1", 0), log_level="critical", api_key="s3cret"
+    ).start()
+    host, port = server.address
+    base = f"http://{host}:{port}"
+    try:
+        assert app_server.runner.wait_ready(30)
+        refused = []
+        for headers in ({}, {"Authorization": "Bearer wr0ng"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic czNjcmV0"}):  # fmt: skip
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                 ("POST", "/tokenize"), ("GET", "/v1/no-such-route")):  # fmt: skip
+                r = httpx.request(
+                    method, f"{base}{path}", json={"prompt": "x"}, headers=headers, timeout=10
+                )
+                assert r.status_code == 401, (headers, path, r.text)
+                assert r.headers["www-authenticate"] == "Bearer"
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                assert "wr0ng" not in r.text and "s3cret" not in r.text
+                refused.append(r.json()["error"]["message"])
+        assert "the API key is not valid" in refused[4]
+        assert "'Authorization: Bearer <key>'" in refused[0] == refused[8] == refused[12]
+        assert metrics.http_responses.labels("401")._value.get() == 16
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+        for scheme in ("Bearer", "bearer"):
+            keyed = {"Authorization": f"{scheme} s3cret"}
+            assert httpx.get(f"{base}/v1/models", headers=keyed, timeout=10).status_code == 200
+        import openai
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["m"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="other", max_retries=0).models.list()
+    finally:
+        server.shutdown(30)

@@ -21,6 +21,9 @@ from dspark_jax.errors import UserError
 from dspark_jax.serving.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 DEFAULT_MAX_MODEL_LEN = 2048
+# Where the API key is read from when --api-key is not given: an environment variable keeps it
+# out of the process list and the shell history.
+API_KEY_ENV = "DSPARK_JAX_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default 2048)",
     )
     http.add_argument(
+        "--api-key",
+        help="require the header 'Authorization: Bearer KEY' (an OpenAI client's api_key) on "
+        "every endpoint but /health and /metrics; others get 401 (default: "
+        f"${API_KEY_ENV}, which keeps the key out of the process list; unset or empty: no key)",
+    )
+    http.add_argument(
         "--read-timeout",
         type=float,
         default=30.0,
@@ -186,8 +195,22 @@ def _buckets(text: str | None, flag: str) -> tuple[int, ...] | None:
     return values
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key requests must carry: --api-key, else $DSPARK_JAX_API_KEY; None: no key (an empty
+    variable is unset). An empty --api-key is refused: it would let every request in."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise UserError(
+                f"--api-key is empty; give a key, or leave it out (and ${API_KEY_ENV} unset) "
+                "to serve without one"
+            )
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuses out-of-range numbers and missing files before anything is loaded."""
+    api_key(args)
     positive = {
         "--max-num-seqs": args.max_num_seqs,
         "--max-model-len": args.max_model_len,
@@ -344,6 +367,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
     )
+    key = api_key(args)
     app_server = build_app_server(
         engine,
         model,
@@ -358,6 +382,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         drain_timeout_s=args.drain_timeout,
         max_connections=args.max_connections,
         log_level=args.log_level,
+        api_key=key,
     )
     host, port = server.address
     mode = (
@@ -378,8 +403,8 @@ def _serve(args: argparse.Namespace, sock) -> int:
         f"{format_bytes(kv_bytes)}{'' if mesh is None else ' per device'}; "
         f"{describe_mesh(mesh)}; prefix caching {'on' if args.prefix_caching else 'off'}"
         f"{parsers}) on "
-        f"http://{host}:{port}/v1 -- warming up, /health turns "
-        "200 when ready; SIGTERM or Ctrl-C drains and stops",
+        f"http://{host}:{port}/v1{' (API key required)' if key else ''} -- warming up, /health "
+        "turns 200 when ready; SIGTERM or Ctrl-C drains and stops",
         flush=True,
     )
     status = server.serve()

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hmac
 import json
 import logging
 import time
@@ -1350,14 +1351,54 @@ class _ConnectionLimit:
         return await self.app(scope, receive, send)
 
 
+class _ApiKey:
+    """ASGI wrapper refusing a request that does not carry `Authorization: Bearer <key>` with a
+    401 (OpenAI's invalid_api_key error, `WWW-Authenticate: Bearer`), before anything reads its
+    body. `/health` and `/metrics` need no key: probes and scrapers send none (keep them behind
+    the network's own controls). The key is compared in constant time and never echoed."""
+
+    EXEMPT = _ConnectionLimit.EXEMPT
+
+    def __init__(self, app, key: str):
+        if not key:
+            raise ValueError("an empty API key would let every request in")
+        self.app = app
+        self.key = key.encode()
+
+    def _authorized(self, headers) -> bool | None:
+        """True for the key, False for another, None for no bearer credentials at all."""
+        given = next((value for name, value in headers if name == b"authorization"), None)
+        scheme, _, token = (given or b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            return None
+        return hmac.compare_digest(token.strip(), self.key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.EXEMPT:
+            authorized = self._authorized(scope["headers"])
+            if not authorized:
+                message = (
+                    "the API key is not valid"
+                    if authorized is False
+                    else "an API key is required: send it as the header "
+                    "'Authorization: Bearer <key>' (OpenAI clients do, from their api_key)"
+                )
+                error = ApiError(
+                    401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+                )
+                return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(
     server: OpenAIServer,
     max_connections: int | None = None,
     open_connections: Callable[[], int] = lambda: 0,
+    api_key: str | None = None,
 ):
     """The ASGI app: FastAPI routes over `server`, behind the connection limit (None: none;
-    `open_connections` counts them, the request's own included), wrapped to count response
-    codes."""
+    `open_connections` counts them, the request's own included) and, given `api_key`, the key
+    check, wrapped to count response codes."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -1445,4 +1486,6 @@ def create_app(
 
     if max_connections is not None:
         app = _ConnectionLimit(app, max_connections, open_connections)
+    if api_key is not None:
+        app = _ApiKey(app, api_key)
     return _CountStatus(app, server.metrics)

@@ -14,6 +14,8 @@
 - Past `max_connections` open connections a request gets 503 from the app (an OpenAI error with
   Retry-After, counted), not from uvicorn's limit_concurrency (text/plain, uncounted);
   `/health` and `/metrics` are still answered.
+- With `api_key`, every request but `/health` and `/metrics` must carry
+  `Authorization: Bearer <key>`; others get 401 before their body is read.
 - SIGTERM and SIGINT (Ctrl-C) drain: uvicorn closes the listening socket and the app stops
   taking requests and sheds those not started (503). Running requests get `drain_timeout_s` to
   finish; then the app aborts them itself, so each ends with a whole answer (503, or a last
@@ -256,12 +258,16 @@ class HttpServer:
         max_connections: int = 2048,
         log_level: str = "info",
         access_log: bool = True,
+        api_key: str | None = None,
     ):
         self.app_server = app_server
         self.sock = sock
         self.drain_timeout_s = drain_timeout_s
         app = create_app(
-            app_server, max_connections, lambda: open_connections(self._server.server_state)
+            app_server,
+            max_connections,
+            lambda: open_connections(self._server.server_state),
+            api_key=api_key,
         )
         config = uvicorn.Config(
             app,
