@@ -16,6 +16,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if os.environ["JAX_PLATFORMS"] != "cpu":
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
+# The servers tests start (in-process and as child processes) take no API key from the
+# developer's environment: their clients send none, except where a test sets one itself.
+os.environ.pop("DSPARK_JAX_API_KEY", None)
+
 # Compiled programs go to a persistent cache private to this test session (both xdist workers
 # and the processes tests start inherit it): commands run in-process use it through
 # DSPARK_JAX_COMPILATION_CACHE, everything else through JAX's own setting. Many tests build an
