@@ -17,6 +17,7 @@ from serving_helpers import StandInEngine, wait_until
 from uvicorn.config import LOGGING_CONFIG
 from uvicorn.logging import AccessFormatter
 
+import dspark_jax
 from dspark_jax.decoding.batching import Handle
 from dspark_jax.embedded import EMBEDDED_TARGET
 from dspark_jax.serving import runtime
@@ -810,9 +811,12 @@ def test_an_api_key_is_asked_of_every_request_but_probes_and_scrapes(monkeypatch
         assert metrics.http_responses.labels("401")._value.get() == 16
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
         assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/version", timeout=10).status_code == 401
         for scheme in ("Bearer", "bearer"):
             keyed = {"Authorization": f"{scheme} s3cret"}
             assert httpx.get(f"{base}/v1/models", headers=keyed, timeout=10).status_code == 200
+        version = httpx.get(f"{base}/version", headers=keyed, timeout=10).json()
+        assert version == {"version": dspark_jax.__version__}
         import openai
 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)

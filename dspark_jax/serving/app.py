@@ -4,7 +4,8 @@ Endpoints: `GET /v1/models` and `GET /v1/models/{id}`, `POST /v1/completions`,
 `POST /v1/chat/completions` (streaming as server-sent events in the OpenAI chunk format, ending
 with `data: [DONE]`), `GET` or `HEAD /health` (503 until warm-up has compiled every program, and
 again while draining), `GET /metrics` (Prometheus text), and vLLM's `POST /tokenize` and
-`POST /detokenize` (the token ids a prompt or a conversation becomes, and back; no engine work).
+`POST /detokenize` (the token ids a prompt or a conversation becomes, and back; no engine work)
+and `GET /version`.
 
 A request's path: the body is read with a size limit and a deadline (a body shorter than its
 Content-Length gets 408 instead of holding the connection), validated by the strict schemas of
@@ -1433,6 +1434,12 @@ def create_app(
         # Like every 503 of this server: a probe or client waiting for warm-up knows when.
         headers = {"Retry-After": "1"} if status == 503 else None
         return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.get("/version")
+    async def version():
+        from dspark_jax import __version__
+
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics():
