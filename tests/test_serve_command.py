@@ -345,6 +345,12 @@ def test_the_api_key_comes_from_the_flag_or_else_the_environment(monkeypatch):
     monkeypatch.setenv(command.API_KEY_ENV, "from-env")
     assert command.api_key(_args()) == "from-env"
     assert command.api_key(_args("--api-key", "from-flag")) == "from-flag"
+    for bad in ("clé", "key\n", " key"):
+        with pytest.raises(UserError, match=r"--api-key must be printable ASCII"):
+            command.api_key(_args("--api-key", bad))
+    monkeypatch.setenv(command.API_KEY_ENV, "key ")
+    with pytest.raises(UserError, match=r"^\$DSPARK_JAX_API_KEY must be printable ASCII"):
+        command.api_key(_args())
 
 
 def test_ctrl_c_during_warm_up_exits_promptly(tmp_path):

@@ -199,13 +199,21 @@ def api_key(args: argparse.Namespace) -> str | None:
     """The key requests must carry: --api-key, else $DSPARK_JAX_API_KEY; None: no key (an empty
     variable is unset). An empty --api-key is refused: it would let every request in."""
     if args.api_key is not None:
-        if not args.api_key.strip():
+        key, source = args.api_key, "--api-key"
+        if not key.strip():
             raise UserError(
                 f"--api-key is empty; give a key, or leave it out (and ${API_KEY_ENV} unset) "
                 "to serve without one"
             )
-        return args.api_key
-    return os.environ.get(API_KEY_ENV) or None
+    else:
+        key, source = os.environ.get(API_KEY_ENV) or None, f"${API_KEY_ENV}"
+    # A header value carries printable ASCII; spaces at either end would never arrive.
+    if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
+        raise UserError(
+            f"{source} must be printable ASCII without spaces at either end (it travels as the "
+            "HTTP header 'Authorization: Bearer KEY')"
+        )
+    return key
 
 
 def check_arguments(args: argparse.Namespace) -> None:

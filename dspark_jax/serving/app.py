@@ -1361,8 +1361,8 @@ class _ApiKey:
     EXEMPT = _ConnectionLimit.EXEMPT
 
     def __init__(self, app, key: str):
-        if not key:
-            raise ValueError("an empty API key would let every request in")
+        if not key or key != key.strip() or not key.isascii():
+            raise ValueError("an API key is non-empty ASCII without spaces at either end")
         self.app = app
         self.key = key.encode()
 
