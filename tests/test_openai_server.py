@@ -1132,3 +1132,12 @@ def test_short_load_run(served):
     slot_turns = after["dspark:slot_rounds_total"] - before_all["dspark:slot_rounds_total"]
     rounds = after["dspark:device_rounds_total"] - before_all["dspark:device_rounds_total"]
     assert 0 < slot_turns <= rounds * SMALL_ENGINE.num_slots  # occupancy in (0, 1]
+
+    def grew(name: str) -> float:
+        return after[name] - before_all[name]
+
+    # Each request was admitted once; 16 clients on 4 slots queue, and a request's wait for a
+    # slot is part of its time to first token.
+    queue, ttft = "dspark:request_queue_time_seconds", "dspark:time_to_first_token_seconds"
+    assert grew(f"{queue}_count") == grew(f"{ttft}_count") == 48
+    assert 0 < grew(f"{queue}_sum") < grew(f"{ttft}_sum")

@@ -160,8 +160,9 @@ class Observer:
     def on_step(self, waiting: int, running: int, slots_busy: int, pages_reserved: int) -> None:
         pass
 
-    def on_admit(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """A request took a slot; `cached_tokens` of its prompt came from the prefix cache."""
+    def on_admit(self, prompt_tokens: int, cached_tokens: int, queued_s: float) -> None:
+        """A request took a slot `queued_s` after it was submitted; `cached_tokens` of its prompt
+        came from the prefix cache."""
 
     def on_first_token(self, ttft_s: float) -> None:
         pass
@@ -656,7 +657,9 @@ class Batcher:
             handle.held = cached
             handle.cached_tokens = handle.prefilled = len(cached) * self.allocator.page_size
             self._enter_prompt_pages(handle, prompt, cached)
-            self.observer.on_admit(len(prompt), handle.cached_tokens)
+            self.observer.on_admit(
+                len(prompt), handle.cached_tokens, time.monotonic() - handle.submitted
+            )
             self.owners[handle.slot] = handle
             self.prefilling.append(handle)
         with self._lock:

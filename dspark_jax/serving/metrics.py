@@ -137,6 +137,13 @@ _METRICS = (
         ("finished_reason",),
     ),
     _Metric(
+        "queue_time",
+        Histogram,
+        "request_queue_time_seconds",
+        "Submission to admission: waiting for a slot and KV pages",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    _Metric(
         "ttft",
         Histogram,
         "time_to_first_token_seconds",
@@ -251,9 +258,10 @@ class ServingMetrics(Observer):
         self.pages_reserved.set(pages_reserved)
         self.kv_usage.set(pages_reserved / self._pages)
 
-    def on_admit(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def on_admit(self, prompt_tokens: int, cached_tokens: int, queued_s: float) -> None:
         self.prefix_queries.inc(prompt_tokens)
         self.prefix_hits.inc(cached_tokens)
+        self.queue_time.observe(queued_s)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
