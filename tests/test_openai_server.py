@@ -1134,10 +1134,15 @@ def test_short_load_run(served):
     assert 0 < slot_turns <= rounds * SMALL_ENGINE.num_slots  # occupancy in (0, 1]
 
     def grew(name: str) -> float:
-        return after[name] - before_all[name]
+        return after[name] - before_all.get(name, 0)
 
     # Each request was admitted once; 16 clients on 4 slots queue, and a request's wait for a
     # slot is part of its time to first token.
     queue, ttft = "dspark:request_queue_time_seconds", "dspark:time_to_first_token_seconds"
     assert grew(f"{queue}_count") == grew(f"{ttft}_count") == 48
     assert 0 < grew(f"{queue}_sum") < grew(f"{ttft}_sum")
+    # Per request, the tokens the totals count: each finished request observed once.
+    finished = sum(grew(k) for k in after if k.startswith("dspark:request_success_total{"))
+    for kind in ("prompt", "generation"):
+        assert grew(f"dspark:request_{kind}_tokens_count") == finished == 48
+        assert grew(f"dspark:request_{kind}_tokens_sum") == grew(f"dspark:{kind}_tokens_total") > 0

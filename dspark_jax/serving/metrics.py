@@ -78,6 +78,8 @@ class _CompileCollector:
 
 # Seconds; tuned for CPU tests up to slow accelerators under load.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+# Tokens per request: 1-2-5 steps up to a million-token context.
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -135,6 +137,20 @@ _METRICS = (
         "request_success",
         "Finished requests, by the finish reason their client got (abort: cancelled)",
         ("finished_reason",),
+    ),
+    _Metric(
+        "request_prompt_tokens",
+        Histogram,
+        "request_prompt_tokens",
+        "Prompt tokens per finished request",
+        buckets=_TOKEN_BUCKETS,
+    ),
+    _Metric(
+        "request_generation_tokens",
+        Histogram,
+        "request_generation_tokens",
+        "Generation tokens per finished request (as its usage counts them; abort: those generated)",
+        buckets=_TOKEN_BUCKETS,
     ),
     _Metric(
         "queue_time",
@@ -299,3 +315,5 @@ class ServingMetrics(Observer):
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
