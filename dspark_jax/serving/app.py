@@ -894,12 +894,8 @@ class OpenAIServer:
         warm-up too."""
         tokenizer = self.model.tokenizer
         if isinstance(req, api.TokenizeChatRequest):
-            if req.tools and not renders_tools(tokenizer):
-                raise ApiError(
-                    400,
-                    f"the chat template of {self.model.name} does not render tools",
-                    param="tools",
-                )
+            if req.tools:
+                self._check_template_renders_tools()
             ids = await self._render_chat(
                 req.messages, req.enable_thinking, req.tools, req.add_generation_prompt
             )
@@ -937,6 +933,10 @@ class OpenAIServer:
                 '(Qwen3\'s format), or send tool_choice "none"',
                 param="tools",
             )
+        self._check_template_renders_tools()
+
+    def _check_template_renders_tools(self) -> None:
+        """Raises ApiError unless the chat template shows the model the tools it is given."""
         if not renders_tools(self.model.tokenizer):
             raise ApiError(
                 400,

@@ -408,16 +408,21 @@ class ChatTemplateKwargs(_Strict):
     enable_thinking: bool = False
 
 
+# What a chat template renders, as chat completions and /tokenize take it alike.
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+Tools = Annotated[list[Tool], Field(max_length=128)]
+
+
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions, rendered with the target's chat template."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Messages
     max_completion_tokens: TokenCount | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     logprobs: bool | None = None  # each token's log-probability
     # ... and that many alternatives' (OpenAI's bound, 20; needs logprobs).
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tools: Tools | None = None
     # "required" and a named function would need decoding constrained to the tools' schemas.
     tool_choice: (
         Annotated[
@@ -495,11 +500,11 @@ class TokenizeChatRequest(_Strict):
     """POST /tokenize with `messages`: the prompt /v1/chat/completions would give the model."""
 
     model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Messages
     # False renders the conversation without the assistant header that opens the answer.
     add_generation_prompt: Annotated[bool, _null_means(True)] = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tools: Tools | None = None
     return_token_strs: Flag = False
     # The template writes the special tokens itself; vLLM's neutral values of its other fields.
     add_special_tokens: Annotated[bool | None, _only(None, False)] = None
