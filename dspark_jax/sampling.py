@@ -548,6 +548,21 @@ def apply_logit_bias(logits_xv: jax.Array, ids_xk: jax.Array, bias_xk: jax.Array
     return flat_xv.reshape(logits_xv.shape)
 
 
+def ban_tokens(logits_xv: jax.Array, ids_xk: jax.Array, ban_x: jax.Array) -> jax.Array:
+    """float32 logits [..., V] with each row's token ids [..., K] (negative: none) set to -inf in
+    the rows where `ban_x` [...] holds: no sampling, filter or argmax can pick them there. Other
+    rows keep their float32 logits bitwise."""
+    vocab = logits_xv.shape[-1]
+    k = ids_xk.shape[-1]
+    flat_xv = logits_xv.astype(jnp.float32).reshape(-1, vocab)
+    # Ids of rows not banned (and padding) go past the vocabulary, where the scatter drops them:
+    # a negative index would count from the end.
+    ids_xk = jnp.where(ban_x[..., None] & (ids_xk >= 0), ids_xk, vocab)
+    rows_x1 = jnp.arange(flat_xv.shape[0])[:, None]
+    flat_xv = flat_xv.at[rows_x1, ids_xk.reshape(-1, k)].set(-jnp.inf, mode="drop")
+    return flat_xv.reshape(logits_xv.shape)
+
+
 def logit_bias_rows(ids_xk: jax.Array, bias_xk: jax.Array, vocab: int) -> jax.Array:
     """Each row's logit bias as a dense float32 row [..., V] (0 off its ids)."""
     zeros = jnp.zeros((*ids_xk.shape[:-1], vocab), jnp.float32)

@@ -101,12 +101,16 @@ def _last_logits(target, max_len: int):
     return _LOGITS_FNS[key]
 
 
-def adjusted_greedy_reference(target, prompt, sampling, new_tokens: int, max_len: int):
+def adjusted_greedy_reference(
+    target, prompt, sampling, new_tokens: int, max_len: int, stops=(), min_tokens: int = 0
+):
     """Greedy tokens of the target run over each whole prefix (numpy, float64), its logits
-    less the `sampling`'s penalties for the tokens generated so far, plus its logit bias."""
+    less the `sampling`'s penalties for the tokens generated so far, plus its logit bias; with
+    `stops`, up to the first of them (included), which are banned from the first `min_tokens`
+    tokens."""
     logits_fn = _last_logits(target, max_len)
     tokens: list[int] = []
-    for _ in range(new_tokens):
+    while len(tokens) < new_tokens and not (tokens and tokens[-1] in stops):
         seq = np.zeros((max_len,), np.int32)
         seq[: len(prompt) + len(tokens)] = list(prompt) + tokens
         logits = np.asarray(logits_fn(seq, len(prompt) + len(tokens) - 1), np.float64)
@@ -116,5 +120,7 @@ def adjusted_greedy_reference(target, prompt, sampling, new_tokens: int, max_len
         )
         for token, bias in sampling.logit_bias:
             logits[token] += bias
+        if len(tokens) < min_tokens:
+            logits[list(stops)] = -np.inf
         tokens.append(int(np.argmax(logits)))
     return tokens

@@ -76,6 +76,10 @@ class Request:
     sampling: SamplingConfig = GREEDY
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # No stop token (the request's or the model's) ends it before this many new tokens: they
+    # are banned from the target's logits at the places before (vLLM's min_tokens). At most
+    # max_new_tokens.
+    min_tokens: int = 0
     # Requests share prefix-cache pages only with requests of the same salt (None: unsalted),
     # so one tenant's time to first token cannot tell what another's prompts began with.
     cache_salt: str | None = None
@@ -494,6 +498,13 @@ class Batcher:
             request.stop_token_ids,
             request.sampling,
         )
+        least = as_integer(request.min_tokens)
+        if least is None or not 0 <= least <= request.max_new_tokens:
+            raise EngineError(
+                f"min_tokens must be an integer in 0..max_new_tokens ({request.max_new_tokens}), "
+                f"got {request.min_tokens!r}",
+                "min_tokens",
+            )
         stop_ids = tuple(
             dict.fromkeys(
                 (*request.stop_token_ids, *(() if request.ignore_eos else self.engine.stop_tokens))
@@ -691,6 +702,7 @@ class Batcher:
                     frequency_penalty=r.sampling.frequency_penalty,
                     logit_bias=r.sampling.logit_bias,
                     max_new_tokens=r.max_new_tokens,
+                    min_new_tokens=r.min_tokens,
                     stop_tokens=handle.stop_ids,
                     seed=r.seed,
                     first=handle.prefilled == handle.cached_tokens,

@@ -74,6 +74,7 @@ from dspark_jax.sampling import (
     SamplingConfig,
     apply_logit_bias,
     apply_penalties,
+    ban_tokens,
     logprobs_and_argmax,
     penalties,
     position_keys,
@@ -85,8 +86,8 @@ from dspark_jax.sharding import check_model_split, logical_sharding, state_shard
 class EngineError(UserError):
     """A request or setting the engine cannot serve as configured. `field`: the `Request` field
     at fault where there is one (`prompt_ids`, `stop_token_ids`, `max_new_tokens`, `seed`,
-    `sampling`, `logit_bias`), so a server can name the parameter of its own API that carried
-    it."""
+    `sampling`, `logit_bias`, `min_tokens`), so a server can name the parameter of its own API
+    that carried it."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -128,11 +129,11 @@ class EngineConfig:
     the paged attention path ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
     attention_interpret runs the Pallas paths in interpret mode (tests on CPU).
     penalties: serve requests with presence or frequency penalties (`SamplingConfig`). The
-    state then counts each slot's generated tokens ([num_slots, vocabulary] int32), and the
-    decode program holds a second sampling of the verified rows, over penalised logits, that
-    runs in the rounds where some live request has a penalty (the other rounds run the same
-    sampling as without: they cost nothing but the counting). Off, a request with a penalty is
-    refused.
+    state then counts each slot's generated tokens ([num_slots, vocabulary] int32), which the
+    decode program's second sampling of the verified rows takes off their logits: the one that
+    runs only in rounds where some live request adjusts its logits (a penalty, a logit bias, or
+    stop tokens banned before its min_tokens; the other rounds cost nothing but the counting).
+    Off, a request with a penalty is refused.
     max_logit_bias: the most tokens a request's `SamplingConfig.logit_bias` may bias (0: none;
     a request with a logit_bias is refused). The state then holds each slot's bias ids and
     values ([num_slots, max_logit_bias] each), added to its logits in the same conditional
@@ -356,6 +357,9 @@ class SlotState:
     key_data_s: jax.Array
     sampling_s: RowSampling
     max_new_s: jax.Array  # tokens to generate, the first (from prefill) included
+    # Tokens the request generates before a stop token may end it (`Request.min_tokens`): its
+    # stop tokens are banned from the target's logits at the places before (0: none).
+    min_new_s: jax.Array
     stop_sk: jax.Array  # stop token ids, NO_STOP_TOKEN-padded
     num_generated_s: jax.Array
     live_s: jax.Array  # holds a request that has not finished
@@ -436,6 +440,7 @@ class PrefillBatch:
     bias_ids_nk: np.ndarray  # int32 [N, max(1, max_logit_bias)]: logit_bias token ids
     bias_nk: np.ndarray  # float32, the same shape: their biases (0 past a request's own)
     max_new_n: np.ndarray
+    min_new_n: np.ndarray  # int32: PrefillItem.min_new_tokens
     stop_nk: np.ndarray
     seed_n: np.ndarray  # uint32
     prompt_len_n: np.ndarray
@@ -464,6 +469,7 @@ class PrefillItem:
     stop_tokens: tuple[int, ...]
     seed: int
     min_p: float = 0.0
+    min_new_tokens: int = 0  # no stop token before this many tokens (`Request.min_tokens`)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # SamplingConfig.logit_bias's pairs
@@ -797,6 +803,7 @@ class Engine:
                 jnp.zeros((s,), jnp.float32),
             ),
             max_new_s=jnp.zeros((s,), jnp.int32),
+            min_new_s=jnp.zeros((s,), jnp.int32),
             stop_sk=jnp.full((s, cfg.max_stop_tokens), NO_STOP_TOKEN, jnp.int32),
             num_generated_s=jnp.zeros((s,), jnp.int32),
             live_s=jnp.zeros((s,), bool),
@@ -1034,6 +1041,7 @@ class Engine:
         bias_ids = np.zeros((n, max(1, cfg.max_logit_bias)), np.int32)
         bias = np.zeros((n, max(1, cfg.max_logit_bias)), np.float32)
         max_new = np.zeros((n,), np.int32)
+        min_new = np.zeros((n,), np.int32)
         stop = np.full((n, cfg.max_stop_tokens), NO_STOP_TOKEN, np.int32)
         seed = np.zeros((n,), np.uint32)
         prompt_len = np.zeros((n,), np.int32)
@@ -1065,6 +1073,7 @@ class Engine:
             for j, (token, value) in enumerate(it.logit_bias):
                 bias_ids[i, j], bias[i, j] = token, value
             max_new[i] = it.max_new_tokens
+            min_new[i] = it.min_new_tokens
             if len(it.stop_tokens) > cfg.max_stop_tokens:
                 raise EngineError(
                     f"{len(it.stop_tokens)} stop tokens exceed max_stop_tokens "
@@ -1103,6 +1112,7 @@ class Engine:
             bias_ids,
             bias,
             max_new,
+            min_new,
             stop,
             seed,
             prompt_len,
@@ -1375,6 +1385,7 @@ def _prefill(
         key_data_s=put(state.key_data_s, jax.random.key_data(keys_n)),
         sampling_s=sampling,
         max_new_s=put(state.max_new_s, host["max_new_n"]),
+        min_new_s=put(state.min_new_s, host["min_new_n"]),
         stop_sk=put(state.stop_sk, host["stop_nk"]),
         num_generated_s=put(state.num_generated_s, 0),
         live_s=put(state.live_s, False),
@@ -1419,8 +1430,9 @@ def _prefill(
         target.logits(hidden_nd),
         slot_rows,
         jnp.max(jnp.where(final_n, host["logprobs_n"], -1)),
-        # A logit bias applies from the first token on (no penalty does: nothing is counted).
-        None if state.bias_sk is None else (state, seq_slot_n, final_n),
+        # A logit bias and min_tokens apply from the first token on (no penalty does: nothing
+        # is counted yet).
+        (state, seq_slot_n, final_n),
     )
     stopped_n = _is_stop(first_n, state.stop_sk[seq_slot_n])
     finished_n = stopped_n | (state.max_new_s[seq_slot_n] <= 1)
@@ -1561,7 +1573,7 @@ def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level, adjus
     return tokens_t, _scores(level, logits_tv, index_t, tokens_t, raw_argmax_t)
 
 
-def _adjusts_s(state: SlotState) -> jax.Array | None:
+def _biases_s(state: SlotState) -> jax.Array | None:
     """[slots] bool: the slot's request has a penalty or a logit bias (None: the engine takes
     neither)."""
     parts = [x for x in (state.penalties_s, state.bias_sk) if x is not None]
@@ -1570,28 +1582,35 @@ def _adjusts_s(state: SlotState) -> jax.Array | None:
     return jnp.any(jnp.concatenate([x != 0.0 for x in parts], axis=1), axis=1)
 
 
+def _adjusts_s(state: SlotState) -> jax.Array:
+    """[slots] bool: the target's logits for the slot's next token are not the model's own: its
+    request has a penalty or a logit bias (`_biases_s`), or it has stop tokens it may not
+    generate yet (min_tokens)."""
+    early_s = (state.num_generated_s < state.min_new_s) & jnp.any(state.stop_sk >= 0, axis=1)
+    biases_s = _biases_s(state)
+    return early_s if biases_s is None else early_s | biases_s
+
+
 def _adjusted_logprobs(
     state: SlotState, logits_tv, rows: RowSampling, slot_t, valid_t, drafts_tk=None, j_t=None
 ):
     """(`logprobs_and_argmax` of the rows, each row's argmax of the logits as they came) with
     each row's penalties (`SlotState.penalties_s`) and logit bias (`SlotState.bias_sk`) applied
-    to its logits first.
+    to its logits first, and its request's stop tokens banned at places before its min_tokens
+    (`SlotState.min_new_s`).
 
     Row t is slot slot_t's distribution after its request's counted tokens and, in a round that
     verifies drafts, the first j_t of its drafts `drafts_tk` (the tokens between its anchor and
-    the row's place), which the target's distribution there follows as the plain step's would.
-    Without penalties and logit bias in the engine this is `logprobs_and_argmax`; with them, a
-    conditional runs the adjusted sampling only when some valid row's request adjusts its
-    logits, the sampling as without otherwise (both branches read the logits in place: no
-    copy)."""
+    the row's place), which the target's distribution there follows as the plain step's would;
+    it draws the request's token number num_generated + j_t (0-based). A conditional runs the
+    adjusted sampling only when some valid row's request adjusts its logits, the sampling as
+    without otherwise (both branches read the logits in place: no copy)."""
 
     def plain():
         logp_tv, argmax_t = logprobs_and_argmax(logits_tv, rows)
         return logp_tv, argmax_t, argmax_t
 
     adjusts_s = _adjusts_s(state)
-    if adjusts_s is None:
-        return plain()
 
     def adjusted():
         adjusted_tv = logits_tv.astype(jnp.float32)
@@ -1609,6 +1628,9 @@ def _adjusted_logprobs(
         if state.bias_sk is not None:
             bias_tk = jnp.where(valid_t[:, None], state.bias_sk[slot_t], 0.0)
             adjusted_tv = apply_logit_bias(adjusted_tv, state.bias_ids_sk[slot_t], bias_tk)
+        index_t = state.num_generated_s[slot_t] + (0 if j_t is None else j_t)
+        early_t = valid_t & (index_t < state.min_new_s[slot_t])
+        adjusted_tv = ban_tokens(adjusted_tv, state.stop_sk[slot_t], early_t)
         logp_tv, argmax_t = logprobs_and_argmax(adjusted_tv, rows)
         return logp_tv, argmax_t, jnp.argmax(logits_tv, axis=-1).astype(jnp.int32)
 
@@ -1622,8 +1644,11 @@ def _draft_adjustments(state: SlotState, vocab: int):
     round, less its logit bias, so that its drafts follow the adjusted target more closely (any
     draft distribution keeps the target's exactly; this one is accepted more often). Zeros in
     rounds where no live request adjusts its logits. Only the drafted rows are computed, so the
-    cost follows the live slots' bucket, not the engine's slots."""
-    adjusts_s = _adjusts_s(state)
+    cost follows the live slots' bucket, not the engine's slots.
+
+    min_tokens does not reach the drafter: a stop token it drafts too early is rejected (the
+    target gives it no mass there), and the residual draw then excludes it too."""
+    adjusts_s = _biases_s(state)
     if adjusts_s is None:
         return None
 
