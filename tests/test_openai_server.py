@@ -352,6 +352,46 @@ def test_stop_strings_cut_text_and_free_the_slot(served):
     wait_idle(served.url)
 
 
+def test_min_tokens_holds_back_stop_tokens_and_strings(served):
+    """No stop token ends an answer before min_tokens (the engine bans them there), and a stop
+    string counts only once it completes at or after that token."""
+    prompt = served.traces[0]["prompt"]  # token ids, whose greedy answer varies
+    body = dict(prompt=prompt, max_tokens=40, temperature=0, return_token_ids=True)
+    free = _complete(served.url, ignore_eos=True, **body)["choices"][0]
+    text, ids = free["text"], free["token_ids"]
+    assert bytes(ids).decode() == text  # one byte a token
+    at = next(k for k in range(3, len(ids)) if ids[k] not in ids[:k])  # a token's first place
+    first = ids[at]
+    cut = _complete(served.url, ignore_eos=True, stop_token_ids=[first], **body)["choices"][0]
+    assert cut["token_ids"] == ids[: at + 1] and cut["finish_reason"] == "stop"
+    held = _complete(
+        served.url, ignore_eos=True, stop_token_ids=[first], min_tokens=at + 8, **body
+    )["choices"][0]
+    tokens = held["token_ids"]
+    assert len(tokens) >= at + 8 and first not in tokens[: at + 8]
+    assert tokens[:at] == ids[:at] and tokens[at] != first
+    # A stop string that the free answer completes before token 12 and again after.
+    stop = next(
+        s for s in (text[3], " ", "\n", "(", "_", "e")
+        if s in text[:11] and s in text[12:]
+    )
+    late = next(j for j in range(len(text)) if text.startswith(stop, j) and j + len(stop) >= 12)
+    for stream in (False, True):
+        request = dict(ignore_eos=True, stop=stop, min_tokens=12, stream=stream, **body)
+        if stream:
+            with httpx.stream(
+                "POST", f"{served.url}/v1/completions", json=request, timeout=120
+            ) as r:
+                events = list(sse_events(r))
+            answer = "".join(e["choices"][0]["text"] for e in events[:-1])
+            finish = events[-2]["choices"][0]["finish_reason"]
+        else:
+            choice = _complete(served.url, **request)["choices"][0]
+            answer, finish = choice["text"], choice["finish_reason"]
+        assert (answer, finish) == (text[:late], "stop")
+    wait_idle(served.url)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_counts_what_the_client_got(served, stream):
     """A stop string cuts the answer and cancels the rest: the metrics count the answer the
@@ -886,6 +926,16 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         ("completions", {"prompt": "x", "logit_bias": {"5": -101}}, "logit_bias.5", "-100"),
         ("completions", {"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias.5", "number"),
         ("completions", {"prompt": "x", "store": True}, "store", "true is not supported"),
+        ("completions", {"prompt": "x", "min_tokens": -1}, "min_tokens", "greater than or equal"),
+        # min_tokens within the request's limit: the one it gives, or its endpoint's default.
+        ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens", "max_to"),
+        ("completions", {"prompt": "x", "min_tokens": 17}, "min_tokens", "the 16 tokens"),
+        (
+            "chat/completions",
+            {"messages": CHAT, "max_completion_tokens": 2, "min_tokens": 3},
+            "min_tokens",
+            "max_completion_tokens 2",
+        ),
         ("completions", {"prompt": "x", "stop": 5}, "stop", "a string or an array of strings"),
         ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1", "at least 1 character"),
         ("completions", {"prompt": [1, "a"]}, "prompt.1", "valid integer"),

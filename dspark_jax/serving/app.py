@@ -265,8 +265,10 @@ class _Generation:
         hidden_ids: frozenset[int],
         metrics: ServingMetrics,
         output: ChatOutput | None = None,
+        min_tokens: int = 0,
     ):
         self.live = live
+        self.min_tokens = min_tokens  # stop strings count from the token that reaches it
         self.output = output  # a chat choice's parsers (reasoning, tool calls); None: plain text
         self.text = TextStream(tokenizer)
         self.stops = StopStrings(stop_strings)
@@ -328,7 +330,8 @@ class _Generation:
         texts = []
         for n, token in enumerate(ids, 1):
             shown = [] if token in self.hidden_ids else [token]
-            texts.append(self.stops.feed(self.text.push(shown)))
+            armed = len(self.token_ids) + n >= self.min_tokens
+            texts.append(self.stops.feed(self.text.push(shown), armed))
             if self.stops.matched:
                 self.finish_reason = "stop"
                 self.live.cancel()
@@ -702,7 +705,7 @@ def _param_of(req: api.GenerationRequest, field: str | None) -> str | None:
         return "messages" if isinstance(req, api.ChatCompletionRequest) else "prompt"
     if field == "max_new_tokens":
         return req.token_limit_param
-    names = ("stop_token_ids", "seed", "cache_salt", "logit_bias")
+    names = ("stop_token_ids", "seed", "cache_salt", "logit_bias", "min_tokens")
     return field if field in names else None
 
 
@@ -972,6 +975,19 @@ class OpenAIServer:
             self.token_limit(req, len(ids), index if several else None)
             for index, ids in enumerate(prompts)
         ]
+        if req.min_tokens > min(limits):
+            named = req.token_limit is not None
+            raise ApiError(
+                400,
+                f"min_tokens: {req.min_tokens} is more than "
+                + (
+                    f"{req.token_limit_param} {req.token_limit}"
+                    if named
+                    else f"the {min(limits)} tokens this request may generate (give "
+                    f"{req.token_limit_param})"
+                ),
+                param="min_tokens",
+            )
         defaults = self.model.defaults
         top_k = defaults.top_k if req.top_k is None else max(req.top_k, 0)  # -1 means off
         for name in ("presence_penalty", "frequency_penalty"):
@@ -1008,6 +1024,7 @@ class OpenAIServer:
                 sampling=sampling,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
                 cache_salt=req.cache_salt,
                 logprobs=req.wants_logprobs,
                 top_logprobs=req.alternatives,
@@ -1118,6 +1135,7 @@ class OpenAIServer:
                 hidden,
                 self.metrics,
                 self.chat_output(req, prompts[index // req.n]),
+                req.min_tokens,
             )
             for index, live in enumerate(choices.lives)
         ]

@@ -13,9 +13,10 @@ Where the OpenAI API lets a field be null, null means its default. Fields that t
 several JSON types (`prompt`, `stop`, message `content`) pick the schema by the JSON type sent,
 so an error names one place and says one thing.
 
-Extensions shared with vLLM: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
-(the generated token ids beside the text), `stream_options.continuous_usage_stats` and, for chat,
-`chat_template_kwargs` (`enable_thinking`); and vLLM's /tokenize and /detokenize bodies.
+Extensions shared with vLLM: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, `min_tokens`,
+`return_token_ids` (the generated token ids beside the text),
+`stream_options.continuous_usage_stats` and, for chat, `chat_template_kwargs`
+(`enable_thinking`); and vLLM's /tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -154,6 +155,9 @@ class GenerationRequest(_Strict):
     stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     ignore_eos: Flag = False
+    # No stop (token or string) ends a choice before this many tokens (vLLM's); at most the
+    # request's token limit.
+    min_tokens: Annotated[int, _null_means(0), Field(ge=0)] = 0
     n: Annotated[int, _null_means(1), Field(ge=1, le=MAX_N)] = 1
     stream: Flag = False
     stream_options: StreamOptions | None = None

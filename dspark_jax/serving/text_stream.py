@@ -87,15 +87,17 @@ class StopStrings:
     def active(self) -> bool:
         return bool(self._stops)
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, armed: bool = True) -> str:
         """The part of the text so far that can be released; after a match (`matched`), the
-        text up to the stop string, and nothing ever again."""
+        text up to the stop string, and nothing ever again. Unless `armed` (min_tokens not yet
+        reached), a stop string in the text does not end it, but a tail that may begin one is
+        still held: a stop string that the next armed text completes ends it there."""
         if self.matched:
             return ""
         if not self._stops:
             return text
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0] if armed else []
         if hits:
             self.matched = True
             self._held = ""
