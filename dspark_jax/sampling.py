@@ -551,16 +551,12 @@ def apply_logit_bias(logits_xv: jax.Array, ids_xk: jax.Array, bias_xk: jax.Array
 def ban_tokens(logits_xv: jax.Array, ids_xk: jax.Array, ban_x: jax.Array) -> jax.Array:
     """float32 logits [..., V] with each row's token ids [..., K] (negative: none) set to -inf in
     the rows where `ban_x` [...] holds: no sampling, filter or argmax can pick them there. Other
-    rows keep their float32 logits bitwise."""
-    vocab = logits_xv.shape[-1]
-    k = ids_xk.shape[-1]
-    flat_xv = logits_xv.astype(jnp.float32).reshape(-1, vocab)
-    # Ids of rows not banned (and padding) go past the vocabulary, where the scatter drops them:
-    # a negative index would count from the end.
-    ids_xk = jnp.where(ban_x[..., None] & (ids_xk >= 0), ids_xk, vocab)
-    rows_x1 = jnp.arange(flat_xv.shape[0])[:, None]
-    flat_xv = flat_xv.at[rows_x1, ids_xk.reshape(-1, k)].set(-jnp.inf, mode="drop")
-    return flat_xv.reshape(logits_xv.shape)
+    rows keep their float32 logits bitwise. A logit bias of -inf at the banned ids, 0 (at id 0:
+    a negative index would count from the end of the row) elsewhere."""
+    banned_xk = ban_x[..., None] & (ids_xk >= 0)
+    return apply_logit_bias(
+        logits_xv, jnp.where(banned_xk, ids_xk, 0), jnp.where(banned_xk, -jnp.inf, 0.0)
+    )
 
 
 def logit_bias_rows(ids_xk: jax.Array, bias_xk: jax.Array, vocab: int) -> jax.Array:

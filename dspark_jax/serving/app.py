@@ -975,18 +975,15 @@ class OpenAIServer:
             self.token_limit(req, len(ids), index if several else None)
             for index, ids in enumerate(prompts)
         ]
-        if req.min_tokens > min(limits):
-            named = req.token_limit is not None
+        least = min(limits)
+        if req.min_tokens > least:
+            limit = (
+                f"the {least} tokens this request may generate (give {req.token_limit_param})"
+                if req.token_limit is None
+                else f"{req.token_limit_param} {req.token_limit}"
+            )
             raise ApiError(
-                400,
-                f"min_tokens: {req.min_tokens} is more than "
-                + (
-                    f"{req.token_limit_param} {req.token_limit}"
-                    if named
-                    else f"the {min(limits)} tokens this request may generate (give "
-                    f"{req.token_limit_param})"
-                ),
-                param="min_tokens",
+                400, f"min_tokens: {req.min_tokens} is more than {limit}", param="min_tokens"
             )
         defaults = self.model.defaults
         top_k = defaults.top_k if req.top_k is None else max(req.top_k, 0)  # -1 means off
