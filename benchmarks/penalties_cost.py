@@ -1,4 +1,4 @@
-"""What presence and frequency penalties (`EngineConfig.penalties`) and a logit bias
+"""What presence, frequency and repetition penalties (`EngineConfig.penalties`) and a logit bias
 (`EngineConfig.max_logit_bias`) cost a speculative round.
 
 One random-weight pair (benchmarks/decode_speed.py's configs; `--vocab` overrides the
@@ -9,9 +9,10 @@ cells, in one process:
 - off: an engine without penalties (what every request without them ran before);
 - on, unused: an engine with penalties whose requests have none (its rounds take the sampling
   as without; they add the counting of their committed tokens);
-- on, used: the same engine, every request with presence_penalty 1 and frequency_penalty 0.5
-  (the counts gathered for every verified row, the drafts before it added, the logits less the
-  penalties, and the drafter's logits less the penalties of the counted tokens);
+- on, used: the same engine, every request with presence_penalty 1, frequency_penalty 0.5
+  and repetition_penalty 1.2 (the counts and prompt marks gathered for every verified row, the
+  drafts before it added, the logits penalised, and the drafter's logits less the presence and
+  frequency penalties of the counted tokens);
 - with `--logit-bias K`, two more cells on an engine holding K biased tokens per slot (no
   penalties): bias_unused (no request has a bias) and bias_used (every request biases K tokens).
 
@@ -42,7 +43,7 @@ from provenance import (
 
 from dspark_jax.decoding.engine import Engine, EngineConfig
 
-PENALTIES = (1.0, 0.5)  # presence, frequency
+PENALTIES = (1.0, 0.5, 1.2)  # presence, frequency, repetition (SlotState.penalties_s)
 
 
 def run(args) -> dict:

@@ -59,6 +59,12 @@ class SamplingConfig:
     refuse a config with penalties (`filters` is the config without them; `apply_penalties`
     adjusts logits by given counts).
 
+    repetition_penalty (Hugging Face's and vLLM's, > 0; 1 = off) divides the positive logits and
+    multiplies the negative ones of each token in the prompt or generated so far, once however
+    often it occurs: above 1 it makes repeats less likely. It applies before the other two
+    penalties (vLLM's order) and, like them, only in the engine, which also holds the set of
+    each request's prompt tokens (`apply_repetition_penalty`).
+
     logit_bias (OpenAI's) adds a value in [-100, 100] to the logits of chosen token ids before
     temperature and the filters, at every token of the request: a mapping {token id: bias} (or
     (id, bias) pairs), kept as pairs sorted by id. Like the penalties it is applied by the
@@ -73,9 +79,11 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+        for name in numbers + ("repetition_penalty",):
             value = getattr(self, name)
             # A number (numpy's and JAX's scalars included), not a bool or a string like "0.7".
             try:
@@ -107,6 +115,11 @@ class SamplingConfig:
                 raise SamplingConfigError(
                     f"{name} must be in [{-PENALTY_MAX:g}, {PENALTY_MAX:g}] (0 = off), got {value}"
                 )
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise SamplingConfigError(
+                f"repetition_penalty must be finite and > 0 (1 = off; above 1 discourages "
+                f"repeats), got {self.repetition_penalty}"
+            )
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
@@ -121,14 +134,22 @@ class SamplingConfig:
     @property
     def penalized(self) -> bool:
         """Some penalty is on: the tokens depend on the request's history beyond its logits."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def filters(self) -> SamplingConfig:
         """This config without its penalties and logit bias: what filters each row of
         (adjusted) logits."""
         return dataclasses.replace(
-            self, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=()
+            self,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            repetition_penalty=1.0,
+            logit_bias=(),
         )
 
 
@@ -532,6 +553,19 @@ def apply_penalties(
     """float32 logits less their rows' `penalties`: what the filters then see. A row whose
     penalties are 0 keeps its (float32) logits bitwise."""
     return logits_xv.astype(jnp.float32) - penalties(counts_xv, presence_x, frequency_x)
+
+
+def apply_repetition_penalty(
+    logits_xv: jax.Array, seen_xv: jax.Array, repetition_x: jax.Array
+) -> jax.Array:
+    """float32 logits [..., V] with each row's `SamplingConfig.repetition_penalty` applied to
+    the tokens `seen_xv` marks (bool, [..., V]: in the prompt or generated): a positive logit
+    divided by it, a negative one multiplied (Hugging Face's and vLLM's formula). A row whose
+    penalty is 1 keeps its float32 logits bitwise."""
+    logits_xv = logits_xv.astype(jnp.float32)
+    penalty_x1 = repetition_x[..., None]
+    penalized_xv = jnp.where(logits_xv > 0, logits_xv / penalty_x1, logits_xv * penalty_x1)
+    return jnp.where(seen_xv, penalized_xv, logits_xv)
 
 
 def apply_logit_bias(logits_xv: jax.Array, ids_xk: jax.Array, bias_xk: jax.Array) -> jax.Array:

@@ -105,9 +105,10 @@ def adjusted_greedy_reference(
     target, prompt, sampling, new_tokens: int, max_len: int, stops=(), min_tokens: int = 0
 ):
     """Greedy tokens of the target run over each whole prefix (numpy, float64), its logits
-    less the `sampling`'s penalties for the tokens generated so far, plus its logit bias; with
-    `stops`, up to the first of them (included), which are banned from the first `min_tokens`
-    tokens."""
+    divided (positive) or multiplied (negative) by the `sampling`'s repetition penalty where
+    the token is in the prompt or generated so far, then less its presence and frequency
+    penalties for the tokens generated so far, plus its logit bias; with `stops`, up to the
+    first of them (included), which are banned from the first `min_tokens` tokens."""
     logits_fn = _last_logits(target, max_len)
     tokens: list[int] = []
     while len(tokens) < new_tokens and not (tokens and tokens[-1] in stops):
@@ -115,6 +116,9 @@ def adjusted_greedy_reference(
         seq[: len(prompt) + len(tokens)] = list(prompt) + tokens
         logits = np.asarray(logits_fn(seq, len(prompt) + len(tokens) - 1), np.float64)
         counts = np.bincount(np.asarray(tokens, np.int64), minlength=logits.shape[-1])
+        seen = np.bincount(seq[: len(prompt) + len(tokens)], minlength=logits.shape[-1]) > 0
+        p = sampling.repetition_penalty
+        logits = np.where(seen, np.where(logits > 0, logits / p, logits * p), logits)
         logits = (
             logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0)
         )

@@ -45,6 +45,7 @@ from dspark_jax.sampling import (
     SamplingConfig,
     apply_logit_bias,
     apply_penalties,
+    apply_repetition_penalty,
     filtered_logprobs,
 )
 
@@ -66,6 +67,9 @@ T1_MIN_P = SamplingConfig(temperature=1.0, min_p=0.1)
 T07_P09_PENALISED = SamplingConfig(
     temperature=0.7, top_p=0.9, presence_penalty=1.5, frequency_penalty=0.5
 )
+# The repetition penalty divides the positive logits of the prompt's tokens ("t", "i", "o", "c",
+# ...) and the drawn ones from the first token on, which moves mass away from "tim"/"tio" cells.
+T07_P09_REPEATED = SamplingConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.1)
 # A logit bias moves mass between the likeliest cells after "ti" ("m" down, "o" and "c" up)
 # before temperature and top-p, at every one of the tokens (the first, sampled at prefill, too).
 T07_P09_BIASED = SamplingConfig(
@@ -78,6 +82,7 @@ CASES = {
     T1_MIN_P: (b"th socket ti", 32768, 2),
     T07_P09_PENALISED: (b"th socket ti", 32768, 2),
     T07_P09_BIASED: (b"th socket ti", 32768, 2),
+    T07_P09_REPEATED: (b"th socket ti", 32768, 2),
 }
 PROMPT_LEN = 12
 
@@ -121,14 +126,17 @@ def target_logprobs_fn(sampling):
 
 @functools.cache
 def penalised_logprobs_fn(sampling):
-    """(ids [B, T], generated-token counts [B, V]) -> the filtered log-probabilities [B, V] of
-    the token after each row, its logits less the penalties of the row's generated tokens, plus
+    """(ids [B, T], generated-token counts [B, V], tokens seen in the row [B, V]) -> the
+    filtered log-probabilities [B, V] of the token after each row, its logits with the
+    repetition penalty on the row's tokens, less the penalties of its generated tokens, plus
     the config's logit bias."""
     target, _ = _models()
 
-    def fn(ids_bt, counts_bv):
+    def fn(ids_bt, counts_bv, seen_bv):
         logits_bv = target.logits(target(ids_bt).hidden[:, -1])
         rows = ids_bt.shape[:1]
+        repetition_b = jnp.full(rows, sampling.repetition_penalty)
+        logits_bv = apply_repetition_penalty(logits_bv, seen_bv, repetition_b)
         presence_b = jnp.full(rows, sampling.presence_penalty)
         frequency_b = jnp.full(rows, sampling.frequency_penalty)
         adjusted_bv = apply_penalties(logits_bv, counts_bv, presence_b, frequency_b)
@@ -173,9 +181,11 @@ def _next_logprobs(prefixes, sampling, banned=()):
         return np.asarray(target_logprobs_fn(sampling)(padded)[: len(ids), -1], np.float64)
     vocab = _models()[0].cfg.vocab_size
     counts = np.zeros((len(padded), vocab), np.int32)
+    seen = np.zeros((len(padded), vocab), bool)
     for row, generated in enumerate(ids[:, PROMPT_LEN:]):
         np.add.at(counts[row], generated, 1)
-    logp = penalised_logprobs_fn(sampling)(padded, counts)
+        seen[row, ids[row]] = True
+    logp = penalised_logprobs_fn(sampling)(padded, counts, seen)
     return np.asarray(logp[: len(ids)], np.float64)
 
 
@@ -298,8 +308,18 @@ def _chi_square(sampling, n=None, stop_token_ids=(), min_tokens=0):
         # Logit bias: the default run holds greedy tokens to the biased target exactly
         # (test_logit_bias.py); this adds the draws, the residual and top-p under it.
         pytest.param(T07_P09_BIASED, marks=pytest.mark.slow),
+        # Repetition penalty: the default run holds greedy tokens to the penalised target
+        # exactly, prompt tokens included (test_repetition_penalty.py); this adds the draws.
+        pytest.param(T07_P09_REPEATED, marks=pytest.mark.slow),
     ],
-    ids=["T1", "T0.7-top_p0.9", "T1-min_p0.1", "T0.7-top_p0.9-penalties", "T0.7-top_p0.9-bias"],
+    ids=[
+        "T1",
+        "T0.7-top_p0.9",
+        "T1-min_p0.1",
+        "T0.7-top_p0.9-penalties",
+        "T0.7-top_p0.9-bias",
+        "T0.7-top_p0.9-repetition",
+    ],
 )
 def test_speculative_sampling_matches_target(sampling):
     p_value, df, power, first_accept = _chi_square(sampling)

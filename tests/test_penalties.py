@@ -122,13 +122,16 @@ def test_no_program_compiles_after_warm_up(spec, prompts):
 
 
 def test_on_a_mesh_the_counts_split_with_the_slots(models, spec, prompts):
-    """Slots over `data`, the vocabulary's logits over `tensor`: the single device's tokens."""
+    """Slots over `data`, the vocabulary's logits over `tensor`: the single device's tokens
+    (the repetition penalty's prompt marks split with the slots too)."""
     mesh = make_mesh(MeshConfig(2, 1, 2), jax.devices()[:4])
     sharded = Engine(*models, CFG, mesh=mesh)
+    repeated = SamplingConfig(temperature=0.8, repetition_penalty=1.3)
     requests = [
         Request(prompts[0], 24, sampling=PENALISED[0]),
         Request(prompts[1], 24, seed=5, sampling=SAMPLED),
         Request(prompts[2], 24, seed=6, sampling=SamplingConfig(temperature=1.0)),
+        Request(prompts[0], 24, seed=7, sampling=repeated),
     ]
     results, _ = generate(sharded, requests)
     expected, _ = generate(spec, requests)

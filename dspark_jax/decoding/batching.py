@@ -685,6 +685,7 @@ class Batcher:
                 break
             r = handle.request
             take = min(len(r.prompt_ids) - handle.prefilled, budget)
+            first = handle.prefilled == handle.cached_tokens
             items.append(
                 PrefillItem(
                     slot=handle.slot,
@@ -700,12 +701,18 @@ class Batcher:
                     min_p=r.sampling.min_p,
                     presence_penalty=r.sampling.presence_penalty,
                     frequency_penalty=r.sampling.frequency_penalty,
+                    repetition_penalty=r.sampling.repetition_penalty,
+                    prompt_ids=(
+                        np.asarray(r.prompt_ids, np.int32)
+                        if first and r.sampling.repetition_penalty != 1.0
+                        else None
+                    ),
                     logit_bias=r.sampling.logit_bias,
                     max_new_tokens=r.max_new_tokens,
                     min_new_tokens=r.min_tokens,
                     stop_tokens=handle.stop_ids,
                     seed=r.seed,
-                    first=handle.prefilled == handle.cached_tokens,
+                    first=first,
                     logprobs=int(r.top_logprobs) if r.logprobs else -1,
                     **self._prompt_scoring(handle, take, sum(len(it.tokens) for it in items)),
                 )

@@ -14,6 +14,8 @@ Verbs (all jitted, state donated, no host sync inside):
                           this chunk, per-round statistics, finished flags) that the host reads
                           without touching the caches.
   release(state, mask)    ends the slots in `mask` (a cancelled request): they stop at once.
+  mark_prompts            (an engine with penalties) marks the prompt tokens of requests whose
+                          repetition penalty is on; `Engine.prefill` calls it when it must.
 
 Everything a request owns lives in its slot row: its page-table row (the pages are reserved by
 the host, see `batching`), committed length, anchor token, PRNG key, sampling settings
@@ -29,7 +31,8 @@ prefix per slot; the accepted tokens' target features are appended to the drafte
 Rejected tokens are rolled back by length alone. Plain decoding packs one token per live slot.
 
 Compiled programs: one prefill per token bucket of `prefill_buckets`, one decode chunk, one
-release and one state initialisation -- fixed at construction and all built by `warm_up()`.
+release, one state initialisation and, with penalties, one prompt marking -- fixed at
+construction and all built by `warm_up()`.
 
 On a mesh (`mesh=`), parameters and state carry shardings from the rules table in
 `dspark_jax.sharding`: weights split by their logical axes (heads, MLP width and vocabulary over
@@ -74,6 +77,7 @@ from dspark_jax.sampling import (
     SamplingConfig,
     apply_logit_bias,
     apply_penalties,
+    apply_repetition_penalty,
     ban_tokens,
     logprobs_and_argmax,
     penalties,
@@ -98,6 +102,12 @@ class EngineError(UserError):
 # and the most that XLA's GPU compiler finds in one kernel over a row (beyond, it sorts the row).
 TOP_LOGPROBS = 20
 FAST_TOP_K = 16
+
+# A slot's (presence, frequency, repetition) penalties when its request has none.
+NO_PENALTIES = (0.0, 0.0, 1.0)
+# (slot, token) pairs of prompt tokens one call of the marking program takes: a prompt's distinct
+# tokens, so a few calls even for the longest prompts (`Engine.prefill`).
+PROMPT_MARKS = 2048
 
 
 def block_positions(gamma: int) -> int:
@@ -128,9 +138,11 @@ class EngineConfig:
     `stop_tokens` together. rounds_per_chunk: rounds per `decode_chunk` call. attention_impl:
     the paged attention path ("dense", "jax", "pallas_tpu", "pallas_gpu"; None: by backend);
     attention_interpret runs the Pallas paths in interpret mode (tests on CPU).
-    penalties: serve requests with presence or frequency penalties (`SamplingConfig`). The
-    state then counts each slot's generated tokens ([num_slots, vocabulary] int32), which the
-    decode program's second sampling of the verified rows takes off their logits: the one that
+    penalties: serve requests with presence, frequency or repetition penalties
+    (`SamplingConfig`). The state then counts each slot's generated tokens ([num_slots,
+    vocabulary] int32) and marks its prompt's ([num_slots, vocabulary] bool, for the repetition
+    penalty), which the decode program's second sampling of the verified rows applies to their
+    logits: the one that
     runs only in rounds where some live request adjusts its logits (a penalty, a logit bias, or
     stop tokens banned before its min_tokens; the other rounds cost nothing but the counting).
     Off, a request with a penalty is refused.
@@ -368,10 +380,14 @@ class SlotState:
     # (at most TOP_LOGPROBS).
     logprobs_s: jax.Array
     policy_carry: Any
-    # With `EngineConfig.penalties` (else None): each slot's (presence, frequency) penalties
-    # [slots, 2] float32, and how many times its request generated each token [slots, V] int32.
+    # With `EngineConfig.penalties` (else None): each slot's (presence, frequency, repetition)
+    # penalties [slots, 3] float32 (off: 0, 0, 1), how many times its request generated each
+    # token [slots, V] int32, and which tokens its prompt holds [slots, V] bool (marked by
+    # `Engine.prefill` for a request whose repetition penalty is on; stale rows are read only
+    # with the penalty 1, which changes nothing).
     penalties_s: jax.Array | None = None
     counts_sv: jax.Array | None = None
+    prompt_sv: jax.Array | None = None
     # With `EngineConfig.max_logit_bias` K (else None): each slot's logit_bias as token ids
     # [slots, K] int32 and biases [slots, K] float32 (unused entries: id 0, bias 0).
     bias_ids_sk: jax.Array | None = None
@@ -436,7 +452,7 @@ class PrefillBatch:
     top_k_n: np.ndarray
     top_p_n: np.ndarray
     min_p_n: np.ndarray
-    penalties_n2: np.ndarray  # float32 [N, 2]: presence, frequency
+    penalties_n3: np.ndarray  # float32 [N, 3]: presence, frequency, repetition
     bias_ids_nk: np.ndarray  # int32 [N, max(1, max_logit_bias)]: logit_bias token ids
     bias_nk: np.ndarray  # float32, the same shape: their biases (0 past a request's own)
     max_new_n: np.ndarray
@@ -447,6 +463,11 @@ class PrefillBatch:
     logprobs_n: np.ndarray  # int32: the request's logprobs level (SlotState.logprobs_s)
     prompt_logprobs_n: np.ndarray  # int32: the same for its prompt's tokens (-1: none)
     next_tokens_t: np.ndarray  # int32 [width]: the prompt token after each row's (-1: none)
+    # Host only (`Engine.prefill` marks them before the call, `batch_to_device` leaves them out):
+    # (slot, token) pairs of the prompts of requests installed by this call whose repetition
+    # penalty is on (`SlotState.prompt_sv`).
+    prompt_slot_m: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    prompt_ids_m: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,6 +493,10 @@ class PrefillItem:
     min_new_tokens: int = 0  # no stop token before this many tokens (`Request.min_tokens`)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # The request's whole prompt, needed with the chunk that installs it when its repetition
+    # penalty is on (the penalty applies to every prompt token, prefix-cached ones included).
+    prompt_ids: np.ndarray | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # SamplingConfig.logit_bias's pairs
     first: bool | None = None  # installs the request; None: start == 0
     # Log-probabilities the calls report for its tokens: -1 none, else each token's and that many
@@ -731,6 +756,10 @@ class Engine:
         def release(state, mask_s):
             return state.replace(live_s=state.live_s & ~mask_s)
 
+        def mark_prompts(state, clear_s, slot_m, ids_m):
+            prompt_sv = jnp.where(clear_s[:, None], False, state.prompt_sv)
+            return state.replace(prompt_sv=prompt_sv.at[slot_m, ids_m].set(True, mode="drop"))
+
         abstract = jax.eval_shape(init, self.target_params, self.drafter_params)
         if mesh is None:
             state_sh = out_sh = None
@@ -761,6 +790,12 @@ class Engine:
         self._prefill = jit(prefill, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
         self._decode = jit(decode, donate_argnums=(2,), out_shardings=(state_sh, out_sh))
         self._release = jit(release, donate_argnums=(0,), out_shardings=state_sh)
+        # With penalties: marks the prompt tokens of requests whose repetition penalty is on.
+        self._mark_prompts = (
+            jit(mark_prompts, donate_argnums=(0,), out_shardings=state_sh)
+            if cfg.penalties
+            else None
+        )
         # decode_chunk's flag, on the device once (a host bool would be an implicit transfer
         # per chunk, which jax.transfer_guard could not tell from a leak): replicated on a mesh,
         # uncommitted on the default device otherwise.
@@ -810,10 +845,13 @@ class Engine:
             rounds_s=jnp.zeros((s,), jnp.int32),
             logprobs_s=jnp.full((s,), -1, jnp.int32),
             policy_carry=self.policy.init_carry(s, max(self.gamma, 1)),
-            penalties_s=jnp.zeros((s, 2), jnp.float32) if cfg.penalties else None,
+            penalties_s=(
+                jnp.tile(jnp.asarray(NO_PENALTIES, jnp.float32), (s, 1)) if cfg.penalties else None
+            ),
             counts_sv=(
                 jnp.zeros((s, target.cfg.vocab_size), jnp.int32) if cfg.penalties else None
             ),
+            prompt_sv=jnp.zeros((s, target.cfg.vocab_size), bool) if cfg.penalties else None,
             bias_ids_sk=(
                 jnp.zeros((s, cfg.max_logit_bias), jnp.int32) if cfg.max_logit_bias else None
             ),
@@ -868,7 +906,27 @@ class Engine:
 
     # -- verbs ---------------------------------------------------------------------------------
     def prefill(self, state: SlotState, batch: PrefillBatch) -> tuple[SlotState, PrefillOutput]:
+        """One prefill call (`pack_prefill`). Requests it installs whose repetition penalty is
+        on first have their prompts' tokens marked (`SlotState.prompt_sv`), PROMPT_MARKS at a
+        time, by one more program: the penalty then holds from the first token on, for
+        prefix-cached prompt tokens too."""
+        slot_m, ids_m = batch.prompt_slot_m, batch.prompt_ids_m
+        if len(slot_m):
+            clear_s = np.zeros((self.cfg.num_slots,), bool)
+            clear_s[slot_m] = True
+            for at in range(0, len(slot_m), PROMPT_MARKS):
+                part = slice(at, at + PROMPT_MARKS)
+                state = self._mark(state, clear_s, slot_m[part], ids_m[part])
+                clear_s = np.zeros_like(clear_s)  # cleared once, before the first marks
         return self._prefill(self.target_params, self.drafter_params, state, batch_to_device(batch))
+
+    def _mark(self, state: SlotState, clear_s, slot_m, ids_m) -> SlotState:
+        """`mark_prompts` over up to PROMPT_MARKS (slot, token) pairs, padded to that size (one
+        program); `clear_s` first unmarks whole slots."""
+        slots = np.full((PROMPT_MARKS,), self.cfg.num_slots, np.int32)  # padding: dropped
+        ids = np.zeros((PROMPT_MARKS,), np.int32)
+        slots[: len(slot_m)], ids[: len(ids_m)] = slot_m, ids_m
+        return self._mark_prompts(state, *jax.device_put((clear_s, slots, ids)))
 
     def decode_chunk(
         self, state: SlotState, yield_on_finish: bool = False
@@ -922,9 +980,10 @@ class Engine:
             )
         if sampling.penalized and not self.cfg.penalties:
             raise EngineError(
-                "presence_penalty and frequency_penalty need an engine that counts each "
-                "request's tokens: build it with EngineConfig(penalties=True) (`dspark-jax "
-                "serve --penalties`; generate and eval turn it on when asked for penalties)",
+                "presence_penalty, frequency_penalty and repetition_penalty need an engine that "
+                "counts each request's tokens: build it with EngineConfig(penalties=True) "
+                "(`dspark-jax serve --penalties`; generate and eval turn it on when asked for "
+                "penalties)",
                 "sampling",
             )
         bias = sampling.logit_bias
@@ -1037,7 +1096,8 @@ class Engine:
         top_k = np.zeros((n,), np.int32)
         top_p = np.ones((n,), np.float32)
         min_p = np.zeros((n,), np.float32)
-        penalties_n2 = np.zeros((n, 2), np.float32)
+        penalties_n3 = np.tile(np.asarray(NO_PENALTIES, np.float32), (n, 1))
+        prompt_slot, prompt_ids = [], []
         bias_ids = np.zeros((n, max(1, cfg.max_logit_bias)), np.int32)
         bias = np.zeros((n, max(1, cfg.max_logit_bias)), np.float32)
         max_new = np.zeros((n,), np.int32)
@@ -1064,7 +1124,16 @@ class Engine:
             page_rows[i, : len(it.page_row)] = it.page_row
             temperature[i], top_k[i], top_p[i] = it.temperature, it.top_k, it.top_p
             min_p[i] = it.min_p
-            penalties_n2[i] = it.presence_penalty, it.frequency_penalty
+            penalties_n3[i] = it.presence_penalty, it.frequency_penalty, it.repetition_penalty
+            if it.repetition_penalty != 1.0 and first[i]:
+                if it.prompt_ids is None:
+                    raise EngineError(
+                        "a request with a repetition penalty needs its whole prompt "
+                        "(PrefillItem.prompt_ids) with the chunk that installs it"
+                    )
+                seen = np.unique(np.asarray(it.prompt_ids, np.int32))
+                prompt_ids.append(seen)
+                prompt_slot.append(np.full(seen.shape, it.slot, np.int32))
             if len(it.logit_bias) > cfg.max_logit_bias:
                 raise EngineError(
                     f"a logit_bias of {len(it.logit_bias)} tokens exceeds max_logit_bias "
@@ -1108,7 +1177,7 @@ class Engine:
             top_k,
             top_p,
             min_p,
-            penalties_n2,
+            penalties_n3,
             bias_ids,
             bias,
             max_new,
@@ -1119,6 +1188,8 @@ class Engine:
             logprobs,
             prompt_logprobs,
             next_tokens,
+            np.concatenate(prompt_slot) if prompt_slot else np.zeros(0, np.int32),
+            np.concatenate(prompt_ids) if prompt_ids else np.zeros(0, np.int32),
         )
 
     @staticmethod
@@ -1173,6 +1244,10 @@ class Engine:
             "decode_chunk": (self._decode, (tp, dp, state, self._yield_flags[0])),
             "release": (self._release, (state, np.zeros((self.cfg.num_slots,), bool))),
         }
+        if self._mark_prompts is not None:
+            slots, ids = np.zeros((PROMPT_MARKS,), np.int32), np.zeros((PROMPT_MARKS,), np.int32)
+            clear = np.zeros((self.cfg.num_slots,), bool)
+            programs["mark_prompts"] = (self._mark_prompts, (state, clear, slots, ids))
         for width in self.prefill_widths:
             batch = batch_to_device(self.pack_prefill([self._scratch_item()], width))
             programs[f"prefill_{width}"] = (self._prefill, (tp, dp, state, batch))
@@ -1199,13 +1274,14 @@ class Engine:
             state, out = self.prefill(state, self.pack_prefill([self._scratch_item()], width))
         state, chunk = self.decode_chunk(state)
         state = self.release(state, np.zeros((self.cfg.num_slots,), bool))
+        if self._mark_prompts is not None:
+            state = self._mark(state, np.zeros((self.cfg.num_slots,), bool), (), ())
         jax.block_until_ready((state.live_s, chunk.count_s, out.first_token_n))
 
     def compiled_programs(self) -> int:
         """How many programs the jitted verbs hold (for tests of 'no compilation after warm-up')."""
-        return sum(
-            f._cache_size() for f in (self._init, self._prefill, self._decode, self._release)
-        )
+        verbs = (self._init, self._prefill, self._decode, self._release, self._mark_prompts)
+        return sum(f._cache_size() for f in verbs if f is not None)
 
 
 # Programs compiled at once by default (a positive integer; unset: one per usable core).
@@ -1309,7 +1385,11 @@ def batch_to_device(batch: PrefillBatch) -> dict[str, Any]:
     real leaks from jax.transfer_guard). Uncommitted, as the host arrays were: on a mesh the
     program still places them itself."""
     return jax.device_put(
-        {f.name: getattr(batch, f.name) for f in dataclasses.fields(PrefillBatch)}
+        {
+            f.name: getattr(batch, f.name)
+            for f in dataclasses.fields(PrefillBatch)
+            if f.name not in ("prompt_slot_m", "prompt_ids_m")
+        }
     )
 
 
@@ -1395,7 +1475,7 @@ def _prefill(
     )
     if state.counts_sv is not None:
         state = state.replace(
-            penalties_s=put(state.penalties_s, host["penalties_n2"]),
+            penalties_s=put(state.penalties_s, host["penalties_n3"]),
             counts_sv=put(state.counts_sv, 0),
         )
     if state.bias_sk is not None:
@@ -1576,10 +1656,14 @@ def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level, adjus
 def _biases_s(state: SlotState) -> jax.Array | None:
     """[slots] bool: the slot's request has a penalty or a logit bias (None: the engine takes
     neither)."""
-    parts = [x for x in (state.penalties_s, state.bias_sk) if x is not None]
+    parts = []
+    if state.penalties_s is not None:
+        parts.append(state.penalties_s != jnp.asarray(NO_PENALTIES, jnp.float32))
+    if state.bias_sk is not None:
+        parts.append(state.bias_sk != 0.0)
     if not parts:
         return None
-    return jnp.any(jnp.concatenate([x != 0.0 for x in parts], axis=1), axis=1)
+    return jnp.any(jnp.concatenate(parts, axis=1), axis=1)
 
 
 def _adjusts_s(state: SlotState) -> jax.Array:
@@ -1621,9 +1705,13 @@ def _adjusted_logprobs(
                 before_tk = (k_k[None, :] < j_t[:, None]) & valid_t[:, None]
                 t_t1 = jnp.arange(counts_tv.shape[0])[:, None]
                 counts_tv = counts_tv.at[t_t1, drafts_tk].add(before_tk.astype(counts_tv.dtype))
-            penalty_t2 = jnp.where(valid_t[:, None], state.penalties_s[slot_t], 0.0)
+            no_penalty = jnp.asarray(NO_PENALTIES, jnp.float32)
+            penalty_t3 = jnp.where(valid_t[:, None], state.penalties_s[slot_t], no_penalty)
+            # Repetition first (vLLM's order), over the prompt's tokens and those counted.
+            seen_tv = state.prompt_sv[slot_t] | (counts_tv > 0)
+            adjusted_tv = apply_repetition_penalty(adjusted_tv, seen_tv, penalty_t3[:, 2])
             adjusted_tv = apply_penalties(
-                adjusted_tv, counts_tv, penalty_t2[:, 0], penalty_t2[:, 1]
+                adjusted_tv, counts_tv, penalty_t3[:, 0], penalty_t3[:, 1]
             )
         if state.bias_sk is not None:
             bias_tk = jnp.where(valid_t[:, None], state.bias_sk[slot_t], 0.0)
@@ -1639,12 +1727,14 @@ def _adjusted_logprobs(
 
 def _draft_adjustments(state: SlotState, vocab: int):
     """None without penalties and logit bias in the engine; otherwise a function of drafted
-    slots `rows_r` ([R] slot ids, None: every slot in order) giving what the drafter takes off
-    their logits [R, V] (float32): each request's penalties over the tokens counted before the
-    round, less its logit bias, so that its drafts follow the adjusted target more closely (any
-    draft distribution keeps the target's exactly; this one is accepted more often). Zeros in
-    rounds where no live request adjusts its logits. Only the drafted rows are computed, so the
-    cost follows the live slots' bucket, not the engine's slots.
+    slots `rows_r` ([R] slot ids, None: every slot in order) giving a function of their logits
+    [R, V]: the float32 logits with each request's penalties over its prompt and the tokens
+    counted before the round, and its logit bias, applied as the target's are, so that its
+    drafts follow the adjusted target more closely (any draft distribution keeps the target's
+    exactly; this one is accepted more often). What it applies is computed once a round, by a
+    conditional that gives nothing to apply (the logits bitwise, in float32) in rounds where no
+    live request adjusts its logits; only the drafted rows are computed, so the cost follows the
+    live slots' bucket, not the engine's slots.
 
     min_tokens does not reach the drafter: a stop token it drafts too early is rejected (the
     target gives it no mass there), and the residual draw then excludes it too."""
@@ -1659,20 +1749,37 @@ def _draft_adjustments(state: SlotState, vocab: int):
         live_r = take(state.live_s)
         shape = (live_r.shape[0], vocab)
 
+        repeats = state.counts_sv is not None
+        # (what comes off the logits [R, V], the marked tokens [R, V], the repetition penalty
+        # [R]); the last two only with penalties.
+        nothing = (
+            jnp.zeros(shape, jnp.float32),
+            *((jnp.zeros(shape, bool), jnp.ones(shape[:1], jnp.float32)) if repeats else ()),
+        )
+
         def compute():
             live_r1 = live_r[:, None]
             out_rv = jnp.zeros(shape, jnp.float32)
-            if state.counts_sv is not None:
-                penalty_r2 = jnp.where(live_r1, take(state.penalties_s), 0.0)
-                out_rv = penalties(take(state.counts_sv), penalty_r2[:, 0], penalty_r2[:, 1])
+            marks = ()
+            if repeats:
+                no_penalty = jnp.asarray(NO_PENALTIES, jnp.float32)
+                penalty_r3 = jnp.where(live_r1, take(state.penalties_s), no_penalty)
+                counts_rv = take(state.counts_sv)
+                out_rv = penalties(counts_rv, penalty_r3[:, 0], penalty_r3[:, 1])
+                marks = (take(state.prompt_sv) | (counts_rv > 0), penalty_r3[:, 2])
             if state.bias_sk is not None:
                 bias_rk = jnp.where(live_r1, take(state.bias_sk), 0.0)
                 out_rv = apply_logit_bias(out_rv, take(state.bias_ids_sk), -bias_rk)
-            return out_rv
+            return (out_rv, *marks)
 
-        return jax.lax.cond(
-            jnp.any(live_r & take(adjusts_s)), compute, lambda: jnp.zeros(shape, jnp.float32)
-        )
+        off_rv, *marks = jax.lax.cond(jnp.any(live_r & take(adjusts_s)), compute, lambda: nothing)
+
+        def adjust(logits_rv):
+            if marks:
+                logits_rv = apply_repetition_penalty(logits_rv, *marks)
+            return logits_rv.astype(jnp.float32) - off_rv
+
+        return adjust
 
     return of_rows
 
@@ -1796,8 +1903,8 @@ def _draft_live(
 ):
     """The drafter's block for the live slots: drafts [S, K], the log-probabilities they were
     sampled from [S, K, V] and the confidence logits [S, K] (None without a confidence head).
-    `adjustments` (`_draft_adjustments`), where given, gives what comes off the drafted rows'
-    logits.
+    `adjustments` (`_draft_adjustments`), where given, gives how the drafted rows' logits are
+    adjusted.
 
     The drafter runs over the smallest slot bucket that holds the live slots, gathered live
     first in slot order (a `lax.switch` over the buckets: only the chosen branch runs), and its
@@ -1811,8 +1918,8 @@ def _draft_live(
     def run(rows_r):  # the slots drafted, row by row (None: every slot in order)
         if rows_r is None:
             h = drafter.draft_hidden(anchor_s, start_s, live_s, cache)
-            penalty_sv = None if adjustments is None else adjustments(None)
-            block = drafter.sample_block(h, anchor_s, keys_sk, sampling_s, penalty_bv=penalty_sv)
+            adjust = None if adjustments is None else adjustments(None)
+            block = drafter.sample_block(h, anchor_s, keys_sk, sampling_s, adjust=adjust)
             return block.tokens_bk, block.logprobs_bkv, block.conf_logits_bk
         anchor_r = anchor_s[rows_r]
         h = drafter.draft_hidden(anchor_r, start_s[rows_r], live_s[rows_r], cache, rows_r)
@@ -1821,7 +1928,7 @@ def _draft_live(
             anchor_r,
             keys_sk[rows_r],
             sampling_s.take(rows_r),
-            penalty_bv=None if adjustments is None else adjustments(rows_r),
+            adjust=None if adjustments is None else adjustments(rows_r),
         )
 
         def to_slots(x_r):

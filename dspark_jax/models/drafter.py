@@ -9,6 +9,7 @@ target's page table) and appends new ones each round.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -167,14 +168,14 @@ class DSparkDrafter(nnx.Module):
         keys_bk,
         sampling: SamplingConfig | RowSampling,
         unroll: bool | None = None,
-        penalty_bv: jax.Array | None = None,
+        adjust: Callable[[jax.Array], jax.Array] | None = None,
     ) -> DraftBlock:
         """Left-to-right sampling with the Markov bias (`lax.scan` over block positions).
 
         keys_bk[:, k] is the key of draft slot k of each request (unused by greedy rows);
-        `sampling` is one config for all rows or per-row settings [B]. `penalty_bv` (float32
-        [B, V], the engine's `sampling.penalties` of each request's tokens), where given, comes
-        off every position's logits before they are filtered.
+        `sampling` is one config for all rows or per-row settings [B]. `adjust`, where given,
+        maps every position's logits [B, V] to the float32 logits that are filtered (the
+        engine's penalties and logit bias of each request, `engine._draft_adjustments`).
 
         `unroll` (None: for a GPU, `layers.target_backend()`) writes the positions out one
         after another. On a GPU a loop's step costs kernels of its own -- its test and counter,
@@ -204,8 +205,8 @@ class DSparkDrafter(nnx.Module):
             if head is not None:
                 bias_bv, state = head.step(head.embed_prev(prev_b, self.dtype), h_bd, state)
                 logits_bv = base_bv + bias_bv
-            if penalty_bv is not None:
-                logits_bv = logits_bv.astype(jnp.float32) - penalty_bv
+            if adjust is not None:
+                logits_bv = adjust(logits_bv)
             logprobs_bv, best_b = logprobs_and_argmax(logits_bv, rows_b)
             token_b = sample_from_logprobs(keys_b, logprobs_bv, rows_b.greedy, best_b)
             return (token_b, state), (token_b, logits_bv, logprobs_bv)

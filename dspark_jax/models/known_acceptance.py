@@ -77,9 +77,9 @@ class KnownAcceptanceDrafter(DSparkDrafter):
         keys_bk,
         sampling: SamplingConfig | RowSampling,
         unroll: bool | None = None,
-        penalty_bv: jax.Array | None = None,
+        adjust=None,
     ) -> DraftBlock:
-        real = super().sample_block(h_bkd, anchor_b, keys_bk, sampling, unroll, penalty_bv)
+        real = super().sample_block(h_bkd, anchor_b, keys_bk, sampling, unroll, adjust)
         a_k = jnp.asarray(self.acceptance, jnp.float32)
         c = self.concentration
         flat_keys = keys_bk.reshape(-1)
