@@ -139,6 +139,7 @@ CLI_CASES = [
     ("generate --top-p 2 --max-new-tokens 4", "top_p must be in (0, 1]"),
     ("generate --min-p 1.5 --max-new-tokens 4", "min_p must be in [0, 1] (0 = off), got 1.5"),
     ("generate --presence-penalty 3 --max-new-tokens 4", "presence_penalty must be in [-2, 2]"),
+    ("generate --repetition-penalty 0 --max-new-tokens 4", "repetition_penalty must be finite"),
     (
         'generate --logit-bias {{"5":101}} --max-new-tokens 4',
         "logit_bias[5] must be in [-100, 100], got 101.0",

@@ -26,6 +26,7 @@ from serving_helpers import DONE, SMALL_ENGINE, metrics, sse_events, wait_idle, 
 from dspark_jax.checkpoints.converted import load_decoding_models
 from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine
+from dspark_jax.errors import UserError
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.serving.app import HttpLimits, SamplingDefaults, ServedModel
 from dspark_jax.serving.http_server import HttpServer, bind_socket, build_app_server
@@ -350,6 +351,19 @@ def test_stop_strings_cut_text_and_free_the_slot(served):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == choice["text"]
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
     wait_idle(served.url)
+
+
+def test_repetition_penalty_off_is_taken_without_penalties(served):
+    """This server runs without --penalties: a repetition_penalty of 1 (off) is served as if
+    left out; a model whose own default is another one cannot be served by its engine."""
+    body = dict(prompt=served.traces[0]["prompt"], max_tokens=8, temperature=0)
+    off = _complete(served.url, repetition_penalty=1, **body)["choices"][0]["text"]
+    assert off == _complete(served.url, **body)["choices"][0]["text"]
+    engine = served.app_server.runner.engine
+    with pytest.raises(UserError, match="repetition_penalty 1.05.*--penalties"):
+        ServedModel.of_engine(
+            engine, MODEL, ByteTokenizer(), SamplingDefaults(repetition_penalty=1.05)
+        )
 
 
 def test_min_tokens_holds_back_stop_tokens_and_strings(served):
@@ -920,6 +934,8 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         # This server runs without --penalties (test_serve_command.py's runs with).
         ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "penalties"),
         ("completions", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", "-2"),
+        ("completions", {"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty", "1)"),
+        ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "than 0"),
         # ... nor with --max-logit-bias.
         ("completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "--max-logit-bias"),
         ("completions", {"prompt": "x", "logit_bias": {"05": 1}}, "logit_bias.05", "pattern"),

@@ -172,6 +172,9 @@ def _openai_checks(url: str) -> None:
         # ... and --max-logit-bias: byte 65 ("A") pushed up by 100 is every token.
         (completion, True, dict(temperature=0.0, logit_bias={"65": 100})),
         (completion, False, dict(temperature=0.8, seed=5, logit_bias={"65": 100, "32": -100})),
+        # ... which also apply a repetition penalty (vLLM's field, beyond the OpenAI client's).
+        (completion, True, dict(temperature=0.0, extra_body={"repetition_penalty": 1.5})),
+        (completion, False, dict(temperature=0.0, extra_body={"repetition_penalty": 1.5})),
     ]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(fn, stream, **kw) for fn, stream, kw in jobs]
@@ -185,6 +188,7 @@ def _openai_checks(url: str) -> None:
     assert answers[5] == answers[6]
     assert answers[8] == answers[9] != answers[10]  # the penalties change the greedy answer
     assert answers[11] == answers[12] == ("A" * 32, "length")
+    assert answers[13] == answers[14] != answers[10]
 
 
 def _stream_until_done(url: str, first_token: list) -> dict:

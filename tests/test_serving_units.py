@@ -179,6 +179,13 @@ def test_sampling_defaults_come_from_the_models_generation_config(tmp_path):
     config.write_text('{"temperature": 0.6, "min_p": 2}')
     with pytest.raises(SamplingConfigError, match="min_p must be in"):
         SamplingDefaults.from_model_dir(tmp_path)
+    # Qwen2.5's files name a repetition penalty (which needs an engine with penalties).
+    config.write_text('{"temperature": 0.7, "repetition_penalty": 1.05}')
+    defaults = SamplingDefaults.from_model_dir(tmp_path)
+    assert (defaults.temperature, defaults.repetition_penalty) == (0.7, 1.05)
+    config.write_text('{"repetition_penalty": 0}')
+    with pytest.raises(SamplingConfigError, match="repetition_penalty must be"):
+        SamplingDefaults.from_model_dir(tmp_path)
     req = CompletionRequest.model_validate_json(b'{"prompt": "x", "min_p": 0}')
     assert req.min_p == 0.0
 

@@ -101,6 +101,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help="lower each token by this per time the answer holds it (-2 to 2; 0 = off)",
     )
     group.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide the positive logits (multiply the negative ones) of each token in the "
+        "prompt or the answer by this (> 0; 1 = off; Hugging Face's and vLLM's)",
+    )
+    group.add_argument(
         "--logit-bias",
         type=logit_bias,
         default=None,
@@ -163,6 +170,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
         min_p=args.min_p,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         logit_bias=getattr(args, "logit_bias", None) or (),
     )
 
@@ -235,7 +243,8 @@ def engine_config(
         prefill_chunk=prefill,
         prefill_buckets=(prefill,),
         # Each slot's tokens are counted only where the run asks for penalties.
-        penalties=any(getattr(args, f"{kind}_penalty", 0.0) for kind in ("presence", "frequency")),
+        penalties=any(getattr(args, f"{kind}_penalty", 0.0) for kind in ("presence", "frequency"))
+        or getattr(args, "repetition_penalty", 1.0) != 1.0,
         # ... and holds the biases only where it asks for a logit bias.
         max_logit_bias=len(getattr(args, "logit_bias", None) or ()),
     )

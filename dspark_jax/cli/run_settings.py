@@ -63,6 +63,7 @@ def decoding_settings(
         "min_p": sampling.min_p,
         "presence_penalty": sampling.presence_penalty,
         "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
         # {token id: bias}, as the flag and the OpenAI API take it
         "logit_bias": {str(token): bias for token, bias in sampling.logit_bias},
         "seed": args.seed,

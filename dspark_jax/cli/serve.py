@@ -116,10 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--penalties",
         action="store_true",
-        help="take requests' presence_penalty and frequency_penalty: the engine counts each "
-        "slot's generated tokens (slots x vocabulary int32) and its decode program holds a "
-        "penalised sampling too, run only in rounds where a live request has a penalty (off: "
-        "nonzero penalties are a 400)",
+        help="take requests' presence_penalty, frequency_penalty and repetition_penalty: the "
+        "engine counts each slot's generated tokens (slots x vocabulary int32) and marks its "
+        "prompt's (slots x vocabulary bool), and its decode program holds a penalised sampling "
+        "too, run only in rounds where a live request has a penalty (off: penalties are a 400; "
+        "on by itself when the model's generation_config.json sets a repetition_penalty)",
     )
     engine.add_argument(
         "--max-logit-bias",
@@ -344,6 +345,17 @@ def _serve(args: argparse.Namespace, sock) -> int:
             f"exceeds the model's context (max_position_embeddings {context}); use at most "
             f"{context - block}"
         )
+    defaults = SamplingDefaults.from_model_dir(models.model_dir)
+    penalties = args.penalties
+    if defaults.repetition_penalty != 1.0 and not penalties:
+        # The model's own default applies to every request that leaves the field out, as vLLM
+        # applies it: the engine needs the penalties for it.
+        penalties = True
+        print(
+            f"{name}'s generation_config.json sets repetition_penalty "
+            f"{defaults.repetition_penalty:g}: --penalties turned on",
+            flush=True,
+        )
     cfg = EngineConfig(
         num_slots=args.max_num_seqs,
         max_model_len=max_model_len + block,
@@ -354,7 +366,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         prefill_buckets=_buckets(args.prefill_buckets, "--prefill-buckets"),
         token_buckets=_buckets(args.token_buckets, "--token-buckets"),
         draft_buckets=_buckets(args.draft_buckets, "--draft-buckets"),
-        penalties=args.penalties,
+        penalties=penalties,
         max_logit_bias=args.max_logit_bias,
     )
     if cfg.pool_pages < cfg.pages_per_slot:
@@ -371,7 +383,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         engine,
         name,
         models.tokenizer,
-        SamplingDefaults.from_model_dir(models.model_dir),
+        defaults,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
     )

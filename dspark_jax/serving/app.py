@@ -86,6 +86,7 @@ class SamplingDefaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # needs an engine with penalties unless 1
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> SamplingDefaults:
@@ -98,9 +99,16 @@ class SamplingDefaults:
             top_p=float(gen.get("top_p", cls.top_p)),
             top_k=max(int(gen.get("top_k", cls.top_k)), 0),
             min_p=float(gen.get("min_p", cls.min_p)),
+            repetition_penalty=float(gen.get("repetition_penalty", cls.repetition_penalty)),
         )
         # Out-of-range values in the model's file are refused at start-up, not per request.
-        SamplingConfig(defaults.temperature, defaults.top_k, defaults.top_p, defaults.min_p)
+        SamplingConfig(
+            defaults.temperature,
+            defaults.top_k,
+            defaults.top_p,
+            defaults.min_p,
+            repetition_penalty=defaults.repetition_penalty,
+        )
         return defaults
 
 
@@ -132,6 +140,13 @@ class ServedModel:
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
     ) -> ServedModel:
+        if defaults.repetition_penalty != 1.0 and not engine.cfg.penalties:
+            # Every request that leaves the field out would be refused.
+            raise UserError(
+                f"the model's default repetition_penalty {defaults.repetition_penalty:g} "
+                "(generation_config.json) needs an engine with penalties "
+                "(EngineConfig(penalties=True), `dspark-jax serve --penalties`)"
+            )
         return cls(
             name,
             tokenizer,
@@ -987,12 +1002,22 @@ class OpenAIServer:
             )
         defaults = self.model.defaults
         top_k = defaults.top_k if req.top_k is None else max(req.top_k, 0)  # -1 means off
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) and not self.runner.engine.cfg.penalties:
+        repetition = (
+            defaults.repetition_penalty
+            if req.repetition_penalty is None
+            else req.repetition_penalty
+        )
+        for name, off in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            value = getattr(req, name)
+            if value is not None and value != off and not self.runner.engine.cfg.penalties:
                 raise ApiError(
                     400,
                     f"{name}: a penalty needs a server started with --penalties, which "
-                    "counts each request's tokens on the device (this one takes only 0)",
+                    f"counts each request's tokens on the device (this one takes only {off:g})",
                     param=name,
                 )
         bias = req.logit_bias or {}
@@ -1010,6 +1035,7 @@ class OpenAIServer:
             min_p=defaults.min_p if req.min_p is None else req.min_p,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=repetition,
             logit_bias={int(token): value for token, value in bias.items()},
         )
         return [

@@ -172,6 +172,8 @@ class GenerationRequest(_Strict):
     # Applied where the server runs with --penalties; without it, only 0 (or null) is taken.
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    # vLLM's extension (Hugging Face's formula): > 0, 1 = off; None: the model's default.
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     # Applied where the server runs with --max-logit-bias; without it, only {} (or null).
     logit_bias: LogitBias | None = None
     store: Annotated[bool | None, _only(None, False)] = None
