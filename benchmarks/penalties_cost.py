@@ -18,7 +18,7 @@ cells, in one process:
 
 Reported: each cell's median milliseconds per round and its ratio to off, the seconds each
 engine's programs take to compile (no persistent cache: compiled here), and the bytes the counts
-hold.
+and the prompt marks hold.
 
     python benchmarks/penalties_cost.py --config tiny --vocab 32768 --logit-bias 16    # CPU
     python benchmarks/penalties_cost.py --slots 64 --logit-bias 16     # Qwen3-4B shapes (GPU)
@@ -78,7 +78,8 @@ def run(args) -> dict:
         "rounds_per_chunk": args.rounds,
         "repeats": args.repeats,
         "temperature": args.temperature,
-        "counts_bytes": args.slots * target_cfg.vocab_size * 4,
+        "counts_bytes": args.slots * target_cfg.vocab_size * 4,  # SlotState.counts_sv, int32
+        "marks_bytes": args.slots * target_cfg.vocab_size,  # SlotState.prompt_sv, bool
         "logit_bias": args.logit_bias,
     }
     builds = [("off", {}), ("on", {"penalties": True})]
@@ -124,7 +125,7 @@ def format_table(r: dict) -> str:
     lines = [
         f"{r['config']} (vocabulary {r['vocab']}), {r['dtype']}, {r['slots']} slots, gamma "
         f"{r['gamma']}, context {r['context']}, T={r['temperature']:g}; counts "
-        f"{r['counts_bytes'] / 2**20:.1f} MiB",
+        f"{r['counts_bytes'] / 2**20:.1f} MiB, prompt marks {r['marks_bytes'] / 2**20:.1f} MiB",
         f"{'cell':<11} {'ms/round':>9} {'x off':>6}",
     ]
     cells = ("off", "on_unused", "on_used", "bias_unused", "bias_used")

@@ -1263,7 +1263,8 @@ def test_penalties_cost_times_five_cells_and_compiles_nothing_while_timing(tmp_p
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    assert result["counts_bytes"] == 2 * 512 * 4 and result["logit_bias"] == 3
+    assert result["counts_bytes"] == 2 * 512 * 4 and result["marks_bytes"] == 2 * 512
+    assert result["logit_bias"] == 3
     cells = ("off", "on_unused", "on_used", "bias_unused", "bias_used")
     for cell in cells:
         assert result[f"{cell}_ms"] > 0
