@@ -353,6 +353,30 @@ def test_stop_strings_cut_text_and_free_the_slot(served):
     wait_idle(served.url)
 
 
+def test_x_request_id_names_the_response(served):
+    """A client's X-Request-Id (vLLM's) becomes the response's id behind "cmpl-" / "chatcmpl-",
+    every streamed chunk's too, and comes back in the same header; without one the server's
+    own id does; one that is not printable ASCII without spaces is a 400."""
+    url, body = f"{served.url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    r = httpx.post(url, json=body, headers={"X-Request-Id": "trace-42"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert (r.json()["id"], r.headers["x-request-id"]) == ("cmpl-trace-42", "trace-42")
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "stream": True}
+    with httpx.stream(
+        "POST", f"{served.url}/v1/chat/completions", json=chat,
+        headers={"X-Request-Id": "chat-7"}, timeout=120,
+    ) as s:  # fmt: skip
+        assert s.headers["x-request-id"] == "chat-7"
+        events = list(sse_events(s))
+    assert events[-1] == DONE and {e["id"] for e in events[:-1]} == {"chatcmpl-chat-7"}
+    r = httpx.post(url, json=body, timeout=120)
+    assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"]
+    for bad in ("two words", "x" * 257):
+        r = httpx.post(url, json=body, headers={"X-Request-Id": bad}, timeout=120)
+        assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+    wait_idle(served.url)
+
+
 def test_repetition_penalty_off_is_taken_without_penalties(served):
     """This server runs without --penalties: a repetition_penalty of 1 (off) is served as if
     left out; a model whose own default is another one cannot be served by its engine."""

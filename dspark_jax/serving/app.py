@@ -37,6 +37,7 @@ import functools
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -196,6 +197,27 @@ def _unavailable(message: str) -> ApiError:
     return ApiError(
         503, message, kind="service_unavailable", code="unavailable", headers={"Retry-After": "1"}
     )
+
+
+# A client's own X-Request-Id: printable ASCII without spaces, as ids in logs and traces are.
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[!-~]{1,256}")
+
+
+def request_id(http: HttpRequest) -> str:
+    """The request's id: its X-Request-Id header where it gives one (vLLM's), else a fresh
+    one. The response's `id` is it behind "cmpl-" or "chatcmpl-", and the response carries it
+    back in the same header, so a client or a proxy can follow one request across its logs."""
+    given = http.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise ApiError(
+            400,
+            f"{REQUEST_ID_HEADER}: 1 to 256 printable ASCII characters without spaces, got "
+            f"{given[:40]!r}",
+        )
+    return given
 
 
 class _ClientGone(Exception):
@@ -1140,6 +1162,7 @@ class OpenAIServer:
 
     async def generate(self, http: HttpRequest, req: api.GenerationRequest, chat: bool) -> Response:
         arrived = time.monotonic()
+        rid = request_id(http)
         if self.draining:
             raise _unavailable("the server is shutting down")
         # Before tokenizing: a request for more choices than can ever run costs nothing.
@@ -1192,7 +1215,7 @@ class OpenAIServer:
         prefix = "chatcmpl" if chat else "cmpl"
         shape = _Shape(
             chat,
-            f"{prefix}-{uuid.uuid4().hex}",
+            f"{prefix}-{rid}",
             int(time.time()),
             self.model.name,
             req.return_token_ids,
@@ -1206,9 +1229,11 @@ class OpenAIServer:
 
         if not req.stream:
             try:
-                return await self._whole(gens, merged, shape, usage)
+                response = await self._whole(gens, merged, shape, usage)
             finally:
                 finish()
+            response.headers[REQUEST_ID_HEADER] = rid
+            return response
         try:
             first = await _next_event(merged)
         except _ClientGone:
@@ -1222,7 +1247,11 @@ class OpenAIServer:
                 gens, merged, shape, first, req.include_usage, req.continuous_usage, usage, finish
             ),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                REQUEST_ID_HEADER: rid,
+            },
         )
 
     async def _whole(
