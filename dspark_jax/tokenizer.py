@@ -219,13 +219,19 @@ def encode_conversation(
     return _encode_conversation_hf(tokenizer, messages, enable_thinking)
 
 
-def decode_text(tokenizer: Tokenizer, ids: Sequence[int], stop_tokens: Sequence[int] = ()) -> str:
-    """Text of generated ids, without `stop_tokens` and without special tokens (EOS included)."""
+def decode_text(
+    tokenizer: Tokenizer,
+    ids: Sequence[int],
+    stop_tokens: Sequence[int] = (),
+    skip_special_tokens: bool = True,
+) -> str:
+    """Text of generated ids, without `stop_tokens` and, unless `skip_special_tokens` is false,
+    without special tokens (EOS included). The byte tokenizer's special ids have no text."""
     stops = set(stop_tokens)
     ids = [i for i in ids if i not in stops]
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.decode(ids)
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -220,6 +220,41 @@ def test_without_parsers_the_answer_is_plain_text(serve):
     assert r.json()["choices"][0]["text"] == THOUGHT + "Hi."
 
 
+@pytest.mark.parametrize(
+    ("fields", "text"),
+    [
+        ({}, "one two STOP three"),
+        ({"skip_special_tokens": False}, "one<|endoftext|> two STOP three"),
+        (
+            {"skip_special_tokens": False, "include_stop_str_in_output": True},
+            "one<|endoftext|> two STOP three<|im_end|>",
+        ),
+        ({"stop": "STOP"}, "one two "),
+        ({"stop": ["STOP", "three"], "include_stop_str_in_output": True}, "one two STOP"),
+        ({"stop": "O", "skip_special_tokens": False}, "one<|endoftext|> two ST"),
+    ],
+)
+def test_special_tokens_and_stop_strings_stay_in_the_text_when_asked(serve, fields, text):
+    """vLLM's skip_special_tokens (false writes special tokens out) and
+    include_stop_str_in_output (the stop string, or the stop token's own text, ends the text),
+    on both endpoints, whole and streamed, the stream in pieces that split the stop string."""
+    url, tokenizer = serve(tools=None, template=QWEN_LIKE_TEMPLATE)
+    _answer(tokenizer, "one<|endoftext|> two STOP three")  # then EOS, <|im_end|>
+    for path, body, read in (
+        ("completions", {"prompt": "x", "max_tokens": 200}, lambda c: c["text"]),
+        ("chat/completions", {"messages": USER}, lambda c: c["message"]["content"]),
+    ):
+        r = httpx.post(f"{url}/v1/{path}", json={**body, **fields}, timeout=30)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (read(choice), choice["finish_reason"]) == (text, "stop")
+        streamed = {**body, **fields, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/{path}", json=streamed, timeout=30) as s:
+            events = [e["choices"][0] for e in sse_events(s) if e != DONE]
+        pieces = [e.get("text") or e.get("delta", {}).get("content") or "" for e in events]
+        assert "".join(pieces) == text and sum(bool(p) for p in pieces) > 1
+
+
 def test_a_thinking_template_opens_the_block_in_the_prompt(serve):
     """A template that ends the generation prompt with `<think>` (the thinking-only models'):
     the answer starts inside the block."""

@@ -126,6 +126,20 @@ def _stream_tokens(
     return {"token_ids": ids, "finish_reason": finish}
 
 
+def _text_and_finish(url: str, request: dict) -> tuple[str, str]:
+    """A completion's text and finish reason, whole or (with stream: true) from its chunks."""
+    if not request.get("stream"):
+        choice = _complete(url, **request)["choices"][0]
+        return choice["text"], choice["finish_reason"]
+    with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=120) as r:
+        events = list(sse_events(r))
+    assert events[-1] == DONE
+    return (
+        "".join(e["choices"][0]["text"] for e in events[:-1]),
+        events[-2]["choices"][0]["finish_reason"],
+    )
+
+
 def _clients(url: str, n: int) -> list[httpx.Client]:
     """HTTP clients with their connection already open."""
     clients = [httpx.Client(base_url=url, timeout=300) for _ in range(n)]
@@ -353,6 +367,29 @@ def test_stop_strings_cut_text_and_free_the_slot(served):
     wait_idle(served.url)
 
 
+def test_include_stop_str_in_output_keeps_what_stopped_the_answer(served):
+    """vLLM's include_stop_str_in_output: the stop string ends the text instead of being cut
+    from it (whole and streamed), and a stop token from stop_token_ids keeps its text."""
+    prompt = served.traces[0]["prompt"]  # token ids, whose greedy answer varies
+    body = dict(prompt=prompt, max_tokens=40, temperature=0, ignore_eos=True)
+    free = _complete(served.url, return_token_ids=True, **body)["choices"][0]
+    text, ids = free["text"], free["token_ids"]
+    assert bytes(ids).decode() == text  # one byte a token
+    stop = text[10:12]
+    kept = text[: text.index(stop) + len(stop)]
+    for stream in (False, True):
+        request = dict(stop=[stop], include_stop_str_in_output=True, stream=stream, **body)
+        answer, finish = _text_and_finish(served.url, request)
+        assert (answer, finish) == (kept, "stop")
+    at = next(k for k in range(3, len(ids)) if ids[k] not in ids[:k])  # a token's first place
+    for include in (False, True):
+        choice = _complete(
+            served.url, stop_token_ids=[ids[at]], include_stop_str_in_output=include, **body
+        )["choices"][0]
+        assert choice["text"] == bytes(ids[: at + include]).decode()
+    wait_idle(served.url)
+
+
 def test_x_request_id_names_the_response(served):
     """A client's X-Request-Id (vLLM's) becomes the response's id behind "cmpl-" / "chatcmpl-",
     every streamed chunk's too, and comes back in the same header; without one the server's
@@ -416,16 +453,7 @@ def test_min_tokens_holds_back_stop_tokens_and_strings(served):
     late = next(j for j in range(len(text)) if text.startswith(stop, j) and j + len(stop) >= 12)
     for stream in (False, True):
         request = dict(ignore_eos=True, stop=stop, min_tokens=12, stream=stream, **body)
-        if stream:
-            with httpx.stream(
-                "POST", f"{served.url}/v1/completions", json=request, timeout=120
-            ) as r:
-                events = list(sse_events(r))
-            answer = "".join(e["choices"][0]["text"] for e in events[:-1])
-            finish = events[-2]["choices"][0]["finish_reason"]
-        else:
-            choice = _complete(served.url, **request)["choices"][0]
-            answer, finish = choice["text"], choice["finish_reason"]
+        answer, finish = _text_and_finish(served.url, request)
         assert (answer, finish) == (text[:late], "stop")
     wait_idle(served.url)
 

@@ -128,6 +128,45 @@ def test_stop_strings_release_the_held_tail_at_the_end():
     assert StopStrings([]).feed("anything") == "anything"
 
 
+def test_stop_strings_included_release_at_once_and_end_with_the_first_completed():
+    """include_stop_str_in_output: nothing is held back, the text ends with the stop string that
+    completed first (across pieces too), and a stop string seen before min_tokens armed the
+    stops does not end a later piece."""
+    stops = StopStrings(["STOP", "\n\n"], include=True)
+    assert stops.feed("abc S") == "abc S"  # not held: it is text either way
+    assert stops.feed("TO") == "TO" and not stops.matched
+    assert stops.feed("Px\n\ny") == "P" and stops.matched
+    assert stops.feed("more") == "" and stops.finish() == ""
+    # One character a piece: the lookback spans the pieces.
+    stops = StopStrings(["three", "STOP"], include=True)
+    assert "".join(stops.feed(c) for c in "one two STOP three") == "one two STOP"
+    # The first stop string to complete, not the first to start: "B" ends before "XABC" does.
+    stops = StopStrings(["XABC", "B"], include=True)
+    assert stops.feed("..XABC") == "..XAB" and stops.matched
+    # Unarmed, a stop string passes; armed, only one ending in the new text counts.
+    stops = StopStrings(["ab", "b"], include=True)
+    assert stops.feed("xab", armed=False) == "xab"
+    assert stops.feed("c", armed=True) == "c" and not stops.matched
+    assert stops.feed("a", armed=True) == "a"
+    assert stops.feed("bz", armed=True) == "b" and stops.matched
+
+
+def test_special_tokens_are_written_out_unless_skipped():
+    tokenizer = load_tokenizer(EMBEDDED_TARGET)
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode(" one") + [eos] + tokenizer.encode(" two") + [eos]
+    for skip in (True, False):
+        stream = TextStream(tokenizer, skip_special_tokens=skip)
+        text = "".join(stream.push([i]) for i in ids) + stream.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert tokenizer.eos_token in text and text.count(tokenizer.eos_token) == 2
+    # Stop tokens stay out either way; the byte tokenizer's special ids have no text.
+    stream = TextStream(tokenizer, stop_tokens=[eos], skip_special_tokens=False)
+    assert "".join(stream.push([i]) for i in ids) + stream.flush() == " one two"
+    stream = TextStream(ByteTokenizer(), skip_special_tokens=False)
+    assert stream.push([104, 105, 256, 33]) == "hi!"
+
+
 def test_schemas():
     req = CompletionRequest.model_validate_json(b'{"prompt": [[5, 6]], "stop": "x"}')
     assert req.prompt == [5, 6] and req.stop_strings == ("x",)
@@ -204,6 +243,11 @@ def test_null_is_the_default_where_openai_allows_null():
         b'{"messages": [{"role": "user", "content": "x"}], ' + nulls + b', "stream_options": null}'
     )
     assert (chat.n, chat.stream, chat.ignore_eos, chat.return_token_ids) == (1, False, False, False)
+    # vLLM's flags: null is their default, which for skip_special_tokens is true.
+    req = CompletionRequest.model_validate_json(
+        b'{"prompt": "x", "skip_special_tokens": null, "include_stop_str_in_output": null}'
+    )
+    assert (req.skip_special_tokens, req.include_stop_str_in_output) == (True, False)
 
 
 def test_neutral_values_of_fields_the_server_does_not_implement_are_accepted():

@@ -303,12 +303,14 @@ class _Generation:
         metrics: ServingMetrics,
         output: ChatOutput | None = None,
         min_tokens: int = 0,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ):
         self.live = live
         self.min_tokens = min_tokens  # stop strings count from the token that reaches it
         self.output = output  # a chat choice's parsers (reasoning, tool calls); None: plain text
-        self.text = TextStream(tokenizer)
-        self.stops = StopStrings(stop_strings)
+        self.text = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
+        self.stops = StopStrings(stop_strings, include=include_stop)
         self.hidden_ids = hidden_ids  # stop token ids: they end the text, they are not text
         self.metrics = metrics
         self.token_ids: list[int] = []
@@ -1170,9 +1172,13 @@ class OpenAIServer:
         prompts = await self.encode_prompts(req)
         choices = self.submit(req, self.engine_requests(req, prompts))
         self.live.add(choices)
+        # Stop tokens end the text without text of their own, unless the request keeps what
+        # stopped it (EOS is a special token: it shows only where they are not skipped either).
         hidden = frozenset(req.stop_token_ids or ()) | (
             frozenset() if req.ignore_eos else frozenset(self.model.stop_tokens)
         )
+        if req.include_stop_str_in_output:
+            hidden = frozenset()
         gens = [
             _Generation(
                 live,
@@ -1182,6 +1188,8 @@ class OpenAIServer:
                 self.metrics,
                 self.chat_output(req, prompts[index // req.n]),
                 req.min_tokens,
+                req.include_stop_str_in_output,
+                req.skip_special_tokens,
             )
             for index, live in enumerate(choices.lives)
         ]

@@ -154,6 +154,11 @@ class GenerationRequest(_Strict):
     seed: Seed | None = None
     stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    # vLLM's: the stop string (or stop token's text) that ended a choice ends its text too.
+    include_stop_str_in_output: Flag = False
+    # vLLM's: special tokens (those a tokenizer marks special) are left out of the text; false
+    # writes them out. Stop tokens stay out either way, unless include_stop_str_in_output.
+    skip_special_tokens: Annotated[bool, _null_means(True)] = True
     ignore_eos: Flag = False
     # No stop (token or string) ends a choice before this many tokens (vLLM's); at most the
     # request's token limit.
