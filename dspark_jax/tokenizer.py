@@ -182,15 +182,22 @@ def encode_chat(
     add_generation_prompt: bool = True,
     enable_thinking: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of a prompt conversation, ready for generation; `tools` (OpenAI's function
-    definitions) are rendered by the template, which must know them (`renders_tools`)."""
+    definitions) are rendered by the template, which must know them (`renders_tools`).
+    `continue_final_message` renders the last message open, without what ends its turn, so that
+    generation continues it (not with `add_generation_prompt`)."""
     _check_messages(messages)
     if tools and not renders_tools(tokenizer):
         raise ChatTemplateError("the model's chat template does not render tools")
-    if isinstance(tokenizer, ByteTokenizer):
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message needs add_generation_prompt=False")
+    if isinstance(tokenizer, ByteTokenizer):  # contents alone: the last one is open already
         return tokenizer.encode(tokenizer.render_chat(messages))
-    return _render_ids(tokenizer, messages, add_generation_prompt, enable_thinking, tools)
+    return _render_ids(
+        tokenizer, messages, add_generation_prompt, enable_thinking, tools, continue_final_message
+    )
 
 
 def renders_tools(tokenizer: Tokenizer) -> bool:
@@ -316,6 +323,7 @@ def _render_ids(
     add_generation_prompt: bool,
     enable_thinking: bool,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     if tokenizer.chat_template is None:
         raise ChatTemplateError(f"tokenizer {type(tokenizer).__name__} has no chat_template")
@@ -330,10 +338,17 @@ def _render_ids(
             return_dict=False,
             enable_thinking=enable_thinking,
             **({"tools": list(tools)} if tools else {}),
+            **({"continue_final_message": True} if continue_final_message else {}),
         )
     except TemplateError as e:
         # raise_exception(...) in a template: roles it does not accept, turns that must alternate
         raise ChatTemplateError(f"the chat template refuses the conversation: {e}") from None
+    except ValueError as e:
+        if not continue_final_message:
+            raise
+        # transformers finds the final message's text in the rendering to cut what follows it;
+        # a template that rewrites or drops that text leaves nothing to continue.
+        raise ChatTemplateError(f"the final message cannot be continued: {e}") from None
     return [int(i) for i in ids]
 
 

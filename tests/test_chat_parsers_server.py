@@ -220,6 +220,28 @@ def test_without_parsers_the_answer_is_plain_text(serve):
     assert r.json()["choices"][0]["text"] == THOUGHT + "Hi."
 
 
+def test_a_continued_reply_goes_on_inside_its_open_think_block(serve):
+    """continue_final_message (vLLM's): the prompt ends with the prefilled start of the reply,
+    and the reasoning parser knows the think block is open however long that start is."""
+    url, tokenizer = serve(reasoning="qwen3", template=QWEN_LIKE_TEMPLATE)
+    start = "<think>\nThe user asks about the weather in Paris, so a tool"
+    _answer(tokenizer, " is needed.\n</think>\n\nIt is sunny.")
+    body = {
+        "messages": USER + [{"role": "assistant", "content": start}],
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": True},
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "It is sunny.", "reasoning": "is needed."}
+    prompt = tokenizer.decode(_ScriptedBatcher.prompts[-1])
+    assert prompt.endswith("<|im_start|>assistant\n" + start)
+    both = {**body, "add_generation_prompt": True}
+    r = httpx.post(f"{url}/v1/chat/completions", json=both, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
 @pytest.mark.parametrize(
     ("fields", "text"),
     [

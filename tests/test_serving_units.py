@@ -772,6 +772,17 @@ def test_tokenize_counts_what_the_generation_endpoints_give_the_model(monkeypatc
         bare = post("/tokenize", messages=messages, add_generation_prompt=False)["tokens"]
         assert 0 < len(bare) < len(chat_ids) and chat_ids[: len(bare)] == bare
         assert tokenizer.decode(chat_ids[len(bare) :]).startswith("<|im_start|>assistant\n")
+        # A final assistant message continued (vLLM's continue_final_message): the generation
+        # prompt, then its text, open -- no end-of-turn after it.
+        reply = messages + [{"role": "assistant", "content": "Sure, here"}]
+        for endpoint in ("/tokenize", "chat"):
+            body = dict(messages=reply, continue_final_message=True)
+            if endpoint == "chat":
+                opened = generation_ids(ChatCompletionRequest, **body)
+            else:
+                opened = post("/tokenize", **body)["tokens"]
+            assert opened[: len(chat_ids)] == chat_ids
+            assert tokenizer.decode(opened[len(chat_ids) :]) == "Sure, here"
         thinking = {"enable_thinking": True}
         assert post("/tokenize", messages=messages, chat_template_kwargs=thinking)[
             "tokens"
@@ -794,6 +805,9 @@ def test_tokenize_counts_what_the_generation_endpoints_give_the_model(monkeypatc
             ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, 400,
              "add_generation_prompt", "Extra inputs are not permitted"),
             ("/tokenize", {"messages": []}, 400, "messages", "at least 1 item"),
+            ("/tokenize", {"messages": user, "continue_final_message": True,
+             "add_generation_prompt": True}, 400, "continue_final_message",
+             "needs add_generation_prompt: false"),
             ("/tokenize", {"messages": user, "add_special_tokens": True}, 400,
              "add_special_tokens", "not supported by this server"),
             ("/tokenize", {"messages": user, "tools": [tool]}, 400, "tools",

@@ -93,6 +93,25 @@ def test_encode_chat_generation_prompt(hf_tokenizer):
     assert tok.decode(bare).endswith("Hi ünï<|im_end|>\n")
 
 
+def test_encode_chat_continues_the_final_message(hf_tokenizer):
+    tok = hf_tokenizer
+    reply = CONVERSATION[:2] + [{"role": "assistant", "content": "Sure"}]
+    ids = encode_chat(tok, reply, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(ids) == tok.decode(encode_chat(tok, CONVERSATION[:2])) + "Sure"
+    with pytest.raises(ChatTemplateError, match="needs add_generation_prompt=False"):
+        encode_chat(tok, reply, continue_final_message=True)
+    # A template that rewrites the final message leaves no text of it to continue.
+    shouting = build_chat_tokenizer(
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] | upper }}{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match="final message cannot be continued"):
+        encode_chat(shouting, reply, add_generation_prompt=False, continue_final_message=True)
+    # The byte models' prompt is the contents alone: the final one is open already.
+    assert encode_chat(ByteTokenizer(), reply, False, continue_final_message=True)[-4:] == list(
+        b"Sure"
+    )
+
+
 def test_template_without_enable_thinking_still_works():
     tok = build_chat_tokenizer(
         "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"

@@ -882,7 +882,7 @@ class OpenAIServer:
             if req.calls_tools:
                 self._check_tools()
                 tools = req.tools
-            return [await self._render_chat(req.messages, req.enable_thinking, tools)]
+            return [await self._render_chat(req, tools)]
         return [
             await run_in_threadpool(encode_text, tokenizer, prompt)
             if isinstance(prompt, str)
@@ -892,22 +892,22 @@ class OpenAIServer:
 
     async def _render_chat(
         self,
-        messages: list[api.ChatMessage],
-        enable_thinking: bool,
+        req: api.ChatCompletionRequest | api.TokenizeChatRequest,
         tools: list[api.Tool] | None,
-        add_generation_prompt: bool = True,
     ) -> list[int]:
-        """The token ids of `messages` rendered with the chat template (off the event loop)."""
-        template_messages = [m.template_message() for m in messages]
+        """The token ids of a request's messages rendered with the chat template (off the event
+        loop)."""
+        template_messages = [m.template_message() for m in req.messages]
         tool_specs = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
 
         def render() -> list[int]:
             return encode_chat(
                 self.model.tokenizer,
                 template_messages,
-                add_generation_prompt=add_generation_prompt,
-                enable_thinking=enable_thinking,
+                add_generation_prompt=req.generation_prompt,
+                enable_thinking=req.enable_thinking,
                 tools=tool_specs,
+                continue_final_message=req.continue_final_message,
             )
 
         try:
@@ -938,9 +938,7 @@ class OpenAIServer:
         if isinstance(req, api.TokenizeChatRequest):
             if req.tools:
                 self._check_template_renders_tools()
-            ids = await self._render_chat(
-                req.messages, req.enable_thinking, req.tools, req.add_generation_prompt
-            )
+            ids = await self._render_chat(req, req.tools)
         else:
             ids = await run_in_threadpool(
                 encode_text, tokenizer, req.prompt, req.add_special_tokens
@@ -993,8 +991,12 @@ class OpenAIServer:
         reasoning = self.model.reasoning_parser is not None
         if not (reasoning or req.calls_tools):
             return None
-        # The prompt's last tokens say whether the template opened the think block itself.
-        tail = self.model.tokenizer.decode(prompt[-16:]) if reasoning else ""
+        # The prompt's last tokens say whether the template opened the think block itself, or
+        # the continued final message did (its tokens are at most its UTF-8 bytes).
+        window = 16
+        if req.continue_final_message:
+            window += len(req.messages[-1].text().encode())
+        tail = self.model.tokenizer.decode(prompt[-window:]) if reasoning else ""
         return ChatOutput(
             reasoning=reasoning,
             open_at_start=opens_reasoning(tail),

@@ -419,12 +419,40 @@ class ChatTemplateKwargs(_Strict):
     enable_thinking: bool = False
 
 
+class _ChatRendering(_Strict):
+    """How the chat template renders the end of the conversation (vLLM's fields)."""
+
+    # False leaves out the assistant header that opens the answer; None: true, unless the final
+    # message is continued.
+    add_generation_prompt: bool | None = None
+    # The final message is rendered open (without its end-of-turn), and the answer continues
+    # it: a reply prefilled with its first words.
+    continue_final_message: Flag = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _open_end(cls, value: bool, info: ValidationInfo):
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError(
+                "needs add_generation_prompt: false (the answer continues the final message "
+                "instead of opening a new one)"
+            )
+        return value
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the rendered prompt ends with the header of a new assistant message."""
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+
 # What a chat template renders, as chat completions and /tokenize take it alike.
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 Tools = Annotated[list[Tool], Field(max_length=128)]
 
 
-class ChatCompletionRequest(GenerationRequest):
+class ChatCompletionRequest(GenerationRequest, _ChatRendering):
     """POST /v1/chat/completions, rendered with the target's chat template."""
 
     messages: Messages
@@ -507,19 +535,16 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: Flag = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(_ChatRendering):
     """POST /tokenize with `messages`: the prompt /v1/chat/completions would give the model."""
 
     model: str | None = None
     messages: Messages
-    # False renders the conversation without the assistant header that opens the answer.
-    add_generation_prompt: Annotated[bool, _null_means(True)] = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: Tools | None = None
     return_token_strs: Flag = False
     # The template writes the special tokens itself; vLLM's neutral values of its other fields.
     add_special_tokens: Annotated[bool | None, _only(None, False)] = None
-    continue_final_message: Annotated[bool | None, _only(None, False)] = None
 
     @property
     def enable_thinking(self) -> bool:
