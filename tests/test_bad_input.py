@@ -105,6 +105,7 @@ CLI_CASES = [
     ("eval --out {tmp}/r {tmp}", "is a folder; give --datasets-dir"),
     ("generate --prompts-file {tmp}", "is a folder, not a prompts file"),
     ("generate --max-new-tokens 0", "--max-new-tokens must be >= 1"),
+    ("generate --max-new-tokens 4 --min-tokens 5", "--min-tokens must lie in 0..4"),
     ("generate --max-new-tokens 6000", "lower --max-new-tokens"),
     ("generate --max-new-tokens 1000000000", "max_position_embeddings"),
     (

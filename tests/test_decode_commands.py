@@ -122,6 +122,43 @@ def test_token_id_prompts_and_bad_input(capsys, tmp_path):
     assert "--max-model-len is 16" in capsys.readouterr().err
 
 
+def test_ignore_eos_and_min_tokens(capsys, tmp_path):
+    """--ignore-eos runs every answer to --max-new-tokens; --min-tokens keeps the end-of-turn
+    tokens out of the first that many. The fixture target, its generation_config.json naming
+    the space an end-of-turn token too, ends its answers early."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(FIXTURE / "target", target)
+    (target / "generation_config.json").write_text('{"eos_token_id": [256, 32]}')
+    models = ["--target", str(target), "--draft", str(FIXTURE / "draft")]
+    common = ["--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "40"]
+
+    def run(*args) -> dict:
+        out = tmp_path / "run.json"
+        assert main(["generate", *models, *common, *args, "--json", str(out)]) == 0
+        capsys.readouterr()
+        data = json.loads(out.read_text())
+        return data["results"][0] | {"settings": data["settings"]}
+
+    free = _generate(capsys, tmp_path, "free", *common)[0]["results"][0]
+    spaces = [i for i, t in enumerate(free["tokens"]) if t == 32]
+    assert spaces and spaces[0] < 38  # the free answer has a space to stop at
+    stopped = run()
+    first_stop = free["tokens"][: spaces[0] + 1]
+    assert (stopped["tokens"], stopped["finish_reason"]) == (first_stop, "stop")
+    ignoring = run("--ignore-eos")
+    assert (ignoring["tokens"], ignoring["finish_reason"]) == (free["tokens"], "length")
+    assert ignoring["settings"]["ignore_eos"] is True
+    held = run("--min-tokens", str(spaces[0] + 2))
+    tokens = held["tokens"]
+    assert len(tokens) >= spaces[0] + 2 and 32 not in tokens[: spaces[0] + 2]
+    assert tokens[: spaces[0]] == free["tokens"][: spaces[0]]
+    assert held["settings"]["min_tokens"] == spaces[0] + 2
+    assert main(["generate", *models, *common, "--min-tokens", "41"]) == 2
+    assert "--min-tokens must lie in 0..40 (--max-new-tokens), got 41" in capsys.readouterr().err
+
+
 def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     data_dir = tmp_path / "datasets"
     data_dir.mkdir()

@@ -118,6 +118,19 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="base seed of the requests (default 0)")
     group.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default 256)")
     group.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at the model's end-of-turn tokens: every answer runs to "
+        "--max-new-tokens (fixed-length runs for measurements)",
+    )
+    group.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="no end-of-turn token ends an answer before this many new tokens (0 to "
+        "--max-new-tokens; vLLM's min_tokens)",
+    )
+    group.add_argument(
         "--thinking",
         action="store_true",
         help="render prompts with enable_thinking (off by default, as the drafters were trained)",
@@ -184,6 +197,12 @@ def check_sizes(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    min_tokens = getattr(args, "min_tokens", 0)
+    if not 0 <= min_tokens <= args.max_new_tokens:
+        raise UserError(
+            f"--min-tokens must lie in 0..{args.max_new_tokens} (--max-new-tokens), "
+            f"got {min_tokens}"
+        )
     check_seed(args.seed)
 
 

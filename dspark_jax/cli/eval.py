@@ -216,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             enable_thinking=args.thinking,
             progress=True,
+            ignore_eos=args.ignore_eos,
+            min_tokens=args.min_tokens,
         )
         for reason in report.skipped:
             print(f"{name}: skipped {reason}", file=sys.stderr)

@@ -181,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed + i,
                 sampling=sampling,
                 logprobs=args.logprobs,
+                ignore_eos=args.ignore_eos,
+                min_tokens=args.min_tokens,
             )
             for i, ids in enumerate(id_prompts)
         ]
@@ -214,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
             on_turn=None if single else on_turn,
             progress=not single,
             logprobs=args.logprobs,
+            ignore_eos=args.ignore_eos,
+            min_tokens=args.min_tokens,
         )
         results, timing = run_.results(), run_.timing
         for t in run_.turns:

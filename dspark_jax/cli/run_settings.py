@@ -68,6 +68,9 @@ def decoding_settings(
         "logit_bias": {str(token): bias for token, bias in sampling.logit_bias},
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
+        # every answer ran to max_new_tokens; no end-of-turn token ended one before min_tokens
+        "ignore_eos": args.ignore_eos,
+        "min_tokens": args.min_tokens,
         "thinking": args.thinking,
         "stop_tokens": list(models.stop_tokens),
         "max_num_seqs": args.max_num_seqs,

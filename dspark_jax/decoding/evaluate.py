@@ -54,13 +54,23 @@ def _turn_request(
     seed: int,
     enable_thinking: bool,
     logprobs: bool = False,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
 ) -> Request:
     """The request answering `messages`' last turn; EngineError when it does not fit `engine`.
     One place for `answer_conversations` and `unfit_conversations`, so the check made before
     compiling is the one the run makes."""
     ids = encode_chat(tokenizer, messages, enable_thinking=enable_thinking)
     engine.check_request(ids, max_new_tokens, seed)
-    return Request(ids, max_new_tokens, seed=seed, sampling=sampling, logprobs=logprobs)
+    return Request(
+        ids,
+        max_new_tokens,
+        seed=seed,
+        sampling=sampling,
+        logprobs=logprobs,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+    )
 
 
 def answer_conversations(
@@ -78,6 +88,8 @@ def answer_conversations(
     skip_unfit: bool = False,
     policy_index: int | None = None,
     logprobs: bool = False,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
 ) -> ConversationRun:
     """Answers every conversation turn by turn; see the module docstring.
 
@@ -88,6 +100,8 @@ def answer_conversations(
     answers). Request seeds are `seed + conversation * max_turns + turn`.
     `policy_index`: the member of the engine's `PolicySwitch` that runs (see `Batcher`).
     `logprobs`: the answers' results carry their tokens' log-probabilities (`Request.logprobs`).
+    `ignore_eos`, `min_tokens`: every answer's (`Request`'s); an answer that ignores EOS runs to
+    `max_new_tokens`.
     """
     max_turns = max((len(c) for c in conversations), default=0)
     batcher = Batcher(
@@ -113,6 +127,8 @@ def answer_conversations(
                 seed + c * max_turns + turn,
                 enable_thinking,
                 logprobs,
+                ignore_eos,
+                min_tokens,
             )
         except EngineError as e:
             if not skip_unfit:
@@ -277,9 +293,12 @@ def evaluate_dataset(
     enable_thinking: bool = False,
     progress: bool = False,
     policy_index: int | None = None,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
 ) -> tuple[DatasetReport, ConversationRun]:
     """Speculative decoding over `conversations`, then plain decoding on the same prompts.
-    `policy_index`: the member of `spec`'s `PolicySwitch` that runs."""
+    `policy_index`: the member of `spec`'s `PolicySwitch` that runs; `ignore_eos`,
+    `min_tokens`: as `answer_conversations` takes them (the replay makes the same requests)."""
     run = answer_conversations(
         spec,
         tokenizer,
@@ -291,6 +310,8 @@ def evaluate_dataset(
         progress=progress,
         skip_unfit=True,
         policy_index=policy_index,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
     )
     plain_timing = replay(plain, run, progress) if plain is not None else None
     report = DatasetReport(
