@@ -390,6 +390,34 @@ def test_include_stop_str_in_output_keeps_what_stopped_the_answer(served):
     wait_idle(served.url)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(served):
+    """vLLM's truncate_prompt_tokens: the answer, the echo and the usage are those of the
+    prompt's last k tokens; -1 keeps max_model_len of them; 0 or more than max_model_len is
+    a 400 naming the field."""
+    prompt = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
+    body = dict(max_tokens=12, temperature=0, echo=True)
+    cut = _complete(served.url, prompt=prompt, truncate_prompt_tokens=9, **body)
+    tail = _complete(served.url, prompt=prompt[-9:], **body)
+    assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    assert cut["choices"][0]["text"].startswith(prompt[-9:])
+    assert cut["usage"]["prompt_tokens"] == 9
+    context = served.app_server.model.max_model_len
+    for keep in (len(prompt), -1, context):
+        whole = _complete(served.url, prompt=prompt, truncate_prompt_tokens=keep, **body)
+        assert whole["choices"][0]["text"].startswith(prompt)
+        assert whole["usage"]["prompt_tokens"] == len(prompt)
+    for keep, fragment in ((0, "-1 (as many as max_model_len)"), (context + 1, "max_model_len")):
+        r = httpx.post(
+            f"{served.url}/v1/completions",
+            json={"prompt": prompt, "truncate_prompt_tokens": keep},
+            timeout=60,
+        )
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "truncate_prompt_tokens"
+        assert fragment in error["message"]
+    wait_idle(served.url)
+
+
 def test_x_request_id_names_the_response(served):
     """A client's X-Request-Id (vLLM's) becomes the response's id behind "cmpl-" / "chatcmpl-",
     every streamed chunk's too, and comes back in the same header; without one the server's

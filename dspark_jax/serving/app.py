@@ -1083,14 +1083,36 @@ class OpenAIServer:
             for j in range(req.n)
         ]
 
+    def truncate(self, req: api.GenerationRequest, prompts: list[list[int]]) -> list[list[int]]:
+        """Each prompt's last `truncate_prompt_tokens` tokens (vLLM's: -1 keeps max_model_len of
+        them); a 400 for more than max_model_len."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return prompts
+        context = self.model.max_model_len
+        if keep > context:
+            raise ApiError(
+                400,
+                f"truncate_prompt_tokens {keep} is more than max_model_len {context}",
+                param="truncate_prompt_tokens",
+            )
+        keep = context if keep == -1 else keep
+        return [ids[-keep:] for ids in prompts]
+
     def _echo(
         self, req: api.GenerationRequest, prompts: list[list[int]]
     ) -> list[tuple[str, list[int]]] | None:
-        """Each prompt's text (as sent, or its ids decoded) and ids, for a completion's echo."""
+        """Each prompt's text (as sent, or its ids decoded: always where it may have been
+        truncated) and ids, for a completion's echo."""
         if not req.echoes:
             return None
         return [
-            (given if isinstance(given, str) else self.model.tokenizer.decode(ids), ids)
+            (
+                given
+                if isinstance(given, str) and req.truncate_prompt_tokens is None
+                else self.model.tokenizer.decode(ids),
+                ids,
+            )
             for given, ids in zip(req.prompts, prompts, strict=True)
         ]
 
@@ -1171,7 +1193,7 @@ class OpenAIServer:
             raise _unavailable("the server is shutting down")
         # Before tokenizing: a request for more choices than can ever run costs nothing.
         self.check_choices(req, len(req.prompts) if isinstance(req, api.CompletionRequest) else 1)
-        prompts = await self.encode_prompts(req)
+        prompts = self.truncate(req, await self.encode_prompts(req))
         choices = self.submit(req, self.engine_requests(req, prompts))
         self.live.add(choices)
         # Stop tokens end the text without text of their own, unless the request keeps what

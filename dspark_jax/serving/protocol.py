@@ -167,6 +167,8 @@ class GenerationRequest(_Strict):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     return_token_ids: Flag = False
+    # vLLM's: only the prompt's last this many tokens are kept (-1: max_model_len of them).
+    truncate_prompt_tokens: int | None = None
     # vLLM's: requests share prefix-cache pages only with requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     # No effect on the answer: OpenAI's end-user id (`safety_identifier` is its successor) and
@@ -184,6 +186,13 @@ class GenerationRequest(_Strict):
     store: Annotated[bool | None, _only(None, False)] = None
     metadata: dict[str, str] | None = None
     service_tier: Annotated[str | None, _only(None, "auto", "default")] = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _positive_or_all(cls, value: int | None):
+        if value is not None and value < 1 and value != -1:
+            raise ValueError("must be an integer >= 1, or -1 (as many as max_model_len)")
+        return value
 
     @field_validator("stream_options")
     @classmethod
