@@ -46,6 +46,7 @@ class _ScriptedBatcher:
 
     script: list[int] = []
     prompts: list[list[int]] = []
+    requests: list = []
     _ids = itertools.count()
 
     def __init__(self, engine, max_waiting, observer, prefix_caching):
@@ -57,6 +58,7 @@ class _ScriptedBatcher:
         with self._lock:
             self._pending.append(handle)
         type(self).prompts.append(list(request.prompt_ids))
+        type(self).requests.append(request)
         return handle
 
     def cancel(self, handle):
@@ -90,9 +92,10 @@ def serve(monkeypatch):
     monkeypatch.setattr(runtime, "Batcher", _ScriptedBatcher)
     servers = []
 
-    def start(reasoning=None, tools=None, template=QWEN_TOOLS_TEMPLATE):
+    def start(reasoning=None, tools=None, template=QWEN_TOOLS_TEMPLATE, priority=False):
         tokenizer = build_chat_tokenizer(template)
         _ScriptedBatcher.prompts = []
+        _ScriptedBatcher.requests = []
         model = ServedModel(
             "m",
             tokenizer,
@@ -102,7 +105,9 @@ def serve(monkeypatch):
             tool_call_parser=tools,
         )
         runner = EngineRunner(StandInEngine(), max_waiting=8)
-        app_server = OpenAIServer(runner, model, ServingMetrics(1, 1, 0))
+        app_server = OpenAIServer(
+            runner, model, ServingMetrics(1, 1, 0), priority_scheduling=priority
+        )
         server = HttpServer(app_server, bind_socket("127.0.0.1", 0), log_level="critical")
         servers.append(server.start())
         assert runner.wait_ready(30)
@@ -362,3 +367,22 @@ def test_calls_and_reasoning_belong_to_assistant_messages(serve):
         body = {"messages": [{"role": "user", "content": "x", field: value}]}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == f"messages.0.{field}"
+
+
+def test_priority_reaches_the_queue_only_where_the_server_schedules_by_it(serve):
+    """vLLM's priority: a server started with --scheduling-policy priority hands it to the
+    engine's queue (tests/test_priority.py orders it there); a first-come-first-served one
+    takes only 0 (or null) and answers anything else with a 400 that names the flag."""
+    body = {"prompt": "x", "max_tokens": 4}
+    for priority in (False, True):
+        url, tokenizer = serve(template=QWEN_LIKE_TEMPLATE, priority=priority)
+        _answer(tokenizer, "ok")
+        for value in (None, 0, -3, 7):
+            r = httpx.post(f"{url}/v1/completions", json={**body, "priority": value}, timeout=30)
+            if value and not priority:
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["param"] == "priority"
+                assert "--scheduling-policy priority" in error["message"]
+                continue
+            assert r.status_code == 200, r.text
+            assert _ScriptedBatcher.requests[-1].priority == (value or 0)

@@ -151,6 +151,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "request with n > 1 counting as one (default 256)",
     )
     http.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="the order in which waiting requests get a slot: fcfs, first come first served "
+        "(a request's priority other than 0 is a 400), or priority, by the requests' priority "
+        "field (lower first, then first come; a running request is never preempted). vLLM's "
+        "(default fcfs)",
+    )
+    http.add_argument(
         "--max-connections",
         type=int,
         default=2048,
@@ -394,6 +403,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         max_waiting=args.max_waiting,
         limits=HttpLimits(read_timeout_s=args.read_timeout),
         prefix_caching=args.prefix_caching,
+        priority_scheduling=args.scheduling_policy == "priority",
     )
     server = HttpServer(
         app_server,
@@ -422,6 +432,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         f"serving {name} ({mode}; {cfg.num_slots} slots x {max_model_len} tokens, KV "
         f"{format_bytes(kv_bytes)}{'' if mesh is None else ' per device'}; "
         f"{describe_mesh(mesh)}; prefix caching {'on' if args.prefix_caching else 'off'}"
+        f"{'; priority scheduling' if args.scheduling_policy == 'priority' else ''}"
         f"{parsers}) on "
         f"http://{host}:{port}/v1{' (API key required)' if key else ''} -- warming up, /health "
         "turns 200 when ready; SIGTERM or Ctrl-C drains and stops",

@@ -94,6 +94,10 @@ class Request:
     # prefills its whole prompt (it maps no cached pages): the logits of every prompt row, in
     # the prefill calls it is part of.
     prompt_logprobs: int | None = None
+    # Admission order (vLLM's priority): among the requests waiting for a slot, a lower value
+    # is given one first; equal values are first come, first served. A request that runs is
+    # never preempted for one of a lower value.
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -476,6 +480,8 @@ class Batcher:
             raise EngineError(
                 f"prompt_logprobs must be None or an integer in 0..{most}, got {prompt_top!r}"
             )
+        if as_integer(request.priority) is None:
+            raise EngineError(f"priority must be an integer, got {request.priority!r}", "priority")
         if request.cache_salt is not None and not (
             isinstance(request.cache_salt, str) and request.cache_salt
         ):
@@ -616,9 +622,17 @@ class Batcher:
             if kind == "submit":
                 if handle.cancelled:
                     continue
-                self.waiting.append(handle)
+                self._enqueue(handle)
             else:
                 self._cancel(handle)
+
+    def _enqueue(self, handle: Handle) -> None:
+        """Into the waiting queue, behind every request of its priority or a lower value."""
+        priority = handle.request.priority
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].request.priority > priority:
+            at -= 1
+        self.waiting.insert(at, handle)
 
     def _cancel(self, handle: Handle) -> None:
         if handle.finished or handle.cancelled:

@@ -757,11 +757,14 @@ class OpenAIServer:
         model: ServedModel,
         metrics: ServingMetrics,
         limits: HttpLimits = HttpLimits(),
+        priority_scheduling: bool = False,
     ):
         self.runner = runner
         self.model = model
         self.metrics = metrics
         self.limits = limits
+        # Requests' priority orders the queue (`--scheduling-policy priority`); else only 0.
+        self.priority_scheduling = priority_scheduling
         self.loop: asyncio.AbstractEventLoop | None = None
         self.live: set[_Choices] = set()
         self.draining = False
@@ -1046,6 +1049,13 @@ class OpenAIServer:
                     f"counts each request's tokens on the device (this one takes only {off:g})",
                     param=name,
                 )
+        if req.priority and not self.priority_scheduling:
+            raise ApiError(
+                400,
+                "priority: needs a server started with --scheduling-policy priority (this one "
+                "serves first come, first served and takes only 0)",
+                param="priority",
+            )
         bias = req.logit_bias or {}
         if bias and not self.runner.engine.cfg.max_logit_bias:
             raise ApiError(
@@ -1075,6 +1085,7 @@ class OpenAIServer:
                 ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
                 cache_salt=req.cache_salt,
+                priority=req.priority,
                 logprobs=req.wants_logprobs,
                 top_logprobs=req.alternatives,
                 prompt_logprobs=req.prompt_logprobs,

@@ -100,14 +100,16 @@ def build_app_server(
     max_waiting: int,
     limits: HttpLimits | None = None,
     prefix_caching: bool = True,
+    priority_scheduling: bool = False,
 ) -> OpenAIServer:
-    """The app's handlers over a runner for `engine` (not started) and its metrics."""
+    """The app's handlers over a runner for `engine` (not started) and its metrics.
+    `priority_scheduling`: requests' `priority` orders the queue (else only 0 is taken)."""
     limits = limits or HttpLimits()
     metrics = ServingMetrics(engine.cfg.num_slots, engine.cfg.pool_pages, engine.gamma)
     runner = EngineRunner(
         engine, max_waiting=max_waiting, observer=metrics, prefix_caching=prefix_caching
     )
-    return OpenAIServer(runner, model, metrics, limits)
+    return OpenAIServer(runner, model, metrics, limits, priority_scheduling=priority_scheduling)
 
 
 class _HeadDeadline(H11Protocol):

@@ -169,6 +169,8 @@ class GenerationRequest(_Strict):
     return_token_ids: Flag = False
     # vLLM's: only the prompt's last this many tokens are kept (-1: max_model_len of them).
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the queue's order under --scheduling-policy priority (lower first); else only 0.
+    priority: Annotated[int, _null_means(0), Field(ge=-(2**63), lt=2**63)] = 0
     # vLLM's: requests share prefix-cache pages only with requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     # No effect on the answer: OpenAI's end-user id (`safety_identifier` is its successor) and
