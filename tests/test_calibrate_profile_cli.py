@@ -312,7 +312,7 @@ def test_sps_table_auto_profiles_the_engine_the_command_builds(monkeypatch, caps
     from dspark_jax.sampling import SamplingConfig
 
     run = SimpleNamespace(**vars(args), dtype=None, seed=0, max_new_tokens=8, thinking=False,
-                          max_num_seqs=3)  # fmt: skip
+                          max_num_seqs=3, ignore_eos=False, min_tokens=0)  # fmt: skip
     settings = decoding_settings(run, models, cfg, SamplingConfig(temperature=0.7), policy)
     assert settings["sps_table"] == "auto"
     assert settings["sps_profiled"] == {"buckets": [8, 24], "sps": [200.0, 210.0]}
