@@ -70,6 +70,12 @@ class SamplingConfig:
     (id, bias) pairs), kept as pairs sorted by id. Like the penalties it is applied by the
     engine (an engine built with `EngineConfig.max_logit_bias`), and the row functions here
     refuse it.
+
+    allowed_token_ids (vLLM's): when not empty, every other token's logit is -inf at every token
+    of the request, so only these can be drawn (after the penalties and the logit bias, whose
+    entries on other tokens then count for nothing). Kept sorted, without repeats; applied by
+    the engine alone, which holds them where it holds the biases (`EngineConfig.max_logit_bias`
+    bounds their number).
     """
 
     temperature: float = 0.0
@@ -80,6 +86,7 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = 1.0
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
@@ -121,6 +128,7 @@ class SamplingConfig:
                 f"repeats), got {self.repetition_penalty}"
             )
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", _token_set(self.allowed_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -128,8 +136,9 @@ class SamplingConfig:
 
     @property
     def adjusted(self) -> bool:
-        """Penalties or a logit bias change the logits before the filters (the engine's work)."""
-        return self.penalized or bool(self.logit_bias)
+        """Penalties, a logit bias or allowed tokens change the logits before the filters (the
+        engine's work)."""
+        return self.penalized or bool(self.logit_bias) or bool(self.allowed_token_ids)
 
     @property
     def penalized(self) -> bool:
@@ -142,15 +151,26 @@ class SamplingConfig:
 
     @property
     def filters(self) -> SamplingConfig:
-        """This config without its penalties and logit bias: what filters each row of
-        (adjusted) logits."""
+        """This config without its penalties, logit bias and allowed tokens: what filters each
+        row of (adjusted) logits."""
         return dataclasses.replace(
             self,
             presence_penalty=0.0,
             frequency_penalty=0.0,
             repetition_penalty=1.0,
             logit_bias=(),
+            allowed_token_ids=(),
         )
+
+    @property
+    def bias_entries(self) -> tuple[tuple[int, float], ...]:
+        """The (token id, bias) pairs the engine holds for this config: the logit bias or, with
+        allowed tokens, each of them with its bias (0 unless biased); as many as the engine's
+        `max_logit_bias` must hold."""
+        if not self.allowed_token_ids:
+            return self.logit_bias
+        bias = dict(self.logit_bias)
+        return tuple((token, bias.get(token, 0.0)) for token in self.allowed_token_ids)
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
@@ -190,6 +210,27 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
             raise SamplingConfigError(f"logit_bias names token {token_id} twice")
         pairs[token_id] = number
     return tuple(sorted(pairs.items()))
+
+
+def _token_set(ids) -> tuple[int, ...]:
+    """`SamplingConfig.allowed_token_ids` as sorted distinct token ids, each checked."""
+    if isinstance(ids, str | bytes) or hasattr(ids, "items"):
+        raise SamplingConfigError(f"allowed_token_ids must be a sequence of token ids, got {ids!r}")
+    try:
+        items = list(ids)
+    except TypeError:
+        raise SamplingConfigError(
+            f"allowed_token_ids must be a sequence of token ids, got {ids!r}"
+        ) from None
+    tokens = set()
+    for item in items:
+        token = as_integer(item)
+        if token is None or token < 0:
+            raise SamplingConfigError(
+                f"allowed_token_ids must be token ids (integers >= 0), got {item!r}"
+            )
+        tokens.add(token)
+    return tuple(sorted(tokens))
 
 
 GREEDY = SamplingConfig()
@@ -259,6 +300,12 @@ def as_rows(cfg: SamplingConfig | RowSampling, shape: tuple[int, ...]) -> RowSam
                 "a logit_bias is added to the logits before the filters: add it to the row "
                 "(`apply_logit_bias`) and filter it with the config's `filters` (the engine "
                 "does both)"
+            )
+        if cfg.allowed_token_ids:
+            raise SamplingConfigError(
+                "allowed_token_ids mask the logits before the filters: mask the row "
+                "(`apply_allowed_tokens`) and filter it with the config's `filters` (the "
+                "engine does both)"
             )
         return RowSampling.from_config(cfg, shape)
     return cfg.broadcast(shape) if cfg.temperature.shape != shape else cfg
@@ -580,6 +627,26 @@ def apply_logit_bias(logits_xv: jax.Array, ids_xk: jax.Array, bias_xk: jax.Array
         bias_xk.reshape(-1, k).astype(jnp.float32), mode="drop"
     )
     return flat_xv.reshape(logits_xv.shape)
+
+
+def allowed_rows(ids_xk: jax.Array, only_x: jax.Array, vocab: int) -> jax.Array:
+    """bool [..., V]: the tokens each row may draw -- its ids [..., K] where `only_x` [...] holds
+    (allowed_token_ids; entries past a row's own repeat one of them), every token elsewhere."""
+    k = ids_xk.shape[-1]
+    rows = ids_xk.reshape(-1, k).shape[0]
+    marked_xv = jnp.zeros((rows, vocab), bool)
+    marked_xv = marked_xv.at[jnp.arange(rows)[:, None], ids_xk.reshape(-1, k)].set(
+        True, mode="drop"
+    )
+    return marked_xv.reshape(*ids_xk.shape[:-1], vocab) | ~only_x[..., None]
+
+
+def apply_allowed_tokens(logits_xv: jax.Array, ids_xk: jax.Array, only_x: jax.Array) -> jax.Array:
+    """float32 logits [..., V] with -inf at every token but a row's ids [..., K] in the rows
+    where `only_x` [...] holds (`SamplingConfig.allowed_token_ids`); other rows keep their
+    float32 logits bitwise."""
+    allowed_xv = allowed_rows(ids_xk, only_x, logits_xv.shape[-1])
+    return jnp.where(allowed_xv, logits_xv.astype(jnp.float32), -jnp.inf)
 
 
 def ban_tokens(logits_xv: jax.Array, ids_xk: jax.Array, ban_x: jax.Array) -> jax.Array:

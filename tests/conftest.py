@@ -38,6 +38,32 @@ if not compilation_cache_off(os.environ["DSPARK_JAX_COMPILATION_CACHE"]):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DSPARK_JAX_COMPILATION_CACHE"])
 
 
+# The gated fixture pair, an engine over it that adjusts logits (`ADJUSTED_CFG`: penalties and
+# up to 3 logit-bias entries) and three of its reference prompts, for the tests of those
+# adjustments; loaded once per worker.
+@pytest.fixture(scope="session")
+def gated_pair():
+    from fixture_models import load_pair
+
+    return load_pair("gated")
+
+
+@pytest.fixture(scope="session")
+def adjusted_engine(gated_pair):
+    from fixture_models import ADJUSTED_CFG
+
+    from dspark_jax.decoding.engine import Engine
+
+    return Engine(*gated_pair, ADJUSTED_CFG)
+
+
+@pytest.fixture(scope="session")
+def gated_prompts():
+    from fixture_models import reference_traces
+
+    return [t["prompt"] for t in reference_traces("gated")["traces"][:3]]
+
+
 # Seconds the slowest test files take on the 2-core CI machine (sums of --durations, 2026-11-30),
 # only to order them: the two xdist workers take whole files (--dist loadfile) in collection
 # order (--no-loadscope-reorder), so the longest go first and the short ones fill in at the end

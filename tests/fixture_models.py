@@ -107,7 +107,8 @@ def adjusted_greedy_reference(
     """Greedy tokens of the target run over each whole prefix (numpy, float64), its logits
     divided (positive) or multiplied (negative) by the `sampling`'s repetition penalty where
     the token is in the prompt or generated so far, then less its presence and frequency
-    penalties for the tokens generated so far, plus its logit bias; with `stops`, up to the
+    penalties for the tokens generated so far, plus its logit bias, -inf off its allowed tokens
+    (where it names any); with `stops`, up to the
     first of them (included), which are banned from the first `min_tokens` tokens."""
     logits_fn = _last_logits(target, max_len)
     tokens: list[int] = []
@@ -124,6 +125,10 @@ def adjusted_greedy_reference(
         )
         for token, bias in sampling.logit_bias:
             logits[token] += bias
+        if sampling.allowed_token_ids:
+            others = np.ones(logits.shape, bool)
+            others[list(sampling.allowed_token_ids)] = False
+            logits[others] = -np.inf
         if len(tokens) < min_tokens:
             logits[list(stops)] = -np.inf
         tokens.append(int(np.argmax(logits)))

@@ -159,6 +159,15 @@ def test_ignore_eos_and_min_tokens(capsys, tmp_path):
     assert "--min-tokens must lie in 0..40 (--max-new-tokens), got 41" in capsys.readouterr().err
 
 
+def test_allowed_token_ids_are_all_an_answer_holds(capsys, tmp_path):
+    args = ["--prompt", PROMPT, "--temperature", "1", "--max-new-tokens", "16"]
+    data, out, _ = _generate(capsys, tmp_path, "allowed", *args, "--allowed-token-ids", "66, 67")
+    (r,) = data["results"]
+    assert set(r["tokens"]) == {66, 67} and len(r["tokens"]) == 16
+    assert out == r["text"] + "\n" and set(r["text"]) == {"B", "C"}
+    assert data["settings"]["allowed_token_ids"] == [66, 67]
+
+
 def test_eval_writes_table_json_plot_and_records(capsys, tmp_path):
     data_dir = tmp_path / "datasets"
     data_dir.mkdir()

@@ -194,6 +194,8 @@ def test_on_a_mesh_the_biases_split_with_the_slots(models, spec, prompts, biases
         Request(prompts[0], 16, sampling=biases[0]),
         Request(prompts[1], 16, seed=5, sampling=dataclasses.replace(biases[1], temperature=0.7)),
         Request(prompts[2], 16, seed=6, sampling=SamplingConfig(temperature=1.0)),
+        # allowed_token_ids live in the same slot rows (tests/test_allowed_tokens.py)
+        Request(prompts[0], 16, seed=7, sampling=SamplingConfig(1.0, allowed_token_ids=(32, 101))),
     ]
     results, _ = generate(sharded, requests)
     expected, _ = generate(spec, requests)

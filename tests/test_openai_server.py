@@ -1018,6 +1018,10 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "than 0"),
         # ... nor with --max-logit-bias.
         ("completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "--max-logit-bias"),
+        ("completions", {"prompt": "x", "allowed_token_ids": [5]}, "allowed_token_ids",
+         "--max-logit-bias N"),
+        ("completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids",
+         "at least 1 item"),
         ("completions", {"prompt": "x", "logit_bias": {"05": 1}}, "logit_bias.05", "pattern"),
         ("completions", {"prompt": "x", "logit_bias": {"5": -101}}, "logit_bias.5", "-100"),
         ("completions", {"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias.5", "number"),

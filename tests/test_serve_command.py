@@ -156,6 +156,7 @@ def _openai_checks(url: str) -> None:
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         return text, chunks[-1].choices[0].finish_reason
 
+    allowed = {"allowed_token_ids": [66, 67]}
     jobs = [
         (completion, True, dict(temperature=0.7, top_p=0.9, seed=1)),
         (completion, False, dict(temperature=0.7, top_p=0.9, seed=1)),
@@ -175,6 +176,8 @@ def _openai_checks(url: str) -> None:
         # ... which also apply a repetition penalty (vLLM's field, beyond the OpenAI client's).
         (completion, True, dict(temperature=0.0, extra_body={"repetition_penalty": 1.5})),
         (completion, False, dict(temperature=0.0, extra_body={"repetition_penalty": 1.5})),
+        # ... and vLLM's allowed_token_ids, which --max-logit-bias holds too: "B" and "C" only.
+        (completion, True, dict(temperature=1.0, seed=6, extra_body=allowed)),
     ]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(fn, stream, **kw) for fn, stream, kw in jobs]
@@ -189,6 +192,17 @@ def _openai_checks(url: str) -> None:
     assert answers[8] == answers[9] != answers[10]  # the penalties change the greedy answer
     assert answers[11] == answers[12] == ("A" * 32, "length")
     assert answers[13] == answers[14] != answers[10]
+    restricted, finish = answers[15]
+    assert set(restricted) == {"B", "C"} and (len(restricted), finish) == (32, "length")
+    # More allowed tokens than the 2 the server holds per request: a 400 naming the field.
+    refused = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "allowed_token_ids": [65, 66, 67]},
+        timeout=60,
+    )
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "allowed_token_ids" and "holds at most 2" in error["message"]
 
 
 def _stream_until_done(url: str, first_token: list) -> dict:

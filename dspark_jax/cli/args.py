@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from dspark_jax.calibration.sts import StsArtifact
 from dspark_jax.checkpoints.locate import DRAFT, TARGET
 from dspark_jax.cli import SPS_AUTO
-from dspark_jax.cli.argtypes import logit_bias, unit_interval
+from dspark_jax.cli.argtypes import logit_bias, token_ids, unit_interval
 from dspark_jax.config import DrafterConfig, Qwen3Config
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.decoding.policies import (
@@ -115,6 +115,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help='add to chosen tokens\' logits, as the OpenAI API\'s logit_bias: a JSON object of '
         'token ids to biases in [-100, 100] (\'{"1024": -100}\' all but bans token 1024)',
     )
+    group.add_argument(
+        "--allowed-token-ids",
+        type=token_ids,
+        default=None,
+        metavar="IDS",
+        help="draw only these tokens (comma-separated ids; vLLM's allowed_token_ids); the logit "
+        "bias still applies to them",
+    )
     group.add_argument("--seed", type=int, default=0, help="base seed of the requests (default 0)")
     group.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default 256)")
     group.add_argument(
@@ -185,6 +193,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logit_bias=getattr(args, "logit_bias", None) or (),
+        allowed_token_ids=getattr(args, "allowed_token_ids", None) or (),
     )
 
 
@@ -264,9 +273,16 @@ def engine_config(
         # Each slot's tokens are counted only where the run asks for penalties.
         penalties=any(getattr(args, f"{kind}_penalty", 0.0) for kind in ("presence", "frequency"))
         or getattr(args, "repetition_penalty", 1.0) != 1.0,
-        # ... and holds the biases only where it asks for a logit bias.
-        max_logit_bias=len(getattr(args, "logit_bias", None) or ()),
+        # ... and holds the biases only where it asks for a logit bias (or allowed tokens).
+        max_logit_bias=_bias_entries(args),
     )
+
+
+def _bias_entries(args: argparse.Namespace) -> int:
+    """How many (token, bias) entries each slot holds for the run's logit bias or allowed
+    tokens (`SamplingConfig.bias_entries`)."""
+    allowed = getattr(args, "allowed_token_ids", None) or ()
+    return len(set(allowed)) if allowed else len(getattr(args, "logit_bias", None) or ())
 
 
 def slot_split(mesh) -> int:

@@ -48,3 +48,25 @@ def logit_bias(text: str) -> dict[int, float]:
             raise argparse.ArgumentTypeError(f"keys are token ids (0, 1, 2, ...), got {key!r}")
         out[int(key)] = bias
     return out
+
+
+
+def int_list(text: str, least: int = 0) -> tuple[int, ...]:
+    """Integers separated by commas or spaces ("32,101 115"): one or more, each >= `least`."""
+    try:
+        values = tuple(int(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, got {text!r}"
+        ) from None
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected one or more integers >= {least}, got {text!r}")
+    return values
+
+
+def token_ids(text: str) -> tuple[int, ...]:
+    return int_list(text, 0)
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    return int_list(text, 1)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dspark_jax.cli.argtypes import positive_ints
+
 # Short names for the configs one profiles most.
 ALIASES = {"tiny": "tiny-vanilla-target"}
 # The drafter config measured with a named target.
@@ -19,18 +21,6 @@ DRAFTER_OF = {
     "tiny-vanilla-target": "tiny-vanilla-dspark",
     "tiny-gated-target": "tiny-gated-dspark",
 }
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--buckets",
-        type=_ints,
+        type=positive_ints,
         help="comma-separated token buckets, anchors included (default: the engine's, derived "
         "from the slots and the drafter's block size)",
     )

@@ -66,6 +66,7 @@ def decoding_settings(
         "repetition_penalty": sampling.repetition_penalty,
         # {token id: bias}, as the flag and the OpenAI API take it
         "logit_bias": {str(token): bias for token, bias in sampling.logit_bias},
+        "allowed_token_ids": list(sampling.allowed_token_ids),
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
         # every answer ran to max_new_tokens; no end-of-turn token ended one before min_tokens

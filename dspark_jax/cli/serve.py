@@ -127,9 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="take requests' logit_bias of up to N tokens: each slot holds N token ids and "
-        "biases, added to its logits in a sampling branch run only in rounds where a live "
-        "request has one (default 0: a logit_bias is a 400)",
+        help="take requests' logit_bias of up to N tokens (and vLLM's allowed_token_ids, up to "
+        "N): each slot holds N token ids and biases, added to its logits in a sampling branch "
+        "run only in rounds where a live request has one (default 0: either is a 400)",
     )
     engine.add_argument(
         "--draft-buckets",

@@ -516,6 +516,13 @@ class Batcher:
                 (*request.stop_token_ids, *(() if request.ignore_eos else self.engine.stop_tokens))
             )
         )
+        allowed = request.sampling.allowed_token_ids
+        if least and allowed and set(allowed) <= set(stop_ids):
+            raise EngineError(
+                f"allowed_token_ids {list(allowed)} are all stop tokens, which min_tokens "
+                f"{least} bans from the first tokens: nothing could be drawn there",
+                "allowed_token_ids",
+            )
         limit = self.engine.cfg.max_stop_tokens
         if len(stop_ids) > limit:
             own = len(set(request.stop_token_ids))
@@ -722,6 +729,7 @@ class Batcher:
                         else None
                     ),
                     logit_bias=r.sampling.logit_bias,
+                    allowed_token_ids=r.sampling.allowed_token_ids,
                     max_new_tokens=r.max_new_tokens,
                     min_new_tokens=r.min_tokens,
                     stop_tokens=handle.stop_ids,

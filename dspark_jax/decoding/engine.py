@@ -75,6 +75,8 @@ from dspark_jax.sampling import (
     STREAM_RESIDUAL,
     RowSampling,
     SamplingConfig,
+    allowed_rows,
+    apply_allowed_tokens,
     apply_logit_bias,
     apply_penalties,
     apply_repetition_penalty,
@@ -149,7 +151,8 @@ class EngineConfig:
     max_logit_bias: the most tokens a request's `SamplingConfig.logit_bias` may bias (0: none;
     a request with a logit_bias is refused). The state then holds each slot's bias ids and
     values ([num_slots, max_logit_bias] each), added to its logits in the same conditional
-    sampling as the penalties (run only in rounds where some live request adjusts its logits).
+    sampling as the penalties (run only in rounds where some live request adjusts its logits),
+    and the same entries hold a request's `SamplingConfig.allowed_token_ids` (at most this many).
     """
 
     num_slots: int = 8
@@ -389,9 +392,12 @@ class SlotState:
     counts_sv: jax.Array | None = None
     prompt_sv: jax.Array | None = None
     # With `EngineConfig.max_logit_bias` K (else None): each slot's logit_bias as token ids
-    # [slots, K] int32 and biases [slots, K] float32 (unused entries: id 0, bias 0).
+    # [slots, K] int32 and biases [slots, K] float32 (unused entries: id 0, bias 0), and
+    # whether its request draws only those ids ([slots] bool: allowed_token_ids, which then
+    # fill the entries, each with its bias, the unused ones repeating the first at bias 0).
     bias_ids_sk: jax.Array | None = None
     bias_sk: jax.Array | None = None
+    allowed_s: jax.Array | None = None
 
     def replace(self, **changes) -> SlotState:
         return dataclasses.replace(self, **changes)
@@ -455,6 +461,7 @@ class PrefillBatch:
     penalties_n3: np.ndarray  # float32 [N, 3]: presence, frequency, repetition
     bias_ids_nk: np.ndarray  # int32 [N, max(1, max_logit_bias)]: logit_bias token ids
     bias_nk: np.ndarray  # float32, the same shape: their biases (0 past a request's own)
+    allowed_n: np.ndarray  # bool [N]: the request draws only its bias_ids (allowed_token_ids)
     max_new_n: np.ndarray
     min_new_n: np.ndarray  # int32: PrefillItem.min_new_tokens
     stop_nk: np.ndarray
@@ -498,6 +505,7 @@ class PrefillItem:
     # penalty is on (the penalty applies to every prompt token, prefix-cached ones included).
     prompt_ids: np.ndarray | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # SamplingConfig.logit_bias's pairs
+    allowed_token_ids: tuple[int, ...] = ()  # SamplingConfig.allowed_token_ids
     first: bool | None = None  # installs the request; None: start == 0
     # Log-probabilities the calls report for its tokens: -1 none, else each token's and that many
     # alternatives' (SlotState.logprobs_s).
@@ -858,6 +866,7 @@ class Engine:
             bias_sk=(
                 jnp.zeros((s, cfg.max_logit_bias), jnp.float32) if cfg.max_logit_bias else None
             ),
+            allowed_s=jnp.zeros((s,), bool) if cfg.max_logit_bias else None,
         )
 
     def _check_runnable(self) -> None:
@@ -1004,6 +1013,24 @@ class Engine:
                 f"logit_bias token {bias[-1][0]} is outside the vocabulary (0..{vocab - 1})",
                 "logit_bias",
             )
+        allowed = sampling.allowed_token_ids
+        if len(allowed) > self.cfg.max_logit_bias:
+            raise EngineError(
+                (
+                    f"{len(allowed)} allowed_token_ids; this engine holds at most "
+                    f"{self.cfg.max_logit_bias} (EngineConfig.max_logit_bias, `dspark-jax serve "
+                    f"--max-logit-bias`)"
+                )
+                if self.cfg.max_logit_bias
+                else "allowed_token_ids need an engine that holds each request's tokens: build "
+                "it with EngineConfig(max_logit_bias=N) (`dspark-jax serve --max-logit-bias N`)",
+                "allowed_token_ids",
+            )
+        if allowed and allowed[-1] >= vocab:
+            raise EngineError(
+                f"allowed token {allowed[-1]} is outside the vocabulary (0..{vocab - 1})",
+                "allowed_token_ids",
+            )
 
     def check_request(
         self,
@@ -1100,6 +1127,7 @@ class Engine:
         prompt_slot, prompt_ids = [], []
         bias_ids = np.zeros((n, max(1, cfg.max_logit_bias)), np.int32)
         bias = np.zeros((n, max(1, cfg.max_logit_bias)), np.float32)
+        allowed = np.zeros((n,), bool)
         max_new = np.zeros((n,), np.int32)
         min_new = np.zeros((n,), np.int32)
         stop = np.full((n, cfg.max_stop_tokens), NO_STOP_TOKEN, np.int32)
@@ -1134,12 +1162,18 @@ class Engine:
                 seen = np.unique(np.asarray(it.prompt_ids, np.int32))
                 prompt_ids.append(seen)
                 prompt_slot.append(np.full(seen.shape, it.slot, np.int32))
-            if len(it.logit_bias) > cfg.max_logit_bias:
+            entries = it.logit_bias
+            if it.allowed_token_ids:  # the allowed tokens, each with its bias (0 if none)
+                given = dict(it.logit_bias)
+                entries = tuple((t, given.get(t, 0.0)) for t in it.allowed_token_ids)
+                allowed[i] = True
+                bias_ids[i] = it.allowed_token_ids[0]  # unused entries repeat one, at bias 0
+            if len(entries) > cfg.max_logit_bias:
                 raise EngineError(
-                    f"a logit_bias of {len(it.logit_bias)} tokens exceeds max_logit_bias "
+                    f"{len(entries)} logit_bias or allowed tokens exceed max_logit_bias "
                     f"{cfg.max_logit_bias}"
                 )
-            for j, (token, value) in enumerate(it.logit_bias):
+            for j, (token, value) in enumerate(entries):
                 bias_ids[i, j], bias[i, j] = token, value
             max_new[i] = it.max_new_tokens
             min_new[i] = it.min_new_tokens
@@ -1180,6 +1214,7 @@ class Engine:
             penalties_n3,
             bias_ids,
             bias,
+            allowed,
             max_new,
             min_new,
             stop,
@@ -1482,6 +1517,7 @@ def _prefill(
         state = state.replace(
             bias_ids_sk=put(state.bias_ids_sk, host["bias_ids_nk"]),
             bias_sk=put(state.bias_sk, host["bias_nk"]),
+            allowed_s=put(state.allowed_s, host["allowed_n"]),
         )
     target_cache, draft_cache = _caches(state, layouts)
 
@@ -1654,13 +1690,13 @@ def _sample_scored(keys_t, logits_tv: jax.Array, rows: RowSampling, level, adjus
 
 
 def _biases_s(state: SlotState) -> jax.Array | None:
-    """[slots] bool: the slot's request has a penalty or a logit bias (None: the engine takes
-    neither)."""
+    """[slots] bool: the slot's request has a penalty, a logit bias or allowed tokens (None: the
+    engine takes none of them)."""
     parts = []
     if state.penalties_s is not None:
         parts.append(state.penalties_s != jnp.asarray(NO_PENALTIES, jnp.float32))
     if state.bias_sk is not None:
-        parts.append(state.bias_sk != 0.0)
+        parts += [state.bias_sk != 0.0, state.allowed_s[:, None]]
     if not parts:
         return None
     return jnp.any(jnp.concatenate(parts, axis=1), axis=1)
@@ -1715,7 +1751,10 @@ def _adjusted_logprobs(
             )
         if state.bias_sk is not None:
             bias_tk = jnp.where(valid_t[:, None], state.bias_sk[slot_t], 0.0)
-            adjusted_tv = apply_logit_bias(adjusted_tv, state.bias_ids_sk[slot_t], bias_tk)
+            ids_tk = state.bias_ids_sk[slot_t]
+            adjusted_tv = apply_logit_bias(adjusted_tv, ids_tk, bias_tk)
+            only_t = valid_t & state.allowed_s[slot_t]
+            adjusted_tv = apply_allowed_tokens(adjusted_tv, ids_tk, only_t)
         index_t = state.num_generated_s[slot_t] + (0 if j_t is None else j_t)
         early_t = valid_t & (index_t < state.min_new_s[slot_t])
         adjusted_tv = ban_tokens(adjusted_tv, state.stop_sk[slot_t], early_t)
@@ -1726,10 +1765,11 @@ def _adjusted_logprobs(
 
 
 def _draft_adjustments(state: SlotState, vocab: int):
-    """None without penalties and logit bias in the engine; otherwise a function of drafted
-    slots `rows_r` ([R] slot ids, None: every slot in order) giving a function of their logits
-    [R, V]: the float32 logits with each request's penalties over its prompt and the tokens
-    counted before the round, and its logit bias, applied as the target's are, so that its
+    """None without penalties and logit bias (or allowed tokens) in the engine; otherwise a
+    function of drafted slots `rows_r` ([R] slot ids, None: every slot in order) giving a
+    function of their logits [R, V]: the float32 logits with each request's penalties over its
+    prompt and the tokens counted before the round, its logit bias and -inf off its allowed
+    tokens, applied as the target's are, so that its
     drafts follow the adjusted target more closely (any draft distribution keeps the target's
     exactly; this one is accepted more often). What it applies is computed once a round, by a
     conditional that gives nothing to apply (the logits bitwise, in float32) in rounds where no
@@ -1769,7 +1809,11 @@ def _draft_adjustments(state: SlotState, vocab: int):
                 marks = (take(state.prompt_sv) | (counts_rv > 0), penalty_r3[:, 2])
             if state.bias_sk is not None:
                 bias_rk = jnp.where(live_r1, take(state.bias_sk), 0.0)
-                out_rv = apply_logit_bias(out_rv, take(state.bias_ids_sk), -bias_rk)
+                ids_rk = take(state.bias_ids_sk)
+                out_rv = apply_logit_bias(out_rv, ids_rk, -bias_rk)
+                # Tokens a request may not draw come off entirely.
+                allowed_rv = allowed_rows(ids_rk, live_r & take(state.allowed_s), vocab)
+                out_rv = jnp.where(allowed_rv, out_rv, jnp.inf)
             return (out_rv, *marks)
 
         off_rv, *marks = jax.lax.cond(jnp.any(live_r & take(adjusts_s)), compute, lambda: nothing)

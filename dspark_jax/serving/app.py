@@ -744,7 +744,15 @@ def _param_of(req: api.GenerationRequest, field: str | None) -> str | None:
         return "messages" if isinstance(req, api.ChatCompletionRequest) else "prompt"
     if field == "max_new_tokens":
         return req.token_limit_param
-    names = ("stop_token_ids", "seed", "cache_salt", "logit_bias", "min_tokens")
+    names = (
+        "stop_token_ids",
+        "seed",
+        "cache_salt",
+        "logit_bias",
+        "allowed_token_ids",
+        "min_tokens",
+        "priority",
+    )
     return field if field in names else None
 
 
@@ -1064,6 +1072,13 @@ class OpenAIServer:
                 "request's biases on the device (this one takes only {})",
                 param="logit_bias",
             )
+        if req.allowed_token_ids and not self.runner.engine.cfg.max_logit_bias:
+            raise ApiError(
+                400,
+                "allowed_token_ids: needs a server started with --max-logit-bias N, which holds "
+                "up to N allowed tokens of each request on the device",
+                param="allowed_token_ids",
+            )
         sampling = SamplingConfig(
             temperature=defaults.temperature if req.temperature is None else req.temperature,
             top_k=top_k,
@@ -1073,6 +1088,7 @@ class OpenAIServer:
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=repetition,
             logit_bias={int(token): value for token, value in bias.items()},
+            allowed_token_ids=tuple(req.allowed_token_ids or ()),
         )
         return [
             Request(

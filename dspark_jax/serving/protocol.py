@@ -185,6 +185,8 @@ class GenerationRequest(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     # Applied where the server runs with --max-logit-bias; without it, only {} (or null).
     logit_bias: LogitBias | None = None
+    # vLLM's: only these tokens may be drawn (at most --max-logit-bias of them).
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     store: Annotated[bool | None, _only(None, False)] = None
     metadata: dict[str, str] | None = None
     service_tier: Annotated[str | None, _only(None, "auto", "default")] = None
