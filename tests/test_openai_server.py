@@ -638,6 +638,36 @@ def test_token_logprobs_whole_streamed_and_through_the_openai_client(served):
     assert plain["choices"][0]["logprobs"] is None
 
 
+def test_return_tokens_as_token_ids_names_tokens_by_id(served):
+    """vLLM's return_tokens_as_token_ids: log-probabilities name each token (and alternative)
+    "token_id:<id>", an echoed prompt's too; values, bytes and text offsets are unchanged."""
+    prompt = served.traces[1]["prompt"]
+    body = dict(prompt=prompt, max_tokens=6, temperature=0, logprobs=2, return_token_ids=True)
+    for extra in ({}, {"echo": True}):
+        plain = _complete(served.url, **body, **extra)["choices"][0]
+        named = _complete(served.url, **body, **extra, return_tokens_as_token_ids=True)
+        named = named["choices"][0]
+        ids = (prompt if extra else []) + plain["token_ids"]
+        assert named["logprobs"]["tokens"] == [f"token_id:{i}" for i in ids]
+        assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+        # (the second request maps the first's cached prompt pages: float32 rounding apart)
+        values = named["logprobs"]["token_logprobs"]
+        assert values == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)
+        for top in named["logprobs"]["top_logprobs"][bool(extra) :]:
+            assert len(top) >= 2 and all(k.startswith("token_id:") for k in top)
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True)
+    chat["top_logprobs"] = 2
+    plain = httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=120).json()
+    chat["return_tokens_as_token_ids"] = True
+    named = httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=120).json()
+    plain, named = (r["choices"][0]["logprobs"]["content"] for r in (plain, named))
+    assert [e["bytes"] for e in named] == [e["bytes"] for e in plain]
+    assert [e["logprob"] for e in named] == pytest.approx([e["logprob"] for e in plain], abs=1e-5)
+    assert all(e["token"].startswith("token_id:") for e in named)
+    assert all(t["token"].startswith("token_id:") for e in named for t in e["top_logprobs"])
+    wait_idle(served.url)
+
+
 def test_echo_returns_the_prompt_and_its_tokens_log_probabilities(served):
     """echo with logprobs (what evaluation harnesses send to score a text: max_tokens 1,
     logprobs 1): the prompt's text and tokens come first, the first token without a

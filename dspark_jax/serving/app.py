@@ -480,9 +480,21 @@ class _Shape:
     # Completions' echo: each prompt's text and token ids, before its choices' answers.
     echo: list[tuple[str, list[int]]] | None = None
     n: int = 1
+    # Log-probabilities name each token "token_id:<id>" (vLLM's return_tokens_as_token_ids),
+    # not by its text; its bytes and text offsets stay its text's.
+    ids_as_names: bool = False
 
     def _ids(self, ids: list[int]) -> list[int] | None:
         return ids if self.with_ids else None
+
+    def _name(self, token: int) -> str:
+        """How log-probabilities name a token: its text, or its id."""
+        return f"token_id:{token}" if self.ids_as_names else self.token_text(token)
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        """A chat log-probability's token, its value and its text's UTF-8 bytes."""
+        text = self.token_text(token)
+        return dict(token=self._name(token), logprob=logprob, bytes=list(text.encode()))
 
     def logprobs(
         self, gen: _Generation, ids: list[int], scores: list[Score]
@@ -492,25 +504,22 @@ class _Shape:
         token included, with the alternatives the request asked for."""
         if self.token_text is None:
             return None
-        texts = [self.token_text(t) for t in ids]
         if self.chat:
-            entry = lambda text, lp: dict(token=text, logprob=lp, bytes=list(text.encode()))  # noqa: E731
             return api.ChatLogprobs(
                 content=[
                     api.TokenLogprob(
-                        **entry(text, lp),
-                        top_logprobs=[
-                            api.TopLogprob(**entry(self.token_text(i), v)) for i, v in alternatives
-                        ],
+                        **self._entry(token, lp),
+                        top_logprobs=[api.TopLogprob(**self._entry(i, v)) for i, v in alternatives],
                     )
-                    for text, (lp, alternatives) in zip(texts, scores, strict=True)
+                    for token, (lp, alternatives) in zip(ids, scores, strict=True)
                 ]
             )
+        names = [self._name(t) for t in ids]
         return api.CompletionLogprobs(
-            tokens=texts,
+            tokens=names,
             token_logprobs=[lp for lp, _ in scores],
-            top_logprobs=[self._top(text, sc) for text, sc in zip(texts, scores, strict=True)],
-            text_offset=_offsets(gen, texts),
+            top_logprobs=[self._top(name, sc) for name, sc in zip(names, scores, strict=True)],
+            text_offset=_offsets(gen, [self.token_text(t) for t in ids]),
         )
 
     def response(self, texts: list[str], gens: list[_Generation], usage: api.Usage) -> BaseModel:
@@ -558,14 +567,14 @@ class _Shape:
         """The log-probabilities of an echoed prompt's tokens (the first has none), their text
         offsets from 0, where the choice's text starts; the answer's run on from there."""
         gen.text_offset = 0
-        texts = [self.token_text(t) for t in prompt_ids]
+        names = [self._name(t) for t in prompt_ids]
         return api.CompletionLogprobs(
-            tokens=texts,
+            tokens=names,
             token_logprobs=[None if sc is None else sc[0] for sc in gen.prompt_scores],
             top_logprobs=[
-                self._top(text, score) for text, score in zip(texts, gen.prompt_scores, strict=True)
+                self._top(name, score) for name, score in zip(names, gen.prompt_scores, strict=True)
             ],
-            text_offset=_offsets(gen, texts),
+            text_offset=_offsets(gen, [self.token_text(t) for t in prompt_ids]),
         )
 
     def echo_chunk(self, index: int, gen: _Generation) -> BaseModel | None:
@@ -581,12 +590,12 @@ class _Shape:
             logprobs = self._prompt_logprobs(gen, prompt_ids)
         return self.chunk(index, prompt_text, [], logprobs=logprobs)
 
-    def _top(self, text: str, score: Score | None) -> dict[str, float] | None:
+    def _top(self, name: str, score: Score | None) -> dict[str, float] | None:
         """A legacy `top_logprobs` entry: the alternatives asked for and the token itself (as
         vLLM gives them); None for a token without a log-probability (an echoed first)."""
         if score is None:
             return None
-        return {**{self.token_text(i): v for i, v in score[1]}, text: score[0]}
+        return {**{self._name(i): v for i, v in score[1]}, name: score[0]}
 
     def opening(self, index: int) -> BaseModel | None:
         """A chat stream's first chunk of each choice announces the assistant role."""
@@ -1281,6 +1290,7 @@ class OpenAIServer:
             self.token_text if req.wants_logprobs else None,
             self._echo(req, prompts),
             req.n,
+            req.return_tokens_as_token_ids,
         )
 
         def usage() -> api.Usage:

@@ -167,6 +167,8 @@ class GenerationRequest(_Strict):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     return_token_ids: Flag = False
+    # vLLM's: log-probabilities name each token "token_id:<id>" rather than by its text.
+    return_tokens_as_token_ids: Flag = False
     # vLLM's: only the prompt's last this many tokens are kept (-1: max_model_len of them).
     truncate_prompt_tokens: int | None = None
     # vLLM's: the queue's order under --scheduling-policy priority (lower first); else only 0.
