@@ -155,6 +155,7 @@ def test_models_and_health(served):
     models = served.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert served.client.models.retrieve(MODEL).model_dump() == models.data[0].model_dump()
+    assert models.data[0].model_extra["root"] == MODEL  # built without one: the name
     r = httpx.get(f"{served.url}/v1/models/gpt-4")
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"

@@ -117,7 +117,11 @@ def _openai_checks(url: str) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
     # --max-model-len is what /v1/models advertises and what a request may use, prompt + answer.
-    assert client.models.list().data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    card = client.models.list().data[0]
+    assert card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    # vLLM's root: the model the served name stands for, as --target gave it.
+    assert f"--target={card.model_extra['root']}" in FIXTURE_SERVE_FLAGS
+    assert card.model_extra["parent"] is None
     full = client.completions.create(
         model=MODEL,
         prompt=[65],

@@ -300,7 +300,9 @@ def _model_paths(args: argparse.Namespace):
     else:
         target, draft = args.target, args.draft
         name = Path(str(args.target).rstrip("/")).name or str(args.target)
-    return target, (None if args.no_draft else draft), args.served_model_name or name
+    # The served name, and the model it names (as /v1/models' root reports it).
+    root = EMBEDDED_NAME if args.target is None else str(args.target)
+    return target, (None if args.no_draft else draft), args.served_model_name or name, root
 
 
 def run(args: argparse.Namespace) -> int:
@@ -334,7 +336,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
     # included, not only those after the metrics exist.
     watch_compilations()
     _configure_logging(args.log_level)
-    target, draft, name = _model_paths(args)
+    target, draft, name, root = _model_paths(args)
     mesh = decoding_mesh_for(args, target, draft)
     check_mesh_slots(args.max_num_seqs, mesh)
     models = load_decoding_models(target, draft, dtype=args.dtype, progress=False, mesh=mesh)
@@ -395,6 +397,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         defaults,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        root=root,
     )
     key = api_key(args)
     app_server = build_app_server(

@@ -130,6 +130,9 @@ class ServedModel:
     tool_call_parser: str | None = None
     # The target's vocabulary (its embedding rows), which /detokenize holds ids to; None: unchecked.
     vocab_size: int | None = None
+    # The model the name serves, as given (a folder or a hub id), which /v1/models reports as
+    # vLLM does; None: the name.
+    root: str | None = None
 
     @classmethod
     def of_engine(
@@ -140,6 +143,7 @@ class ServedModel:
         defaults: SamplingDefaults = SamplingDefaults(),
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
+        root: str | None = None,
     ) -> ServedModel:
         if defaults.repetition_penalty != 1.0 and not engine.cfg.penalties:
             # Every request that leaves the field out would be refused.
@@ -157,6 +161,7 @@ class ServedModel:
             reasoning_parser,
             tool_call_parser,
             engine.target_cfg.vocab_size,
+            root,
         )
 
 
@@ -844,7 +849,10 @@ class OpenAIServer:
         if name != self.model.name:
             raise self._unknown_model(name)
         return api.ModelCard(
-            id=self.model.name, created=self.created, max_model_len=self.model.max_model_len
+            id=self.model.name,
+            created=self.created,
+            root=self.model.root or self.model.name,
+            max_model_len=self.model.max_model_len,
         )
 
     def _unknown_model(self, name: str) -> ApiError:

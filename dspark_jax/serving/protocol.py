@@ -725,6 +725,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dspark-jax"
+    # vLLM's: the model the id serves (a folder or hub id), and the model it was adapted from
+    # (none here: no adapters).
+    root: str
+    parent: str | None = None
     max_model_len: int
 
 
