@@ -189,6 +189,44 @@ def test_streamed_reasoning_and_call_arrive_as_deltas(serve):
     assert names == ["get_weather", "get_weather"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_is_started_for_the_model(serve, stream):
+    """tool_choice naming a function (or "required"): the prompt ends with the start of the
+    call block -- the function's name and the arguments' key, or the name's key alone -- and
+    the model's continuation completes one call (a named function is called once). The
+    reasoning parser, on here, takes the answer as content: it starts inside the block."""
+    url, tokenizer = serve(reasoning="qwen3", tools="hermes")
+    rome = CALL.replace("Paris", "Rome")
+    client = _client(url)
+    for choice, start, answer in (
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            '<tool_call>\n{"name": "get_weather", "arguments": ',
+            '{"city": "Paris"}}\n</tool_call>\n' + rome,
+        ),
+        ("required", '<tool_call>\n{"name": "', 'get_weather", "arguments": {"city": "Paris"}}'
+         "\n</tool_call>"),
+    ):  # fmt: skip
+        _answer(tokenizer, answer)
+        ask = dict(model="m", messages=USER, tools=[WEATHER], tool_choice=choice)
+        if stream:
+            chunks = list(client.chat.completions.create(**ask, stream=True))
+            deltas = [c.choices[0].delta for c in chunks]
+            calls = [call for d in deltas for call in d.tool_calls or []]
+            content = "".join(d.content or "" for d in deltas)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            reply = client.chat.completions.create(**ask).choices[0]
+            calls, content = reply.message.tool_calls, reply.message.content or ""
+            finish = reply.finish_reason
+        assert finish == "tool_calls" and content == ""
+        (call,) = calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        prompt = tokenizer.decode(_ScriptedBatcher.prompts[-1])
+        assert prompt.endswith("<|im_start|>assistant\n" + start)
+
+
 def test_parallel_tool_calls_false_returns_one_call(serve):
     url, tokenizer = serve(tools="hermes")
     _answer(tokenizer, CALL + "\n" + CALL.replace("Paris", "Rome"))
@@ -311,16 +349,28 @@ def test_a_thinking_template_opens_the_block_in_the_prompt(serve):
         (
             {"tools": "hermes"},
             QWEN_TOOLS_TEMPLATE,
-            {"tools": [WEATHER], "tool_choice": "required"},
+            {"tool_choice": "required"},
             "tool_choice",
-            "forcing a call needs decoding constrained",
+            '"required" needs tools',
         ),
         (
             {"tools": "hermes"},
             QWEN_TOOLS_TEMPLATE,
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
             "tool_choice",
-            "a named function is not supported",
+            "names 'f', which is not among the tools (get_weather)",
+        ),
+        (
+            {"tools": "hermes"},
+            QWEN_TOOLS_TEMPLATE,
+            {
+                "messages": USER + [{"role": "assistant", "content": "Let me"}],
+                "continue_final_message": True,
+                "tools": [WEATHER],
+                "tool_choice": "required",
+            },
+            "tool_choice",
+            "a forced call cannot continue the final message",
         ),
         (
             {"tools": "hermes"},

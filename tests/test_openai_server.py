@@ -1079,9 +1079,10 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         ),
         (
             "chat/completions",
-            {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"},
+            {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function",
+             "function": {"name": "g"}}},
             "tool_choice",
-            "not supported",
+            "names 'g', which is not among the tools (f)",
         ),
         ("chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier", "flex"),
         (

@@ -60,7 +60,12 @@ from dspark_jax.decoding.engine import Engine, EngineError
 from dspark_jax.errors import UserError
 from dspark_jax.sampling import SamplingConfig
 from dspark_jax.serving import protocol as api
-from dspark_jax.serving.chat_output import ChatOutput, Piece, opens_reasoning
+from dspark_jax.serving.chat_output import (
+    ChatOutput,
+    Piece,
+    forced_call_start,
+    opens_reasoning,
+)
 from dspark_jax.serving.metrics import ServingMetrics
 from dspark_jax.serving.runtime import EngineRunner, ServiceUnavailable
 from dspark_jax.serving.text_stream import StopStrings, TextStream
@@ -910,7 +915,12 @@ class OpenAIServer:
             if req.calls_tools:
                 self._check_tools()
                 tools = req.tools
-            return [await self._render_chat(req, tools)]
+            ids = await self._render_chat(req, tools)
+            if req.calls_tools and req.forced_call is not None:
+                # The call's start, written for the model: it goes on with the rest of it.
+                start = forced_call_start(req.forced_call or None)
+                ids += await run_in_threadpool(encode_text, tokenizer, start, False)
+            return [ids]
         return [
             await run_in_threadpool(encode_text, tokenizer, prompt)
             if isinstance(prompt, str)
@@ -1025,12 +1035,18 @@ class OpenAIServer:
         if req.continue_final_message:
             window += len(req.messages[-1].text().encode())
         tail = self.model.tokenizer.decode(prompt[-window:]) if reasoning else ""
-        return ChatOutput(
+        forced = req.forced_call if req.calls_tools else None
+        output = ChatOutput(
             reasoning=reasoning,
-            open_at_start=opens_reasoning(tail),
+            # A forced call's start ends the prompt: the answer begins inside its block.
+            open_at_start=forced is None and opens_reasoning(tail),
             tools=req.calls_tools,
-            single_call=req.parallel_tool_calls is False,
+            # A named function is called once, as OpenAI's forced call.
+            single_call=req.parallel_tool_calls is False or bool(forced),
         )
+        if forced is not None:
+            output.feed(forced_call_start(forced or None))  # held: the block is not closed
+        return output
 
     def engine_requests(
         self, req: api.GenerationRequest, prompts: list[list[int]]

@@ -31,6 +31,14 @@ REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("hermes",)
 
 
+def forced_call_start(name: str | None) -> str:
+    """The start of a hermes call block that a tool_choice forcing a call writes for the model
+    (at the end of the prompt): the block and its name's key, and the name itself and the
+    arguments' key where the request names the function. The model writes the rest."""
+    start = TOOL_START + '\n{"name": "'
+    return start if name is None else f'{start}{name}", "arguments": '
+
+
 def _partial_tail(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that `marker` starts with (short of all of it)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):

@@ -507,15 +507,27 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
     @field_validator("tool_choice")
     @classmethod
     def _choosable(cls, value, info: ValidationInfo):
-        if value == "required" or isinstance(value, NamedToolChoice):
-            forced = '"required"' if value == "required" else "a named function"
-            raise ValueError(
-                f"{forced} is not supported by this server: forcing a call needs decoding "
-                'constrained to the tools\' schemas (use "auto" or "none")'
-            )
-        if value == "auto" and not info.data.get("tools"):
-            raise ValueError('"auto" needs tools')
+        tools = info.data.get("tools")
+        if value in ("auto", "required") and not tools:
+            raise ValueError(f'"{value}" needs tools')
+        if isinstance(value, NamedToolChoice):
+            names = [tool.function.name for tool in tools or ()]
+            if value.function.name not in names:
+                raise ValueError(
+                    f"names {value.function.name!r}, which is not among the tools "
+                    f"({', '.join(names) or 'none given'})"
+                )
+        if value not in (None, "auto", "none") and info.data.get("continue_final_message"):
+            raise ValueError("a forced call cannot continue the final message")
         return value
+
+    @property
+    def forced_call(self) -> str | None:
+        """The call a tool_choice forces: a function's name, "" for "required" (any of the
+        tools), None where the model is free to call none."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
 
     @property
     def wants_logprobs(self) -> bool:
