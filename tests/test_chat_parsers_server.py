@@ -436,3 +436,31 @@ def test_priority_reaches_the_queue_only_where_the_server_schedules_by_it(serve)
                 continue
             assert r.status_code == 200, r.text
             assert _ScriptedBatcher.requests[-1].priority == (value or 0)
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_around_a_completion_prompt(serve):
+    """vLLM's add_special_tokens: a completion's text prompt gets what the tokenizer adds (here
+    a BOS) unless it is false; a chat prompt is the template's alone (only false is taken),
+    and token-id prompts are taken as they are."""
+    from tokenizers.processors import TemplateProcessing
+
+    url, tokenizer = serve(template=QWEN_LIKE_TEMPLATE)
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    _answer(tokenizer, "ok")
+    text = tokenizer.encode("hi", add_special_tokens=False)
+    for body, prompt in (
+        ({"prompt": "hi"}, [bos] + text),
+        ({"prompt": "hi", "add_special_tokens": None}, [bos] + text),
+        ({"prompt": "hi", "add_special_tokens": False}, text),
+        ({"prompt": text, "add_special_tokens": True}, text),
+    ):
+        r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert _ScriptedBatcher.prompts[-1] == prompt
+    for add, status in ((False, 200), (True, 400)):
+        chat = {"messages": USER, "add_special_tokens": add}
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30)
+        assert r.status_code == status, r.text

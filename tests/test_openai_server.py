@@ -440,6 +440,12 @@ def test_x_request_id_names_the_response(served):
     for bad in ("two words", "x" * 257):
         r = httpx.post(url, json=body, headers={"X-Request-Id": bad}, timeout=120)
         assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+    # vLLM's request_id field names it too, over the header.
+    named = {**body, "request_id": "body-9"}
+    r = httpx.post(url, json=named, headers={"X-Request-Id": "header-1"}, timeout=120)
+    assert (r.json()["id"], r.headers["x-request-id"]) == ("cmpl-body-9", "body-9")
+    r = httpx.post(url, json={**body, "request_id": "two words"}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     wait_idle(served.url)
 
 

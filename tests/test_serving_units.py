@@ -264,6 +264,11 @@ def test_neutral_values_of_fields_the_server_does_not_implement_are_accepted():
         b' "tool_choice": "none", "logprobs": false, "top_logprobs": 0,'
         b' "response_format": {"type": "text"}, "reasoning_effort": null}'
     )
+    # vLLM's detokenizer choice for slow tokenizers: its default only.
+    spaced = b'{"prompt": "x", "spaces_between_special_tokens": %s}'
+    CompletionRequest.model_validate_json(spaced % b"true")
+    with pytest.raises(ValidationError, match="false is not supported by this server"):
+        CompletionRequest.model_validate_json(spaced % b"false")
 
 
 def test_chat_roles():

@@ -922,7 +922,7 @@ class OpenAIServer:
                 ids += await run_in_threadpool(encode_text, tokenizer, start, False)
             return [ids]
         return [
-            await run_in_threadpool(encode_text, tokenizer, prompt)
+            await run_in_threadpool(encode_text, tokenizer, prompt, req.add_special_tokens)
             if isinstance(prompt, str)
             else list(prompt)
             for prompt in req.prompts
@@ -1249,6 +1249,8 @@ class OpenAIServer:
     async def generate(self, http: HttpRequest, req: api.GenerationRequest, chat: bool) -> Response:
         arrived = time.monotonic()
         rid = request_id(http)
+        if req.request_id is not None:  # the body's (vLLM's field) over the header's
+            rid = req.request_id
         if self.draining:
             raise _unavailable("the server is shutting down")
         # Before tokenizing: a request for more choices than can ever run costs nothing.

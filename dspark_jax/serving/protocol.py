@@ -159,6 +159,11 @@ class GenerationRequest(_Strict):
     # vLLM's: special tokens (those a tokenizer marks special) are left out of the text; false
     # writes them out. Stop tokens stay out either way, unless include_stop_str_in_output.
     skip_special_tokens: Annotated[bool, _null_means(True)] = True
+    # vLLM's, for slow tokenizers only (Hugging Face's fast ones, this server's, have no such
+    # choice): its neutral value.
+    spaces_between_special_tokens: Annotated[bool | None, _only(None, True)] = None
+    # vLLM's: the request's id (as the X-Request-Id header gives it, which it overrides).
+    request_id: Annotated[str, Field(pattern=r"^[!-~]{1,256}$")] | None = None
     ignore_eos: Flag = False
     # No stop (token or string) ends a choice before this many tokens (vLLM's); at most the
     # request's token limit.
@@ -263,6 +268,9 @@ class CompletionRequest(GenerationRequest):
     is that prompt, a list of several asks for `n` choices of each (`prompts`)."""
 
     prompt: Prompt
+    # vLLM's: what the tokenizer puts around a text prompt (a BOS, where it has one; Qwen3's
+    # has none); false encodes the text alone. Token-id prompts are taken as they are.
+    add_special_tokens: Annotated[bool, _null_means(True)] = True
     # The prompt before the answer (and, with logprobs, its tokens' log-probabilities).
     echo: Flag = False
     suffix: Annotated[str | None, _only(None, "")] = None
@@ -471,6 +479,9 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
     """POST /v1/chat/completions, rendered with the target's chat template."""
 
     messages: Messages
+    # vLLM's: the chat template writes the special tokens itself (true would add a BOS twice
+    # where a tokenizer has one).
+    add_special_tokens: Annotated[bool | None, _only(None, False)] = None
     max_completion_tokens: TokenCount | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     logprobs: bool | None = None  # each token's log-probability
