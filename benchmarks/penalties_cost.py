@@ -13,8 +13,10 @@ cells, in one process:
   and repetition_penalty 1.2 (the counts and prompt marks gathered for every verified row, the
   drafts before it added, the logits penalised, and the drafter's logits less the presence and
   frequency penalties of the counted tokens);
-- with `--logit-bias K`, two more cells on an engine holding K biased tokens per slot (no
-  penalties): bias_unused (no request has a bias) and bias_used (every request biases K tokens).
+- with `--logit-bias K`, three more cells on an engine holding K biased tokens per slot (no
+  penalties): bias_unused (no request has a bias), bias_used (every request biases K tokens)
+  and allowed_used (every request may draw its K tokens alone: allowed_token_ids, which fill
+  the same entries and mask the rest of the vocabulary).
 
 Reported: each cell's median milliseconds per round and its ratio to off, the seconds each
 engine's programs take to compile (no persistent cache: compiled here), and the bytes the counts
@@ -107,9 +109,20 @@ def run(args) -> dict:
             bias_ids_sk=ids.reshape(args.slots, k), bias_sk=jnp.tile(signs, (args.slots, 1))
         )
 
+    def allow(state):  # every slot's request allowed its K tokens alone, unbiased
+        return state.replace(
+            bias_ids_sk=ids.reshape(args.slots, k),
+            bias_sk=jnp.zeros((args.slots, k), jnp.float32),
+            allowed_s=jnp.ones((args.slots,), bool),
+        )
+
     cells = [("off", "off", None), ("on_unused", "on", None), ("on_used", "on", penalise)]
     if args.logit_bias:
-        cells += [("bias_unused", "bias", None), ("bias_used", "bias", bias)]
+        cells += [
+            ("bias_unused", "bias", None),
+            ("bias_used", "bias", bias),
+            ("allowed_used", "bias", allow),
+        ]
     for cell, name, prepare in cells:
         seconds, _, late = time_chunks(
             engines[name], args.context, args.repeats, args.temperature, prepare
@@ -126,12 +139,12 @@ def format_table(r: dict) -> str:
         f"{r['config']} (vocabulary {r['vocab']}), {r['dtype']}, {r['slots']} slots, gamma "
         f"{r['gamma']}, context {r['context']}, T={r['temperature']:g}; counts "
         f"{r['counts_bytes'] / 2**20:.1f} MiB, prompt marks {r['marks_bytes'] / 2**20:.1f} MiB",
-        f"{'cell':<11} {'ms/round':>9} {'x off':>6}",
+        f"{'cell':<12} {'ms/round':>9} {'x off':>6}",
     ]
-    cells = ("off", "on_unused", "on_used", "bias_unused", "bias_used")
+    cells = ("off", "on_unused", "on_used", "bias_unused", "bias_used", "allowed_used")
     for cell in (c for c in cells if f"{c}_ms" in r):
         ratio = 1.0 if cell == "off" else r[f"{cell}_over_off"]
-        lines.append(f"{cell:<11} {r[f'{cell}_ms']:>9.3f} {ratio:>6.3f}")
+        lines.append(f"{cell:<12} {r[f'{cell}_ms']:>9.3f} {ratio:>6.3f}")
     bias = f", {r['compile_s_bias']:.1f} s with a logit bias" if "compile_s_bias" in r else ""
     lines.append(
         f"the engine's programs compile in {r['compile_s_off']:.1f} s off, "

@@ -1249,10 +1249,10 @@ def test_prefix_cache_benchmark_prefills_only_the_new_tokens(tmp_path):
 # Slow (60 s: three engines compiled in a process of its own): the penalties and the logit bias
 # themselves are held in the default run by tests/test_penalties.py and test_logit_bias.py.
 @pytest.mark.slow
-def test_penalties_cost_times_five_cells_and_compiles_nothing_while_timing(tmp_path):
+def test_penalties_cost_times_six_cells_and_compiles_nothing_while_timing(tmp_path):
     """benchmarks/penalties_cost.py on the tiny pair: off, penalties on but unused and used, a
-    logit bias held but unused and used, each timed with nothing compiled while timing, the
-    counts' bytes those of slots x vocabulary."""
+    logit bias held but unused and used, allowed tokens used, each timed with nothing compiled
+    while timing, the counts' bytes those of slots x vocabulary."""
     out = tmp_path / "penalties.json"
     done = _script(
         "penalties_cost.py",
@@ -1265,7 +1265,7 @@ def test_penalties_cost_times_five_cells_and_compiles_nothing_while_timing(tmp_p
     result = json.loads(out.read_text())
     assert result["counts_bytes"] == 2 * 512 * 4 and result["marks_bytes"] == 2 * 512
     assert result["logit_bias"] == 3
-    cells = ("off", "on_unused", "on_used", "bias_unused", "bias_used")
+    cells = ("off", "on_unused", "on_used", "bias_unused", "bias_used", "allowed_used")
     for cell in cells:
         assert result[f"{cell}_ms"] > 0
         assert result[f"{cell}_compiles_while_timing"] == 0
