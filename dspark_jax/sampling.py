@@ -164,13 +164,8 @@ class SamplingConfig:
 
     @property
     def bias_entries(self) -> tuple[tuple[int, float], ...]:
-        """The (token id, bias) pairs the engine holds for this config: the logit bias or, with
-        allowed tokens, each of them with its bias (0 unless biased); as many as the engine's
-        `max_logit_bias` must hold."""
-        if not self.allowed_token_ids:
-            return self.logit_bias
-        bias = dict(self.logit_bias)
-        return tuple((token, bias.get(token, 0.0)) for token in self.allowed_token_ids)
+        """The (token id, bias) pairs the engine holds for this config (`bias_entries`)."""
+        return bias_entries(self.logit_bias, self.allowed_token_ids)
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
@@ -210,6 +205,18 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
             raise SamplingConfigError(f"logit_bias names token {token_id} twice")
         pairs[token_id] = number
     return tuple(sorted(pairs.items()))
+
+
+def bias_entries(logit_bias, allowed_token_ids) -> tuple[tuple[int, float], ...]:
+    """The (token id, bias) pairs a slot holds for a logit bias (pairs or a mapping) and
+    allowed tokens: the bias alone or, with allowed tokens, each of them with its bias (0
+    unless biased; a bias on another token counts for nothing). As many as the engine's
+    `max_logit_bias` must hold."""
+    pairs = tuple(logit_bias.items()) if hasattr(logit_bias, "items") else tuple(logit_bias)
+    if not allowed_token_ids:
+        return pairs
+    given = dict(pairs)
+    return tuple((token, given.get(token, 0.0)) for token in dict.fromkeys(allowed_token_ids))
 
 
 def _token_set(ids) -> tuple[int, ...]:

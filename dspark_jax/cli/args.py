@@ -31,7 +31,7 @@ from dspark_jax.decoding.policies import (
 )
 from dspark_jax.embedded import EMBEDDED_DRAFT, EMBEDDED_NAME, EMBEDDED_TARGET
 from dspark_jax.errors import UserError
-from dspark_jax.sampling import SamplingConfig
+from dspark_jax.sampling import SamplingConfig, bias_entries
 from dspark_jax.sharding import mesh_sizes
 
 if TYPE_CHECKING:
@@ -281,8 +281,8 @@ def engine_config(
 def _bias_entries(args: argparse.Namespace) -> int:
     """How many (token, bias) entries each slot holds for the run's logit bias or allowed
     tokens (`SamplingConfig.bias_entries`)."""
-    allowed = getattr(args, "allowed_token_ids", None) or ()
-    return len(set(allowed)) if allowed else len(getattr(args, "logit_bias", None) or ())
+    bias = getattr(args, "logit_bias", None) or {}
+    return len(bias_entries(bias, getattr(args, "allowed_token_ids", None) or ()))
 
 
 def slot_split(mesh) -> int:

@@ -81,6 +81,7 @@ from dspark_jax.sampling import (
     apply_penalties,
     apply_repetition_penalty,
     ban_tokens,
+    bias_entries,
     logprobs_and_argmax,
     penalties,
     position_keys,
@@ -995,36 +996,29 @@ class Engine:
                 "penalties)",
                 "sampling",
             )
-        bias = sampling.logit_bias
-        if len(bias) > self.cfg.max_logit_bias:
+        bias, allowed = sampling.logit_bias, sampling.allowed_token_ids
+        # Allowed tokens fill the entries the bias would (`SamplingConfig.bias_entries`).
+        field, needs, what = (
+            ("allowed_token_ids", "need", f"{len(allowed)} allowed_token_ids; this engine holds")
+            if allowed
+            else ("logit_bias", "needs", f"a logit_bias of {len(bias)} tokens; this engine takes")
+        )
+        if len(sampling.bias_entries) > self.cfg.max_logit_bias:
             raise EngineError(
                 (
-                    f"a logit_bias of {len(bias)} tokens; this engine takes at most "
-                    f"{self.cfg.max_logit_bias} (EngineConfig.max_logit_bias, `dspark-jax serve "
-                    f"--max-logit-bias`)"
+                    f"{what} at most {self.cfg.max_logit_bias} "
+                    f"(EngineConfig.max_logit_bias, `dspark-jax serve --max-logit-bias`)"
                 )
                 if self.cfg.max_logit_bias
-                else "logit_bias needs an engine that holds each request's biases: build it "
-                "with EngineConfig(max_logit_bias=N) (`dspark-jax serve --max-logit-bias N`)",
-                "logit_bias",
+                else f"{field} {needs} an engine that holds each request's tokens and biases: "
+                "build it with EngineConfig(max_logit_bias=N) (`dspark-jax serve "
+                "--max-logit-bias N`)",
+                field,
             )
         if bias and bias[-1][0] >= vocab:
             raise EngineError(
                 f"logit_bias token {bias[-1][0]} is outside the vocabulary (0..{vocab - 1})",
                 "logit_bias",
-            )
-        allowed = sampling.allowed_token_ids
-        if len(allowed) > self.cfg.max_logit_bias:
-            raise EngineError(
-                (
-                    f"{len(allowed)} allowed_token_ids; this engine holds at most "
-                    f"{self.cfg.max_logit_bias} (EngineConfig.max_logit_bias, `dspark-jax serve "
-                    f"--max-logit-bias`)"
-                )
-                if self.cfg.max_logit_bias
-                else "allowed_token_ids need an engine that holds each request's tokens: build "
-                "it with EngineConfig(max_logit_bias=N) (`dspark-jax serve --max-logit-bias N`)",
-                "allowed_token_ids",
             )
         if allowed and allowed[-1] >= vocab:
             raise EngineError(
@@ -1162,10 +1156,8 @@ class Engine:
                 seen = np.unique(np.asarray(it.prompt_ids, np.int32))
                 prompt_ids.append(seen)
                 prompt_slot.append(np.full(seen.shape, it.slot, np.int32))
-            entries = it.logit_bias
-            if it.allowed_token_ids:  # the allowed tokens, each with its bias (0 if none)
-                given = dict(it.logit_bias)
-                entries = tuple((t, given.get(t, 0.0)) for t in it.allowed_token_ids)
+            entries = bias_entries(it.logit_bias, it.allowed_token_ids)
+            if it.allowed_token_ids:
                 allowed[i] = True
                 bias_ids[i] = it.allowed_token_ids[0]  # unused entries repeat one, at bias 0
             if len(entries) > cfg.max_logit_bias:
