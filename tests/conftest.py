@@ -16,6 +16,18 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if os.environ["JAX_PLATFORMS"] != "cpu":
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
+# On the CPU most of the test run is XLA compiling programs, not running them, so there tests
+# compile with JAX's `jax_disable_most_optimizations` (LLVM at -O0, none of its expensive
+# passes): measured 2026-12-07 on the 2-core CI machine, the gated fixture engine's programs
+# compiled in 21 s instead of 36 s and then ran 3x slower. Tests whose time is running their
+# programs (the statistical ones above all) are marked `optimized` and compile with every
+# optimization (the `_optimized` fixtures below). The setting travels in the environment, so
+# the commands tests run as child processes compile the same way. `dspark-jax generate` in CI,
+# and every test on a GPU, compile as users do (docs/benchmarks.md, "The default test run's
+# time").
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 # The servers tests start (in-process and as child processes) take no API key from the
 # developer's environment: their clients send none, except where a test sets one itself.
 os.environ.pop("DSPARK_JAX_API_KEY", None)
@@ -64,45 +76,47 @@ def gated_prompts():
     return [t["prompt"] for t in reference_traces("gated")["traces"][:3]]
 
 
-# Seconds the slowest test files take on the 2-core CI machine (sums of --durations, 2026-11-30),
-# only to order them: the two xdist workers take whole files (--dist loadfile) in collection
-# order (--no-loadscope-reorder), so the longest go first and the short ones fill in at the end
-# (longest-first list scheduling), instead of a long file starting last while the other worker
-# has nothing left. Files not named here follow, in their usual order; a stale number costs at
-# most some idle time at the end of a run, never a test.
+# Seconds the slowest test files take on the 2-core CI machine (sums of --durations, 2026-12-07,
+# compiling as set above), only to order them: the two xdist workers take whole files
+# (--dist loadfile) in collection order (--no-loadscope-reorder), so the longest go first and the
+# short ones fill in at the end (longest-first list scheduling), instead of a long file starting
+# last while the other worker has nothing left. Files not named here follow, in their usual
+# order; a stale number costs at most some idle time at the end of a run, never a test.
 FILE_SECONDS = {
-    "test_engine.py": 576,
-    "test_benchmark_tools.py": 455,
-    "test_mesh_decoding.py": 350,
-    "test_scheduled_engine.py": 233,
-    "test_train_resume.py": 219,
-    "test_train_truth.py": 152,
-    "test_penalties.py": 130,
-    "test_attention.py": 123,
-    "test_decode_commands.py": 115,
-    "test_lossless.py": 113,
-    "test_verify.py": 112,
-    "test_python_api.py": 102,
-    "test_scheduled_lossless.py": 92,
-    "test_sampling.py": 92,
-    "test_serve_command.py": 90,
-    "test_logit_bias.py": 90,
-    "test_policy_switch.py": 85,
-    "test_prefix_cache.py": 82,
-    "test_calibrate_profile_cli.py": 81,
-    "test_sts_engine.py": 78,
+    "test_benchmark_tools.py": 208,
+    "test_engine.py": 204,
+    "test_mesh_decoding.py": 195,
+    "test_train_resume.py": 171,
+    "test_scheduled_engine.py": 152,
+    "test_decode_commands.py": 144,
+    "test_scheduled_lossless.py": 128,
+    "test_python_api.py": 115,
+    "test_sampling.py": 112,
+    "test_attention.py": 103,
+    "test_train_truth.py": 84,
+    "test_lossless.py": 84,
+    "test_serve_command.py": 82,
+    "test_prefix_cache.py": 79,
+    "test_penalties.py": 79,
+    "test_policy_switch.py": 78,
+    "test_sts_engine.py": 76,
     "test_notebook.py": 75,
-    "test_policies.py": 70,
-    "test_bad_input.py": 66,
-    "test_gpu_lowering.py": 65,
-    "test_convert.py": 63,
-    "test_known_acceptance.py": 62,
-    "test_train_step.py": 56,
-    "test_train_tiny.py": 51,
-    "test_openai_server.py": 51,
-    "test_layout.py": 42,
-    "test_heads.py": 42,
-    "test_transformers_parity.py": 37,
+    "test_gpu_lowering.py": 74,
+    "test_verify.py": 73,
+    "test_layout.py": 67,
+    "test_logit_bias.py": 66,
+    "test_openai_server.py": 55,
+    "test_convert.py": 54,
+    "test_calibrate_profile_cli.py": 53,
+    "test_train_step.py": 50,
+    "test_bad_input.py": 48,
+    "test_policies.py": 46,
+    "test_known_acceptance.py": 45,
+    "test_mesh_serving.py": 39,
+    "test_transformers_parity.py": 39,
+    "test_train_tiny.py": 38,
+    "test_heads.py": 36,
+    "test_train_multihost.py": 34,
     "test_cli.py": 30,
 }
 
@@ -128,6 +142,35 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+def _optimizations_on(request, monkeypatch):
+    """Compiles with XLA's optimizations while the test or module that `request` is for runs, if
+    it is marked `optimized`: in this process, and in the processes it starts."""
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    # Imported here: the module's top sets the environment jax reads when it is imported.
+    import jax
+
+    saved = jax.config.read("jax_disable_most_optimizations")
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", saved)
+
+
+# Two scopes: a module marked as a whole (`pytestmark`) builds engines in module fixtures,
+# which set up before any test's own fixtures.
+@pytest.fixture(scope="module", autouse=True)
+def _optimized_module(request):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield from _optimizations_on(request, monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def _optimized(request, monkeypatch):
+    yield from _optimizations_on(request, monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,7 @@ def test_one_block_matches_reference(variant):
     assert max_rel_err(block.conf_logits_bk, ref["confidence_logits"]) < TOL
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_first_round_of_every_trace(variant):
     """Prefill, one greedy block, greedy verification: the trace's first round."""

@@ -49,6 +49,10 @@ from dspark_jax.sampling import (
     filtered_logprobs,
 )
 
+# Tens of thousands of samples through a few programs: the time is in running them
+# (tests/conftest.py).
+pytestmark = pytest.mark.optimized
+
 ALPHA = 1e-3
 BATCH = 4096
 MIN_EXPECTED = 5.0
@@ -75,6 +79,7 @@ T07_P09_REPEATED = SamplingConfig(temperature=0.7, top_p=0.9, repetition_penalty
 T07_P09_BIASED = SamplingConfig(
     temperature=0.7, top_p=0.9, logit_bias={ord("m"): -1.0, ord("o"): 1.5, ord("c"): 0.75}
 )
+
 # (prompt, number of samples, drafts verified per round) per sampling config.
 CASES = {
     T1: (b"rcname = sel", 65536, 1),

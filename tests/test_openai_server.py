@@ -33,6 +33,9 @@ from dspark_jax.serving.http_server import HttpServer, bind_socket, build_app_se
 from dspark_jax.serving.metrics import compile_count, watch_compilations
 from dspark_jax.tokenizer import ByteTokenizer
 
+# Many requests through the same few programs: the time is in running them (tests/conftest.py).
+pytestmark = pytest.mark.optimized
+
 READ_TIMEOUT_S = 2.0
 MODEL = "tiny-vanilla"
 SEEDED = dict(temperature=0.9, top_p=0.9, seed=1234, max_tokens=48, ignore_eos=True)

@@ -353,6 +353,7 @@ def block_batch(request):
     return x, top_k, flips
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("filtering", [0, 1, 8, 9, 64, 65, BLOCK_ROWS])
 @pytest.mark.parametrize("filters", ["top_k", "top_p", "both"])
 def test_cutoffs_in_any_block_are_the_whole_batch_cutoffs(block_batch, filters, filtering):

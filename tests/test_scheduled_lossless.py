@@ -36,6 +36,9 @@ from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.sampling import SamplingConfig
 
+# Thousands of sequences through two programs: the time is in running them (tests/conftest.py).
+pytestmark = pytest.mark.optimized
+
 ALPHA = 1e-3
 T1 = SamplingConfig(temperature=1.0)
 PROMPT = b"\n\ndef main():\n    "
@@ -55,6 +58,7 @@ CFG = EngineConfig(
     token_buckets=(BATCH * 8,),
     draft_buckets=(BATCH,),  # one drafter branch: the samples fill every slot in each wave
 )
+
 # SPS(B) = 1 / (2R + B) for R = 4096 requests: admitting a candidate pays off while its survival
 # exceeds tau / (2R + B), about 1/3 at first, so lengths spread over 0..gamma.
 SPS_4096 = 1.0 / (2 * BATCH + np.arange(BATCH * 8 + 1))

@@ -224,6 +224,7 @@ def _note_first(events, first_token: list):
         yield e
 
 
+@pytest.mark.optimized
 def test_serve_openai_client_and_sigterm_drain(tmp_path):
     # JAX logs each compilation: the compile counter must count as many, loading's included (it
     # started listening only with the metrics, after the models had loaded: 8 of 16).

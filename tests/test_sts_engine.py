@@ -25,6 +25,9 @@ from dspark_jax.decoding.batching import Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig
 from dspark_jax.sampling import SamplingConfig
 
+# Held-out sets decoded through a few programs: the time is in running them (tests/conftest.py).
+pytestmark = pytest.mark.optimized
+
 N_PROMPTS = 128
 PROMPT_BYTES = 48
 CFG = EngineConfig(
@@ -37,6 +40,7 @@ CFG = EngineConfig(
     token_buckets=(64 * 8,),
     draft_buckets=(64,),  # one program branch each, as for the tokens: compile time
 )
+
 HOLDOUT = 0.3
 PROMPTS = Path(__file__).parent / "data" / "sts_prompts.json"
 

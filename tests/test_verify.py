@@ -358,6 +358,7 @@ def test_sample_size_detects_tv_of_002():
     assert power > 0.99
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("cfg", [T1, SamplingConfig(temperature=0.7, top_p=0.9)])
 def test_speculative_sampling_is_lossless(cfg):
     target_vv, draft_vv = toy_chains()
@@ -374,6 +375,7 @@ def accept_with_target_prob(target_logp_bk, draft_logp_bk, log_u_bk):
     return log_u_bk < target_logp_bk
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize(
     "helper, broken",
     [("_correction_logprobs", correction_from_target), ("_accept_slots", accept_with_target_prob)],
