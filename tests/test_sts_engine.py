@@ -34,9 +34,11 @@ CFG = EngineConfig(
     num_slots=64,
     max_model_len=192,
     rounds_per_chunk=32,
-    prefill_chunk=PROMPT_BYTES * 32,
-    prefill_seqs=32,
-    prefill_buckets=(PROMPT_BYTES * 32,),
+    # Slots free a few at a time once the first 64 prompts are in: calls of 8 prompts take the
+    # refills without paying for 32 each time, and the first 64 in 8 calls cost what 2 did.
+    prefill_chunk=PROMPT_BYTES * 8,
+    prefill_seqs=8,
+    prefill_buckets=(PROMPT_BYTES * 8,),
     token_buckets=(64 * 8,),
     draft_buckets=(64,),  # one program branch each, as for the tokens: compile time
 )
