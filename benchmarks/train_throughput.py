@@ -367,6 +367,8 @@ def main() -> None:
         )
     if args.batch % args.microbatches:
         parser.error(f"--batch {args.batch} does not split into {args.microbatches} microbatches")
+    # The step's own checks (--chunk must divide --anchors), before any model is built.
+    S.StepConfig(args.anchors, args.chunk, args.microbatches)
     output_file(args.json, "--json")
     result = run(args)
     rows = [

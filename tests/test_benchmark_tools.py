@@ -3,11 +3,13 @@ which joins concurrency levels measured in separate GPU calls for gpu_targets.py
 
 import datetime
 import importlib.util
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import jax
@@ -285,6 +287,38 @@ def _script(
     )  # fmt: skip
 
 
+def _here(name: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    """The script's `main` run in this process as `python NAME ARGS` runs it (sys.argv, the
+    status and the one-line errors of `provenance.run_main`), for input refused or answered
+    (--help) before any work: each child process costs seconds of imports. Refusing means
+    before anything is built or set, so the run must compile nothing and leave the environment
+    and JAX's compilation cache as it found them. A traceback in the child is an exception
+    here, which fails the test."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, BENCHMARKS / name)
+    module = sys.modules.get(spec.name)
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    environ, cache = dict(os.environ), jax.config.jax_compilation_cache_dir
+    argv, start = sys.argv, os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = [str(BENCHMARKS / name), *args]
+    try:
+        os.chdir(cwd or start)
+        with provenance.CompileClock() as clock, redirect_stdout(out), redirect_stderr(err):
+            with pytest.raises(SystemExit) as end:
+                provenance.run_main(module.main)
+    finally:
+        sys.argv = argv
+        os.chdir(start)
+    assert clock.programs == 0, f"{name} {args}: compiled {clock.programs} programs first"
+    assert dict(os.environ) == environ and jax.config.jax_compilation_cache_dir == cache
+    status = end.value.code
+    status = 0 if status is None else status if isinstance(status, int) else 1
+    return subprocess.CompletedProcess([name, *args], status, out.getvalue(), err.getvalue())
+
+
 def _one_line_error(done: subprocess.CompletedProcess, *needles: str) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
@@ -353,7 +387,7 @@ def test_combine_refuses_files_that_are_not_throughput_reports(tmp_path):
     ],
 )
 def test_throughput_refuses_bad_arguments_before_loading_anything(args, needle):
-    done = _script("throughput.py", *args)
+    done = _here("throughput.py", *args)
     _one_line_error(done, needle)
 
 
@@ -429,7 +463,7 @@ def test_throughput_compile_only_leaves_the_run_nothing_to_compile(tmp_path):
 def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):
     missing = str(tmp_path / "missing")
     for option in ("--sts", "--sps-table", "--prompts", "--target", "--combine"):
-        done = _script("throughput.py", option, missing, cwd=tmp_path)
+        done = _here("throughput.py", option, missing, cwd=tmp_path)
         _one_line_error(done, option, "no such")
     # --synthetic reads no model files: nothing of --target/--draft is checked.
     throughput.check_paths(throughput.parse_args(
@@ -437,17 +471,17 @@ def test_throughput_checks_its_input_paths_before_loading_models(tmp_path):
     ))  # fmt: skip
     # A plot matplotlib cannot write, or one over the results, is refused before any work (it
     # failed after the whole run, its JSON already written).
-    done = _script("throughput.py", "--synthetic", "tiny", "--plot", "t.txt", cwd=tmp_path)
+    done = _here("throughput.py", "--synthetic", "tiny", "--plot", "t.txt", cwd=tmp_path)
     _one_line_error(done, "--plot", ".png")
-    done = _script(
+    done = _here(
         "throughput.py", "--synthetic", "tiny", "--out", "t.png", "--plot", "t.png", cwd=tmp_path
     )
     _one_line_error(done, "--plot", "would replace the results")
     table = tmp_path / "sps"
     table.mkdir()
-    done = _script("throughput.py", "--sps-table", str(table), "--concurrency", "1,8")
+    done = _here("throughput.py", "--sps-table", str(table), "--concurrency", "1,8")
     _one_line_error(done, "sps_c1.json, sps_c8.json")
-    assert "must be at least 256" in " ".join(_script("throughput.py", "--help").stdout.split())
+    assert "must be at least 256" in " ".join(_here("throughput.py", "--help").stdout.split())
 
 
 def test_sampling_filters_times_every_mix_against_temperature_sampling(tmp_path):
@@ -464,7 +498,7 @@ def test_sampling_filters_times_every_mix_against_temperature_sampling(tmp_path)
     assert next(r for r in result["table"] if r["mix"] == "temperature 1")["ratio"] == 1.0
     assert all(r["ms"] > 0 for r in result["table"]) and result["sort_ms"] > 0
     assert "top-p 0.9, 1 row" in done.stdout and "(a sort of the same logits)" in done.stdout
-    _one_line_error(_script("sampling_filters.py", "--rows", "0"), "--rows")
+    _one_line_error(_here("sampling_filters.py", "--rows", "0"), "--rows")
 
 
 def test_library_errors_and_bad_numbers_are_one_line_errors(tmp_path):
@@ -472,25 +506,25 @@ def test_library_errors_and_bad_numbers_are_one_line_errors(tmp_path):
     (and for bandwidth.py before measuring: a --json that cannot be written is found first)."""
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    _one_line_error(_script("idle_slots.py", "--slots", "1"), "--slots must be at least 2")
-    _one_line_error(_script("bandwidth.py", "--gib", "-1"), "--gib")
-    _one_line_error(_script("bandwidth.py", "--repeats", "0"), "--repeats")
-    done = _script("bandwidth.py", "--gib", "0.001", "--json", str(a_file / "x.json"))
+    _one_line_error(_here("idle_slots.py", "--slots", "1"), "--slots must be at least 2")
+    _one_line_error(_here("bandwidth.py", "--gib", "-1"), "--gib")
+    _one_line_error(_here("bandwidth.py", "--repeats", "0"), "--repeats")
+    done = _here("bandwidth.py", "--gib", "0.001", "--json", str(a_file / "x.json"))
     _one_line_error(done, "is a file, not a folder")
     assert "GB/s" not in done.stdout  # refused before the copy was timed
-    done = _script("decode_speed.py", "--config", "tiny", "--bandwidth-json", str(tmp_path / "x"))
+    done = _here("decode_speed.py", "--config", "tiny", "--bandwidth-json", str(tmp_path / "x"))
     _one_line_error(done, "--bandwidth-json", "no such file")
-    _one_line_error(_script("train_throughput.py", "--target", "nope"), "unknown config 'nope'")
-    _one_line_error(_script("train_throughput.py", "--chunk", "3"), "must divide")
-    _one_line_error(_script("xla_profile.py", str(tmp_path / "none")), "no such folder")
+    _one_line_error(_here("train_throughput.py", "--target", "nope"), "unknown config 'nope'")
+    _one_line_error(_here("train_throughput.py", "--chunk", "3"), "must divide")
+    _one_line_error(_here("xla_profile.py", str(tmp_path / "none")), "no such folder")
     trace = tmp_path / "trace" / "plugins" / "profile" / "1"
     trace.mkdir(parents=True)
     (trace / "perfetto_trace.json.gz").write_bytes(b"not gzip")
-    _one_line_error(_script("xla_profile.py", str(tmp_path / "trace")), "cannot read its trace")
-    done = _script("xla_profile.py", str(tmp_path / "trace"), "--hlo", str(tmp_path / "none"))
+    _one_line_error(_here("xla_profile.py", str(tmp_path / "trace")), "cannot read its trace")
+    done = _here("xla_profile.py", str(tmp_path / "trace"), "--hlo", str(tmp_path / "none"))
     _one_line_error(done, "--hlo", "no such file")
-    _one_line_error(_script("xla_profile.py", str(tmp_path), "--top", "-1"), "--top")
-    assert "captures nothing" in _script("xla_profile.py", "--help").stdout
+    _one_line_error(_here("xla_profile.py", str(tmp_path), "--top", "-1"), "--top")
+    assert "captures nothing" in _here("xla_profile.py", "--help").stdout
 
 
 @pytest.mark.parametrize(
@@ -512,7 +546,7 @@ def test_library_errors_and_bad_numbers_are_one_line_errors(tmp_path):
     ],
 )
 def test_nonsense_sizes_are_refused_before_anything_is_built(script, args, needle):
-    _one_line_error(_script(script, *args), needle)
+    _one_line_error(_here(script, *args), needle)
 
 
 def test_attention_kernel_paths_are_refused_off_their_backend():
@@ -550,13 +584,13 @@ def test_gpu_targets_says_when_the_session_ran_on_a_fallback(tmp_path):
 
 
 def test_gpu_targets_refuses_a_folder_that_is_not_a_session_results_folder(tmp_path):
-    _one_line_error(_script("gpu_targets.py", str(tmp_path / "none")), "no such folder")
+    _one_line_error(_here("gpu_targets.py", str(tmp_path / "none")), "no such folder")
     a_file = tmp_path / "decode_speed.json"
     a_file.write_text("{}")
-    _one_line_error(_script("gpu_targets.py", str(a_file)), "is a file, not a folder")
+    _one_line_error(_here("gpu_targets.py", str(a_file)), "is a file, not a folder")
     empty = tmp_path / "empty"
     empty.mkdir()
-    _one_line_error(_script("gpu_targets.py", str(empty)), "none of the JSON files")
+    _one_line_error(_here("gpu_targets.py", str(empty)), "none of the JSON files")
     # A session whose aims' stages have not run yet is not an error: nothing is measured.
     (empty / "bandwidth.json").write_text(json.dumps({"device": "cpu", "gbs": 10.0}))
     rows = gpu_targets.targets(empty)
@@ -611,7 +645,7 @@ def test_mesh_memory_names_the_configs_it_takes_and_its_exit_status():
     _one_line_error(both, "--gpu and --tpu name two different machines")
     _one_line_error(_script("mesh_memory.py", "--gpu", "h100", "--mesh", "1,1,2"), "one GPU")
     _one_line_error(_script("mesh_memory.py", "--gpu", "a100"), "--gpu", "'h100', 'h200'")
-    _one_line_error(_script("train_step_cost.py", "--gpu", "h100"), "--gpu needs --compile")
+    _one_line_error(_here("train_step_cost.py", "--gpu", "h100"), "--gpu needs --compile")
 
 
 def test_policy_switch_cost_names_each_member_it_times():
@@ -626,8 +660,8 @@ def test_policy_switch_cost_names_each_member_it_times():
     assert labels[:3] == ["fixed gamma 7", "threshold c_k >= 0.5", "threshold c_k >= 0.7"]
     assert labels[3] == "threshold a_k >= 0.3"
     assert len(set(labels)) == len(labels)  # two ThresholdPolicy rows are told apart
-    _one_line_error(_script("policy_switch_cost.py", "--members", "1,9"), "--members")
-    _one_line_error(_script("policy_switch_cost.py", "--repeats", "0"), "--repeats")
+    _one_line_error(_here("policy_switch_cost.py", "--members", "1,9"), "--members")
+    _one_line_error(_here("policy_switch_cost.py", "--repeats", "0"), "--repeats")
 
 
 def test_train_throughput_refuses_more_anchors_than_a_sequence_has_blocks():
@@ -636,7 +670,7 @@ def test_train_throughput_refuses_more_anchors_than_a_sequence_has_blocks():
     # Positions 2..14 of a 16-token sequence (2 prompt tokens; the last has no next token).
     assert train_throughput.anchor_positions(16) == 13
     assert train_throughput.anchor_positions(4096) >= 512  # the released recipe's shapes
-    done = _script("train_throughput.py", "--anchors", "64", "--seq-len", "16")
+    done = _here("train_throughput.py", "--anchors", "64", "--seq-len", "16")
     _one_line_error(done, "--anchors 64", "13 positions")
 
 
@@ -856,14 +890,14 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
     assert "token buckets (8, 16, 32)" in report["setting"]
     assert 4 <= rows["decode_chunk"]["kernel_calls"] <= 2 * (3 + 1), rows["decode_chunk"]
     assert "total trace + lower" in done.stdout
-    _one_line_error(_script("lowering_time.py", "--prefill-buckets", "0"), "--prefill-buckets")
-    _one_line_error(_script("lowering_time.py", "--config", "nope"), "--config")
+    _one_line_error(_here("lowering_time.py", "--prefill-buckets", "0"), "--prefill-buckets")
+    _one_line_error(_here("lowering_time.py", "--config", "nope"), "--config")
     _one_line_error(
-        _script("lowering_time.py", "--compile"), "--compile needs --platform here, h100 or h200"
+        _here("lowering_time.py", "--compile"), "--compile needs --platform here, h100 or h200"
     )
-    _one_line_error(_script("lowering_time.py", "--hlo", str(tmp_path)), "--hlo needs --compile")
+    _one_line_error(_here("lowering_time.py", "--hlo", str(tmp_path)), "--hlo needs --compile")
     _one_line_error(
-        _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs", "decode"),
+        _here("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs", "decode"),
         "--programs: no program named decode (this engine's: init, decode_chunk",
     )
     done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs",
@@ -878,11 +912,11 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
     assert "drafter slot buckets (2, 4)" in report["setting"]
     assert report["rows"][0]["kernel_calls"] > rows["decode_chunk"]["kernel_calls"]
     _one_line_error(
-        _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--draft-buckets", "2"),
+        _here("lowering_time.py", "--config", "tiny", "--slots", "4", "--draft-buckets", "2"),
         "must end at num_slots",
     )
     _one_line_error(
-        _script("lowering_time.py", "--plain", "--draft-buckets", "64"),
+        _here("lowering_time.py", "--plain", "--draft-buckets", "64"),
         "--draft-buckets needs a drafter",
     )
 
@@ -993,7 +1027,7 @@ def test_vocab_traffic_reads_the_arrays_a_round_moves_over_the_vocabulary(tmp_pa
     assert searched == [8, 64], report["loops"]
     assert report["read_back_mb"] > 0
     assert "cutoff search" in done.stdout
-    _one_line_error(_script("vocab_traffic.py", "--slots", "0"), "--slots")
+    _one_line_error(_here("vocab_traffic.py", "--slots", "0"), "--slots")
 
 
 @pytest.mark.skipif(
@@ -1095,8 +1129,8 @@ def test_round_kernels_reads_a_compiled_decode_program_and_refuses_other_text(tm
     assert result["one_layer"]
     not_hlo = tmp_path / "notes.txt"
     not_hlo.write_text("hello\n")
-    _one_line_error(_script("round_kernels.py", str(not_hlo)), "no ENTRY computation")
-    _one_line_error(_script("round_kernels.py", str(tmp_path / "none.txt")), "none.txt")
+    _one_line_error(_here("round_kernels.py", str(not_hlo)), "no ENTRY computation")
+    _one_line_error(_here("round_kernels.py", str(tmp_path / "none.txt")), "none.txt")
 
 
 def test_a_round_reads_the_markov_transition_once_per_draft_position():
@@ -1183,7 +1217,7 @@ def test_host_syncs_counts_the_control_flow_left_to_the_host(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(out.read_text())["round"] == counts["round"]
     assert "one round, fewest" in done.stdout
-    _one_line_error(_script("host_syncs.py", str(tmp_path)), "thunk_sequence_after_thunk_passes")
+    _one_line_error(_here("host_syncs.py", str(tmp_path)), "thunk_sequence_after_thunk_passes")
 
 
 @pytest.mark.skipif(
