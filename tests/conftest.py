@@ -51,8 +51,10 @@ if not compilation_cache_off(os.environ["DSPARK_JAX_COMPILATION_CACHE"]):
 
 
 # The gated fixture pair, an engine over it that adjusts logits (`ADJUSTED_CFG`: penalties and
-# up to 3 logit-bias entries) and three of its reference prompts, for the tests of those
-# adjustments; loaded once per worker.
+# up to 3 logit-bias entries), the same without a drafter and without the adjustments, and three
+# of its reference prompts, for the tests of those adjustments; loaded and built once per worker
+# (building an engine traces and lowers its programs again, even where the persistent cache
+# holds them compiled).
 @pytest.fixture(scope="session")
 def gated_pair():
     from fixture_models import load_pair
@@ -67,6 +69,30 @@ def adjusted_engine(gated_pair):
     from dspark_jax.decoding.engine import Engine
 
     return Engine(*gated_pair, ADJUSTED_CFG)
+
+
+@pytest.fixture(scope="session")
+def adjusted_plain_engine(gated_pair):
+    """`adjusted_engine` without its drafter: plain decoding with the same adjustments."""
+    from fixture_models import ADJUSTED_CFG
+
+    from dspark_jax.decoding.engine import Engine
+
+    return Engine(gated_pair[0], None, ADJUSTED_CFG)
+
+
+@pytest.fixture(scope="session")
+def unadjusted_engine(gated_pair):
+    """`adjusted_engine` built without room for penalties or biases: what requests that ask
+    for no adjustment must get beside the ones that do."""
+    import dataclasses
+
+    from fixture_models import ADJUSTED_CFG
+
+    from dspark_jax.decoding.engine import Engine
+
+    cfg = dataclasses.replace(ADJUSTED_CFG, penalties=False, max_logit_bias=0)
+    return Engine(*gated_pair, cfg)
 
 
 @pytest.fixture(scope="session")

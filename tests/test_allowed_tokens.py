@@ -80,10 +80,10 @@ def test_apply_allowed_tokens_masks_the_rows_that_ask():
 
 
 def test_greedy_tokens_follow_the_masked_target(
-    gated_pair, adjusted_engine, gated_prompts, free, restricted
+    gated_pair, adjusted_engine, adjusted_plain_engine, gated_prompts, free, restricted
 ):
     target, _ = gated_pair
-    plain = Engine(target, None, CFG)
+    plain = adjusted_plain_engine  # Engine(target, None, CFG)
     requests = [
         Request(p, NEW_TOKENS, sampling=s) for p, s in zip(gated_prompts, restricted, strict=True)
     ]
@@ -99,11 +99,10 @@ def test_greedy_tokens_follow_the_masked_target(
 
 
 def test_samples_stay_in_the_allowed_tokens_and_the_free_keep_theirs(
-    gated_pair, adjusted_engine, gated_prompts
+    adjusted_engine, unadjusted_engine, gated_prompts
 ):
     """Sampled at temperature 1 (seeded) beside free requests, which get what an engine without
     room for biases gives them; a restricted sample is the same alone and among others."""
-    target, drafter = gated_pair
     free = [
         Request(gated_prompts[0], NEW_TOKENS),
         Request(
@@ -117,8 +116,8 @@ def test_samples_stay_in_the_allowed_tokens_and_the_free_keep_theirs(
         adjusted_engine, free + [restricted, dataclasses.replace(restricted, seed=4)]
     )
     alone, _ = generate(adjusted_engine, [restricted])
-    without = Engine(target, drafter, dataclasses.replace(CFG, max_logit_bias=0))
-    baseline, _ = generate(without, free)
+    # An engine with no room for the mask (nor penalties).
+    baseline, _ = generate(unadjusted_engine, free)
     assert [r.tokens for r in mixed[:2]] == [r.tokens for r in baseline]
     assert mixed[2].tokens == alone[0].tokens != mixed[3].tokens
     for result in mixed[2:]:

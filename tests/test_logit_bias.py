@@ -36,8 +36,8 @@ def models():
 
 
 @pytest.fixture(scope="module")
-def spec(models):
-    return Engine(*models, CFG)
+def spec(adjusted_engine):
+    return adjusted_engine  # Engine(*models, CFG), built once per worker (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,12 @@ def test_apply_logit_bias_adds_each_rows_biases_at_its_ids():
     )
 
 
-def test_greedy_tokens_follow_the_biased_target(models, spec, prompts, unbiased, biases):
+def test_greedy_tokens_follow_the_biased_target(
+    models, spec, adjusted_plain_engine, prompts, unbiased, biases
+):
     target, _ = models
     # Without a drafter; counting tokens for penalties too: the third request has both.
-    plain = Engine(target, None, CFG)
+    plain = adjusted_plain_engine  # Engine(target, None, CFG)
     requests = [Request(p, NEW_TOKENS, sampling=s) for p, s in zip(prompts, biases, strict=True)]
     want = [_reference(target, r.prompt_ids, r.sampling) for r in requests]
     assert want[0][0] != unbiased[0][0]  # the bias reaches the first token (prefill's)
@@ -129,11 +131,10 @@ def test_greedy_tokens_follow_the_biased_target(models, spec, prompts, unbiased,
     assert np.mean(np.concatenate([r.accepted for r in results[:2]])) > 0.5
 
 
-def test_requests_without_a_bias_do_not_see_the_others(models, spec, prompts):
+def test_requests_without_a_bias_do_not_see_the_others(spec, unadjusted_engine, prompts):
     """Unbiased requests (greedy and seeded samples) beside biased ones get the tokens an
     engine without logit bias gives them; a seeded biased sample gets the same tokens alone and
     among others."""
-    target, drafter = models
     free = [
         Request(prompts[0], NEW_TOKENS),
         Request(prompts[1], NEW_TOKENS, seed=7, sampling=SamplingConfig(temperature=0.8, top_k=9)),
@@ -142,8 +143,8 @@ def test_requests_without_a_bias_do_not_see_the_others(models, spec, prompts):
     biased = Request(prompts[2], NEW_TOKENS, seed=3, sampling=sampled)
     mixed, _ = generate(spec, free + [biased, dataclasses.replace(biased, seed=4)])
     alone, _ = generate(spec, [biased])
-    without = Engine(target, drafter, dataclasses.replace(CFG, max_logit_bias=0))
-    baseline, _ = generate(without, free)
+    # An engine with no room for biases (nor penalties).
+    baseline, _ = generate(unadjusted_engine, free)
     assert [r.tokens for r in mixed[:2]] == [r.tokens for r in baseline]
     assert mixed[2].tokens == alone[0].tokens
     assert mixed[2].tokens != mixed[3].tokens  # a seed's own draws

@@ -119,13 +119,13 @@ def test_greedy_stop_tokens_wait_for_min_tokens(models, engines, prompts, kind):
     assert [r.tokens for r in results] == [free[0][: r.min_tokens + 1] for r in at_the_limit]
 
 
-def test_the_models_end_of_turn_waits_too_after_a_logit_bias(prompts):
+def test_the_models_end_of_turn_waits_too_after_a_logit_bias(adjusted_engine, prompts):
     """min_tokens holds back the model's own end-of-turn ids (unless ignore_eos), after the
     request's logit bias: one that pushes EOS first comes at min_tokens. On the engine with
     both adjustments of tests/test_logit_bias.py (the same programs)."""
-    target, drafter = load_pair("gated")
+    target, _ = load_pair("gated")
     eos = target.cfg.eos_token_ids
-    engine = Engine(target, drafter, ADJUSTED_CFG)
+    engine = adjusted_engine  # Engine(*load_pair("gated"), ADJUSTED_CFG)
     pushed = SamplingConfig(logit_bias={eos[0]: 40.0})
     requests = [
         Request(p, 16, sampling=pushed, min_tokens=m)

@@ -45,8 +45,8 @@ def models():
 
 
 @pytest.fixture(scope="module")
-def spec(models):
-    return Engine(*models, CFG)
+def spec(adjusted_engine):
+    return adjusted_engine  # Engine(*models, CFG), built once per worker (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +74,9 @@ def test_apply_penalties_is_openais_formula():
     )
 
 
-def test_greedy_tokens_follow_the_penalised_target(models, spec, prompts):
+def test_greedy_tokens_follow_the_penalised_target(models, spec, adjusted_plain_engine, prompts):
     target, _ = models
-    plain = Engine(target, None, CFG)
+    plain = adjusted_plain_engine  # Engine(target, None, CFG)
     requests = [Request(p, NEW_TOKENS, sampling=s) for p, s in zip(prompts, PENALISED, strict=True)]
     want = [_reference(target, r.prompt_ids, r.sampling) for r in requests]
     unpenalised = [_reference(target, p, SamplingConfig()) for p in prompts]
@@ -89,11 +89,10 @@ def test_greedy_tokens_follow_the_penalised_target(models, spec, prompts):
             assert np.mean(np.concatenate([r.accepted for r in results[:3]])) > 0.5
 
 
-def test_requests_without_penalties_do_not_see_the_others(models, spec, prompts):
+def test_requests_without_penalties_do_not_see_the_others(spec, unadjusted_engine, prompts):
     """Unpenalised requests (greedy and seeded samples) beside penalised ones get the tokens an
     engine without penalties gives them; a seeded penalised sample gets the same tokens alone
     and among others."""
-    target, drafter = models
     free = [
         Request(prompts[0], NEW_TOKENS),
         Request(prompts[1], NEW_TOKENS, seed=7, sampling=SamplingConfig(temperature=0.8, top_k=9)),
@@ -101,8 +100,8 @@ def test_requests_without_penalties_do_not_see_the_others(models, spec, prompts)
     penalised = Request(prompts[2], NEW_TOKENS, seed=3, sampling=SAMPLED)
     mixed, _ = generate(spec, free + [penalised, dataclasses.replace(penalised, seed=4)])
     alone, _ = generate(spec, [penalised])
-    without = Engine(target, drafter, dataclasses.replace(CFG, penalties=False))
-    baseline, _ = generate(without, free)
+    # An engine with no room for penalties (nor biases).
+    baseline, _ = generate(unadjusted_engine, free)
     assert [r.tokens for r in mixed[:2]] == [r.tokens for r in baseline]
     assert mixed[2].tokens == alone[0].tokens
     assert mixed[2].tokens != mixed[3].tokens  # a seed's own draws

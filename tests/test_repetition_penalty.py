@@ -41,13 +41,13 @@ def models():
 
 
 @pytest.fixture(scope="module")
-def spec(models):
-    return Engine(*models, CFG)
+def spec(adjusted_engine):
+    return adjusted_engine  # Engine(*models, CFG), built once per worker (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def plain(models):
-    return Engine(models[0], None, CFG)
+def plain(adjusted_plain_engine):
+    return adjusted_plain_engine  # Engine(models[0], None, CFG)
 
 
 @pytest.fixture(scope="module")
