@@ -102,48 +102,49 @@ def gated_prompts():
     return [t["prompt"] for t in reference_traces("gated")["traces"][:3]]
 
 
-# Seconds the slowest test files take on the 2-core CI machine (sums of --durations, 2026-12-07,
-# compiling as set above), only to order them: the two xdist workers take whole files
-# (--dist loadfile) in collection order (--no-loadscope-reorder), so the longest go first and the
-# short ones fill in at the end (longest-first list scheduling), instead of a long file starting
+# Seconds the slowest test files take on the 2-core CI machine (sums of --durations in the
+# fresh-clone CI of 403ffb6, 2026-12-07; the logit-adjustment files less the 14% they saved
+# since), only to order them: the two xdist workers take whole files (--dist loadfile) in
+# collection order (--no-loadscope-reorder), so the longest go first and the short ones fill in
+# at the end (longest-first list scheduling), instead of a long file starting
 # last while the other worker has nothing left. Files not named here follow, in their usual
 # order; a stale number costs at most some idle time at the end of a run, never a test.
 FILE_SECONDS = {
-    "test_benchmark_tools.py": 208,
-    "test_engine.py": 204,
-    "test_mesh_decoding.py": 195,
-    "test_train_resume.py": 171,
-    "test_scheduled_engine.py": 152,
-    "test_decode_commands.py": 144,
-    "test_scheduled_lossless.py": 128,
+    "test_engine.py": 328,
+    "test_mesh_decoding.py": 263,
+    "test_scheduled_engine.py": 201,
+    "test_train_resume.py": 199,
+    "test_decode_commands.py": 145,
+    "test_benchmark_tools.py": 131,
+    "test_sampling.py": 128,
+    "test_scheduled_lossless.py": 121,
+    "test_attention.py": 117,
     "test_python_api.py": 115,
-    "test_sampling.py": 112,
-    "test_attention.py": 103,
-    "test_train_truth.py": 84,
-    "test_lossless.py": 84,
+    "test_train_truth.py": 91,
     "test_serve_command.py": 82,
-    "test_prefix_cache.py": 79,
-    "test_penalties.py": 79,
-    "test_policy_switch.py": 78,
-    "test_sts_engine.py": 76,
+    "test_sts_engine.py": 80,
+    "test_lossless.py": 79,
+    "test_gpu_lowering.py": 77,
+    "test_prefix_cache.py": 76,
     "test_notebook.py": 75,
-    "test_gpu_lowering.py": 74,
-    "test_verify.py": 73,
-    "test_layout.py": 67,
-    "test_logit_bias.py": 66,
-    "test_openai_server.py": 55,
-    "test_convert.py": 54,
-    "test_calibrate_profile_cli.py": 53,
-    "test_train_step.py": 50,
-    "test_bad_input.py": 48,
-    "test_policies.py": 46,
-    "test_known_acceptance.py": 45,
-    "test_mesh_serving.py": 39,
-    "test_transformers_parity.py": 39,
-    "test_train_tiny.py": 38,
-    "test_heads.py": 36,
-    "test_train_multihost.py": 34,
-    "test_cli.py": 30,
+    "test_penalties.py": 74,
+    "test_verify.py": 66,
+    "test_openai_server.py": 64,
+    "test_layout.py": 61,
+    "test_policy_switch.py": 60,
+    "test_policies.py": 57,
+    "test_heads.py": 56,
+    "test_train_tiny.py": 47,
+    "test_train_step.py": 45,
+    "test_train_multihost.py": 44,
+    "test_convert.py": 43,
+    "test_mesh_serving.py": 42,
+    "test_known_acceptance.py": 41,
+    "test_logit_bias.py": 41,
+    "test_transformers_parity.py": 41,
+    "test_bad_input.py": 40,
+    "test_calibrate_profile_cli.py": 39,
+    "test_fixture_parity.py": 35,
 }
 
 
