@@ -106,9 +106,9 @@ def gated_prompts():
 # fresh-clone CI of 403ffb6, 2026-12-07; the logit-adjustment files less the 14% they saved
 # since), only to order them: the two xdist workers take whole files (--dist loadfile) in
 # collection order (--no-loadscope-reorder), so the longest go first and the short ones fill in
-# at the end (longest-first list scheduling), instead of a long file starting
-# last while the other worker has nothing left. Files not named here follow, in their usual
-# order; a stale number costs at most some idle time at the end of a run, never a test.
+# at the end (longest-first list scheduling), instead of a long file starting last while the
+# other worker has nothing left. Files not named here follow, in their usual order; a stale
+# number costs at most some idle time at the end of a run, never a test.
 FILE_SECONDS = {
     "test_engine.py": 328,
     "test_mesh_decoding.py": 263,

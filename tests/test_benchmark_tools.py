@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import chdir, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import jax
@@ -294,24 +294,17 @@ def _here(name: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
     before anything is built or set, so the run must compile nothing and leave the environment
     and JAX's compilation cache as it found them. A traceback in the child is an exception
     here, which fails the test."""
-    spec = importlib.util.spec_from_file_location(Path(name).stem, BENCHMARKS / name)
-    module = sys.modules.get(spec.name)
-    if module is None:
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+    module = importlib.import_module(Path(name).stem)  # benchmarks/ is on sys.path (above)
     environ, cache = dict(os.environ), jax.config.jax_compilation_cache_dir
-    argv, start = sys.argv, os.getcwd()
+    argv = sys.argv
     out, err = io.StringIO(), io.StringIO()
     sys.argv = [str(BENCHMARKS / name), *args]
     try:
-        os.chdir(cwd or start)
-        with provenance.CompileClock() as clock, redirect_stdout(out), redirect_stderr(err):
-            with pytest.raises(SystemExit) as end:
+        with chdir(cwd or "."), redirect_stdout(out), redirect_stderr(err):
+            with provenance.CompileClock() as clock, pytest.raises(SystemExit) as end:
                 provenance.run_main(module.main)
     finally:
         sys.argv = argv
-        os.chdir(start)
     assert clock.programs == 0, f"{name} {args}: compiled {clock.programs} programs first"
     assert dict(os.environ) == environ and jax.config.jax_compilation_cache_dir == cache
     status = end.value.code

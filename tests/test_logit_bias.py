@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fixture_models import ADJUSTED_CFG, adjusted_greedy_reference, load_pair, reference_traces
+from fixture_models import ADJUSTED_CFG, adjusted_greedy_reference, reference_traces
 
 from dspark_jax.decoding.batching import Batcher, Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
@@ -31,8 +31,8 @@ CFG = ADJUSTED_CFG  # a logit bias of up to 3 tokens, and penalties (test_penalt
 
 
 @pytest.fixture(scope="module")
-def models():
-    return load_pair(VARIANT)
+def models(gated_pair):
+    return gated_pair  # load_pair(VARIANT): the pair of the shared engines below
 
 
 @pytest.fixture(scope="module")

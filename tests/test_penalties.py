@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fixture_models import ADJUSTED_CFG, adjusted_greedy_reference, load_pair, reference_traces
+from fixture_models import ADJUSTED_CFG, adjusted_greedy_reference, reference_traces
 
 from dspark_jax.decoding.batching import Batcher, Request, generate
 from dspark_jax.decoding.engine import Engine, EngineConfig, EngineError
@@ -40,8 +40,8 @@ SAMPLED = SamplingConfig(temperature=0.8, top_p=0.95, presence_penalty=1.2)
 
 
 @pytest.fixture(scope="module")
-def models():
-    return load_pair(VARIANT)
+def models(gated_pair):
+    return gated_pair  # load_pair(VARIANT): the pair of the shared engines below
 
 
 @pytest.fixture(scope="module")

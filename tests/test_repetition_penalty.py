@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fixture_models import ADJUSTED_CFG, adjusted_greedy_reference, load_pair, reference_traces
+from fixture_models import ADJUSTED_CFG, adjusted_greedy_reference, reference_traces
 
 from dspark_jax.decoding import engine as engine_module
 from dspark_jax.decoding.batching import Batcher, Request, generate
@@ -36,8 +36,8 @@ REPEATED = (
 
 
 @pytest.fixture(scope="module")
-def models():
-    return load_pair(VARIANT)
+def models(gated_pair):
+    return gated_pair  # load_pair(VARIANT): the pair of the shared engines below
 
 
 @pytest.fixture(scope="module")
