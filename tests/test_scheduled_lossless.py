@@ -107,15 +107,16 @@ def test_algorithm_1_first_tokens_match_target():
     rejected = np.mean(accepted < verified)
     assert 0.05 < rejected < 0.95, rejected
 
-    eos = target.cfg.eos_token_ids[0]
-    expected = _expected_cells(PROMPT, T1, eos, MIN_EXPECTED / NUM_SAMPLES)
+    # A cell ends at any of the target's stop tokens (the requests' default), none held back.
+    ends = (target.cfg.eos_token_ids, 0)
+    expected = _expected_cells(PROMPT, T1, ends, MIN_EXPECTED / NUM_SAMPLES)
     kept = sorted(expected)
     index = {cell: i for i, cell in enumerate(kept)}
     samples = [tuple(r.tokens) for r in results]
     counts = np.bincount([index.get(c, len(kept)) for c in samples], minlength=len(kept) + 1)
     probs = np.array([expected[c] for c in kept] + [max(1.0 - sum(expected.values()), 0.0)])
     rare = sorted(set(samples) - set(kept))
-    assert np.all(_cell_probabilities(PROMPT, rare, T1) > 0)
+    assert np.all(_cell_probabilities(PROMPT, rare, T1, ends) > 0)
     statistic = float(np.sum((counts - NUM_SAMPLES * probs) ** 2 / (NUM_SAMPLES * probs)))
     df = len(kept)
     power = stats.ncx2.sf(stats.chi2.ppf(1 - ALPHA, df), df, 4 * NUM_SAMPLES * DETECT_TV**2)
