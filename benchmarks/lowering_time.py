@@ -24,6 +24,9 @@ times and programs a GPU session would get, and the kernels ptxas had to spill r
     python benchmarks/lowering_time.py --platform h100 --compile --json aot_h100.json
     python benchmarks/lowering_time.py --platform h100 --compile --programs decode_chunk \
         --hlo hlo/    # the optimised program, to read
+
+`--target-layers N` sets the target's depth: the same programs at 18 and 36 layers say how much
+of a compile the layers are (XLA compiles each inlined layer call anew).
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ def main() -> int:
         help="token counts the packed verification is padded to, one compiled branch each "
         "(default: the engine's, derived from the slots and the policy)",
     )
+    parser.add_argument(
+        "--target-layers",
+        type=positive_int,
+        help="the target's depth (default: the config's): how compile time grows with the "
+        "layers; the drafter keeps its tap layers where they fit, else they are spaced over "
+        "the new depth as for the released drafters",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--plain", action="store_true", help="no drafter: plain decoding")
     parser.add_argument(
@@ -122,6 +132,29 @@ def main() -> int:
     return _measure(args, CONFIGS[args.config])
 
 
+def _deepened(target_cfg, drafter_cfg, layers: int):
+    """(target, drafter) configs with a `layers`-deep target: the drafter taps the same number
+    of target layers, its own where they all lie before the new final layer, else spaced over it as
+    the released drafters' are (`configs.qwen3.spaced_target_layers`)."""
+    import dataclasses
+
+    from dspark_jax.config import ConfigError
+    from dspark_jax.configs.qwen3 import spaced_target_layers
+    from dspark_jax.errors import UserError
+
+    taps = drafter_cfg.target_layer_ids
+    if max(taps) > layers - 2:  # the final layer's hidden state is no tap (DrafterConfig)
+        try:
+            taps = spaced_target_layers(layers, len(taps))
+        except ConfigError as err:
+            raise UserError(f"--target-layers {layers}: {err}") from None
+    target_cfg = dataclasses.replace(target_cfg, num_hidden_layers=layers)
+    drafter_cfg = dataclasses.replace(
+        drafter_cfg, target_layer_ids=taps, num_target_layers=layers
+    )
+    return target_cfg, drafter_cfg
+
+
 def _measure(args, pair: tuple[str, str]) -> int:
     import dataclasses
 
@@ -143,6 +176,8 @@ def _measure(args, pair: tuple[str, str]) -> int:
     drafter_cfg = dataclasses.replace(
         drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=args.dtype)
     )
+    if args.target_layers:
+        target_cfg, drafter_cfg = _deepened(target_cfg, drafter_cfg, args.target_layers)
     target = nnx.eval_shape(lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0)))
     drafter = (
         None if args.plain else nnx.eval_shape(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0)))
@@ -220,7 +255,10 @@ def _measure(args, pair: tuple[str, str]) -> int:
     else:
         where = f"{jax.default_backend()} (this machine)"
     head = (
-        f"{target_name}" + ("" if args.plain else f" + {drafter_name}") + f", {args.dtype}, "
+        f"{target_name}"
+        + (f" ({target_cfg.num_hidden_layers} layers)" if args.target_layers else "")
+        + ("" if args.plain else f" + {drafter_name}")
+        + f", {args.dtype}, "
         f"{args.slots} slots, token buckets {engine.token_buckets}"
         + (f", drafter slot buckets {engine.draft_buckets}" if engine.draft_buckets else "")
         + ", prefill buckets "

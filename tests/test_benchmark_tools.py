@@ -912,6 +912,18 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
         _here("lowering_time.py", "--plain", "--draft-buckets", "64"),
         "--draft-buckets needs a drafter",
     )
+    # A deeper target: the same layer body (as many kernel calls), its taps kept where they fit;
+    # one too shallow for the drafter's two taps is refused in one line.
+    done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs",
+                   "decode_chunk", "--target-layers", "6", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["setting"].startswith("tiny-vanilla-target (6 layers) + "), report["setting"]
+    assert report["rows"][0]["kernel_calls"] == rows["decode_chunk"]["kernel_calls"]
+    _one_line_error(
+        _here("lowering_time.py", "--config", "tiny", "--target-layers", "3"),
+        "--target-layers 3: cannot space 2 tap layers over layers 1..0 of a 3-layer target",
+    )
 
 
 def test_lowering_time_compile_counts_what_xla_made_of_each_program(tmp_path):
