@@ -134,21 +134,24 @@ def main() -> int:
 
 def _deepened(target_cfg, drafter_cfg, layers: int):
     """(target, drafter) configs with a `layers`-deep target: the drafter taps the same number
-    of target layers, its own where they all lie before the new final layer, else spaced over it as
-    the released drafters' are (`configs.qwen3.spaced_target_layers`)."""
+    of target layers, its own where they all lie before the new final layer, else spaced over it
+    as the released drafters' are (`configs.qwen3.spaced_target_layers`). `drafter_cfg` None
+    (plain decoding): the target alone, whatever depth."""
     import dataclasses
 
     from dspark_jax.config import ConfigError
     from dspark_jax.configs.qwen3 import spaced_target_layers
     from dspark_jax.errors import UserError
 
+    target_cfg = dataclasses.replace(target_cfg, num_hidden_layers=layers)
+    if drafter_cfg is None:
+        return target_cfg, None
     taps = drafter_cfg.target_layer_ids
     if max(taps) > layers - 2:  # the final layer's hidden state is no tap (DrafterConfig)
         try:
             taps = spaced_target_layers(layers, len(taps))
         except ConfigError as err:
             raise UserError(f"--target-layers {layers}: {err}") from None
-    target_cfg = dataclasses.replace(target_cfg, num_hidden_layers=layers)
     drafter_cfg = dataclasses.replace(
         drafter_cfg, target_layer_ids=taps, num_target_layers=layers
     )
@@ -177,7 +180,9 @@ def _measure(args, pair: tuple[str, str]) -> int:
         drafter_cfg, model=dataclasses.replace(drafter_cfg.model, dtype=args.dtype)
     )
     if args.target_layers:
-        target_cfg, drafter_cfg = _deepened(target_cfg, drafter_cfg, args.target_layers)
+        target_cfg, drafter_cfg = _deepened(
+            target_cfg, None if args.plain else drafter_cfg, args.target_layers
+        )
     target = nnx.eval_shape(lambda: Qwen3(target_cfg, rngs=nnx.Rngs(0)))
     drafter = (
         None if args.plain else nnx.eval_shape(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0)))

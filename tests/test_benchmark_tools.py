@@ -924,6 +924,11 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
         _here("lowering_time.py", "--config", "tiny", "--target-layers", "3"),
         "--target-layers 3: cannot space 2 tap layers over layers 1..0 of a 3-layer target",
     )
+    # Without a drafter no tap limits the depth.
+    done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--plain",
+                   "--programs", "decode_chunk", "--target-layers", "3")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tiny-vanilla-target (3 layers), " in done.stdout, done.stdout
 
 
 def test_lowering_time_compile_counts_what_xla_made_of_each_program(tmp_path):
