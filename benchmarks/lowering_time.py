@@ -26,7 +26,9 @@ times and programs a GPU session would get, and the kernels ptxas had to spill r
         --hlo hlo/    # the optimised program, to read
 
 `--target-layers N` sets the target's depth: the same programs at 18 and 36 layers say how much
-of a compile the layers are (XLA compiles each inlined layer call anew).
+of a compile the layers are (XLA compiles each inlined layer call anew). `--penalties` and
+`--max-logit-bias N` build the engine as `dspark-jax serve` does with those options: their
+conditional sampling is part of the decode program, and of its temporaries.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ _LABELS = {"compile_s": "compile s", "temp_mib": "temp MiB"}
 
 def main() -> int:
     from deviceless import GPUS, prepare_logging
-    from provenance import Parser, output_file, positive_int, positive_ints
+    from provenance import Parser, non_negative_int, output_file, positive_int, positive_ints
 
     # ptxas' spill warnings are informational messages, let through only if asked for before
     # JAX starts (decode_speed imports it).
@@ -89,6 +91,20 @@ def main() -> int:
         help="the target's depth (default: the config's): how compile time grows with the "
         "layers; the drafter keeps its tap layers where they fit, else they are spaced over "
         "the new depth as for the released drafters",
+    )
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="an engine that takes presence, frequency and repetition penalties "
+        "(EngineConfig.penalties, `dspark-jax serve --penalties`)",
+    )
+    parser.add_argument(
+        "--max-logit-bias",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="an engine that takes a logit_bias of up to N tokens (EngineConfig.max_logit_bias, "
+        "`dspark-jax serve --max-logit-bias`; default 0: none)",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--plain", action="store_true", help="no drafter: plain decoding")
@@ -203,6 +219,8 @@ def _measure(args, pair: tuple[str, str]) -> int:
         token_buckets=(args.slots,) if args.plain else args.token_buckets,
         draft_buckets=args.draft_buckets,
         attention_impl="pallas_gpu" if platforms or mesh is not None else None,
+        penalties=args.penalties,
+        max_logit_bias=args.max_logit_bias,
     )
     engine = Engine(target, drafter, cfg, mesh=mesh)
     programs = engine.programs()
@@ -265,6 +283,8 @@ def _measure(args, pair: tuple[str, str]) -> int:
         + ("" if args.plain else f" + {drafter_name}")
         + f", {args.dtype}, "
         f"{args.slots} slots, token buckets {engine.token_buckets}"
+        + (", penalties" if args.penalties else "")
+        + (f", logit bias of {args.max_logit_bias}" if args.max_logit_bias else "")
         + (f", drafter slot buckets {engine.draft_buckets}" if engine.draft_buckets else "")
         + ", prefill buckets "
         f"{engine.prefill_widths}; lowered for {where}; commit {git_commit()}, "

@@ -893,10 +893,15 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
         _here("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs", "decode"),
         "--programs: no program named decode (this engine's: init, decode_chunk",
     )
+    # The sampling features that add to the decode program, named in the setting.
     done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs",
-                   "decode_chunk", "--json", str(out))  # fmt: skip
+                   "decode_chunk", "--penalties", "--max-logit-bias", "4",
+                   "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert [r["program"] for r in json.loads(out.read_text())["rows"]] == ["decode_chunk"]
+    report = json.loads(out.read_text())
+    assert [r["program"] for r in report["rows"]] == ["decode_chunk"]
+    assert ", penalties, logit bias of 4, " in report["setting"], report["setting"]
+    _one_line_error(_here("lowering_time.py", "--max-logit-bias", "-1"), "--max-logit-bias")
     # Two drafter slot buckets: the drafter's layer body is lowered once per branch.
     done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs",
                    "decode_chunk", "--draft-buckets", "2,4", "--json", str(out))  # fmt: skip
