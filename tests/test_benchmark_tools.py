@@ -901,6 +901,8 @@ def test_lowering_time_lowers_every_program_for_a_gpu(tmp_path):
     report = json.loads(out.read_text())
     assert [r["program"] for r in report["rows"]] == ["decode_chunk"]
     assert ", penalties, logit bias of 4, " in report["setting"], report["setting"]
+    # Built with them: the penalised, biased sampling's conditional is in the lowered program.
+    assert report["rows"][0]["mlir_mb"] > rows["decode_chunk"]["mlir_mb"], report["rows"]
     _one_line_error(_here("lowering_time.py", "--max-logit-bias", "-1"), "--max-logit-bias")
     # Two drafter slot buckets: the drafter's layer body is lowered once per branch.
     done = _script("lowering_time.py", "--config", "tiny", "--slots", "4", "--programs",
