@@ -16,5 +16,5 @@ HOST=${HOST:-0.0.0.0}
 PORT=${PORT:-8000}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-${MODEL:+4096}}
 
-exec dspark-jax serve ${MODEL:+--target $MODEL --draft $MODEL} --host "$HOST" --port "$PORT" \
-    --max-num-seqs 16 ${MAX_MODEL_LEN:+--max-model-len $MAX_MODEL_LEN} "$@"
+exec dspark-jax serve ${MODEL:+--target "$MODEL" --draft "$MODEL"} --host "$HOST" \
+    --port "$PORT" --max-num-seqs 16 ${MAX_MODEL_LEN:+--max-model-len "$MAX_MODEL_LEN"} "$@"

@@ -16,5 +16,5 @@ HOST=${HOST:-0.0.0.0}
 PORT=${PORT:-8000}
 MESH=${MESH:-}
 
-exec dspark-jax serve --target "$MODEL" --draft "$MODEL" --dtype bfloat16 ${MESH:+--mesh $MESH} \
+exec dspark-jax serve --target "$MODEL" --draft "$MODEL" --dtype bfloat16 ${MESH:+--mesh "$MESH"} \
     --host "$HOST" --port "$PORT" --max-num-seqs 32 --max-model-len 4096 "$@"
