@@ -248,3 +248,34 @@ def test_single_gpu_launcher_leaves_the_default_output_to_the_cli(tmp_path):
     args = subprocess.run(["bash", launcher], env=env, capture_output=True, text=True).stdout
     assert args.splitlines() == ["train", "--config", "my.py", "--output", "runs/my run",
                                  "--mesh=-1,1,1"]
+
+
+def test_tpu_pod_launcher_command_line_parses(tmp_path):
+    """train/tpu_pod.sh hands `dspark-jax train` a command line its parser takes: DATA's paths
+    (space-separated) each a --data file, the mesh over every chip's fsdp; no OUTPUT, a refusal
+    that says what to set."""
+    import os
+    import subprocess
+
+    from dspark_jax.cli import _parser
+
+    fake = tmp_path / "bin" / "dspark-jax"
+    fake.parent.mkdir()
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "OUTPUT", "DATA")}
+    env["PATH"] = f"{fake.parent}:{os.environ['PATH']}"
+    launcher = str(Path(__file__).parents[1] / "train" / "tpu_pod.sh")
+    done = subprocess.run(["bash", launcher], env=env, capture_output=True, text=True)
+    assert done.returncode != 0 and done.stdout == ""
+    assert "set OUTPUT to a folder that every host of the slice shares" in done.stderr
+    env.update(OUTPUT=str(tmp_path / "shared runs" / "8b"), DATA="a.jsonl b.jsonl")
+    done = subprocess.run(
+        ["bash", launcher, "--steps", "7"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0
+    args = _parser("train").parse_args(done.stdout.splitlines())
+    assert (args.config, args.output) == ("dspark-qwen3-8b", env["OUTPUT"])
+    assert args.data == ["a.jsonl", "b.jsonl"] and args.steps == 7
+    assert args.distributed and args.no_progress
+    assert (args.mesh.data, args.mesh.fsdp, args.mesh.tensor) == (1, -1, 1)
