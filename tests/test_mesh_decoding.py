@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import jax
 import numpy as np
@@ -382,6 +383,9 @@ def test_slots_the_mesh_cannot_split_are_refused_before_loading(
     given = argv[argv.index("--max-num-seqs") + 1]
     assert f"--max-num-seqs {given} must be a multiple of data x fsdp = {split}" in err
     assert "\n" not in err
+    # A refused serve leaves no log handler behind (bound to this test's stderr, closed after).
+    served = logging.getLogger("dspark_jax.serving")
+    assert not served.handlers and served.propagate
 
 
 def test_offline_slots_round_down_where_rounding_up_passes_max_num_seqs():

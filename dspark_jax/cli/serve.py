@@ -10,6 +10,7 @@ to compile. SIGTERM or Ctrl-C drains (see `http_server`) and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -312,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     # Bound before loading, so a port in use fails in a second rather than after the models.
     sock = bind_socket(args.host, args.port)
     try:
-        return _serve(args, sock)
+        with _server_logging(args.log_level):
+            return _serve(args, sock)
     finally:
         sock.close()
 
@@ -335,7 +337,6 @@ def _serve(args: argparse.Namespace, sock) -> int:
     # dspark:jax_compilations_total counts the process's compilations from here on, loading's
     # included, not only those after the metrics exist.
     watch_compilations()
-    _configure_logging(args.log_level)
     target, draft, name, root = _model_paths(args)
     mesh = decoding_mesh_for(args, target, draft)
     check_mesh_slots(args.max_num_seqs, mesh)
@@ -453,10 +454,21 @@ def _serve(args: argparse.Namespace, sock) -> int:
     return status
 
 
-def _configure_logging(level: str) -> None:
+@contextlib.contextmanager
+def _server_logging(level: str):
+    """The server's log lines on stderr at `level` while it runs, and the logger as it was
+    afterwards: a second `serve` in the same process (a notebook's, a test's) neither prints
+    each line twice nor writes to the stream the first one had (closed by then, perhaps)."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
     logger = logging.getLogger("dspark_jax.serving")
+    saved = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
